@@ -1,0 +1,249 @@
+"""Every collective tensorpar issues, and ``CommLedger``, which records them.
+
+All functions work on any device and backend (gloo on CPU, NCCL on CUDA). With a group of one
+rank they do nothing and record nothing. ``async_op=True`` returns a :class:`Handle`; call
+``wait()`` on it before reading the result.
+
+Shapes and bytes in records are those of the *full* tensor of the collective: the gathered
+output of an all-gather, the input of a reduce-scatter, the tensor of an all-reduce.
+
+Example::
+
+    with tp.CommLedger() as ledger:
+        out, _ = layer(x)
+        out.sum().backward()
+    print(ledger.summary())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_RING_SEND_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+@dataclasses.dataclass(frozen=True)
+class CommRecord:
+    """One collective: ``bytes`` is the full tensor's size, ``phase`` the ledger's label."""
+
+    op: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    bytes: int
+    group_size: int
+    async_op: bool
+    phase: str | None = None
+    reduce_op: str | None = None
+
+    @property
+    def bytes_sent_per_rank(self) -> float:
+        """Bytes each rank sends under a ring algorithm."""
+        return self.bytes * _RING_SEND_FACTOR[self.op](self.group_size)
+
+
+_ACTIVE_LEDGERS: list["CommLedger"] = []
+
+
+class CommLedger:
+    """Context manager recording every collective tensorpar issues while it is active.
+
+    ``ledger.phase("backward")`` labels the records made inside it. Ledgers nest: each active
+    ledger records every collective.
+    """
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+        self._phase: str | None = None
+
+    def __enter__(self) -> "CommLedger":
+        _ACTIVE_LEDGERS.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE_LEDGERS.remove(self)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        previous, self._phase = self._phase, name
+        try:
+            yield self
+        finally:
+            self._phase = previous
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def filter(self, *, op: str | None = None, phase: str | None = None) -> list[CommRecord]:
+        return [r for r in self.records
+                if (op is None or r.op == op) and (phase is None or r.phase == phase)]
+
+    def count(self, op: str | None = None, *, phase: str | None = None) -> int:
+        return len(self.filter(op=op, phase=phase))
+
+    def total_bytes(self, op: str | None = None, *, phase: str | None = None) -> int:
+        return sum(r.bytes for r in self.filter(op=op, phase=phase))
+
+    def ops(self, phase: str | None = None) -> list[str]:
+        return [r.op for r in self.filter(phase=phase)]
+
+    def summary(self) -> str:
+        lines = [f"{'phase':<10} {'op':<15} {'shape':<22} {'dtype':<15} {'bytes':>12} {'async':>6}"]
+        for r in self.records:
+            lines.append(f"{r.phase or '-':<10} {r.op:<15} {str(list(r.shape)):<22} "
+                         f"{str(r.dtype).replace('torch.', ''):<15} {r.bytes:>12} {str(r.async_op):>6}")
+        return "\n".join(lines)
+
+
+def _record(op: str, tensor_shape, dtype: torch.dtype, group_size: int, async_op: bool,
+            reduce_op: str | None = None) -> None:
+    if not _ACTIVE_LEDGERS:
+        return
+    shape = tuple(int(s) for s in tensor_shape)
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    for ledger in _ACTIVE_LEDGERS:
+        ledger.records.append(CommRecord(op, dtype, shape, nbytes, group_size, async_op,
+                                         ledger._phase, reduce_op))
+
+
+class Handle:
+    """An in-flight collective; ``wait()`` finishes it and returns its result tensor."""
+
+    def __init__(self, work, result: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self._work, self._result, self._finish = work, result, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._finish is not None:
+                self._result = self._finish(self._result)
+        return self._result
+
+
+def _done(result: torch.Tensor, async_op: bool):
+    return Handle(None, result) if async_op else result
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group)
+
+
+def check_divisible(size: int, parts: int, what: str) -> None:
+    if size % parts != 0:
+        raise ValueError(f"{what} ({size}) is not divisible by the tensor-parallel size ({parts})")
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum",
+               async_op: bool = False):
+    """In-place all-reduce of ``tensor`` over ``group``; returns it (or a Handle)."""
+    n = group_size(group)
+    if n == 1:
+        return _done(tensor, async_op)
+    _record("all_reduce", tensor.shape, tensor.dtype, n, async_op, op)
+    work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
+    return Handle(work, tensor) if async_op else tensor
+
+
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
+               async_op: bool = False, out: torch.Tensor | None = None):
+    """Concatenate every rank's ``tensor`` along ``dim``.
+
+    ``out`` (dim 0 only) is a preallocated result, e.g. a ``GlobalMemoryBuffer`` tensor.
+    """
+    n = group_size(group)
+    if n == 1:
+        return _done(tensor, async_op)
+    dim = dim % tensor.dim()
+    shape = list(tensor.shape)
+    shape[dim] *= n
+    _record("all_gather", shape, tensor.dtype, n, async_op)
+    stacked_shape = [tensor.shape[dim] * n if d == 0 else s for d, s in enumerate(tensor.shape)]
+    if dim == 0:
+        result = out if out is not None else tensor.new_empty(stacked_shape)
+        finish = None
+    else:
+        if out is not None:
+            raise ValueError("all_gather: `out` is supported for dim 0 only")
+        source = tensor.movedim(dim, 0).contiguous()
+        stacked_shape = [source.shape[0] * n] + list(source.shape[1:])
+        result = tensor.new_empty(stacked_shape)
+        tensor = source
+
+        def finish(t: torch.Tensor) -> torch.Tensor:
+            return t.movedim(0, dim).contiguous()
+
+    work = _all_gather_single(result, tensor.contiguous(), group=group, async_op=async_op)
+    if async_op:
+        return Handle(work, result, finish)
+    return finish(result) if finish else result
+
+
+def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
+                   async_op: bool = False, op: str = "sum"):
+    """Sum ``tensor`` over ``group`` and keep this rank's slice along ``dim``."""
+    n = group_size(group)
+    if n == 1:
+        return _done(tensor, async_op)
+    dim = dim % tensor.dim()
+    check_divisible(tensor.shape[dim], n, f"reduce-scatter dimension {dim} of shape {list(tensor.shape)}")
+    _record("reduce_scatter", tensor.shape, tensor.dtype, n, async_op, op)
+    source = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
+    out_shape = [source.shape[0] // n] + list(source.shape[1:])
+    result = source.new_empty(out_shape)
+    work = _reduce_scatter_single(result, source, op=_REDUCE_OPS[op], group=group, async_op=async_op)
+    finish = (lambda t: t.movedim(0, dim).contiguous()) if dim != 0 else None
+    if async_op:
+        return Handle(work, result, finish)
+    return finish(result) if finish else result
+
+
+def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup, *,
+               output_split_sizes: list[int] | None = None,
+               input_split_sizes: list[int] | None = None) -> torch.Tensor:
+    """Exchange dim-0 slices: slice ``i`` of the input goes to rank ``i``."""
+    n = group_size(group)
+    if n == 1:
+        return tensor
+    _record("all_to_all", tensor.shape, tensor.dtype, n, False)
+    tensor = tensor.contiguous()
+    if output_split_sizes is None:
+        out = torch.empty_like(tensor)
+    else:
+        out = tensor.new_empty([sum(output_split_sizes)] + list(tensor.shape[1:]))
+    dist.all_to_all_single(out, tensor, output_split_sizes=output_split_sizes,
+                           input_split_sizes=input_split_sizes, group=group)
+    return out
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """In-place broadcast from global rank ``src``."""
+    n = group_size(group)
+    if n == 1:
+        return tensor
+    _record("broadcast", tensor.shape, tensor.dtype, n, False)
+    dist.broadcast(tensor, src=src, group=group)
+    return tensor

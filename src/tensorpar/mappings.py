@@ -1,0 +1,211 @@
+"""Autograd region mappings: each forward paired with its conjugate backward.
+
+The paper's two operators (Megatron-LM, Shoeybi et al. 2019, section 3):
+
+* ``f`` = :func:`copy_to_tensor_model_parallel_region`: forward identity, backward all-reduce.
+  Sits where a replicated activation enters a column-parallel layer.
+* ``g`` = :func:`reduce_from_tensor_model_parallel_region`: forward all-reduce, backward
+  identity. Sits where a row-parallel layer's partial sums leave.
+
+Sequence parallelism replaces them with all-gather / reduce-scatter along the sequence
+dimension (dim 0 of ``[s, b, h]``). Every mapping is the identity for a group of one rank.
+Every function takes ``(input_, group=None)``; ``group=None`` means the TP group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .parallel_state import resolve_tp_group
+
+
+def split_along_dim(tensor: torch.Tensor, group, dim: int, what: str = "tensor") -> torch.Tensor:
+    """This rank's contiguous slice of ``tensor`` along ``dim``."""
+    n, rank = comm.group_size(group), comm.group_rank(group)
+    dim = dim % tensor.dim()
+    comm.check_divisible(tensor.shape[dim], n, f"{what} dimension {dim} of shape {list(tensor.shape)}")
+    return tensor.chunk(n, dim=dim)[rank].contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """f: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return input_.view_as(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # A private copy: the incoming gradient may be a tensor the caller still holds.
+        return comm.all_reduce(grad_output.clone(memory_format=torch.contiguous_format), ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        return comm.all_reduce(input_.clone(memory_format=torch.contiguous_format), group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None
+
+
+class _SplitRegion(torch.autograd.Function):
+    """Keep this rank's slice along ``dim``; backward all-gathers it."""
+
+    @staticmethod
+    def forward(ctx, input_, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return split_along_dim(input_, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return comm.all_gather(grad_output, ctx.group, dim=ctx.dim), None, None
+
+
+class _GatherRegion(torch.autograd.Function):
+    """All-gather along ``dim``; backward keeps this rank's slice (or reduce-scatters it)."""
+
+    @staticmethod
+    def forward(ctx, input_, group, dim, reduce_grad):
+        ctx.group, ctx.dim, ctx.reduce_grad = group, dim, reduce_grad
+        return comm.all_gather(input_, group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.reduce_grad:
+            grad = comm.reduce_scatter(grad_output, ctx.group, dim=ctx.dim)
+        else:
+            grad = split_along_dim(grad_output, ctx.group, ctx.dim, "gradient")
+        return grad, None, None, None
+
+
+class _ReduceScatterRegion(torch.autograd.Function):
+    """Reduce-scatter along ``dim``; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, input_, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return comm.reduce_scatter(input_, group, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return comm.all_gather(grad_output, ctx.group, dim=ctx.dim), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_, group, output_split_sizes, input_split_sizes):
+        ctx.group = group
+        ctx.output_split_sizes, ctx.input_split_sizes = output_split_sizes, input_split_sizes
+        return comm.all_to_all(input_, group, output_split_sizes=output_split_sizes,
+                               input_split_sizes=input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = comm.all_to_all(grad_output, ctx.group, output_split_sizes=ctx.input_split_sizes,
+                               input_split_sizes=ctx.output_split_sizes)
+        return grad, None, None, None
+
+
+def _single(group) -> bool:
+    return comm.group_size(group) == 1
+
+
+def copy_to_tensor_model_parallel_region(input_, group=None):
+    """f: forward identity, backward all-reduce over TP."""
+    group = resolve_tp_group(group)
+    return input_ if _single(group) else _CopyToRegion.apply(input_, group)
+
+
+def reduce_from_tensor_model_parallel_region(input_, group=None):
+    """g: forward all-reduce over TP, backward identity."""
+    group = resolve_tp_group(group)
+    return input_ if _single(group) else _ReduceFromRegion.apply(input_, group)
+
+
+def scatter_to_tensor_model_parallel_region(input_, group=None):
+    """Keep this rank's slice of the last dim; backward all-gathers the last dim."""
+    group = resolve_tp_group(group)
+    return input_ if _single(group) else _SplitRegion.apply(input_, group, -1)
+
+
+def gather_from_tensor_model_parallel_region(input_, group=None):
+    """All-gather the last dim; backward keeps this rank's slice."""
+    group = resolve_tp_group(group)
+    return input_ if _single(group) else _GatherRegion.apply(input_, group, -1, False)
+
+
+def scatter_to_sequence_parallel_region(input_, group=None):
+    """Keep this rank's slice of the sequence (dim 0); backward all-gathers it."""
+    group = resolve_tp_group(group)
+    return input_ if _single(group) else _SplitRegion.apply(input_, group, 0)
+
+
+def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None):
+    """All-gather the sequence (dim 0).
+
+    Backward reduce-scatters when the consumer is TP-parallel (each rank holds a partial
+    gradient of the whole sequence), and just keeps this rank's slice when it is not.
+    """
+    group = resolve_tp_group(group)
+    if _single(group):
+        return input_
+    return _GatherRegion.apply(input_, group, 0, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(input_, group=None):
+    """Sum partial results over TP and keep this rank's sequence slice; backward all-gathers."""
+    group = resolve_tp_group(group)
+    return input_ if _single(group) else _ReduceScatterRegion.apply(input_, group, 0)
+
+
+def all_gather_last_dim_from_tensor_parallel_region(input_, group=None):
+    """All-gather the last dim; backward reduce-scatters it."""
+    group = resolve_tp_group(group)
+    return input_ if _single(group) else _GatherRegion.apply(input_, group, -1, True)
+
+
+def reduce_scatter_last_dim_to_tensor_parallel_region(input_, group=None):
+    """Reduce-scatter the last dim; backward all-gathers it."""
+    group = resolve_tp_group(group)
+    return input_ if _single(group) else _ReduceScatterRegion.apply(input_, group, -1)
+
+
+def all_to_all(group, input_, output_split_sizes=None, input_split_sizes=None):
+    """All-to-all over dim 0 (Megatron's argument order); backward is the reverse exchange."""
+    group = resolve_tp_group(group)
+    if _single(group):
+        return input_
+    return _AllToAll.apply(input_, group, output_split_sizes, input_split_sizes)
+
+
+def all_to_all_sp2hp(input_, group=None):
+    """``[tokens/TP, H]`` (sequence-parallel) -> ``[tokens, H/TP]`` (hidden-parallel)."""
+    group = resolve_tp_group(group)
+    n = comm.group_size(group)
+    if n == 1:
+        return input_
+    hidden = input_.shape[-1]
+    comm.check_divisible(hidden, n, "all_to_all_sp2hp hidden size")
+    input_ = input_.reshape(-1, hidden)
+    # Rank i must receive the i-th hidden slice of every rank's tokens.
+    send = torch.cat(input_.split(hidden // n, dim=1), dim=0)
+    return all_to_all(group, send)
+
+
+def all_to_all_hp2sp(input_, group=None):
+    """``[tokens, H/TP]`` (hidden-parallel) -> ``[tokens/TP, H]`` (sequence-parallel)."""
+    group = resolve_tp_group(group)
+    n = comm.group_size(group)
+    if n == 1:
+        return input_
+    hidden = input_.shape[-1]
+    input_ = input_.reshape(-1, hidden)
+    comm.check_divisible(input_.shape[0], n, "all_to_all_hp2sp token count")
+    received = all_to_all(group, input_)
+    return torch.cat(received.split(input_.shape[0] // n, dim=0), dim=1)

@@ -1,0 +1,149 @@
+"""Run a test body on N spawned gloo ranks, keeping each world alive for the whole session.
+
+``run_on_ranks(fn, world_size, *args)`` calls the module-level function ``fn(*args)`` on every
+rank of a persistent world of ``world_size`` processes (default process group already
+initialized, one thread each) and returns the list of per-rank results. A rank's exception
+becomes the test failure with that rank's traceback; a body that does not finish within
+``timeout`` seconds fails the test and the world is replaced, so nothing hangs CI.
+
+``run_in_fresh_world`` does the same in a throwaway world, for bodies that break their process
+group on purpose (timeouts, crashed peers).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+
+DEFAULT_TIMEOUT = float(os.environ.get("TENSORPAR_TEST_TIMEOUT", "180"))
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("TENSORPAR_COLLECTIVE_TIMEOUT", "60"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout: float) -> None:
+    import datetime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=pg_timeout))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        module_name, fn_name, args = task
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+            results.put((rank, True, fn(*args)))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            import tensorpar
+
+            if tensorpar.model_parallel_is_initialized():
+                tensorpar.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+class World:
+    def __init__(self, world_size: int, pg_timeout: float = COLLECTIVE_TIMEOUT_S) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.task_queues = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_worker, daemon=True,
+                                  args=(r, world_size, port, self.task_queues[r], self.results, pg_timeout))
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args, timeout: float) -> list:
+        for q in self.task_queues:
+            q.put((fn.__module__, fn.__name__, args))
+        outcomes: dict[int, tuple[bool, object]] = {}
+        failure_seen = False
+        while len(outcomes) < self.world_size:
+            # Once a rank has failed, the others are likely stuck in a collective with it.
+            wait = 15.0 if failure_seen else timeout
+            try:
+                rank, ok, value = self.results.get(timeout=wait)
+            except queue.Empty:
+                self.close()
+                missing = sorted(set(range(self.world_size)) - set(outcomes))
+                errors = _format_failures(outcomes)
+                raise AssertionError(f"{fn.__name__} on {self.world_size} ranks: ranks {missing} did not "
+                                     f"finish within {wait:.0f}s (hung collective?)\n{errors}")
+            outcomes[rank] = (ok, value)
+            failure_seen |= not ok
+        if failure_seen:
+            # Surviving ranks may have left collectives half-done: never reuse this world.
+            self.close()
+            raise AssertionError(f"{fn.__name__} failed on {self.world_size} ranks:\n"
+                                 + _format_failures(outcomes))
+        return [outcomes[r][1] for r in range(self.world_size)]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        for q, p in zip(self.task_queues, self.procs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except (OSError, ValueError):
+                    pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self.procs = []
+
+
+def _format_failures(outcomes) -> str:
+    return "\n".join(f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok)
+
+
+_WORLDS: dict[int, World] = {}
+
+
+def run_on_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT) -> list:
+    world = _WORLDS.get(world_size)
+    if world is None or not world.alive():
+        world = _WORLDS[world_size] = World(world_size)
+    try:
+        return world.run(fn, args, timeout)
+    except AssertionError:
+        _WORLDS.pop(world_size, None)
+        raise
+
+
+def run_in_fresh_world(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT,
+                       pg_timeout: float = COLLECTIVE_TIMEOUT_S) -> list:
+    world = World(world_size, pg_timeout=pg_timeout)
+    try:
+        return world.run(fn, args, timeout)
+    finally:
+        world.close()
+
+
+@atexit.register
+def _close_worlds() -> None:
+    for world in _WORLDS.values():
+        world.close()
+    _WORLDS.clear()

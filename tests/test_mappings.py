@@ -1,0 +1,118 @@
+"""Each region mapping: forward and backward against the single-process computation."""
+
+import pytest
+import torch
+
+import tensorpar as tp
+from tests.harness import run_on_ranks
+
+WORLD_SIZES = [1, 2, 4]
+
+
+def _grad_through(mapping, x, grad_out, **kwargs):
+    x = x.clone().requires_grad_(True)
+    y = mapping(x, **kwargs)
+    y.backward(grad_out)
+    return y.detach(), x.grad
+
+
+def _mappings_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n, r = tp.get_tensor_model_parallel_world_size(), tp.get_tensor_model_parallel_rank()
+    torch.manual_seed(0)
+    s, b, h = 4 * n, 2, 4 * n
+    full = torch.randn(s, b, h)
+    # Rank-dependent inputs, as partial sums / per-rank grads would be.
+    per_rank = [torch.randn(s, b, h) for _ in range(n)]
+    mine = per_rank[r]
+    total = sum(per_rank)
+    seq_chunks, hid_chunks = full.chunk(n, 0), full.chunk(n, -1)
+
+    # f: identity forward, all-reduce backward.
+    y, gx = _grad_through(tp.copy_to_tensor_model_parallel_region, full, mine)
+    torch.testing.assert_close(y, full)
+    torch.testing.assert_close(gx, total)
+    # g: all-reduce forward, identity backward.
+    y, gx = _grad_through(tp.reduce_from_tensor_model_parallel_region, mine, full)
+    torch.testing.assert_close(y, total)
+    torch.testing.assert_close(gx, full)
+    # scatter last dim / gather last dim.
+    y, gx = _grad_through(tp.scatter_to_tensor_model_parallel_region, full, hid_chunks[r])
+    torch.testing.assert_close(y, hid_chunks[r])
+    torch.testing.assert_close(gx, full)
+    y, gx = _grad_through(tp.gather_from_tensor_model_parallel_region, hid_chunks[r], full)
+    torch.testing.assert_close(y, full)
+    torch.testing.assert_close(gx, hid_chunks[r])
+    # sequence scatter / gather (with and without reduce-scatter backward).
+    y, gx = _grad_through(tp.scatter_to_sequence_parallel_region, full, seq_chunks[r])
+    torch.testing.assert_close(y, seq_chunks[r])
+    torch.testing.assert_close(gx, full)
+    y, gx = _grad_through(tp.gather_from_sequence_parallel_region, seq_chunks[r], mine)
+    torch.testing.assert_close(y, full)
+    torch.testing.assert_close(gx, total.chunk(n, 0)[r])
+    y, gx = _grad_through(tp.gather_from_sequence_parallel_region, seq_chunks[r], full,
+                          tensor_parallel_output_grad=False)
+    torch.testing.assert_close(gx, seq_chunks[r])
+    y, gx = _grad_through(tp.reduce_scatter_to_sequence_parallel_region, mine, seq_chunks[r])
+    torch.testing.assert_close(y, total.chunk(n, 0)[r])
+    torch.testing.assert_close(gx, full)
+    # last-dim all-gather (backward reduce-scatter) and reduce-scatter (backward all-gather).
+    y, gx = _grad_through(tp.all_gather_last_dim_from_tensor_parallel_region, hid_chunks[r], mine)
+    torch.testing.assert_close(y, full)
+    torch.testing.assert_close(gx, total.chunk(n, -1)[r])
+    y, gx = _grad_through(tp.reduce_scatter_last_dim_to_tensor_parallel_region, mine, hid_chunks[r])
+    torch.testing.assert_close(y, total.chunk(n, -1)[r])
+    torch.testing.assert_close(gx, full)
+    # all-to-all between sequence-parallel and hidden-parallel layouts, and its inverse.
+    tokens = full.reshape(-1, h)
+    sp = tokens.chunk(n, 0)[r]
+    hp = tp.all_to_all_sp2hp(sp)
+    torch.testing.assert_close(hp, tokens.chunk(n, -1)[r])
+    torch.testing.assert_close(tp.all_to_all_hp2sp(hp), sp)
+    x = sp.clone().requires_grad_(True)
+    tp.all_to_all_sp2hp(x).backward(tokens.chunk(n, -1)[r] * 2)
+    torch.testing.assert_close(x.grad, sp * 2)
+    return True
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_mappings_forward_and_backward(world_size):
+    assert run_on_ranks(_mappings_body, world_size) == [True] * world_size
+
+
+def _ledger_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n = tp.get_tensor_model_parallel_world_size()
+    x = torch.randn(2 * n, 3, 8, requires_grad=True)
+    with tp.CommLedger() as ledger:
+        with ledger.phase("forward"):
+            y = tp.gather_from_sequence_parallel_region(x)
+        with ledger.phase("backward"):
+            y.sum().backward()
+    return [(rec.op, rec.phase, rec.shape, rec.bytes, rec.bytes_sent_per_rank) for rec in ledger.records]
+
+
+def test_ledger_records_full_tensor_bytes_and_ring_volume():
+    (records, _) = run_on_ranks(_ledger_body, 2)
+    assert records == [("all_gather", "forward", (8, 3, 8), 8 * 3 * 8 * 4, 8 * 3 * 8 * 4 / 2),
+                       ("reduce_scatter", "backward", (8, 3, 8), 8 * 3 * 8 * 4, 8 * 3 * 8 * 4 / 2)]
+
+
+def test_ledger_records_nothing_for_one_rank():
+    assert run_on_ranks(_ledger_body, 1) == [[]]
+
+
+def _indivisible_sequence_body():
+    tp.initialize_model_parallel(2)
+    with pytest.raises(ValueError, match=r"\(5\) is not divisible by the tensor-parallel size \(2\)"):
+        tp.scatter_to_sequence_parallel_region(torch.randn(5, 2, 4))
+    return True
+
+
+def test_sequence_not_divisible_by_tp_is_a_clear_error():
+    assert run_on_ranks(_indivisible_sequence_body, 2) == [True, True]
+
+
+def test_mapping_before_initialize_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        tp.copy_to_tensor_model_parallel_region(torch.randn(2))
