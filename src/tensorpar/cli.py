@@ -1,0 +1,33 @@
+"""The ``tensorpar`` command: each subcommand lives in the module that implements it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Each module defines ``register(subparsers)``, which adds its subcommands and sets ``func``.
+_COMMAND_MODULES = ("tensorpar.training.cli", "tensorpar.comm_report", "tensorpar.bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tensorpar", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
