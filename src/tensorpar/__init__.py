@@ -2,6 +2,23 @@
 
 from .buffers import GlobalMemoryBuffer, get_global_memory_buffer
 from .comm import CommLedger, CommRecord
+from .cross_entropy import vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding
+from .grads import allreduce_sequence_parallel_grads
+from .initialization import (
+    init_method_normal,
+    param_is_not_tensor_parallel_duplicate,
+    scaled_init_method_normal,
+    set_tensor_model_parallel_attributes,
+)
+from .linear import (
+    ColumnParallelLinear,
+    LinearWithFrozenWeight,
+    LinearWithGradAccumulationAndAsyncCommunication,
+    RowParallelLinear,
+    linear_with_frozen_weight,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
 from .mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
     all_to_all,
@@ -27,6 +44,12 @@ from .parallel_state import (
     get_tensor_model_parallel_world_size,
     initialize_model_parallel,
     model_parallel_is_initialized,
+)
+from .random import (
+    checkpoint,
+    get_rng_tracker,
+    model_parallel_cuda_manual_seed,
+    model_parallel_manual_seed,
 )
 
 __version__ = "0.1.0"

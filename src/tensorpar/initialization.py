@@ -1,0 +1,117 @@
+"""TP-invariant weight initialisation and the parameter attributes that describe sharding.
+
+The full (TP=1) weight is defined slab by slab: the partition dimension is cut into slabs of
+a fixed number of rows (independent of TP), and slab ``k`` is filled by ``init_method`` under
+a generator seeded from one draw of the default stream and ``k``. A rank builds only the slabs
+that overlap its shard, so with the same ``torch.manual_seed`` the shards of every TP size
+concatenate to exactly the TP=1 weight, while peak memory stays at one shard plus one slab
+(Megatron gets the same invariance only by materialising the whole master weight on every
+rank).
+
+``init_method`` is called on each slab, so it must be element-wise (its distribution must not
+depend on the tensor's shape), as :func:`init_method_normal` is.
+
+Example::
+
+    w = torch.empty(out // tp_size, in_)
+    init_weight_shard(w, init_method_normal(0.02), partition_dim=0, stride=1, tp_group=group)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import torch
+
+from . import comm
+from .parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
+
+InitMethod = Callable[[torch.Tensor], object]
+
+SLAB_ELEMENTS = 1 << 22
+_SEED_MIX = 0x9E3779B97F4A7C15
+_TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+
+
+def init_method_normal(std: float) -> InitMethod:
+    """``N(0, std)`` initialisation."""
+    return functools.partial(torch.nn.init.normal_, mean=0.0, std=std)
+
+
+def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
+    """``N(0, std / sqrt(2 * num_layers))``, for the projections feeding the residual stream."""
+    return init_method_normal(std / math.sqrt(2.0 * num_layers))
+
+
+def set_tensor_model_parallel_attributes(param: torch.Tensor, *, is_parallel: bool, dim: int,
+                                         stride: int = 1) -> None:
+    """Mark how ``param`` is sharded over TP (read by grads, checkpoints and the comm model)."""
+    param.tensor_model_parallel = is_parallel
+    param.partition_dim = dim
+    param.partition_stride = stride
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(param: torch.Tensor) -> None:
+    for name, value in _TP_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(param, name):
+            setattr(param, name, value)
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_group=None) -> bool:
+    """True for a TP shard, and for a replicated parameter on TP rank 0 only.
+
+    Use it to count each parameter once, e.g. in a gradient norm summed over TP.
+    """
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    if tp_group is not None:
+        return comm.group_rank(tp_group) == 0
+    return not model_parallel_is_initialized() or get_tensor_model_parallel_rank() == 0
+
+
+def shard_rows(full_rows: int, tp_size: int, tp_rank: int, stride: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` ranges of the full partition dimension that a rank holds, in order.
+
+    With ``stride`` k the dimension is k equal blocks (Q|K|V, gate|up), each split across TP.
+    """
+    chunk = full_rows // (tp_size * stride)
+    return [((block * tp_size + tp_rank) * chunk, (block * tp_size + tp_rank + 1) * chunk)
+            for block in range(stride)]
+
+
+def _slab_seed(base: int, slab: int) -> int:
+    return (base + slab * _SEED_MIX) % (1 << 63)
+
+
+@torch.no_grad()
+def init_weight_shard(weight: torch.Tensor, init_method: InitMethod, *, partition_dim: int,
+                      stride: int = 1, tp_group=None) -> None:
+    """Fill ``weight`` (this rank's shard) with its part of the TP-invariant full weight.
+
+    Draws exactly one number from the default generator, on every rank alike.
+    """
+    tp_size = 1 if tp_group is None else comm.group_size(tp_group)
+    tp_rank = 0 if tp_group is None else comm.group_rank(tp_group)
+    base = int(torch.randint(0, 1 << 62, (1,)).item())
+    shard = weight.movedim(partition_dim, 0)
+    local_rows = shard.shape[0]
+    full_rows = local_rows * tp_size
+    comm.check_divisible(full_rows, tp_size * stride, f"partition size {full_rows} with stride {stride}")
+    row_numel = max(1, shard[0].numel()) if local_rows else 1
+    rows_per_slab = max(1, SLAB_ELEMENTS // row_numel)
+    devices = [weight.device] if weight.device.type != "cpu" else []
+    offset = 0
+    for start, stop in shard_rows(full_rows, tp_size, tp_rank, stride):
+        first_slab, last_slab = start // rows_per_slab, (stop - 1) // rows_per_slab
+        for slab in range(first_slab, last_slab + 1):
+            slab_start = slab * rows_per_slab
+            slab_stop = min(slab_start + rows_per_slab, full_rows)
+            values = shard.new_empty((slab_stop - slab_start,) + tuple(shard.shape[1:]))
+            with torch.random.fork_rng(devices=devices, device_type=weight.device.type):
+                torch.manual_seed(_slab_seed(base, slab))
+                init_method(values)
+            lo, hi = max(start, slab_start), min(stop, slab_stop)
+            shard[offset:offset + hi - lo].copy_(values[lo - slab_start:hi - slab_start])
+            offset += hi - lo

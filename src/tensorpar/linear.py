@@ -1,0 +1,453 @@
+"""The tensor-parallel linear layers and the autograd function behind them.
+
+``ColumnParallelLinear`` holds ``W`` split by output rows (``[out/TP, in]``): its input is
+replicated (or sequence-sharded under SP) and its output is sharded on the last dim.
+``RowParallelLinear`` holds ``W`` split by input columns (``[out, in/TP]``): its input is
+sharded on the last dim and its partial outputs are summed over TP (the paper's ``g``). A
+column layer followed by a row layer communicates once forward and once backward.
+
+Example (an MLP block)::
+
+    fc1 = tp.ColumnParallelLinear(h, 4 * h)
+    fc2 = tp.RowParallelLinear(4 * h, h, input_is_parallel=True)
+    y, _ = fc2(F.gelu(fc1(x)[0]))        # x, y: [s, b, h], replicated over TP
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from .buffers import get_global_memory_buffer
+from .initialization import (
+    init_method_normal,
+    init_weight_shard,
+    set_tensor_model_parallel_attributes,
+)
+from .mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from .parallel_state import default_device, resolve_tp_group
+
+_warned_max_connections = False
+
+
+def _warn_if_overlap_unavailable(tensor: torch.Tensor) -> None:
+    """On CUDA, async dgrad communication overlaps the wgrad GEMM only with one HW queue."""
+    global _warned_max_connections
+    if tensor.is_cuda and not _warned_max_connections and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        _warned_max_connections = True
+        warnings.warn("CUDA_DEVICE_MAX_CONNECTIONS is not 1: the async TP gradient all-reduce / "
+                      "reduce-scatter may be scheduled after the wgrad GEMM instead of overlapping "
+                      "it. Set CUDA_DEVICE_MAX_CONNECTIONS=1 before CUDA is initialised.",
+                      stacklevel=3)
+
+
+def _compute_dtype(input_: torch.Tensor) -> torch.dtype:
+    device_type = input_.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return input_.dtype
+
+
+def _gather_sequence(input_: torch.Tensor, group, *, async_op: bool):
+    """All-gather the sequence-sharded input into the shared scratch buffer."""
+    shape = list(input_.shape)
+    shape[0] *= comm.group_size(group)
+    buffer = get_global_memory_buffer().get_tensor(shape, input_.dtype, "tp_input", input_.device)
+    return comm.all_gather(input_, group, dim=0, async_op=async_op, out=buffer)
+
+
+def _launch_dgrad_reduction(grad_input: torch.Tensor, *, allreduce_dgrad: bool,
+                            sequence_parallel: bool, group):
+    """Start the dgrad all-reduce (TP) or reduce-scatter (SP); returns a Handle or None."""
+    if sequence_parallel:
+        return comm.reduce_scatter(grad_input, group, dim=0, async_op=True)
+    if allreduce_dgrad:
+        return comm.all_reduce(grad_input, group, async_op=True)
+    return None
+
+
+def _accumulate_wgrad_into_main_grad(weight: torch.Tensor, grad_output_2d: torch.Tensor,
+                                     input_2d: torch.Tensor) -> None:
+    """``weight.main_grad += grad_output^T @ input`` as one GEMM with accumulation.
+
+    When main_grad (fp32) is wider than the activations, CUDA accumulates in place with
+    ``out_dtype``; other devices upcast the operands, so the sum is still exact fp32.
+    """
+    main_grad = weight.main_grad
+    if main_grad.dtype == grad_output_2d.dtype:
+        main_grad.addmm_(grad_output_2d.t(), input_2d)
+    elif main_grad.is_cuda:
+        torch.addmm(main_grad, grad_output_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
+    else:
+        main_grad.addmm_(grad_output_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
+
+
+def _weight_grad_placeholder(weight: torch.Tensor, dtype: torch.dtype):
+    """What autograd gets for a weight whose gradient went into ``main_grad``.
+
+    Megatron's protocol: a weight carrying ``grad_added_to_main_grad`` (set up by a DP grad
+    reducer) gets a dummy gradient so its post-accumulate hook still fires.
+    """
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros(weight.main_grad.shape, dtype=dtype, device=weight.device)
+    return torch.empty(weight.main_grad.shape, dtype=dtype, device=weight.device)
+
+
+def _flatten(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def compute_weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: torch.Tensor,
+                        *, gradient_accumulation_fusion: bool):
+    """wgrad for ``y = x W^T``: into ``main_grad`` when fused, else returned."""
+    grad_output_2d, input_2d = _flatten(grad_output), _flatten(total_input)
+    if gradient_accumulation_fusion:
+        _accumulate_wgrad_into_main_grad(weight, grad_output_2d, input_2d)
+        return _weight_grad_placeholder(weight, grad_output.dtype)
+    return grad_output_2d.t().matmul(input_2d)
+
+
+class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    """``y = x W^T + b`` with TP communication folded in (seed 000, section 4).
+
+    Forward: under SP, all-gather the ``[s/TP, b, h]`` input into a scratch buffer and save only
+    the un-gathered shard. Backward: re-gather it asynchronously while dgrad computes, launch
+    the dgrad all-reduce (or SP reduce-scatter) asynchronously and compute wgrad while it runs.
+    """
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group):
+        compute_dtype = _compute_dtype(input_)
+        ctx.save_for_backward(input_, weight)
+        ctx.use_bias = bias is not None
+        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.sequence_parallel = sequence_parallel
+        ctx.grad_output_buffer = grad_output_buffer
+        ctx.wgrad_deferral_limit = wgrad_deferral_limit
+        ctx.tp_group = tp_group
+        ctx.compute_dtype = compute_dtype
+        if allreduce_dgrad or sequence_parallel:
+            _warn_if_overlap_unavailable(input_)
+        total_input = _gather_sequence(input_, tp_group, async_op=False) if sequence_parallel else input_
+        with torch.autocast(input_.device.type, enabled=False):
+            return F.linear(total_input.to(compute_dtype), weight.to(compute_dtype),
+                            None if bias is None else bias.to(compute_dtype))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        group = ctx.tp_group
+        dtype = ctx.compute_dtype
+        buffer = ctx.grad_output_buffer
+        defer_wgrad = buffer is not None and (ctx.wgrad_deferral_limit == 0
+                                              or len(buffer) < ctx.wgrad_deferral_limit)
+        wgrad_needed = ctx.needs_input_grad[1] and not defer_wgrad
+        gather = None
+        if ctx.sequence_parallel and wgrad_needed:
+            gather = _gather_sequence(input_, group, async_op=True)  # overlaps the dgrad GEMM
+        grad_input = grad_output.matmul(weight.to(dtype))
+        total_input = gather.wait() if gather is not None else input_
+        reduction = _launch_dgrad_reduction(grad_input, allreduce_dgrad=ctx.allreduce_dgrad,
+                                            sequence_parallel=ctx.sequence_parallel, group=group)
+        grad_weight = None
+        if defer_wgrad:
+            buffer.append(grad_output)
+        elif wgrad_needed:
+            # Runs while the dgrad reduction is in flight: the overlap this function exists for.
+            grad_weight = compute_weight_grad(weight, total_input.to(dtype), grad_output,
+                                              gradient_accumulation_fusion=ctx.gradient_accumulation_fusion)
+        grad_bias = _flatten(grad_output).sum(dim=0) if ctx.use_bias else None
+        if reduction is not None:
+            grad_input = reduction.wait()
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+class LinearWithFrozenWeight(torch.autograd.Function):
+    """``y = x W^T + b`` for a weight that needs no gradient: no wgrad, input not saved.
+
+    Keeps the TP communication of the trainable version (SP all-gather forward, dgrad
+    all-reduce or reduce-scatter backward), synchronously since there is no wgrad to overlap.
+    """
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias, allreduce_dgrad, sequence_parallel, tp_group):
+        compute_dtype = _compute_dtype(input_)
+        ctx.save_for_backward(weight)
+        ctx.use_bias = bias is not None
+        ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
+        ctx.compute_dtype = compute_dtype
+        total_input = _gather_sequence(input_, tp_group, async_op=False) if sequence_parallel else input_
+        with torch.autocast(input_.device.type, enabled=False):
+            return F.linear(total_input.to(compute_dtype), weight.to(compute_dtype),
+                            None if bias is None else bias.to(compute_dtype))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (weight,) = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight.to(ctx.compute_dtype))
+        reduction = _launch_dgrad_reduction(grad_input, allreduce_dgrad=ctx.allreduce_dgrad,
+                                            sequence_parallel=ctx.sequence_parallel, group=ctx.tp_group)
+        if reduction is not None:
+            grad_input = reduction.wait()
+        grad_bias = _flatten(grad_output).sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
+        return grad_input, None, grad_bias, None, None, None
+
+
+def _check_input(input_: torch.Tensor, weight: torch.Tensor, name: str) -> None:
+    if input_.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{name}: input feature size {input_.shape[-1]} does not match the weight's "
+                         f"input size {weight.shape[1]} (input shape {list(input_.shape)})")
+    if input_.dtype != weight.dtype and not torch.is_autocast_enabled(input_.device.type):
+        raise ValueError(f"{name}: input dtype {input_.dtype} differs from weight dtype {weight.dtype}; "
+                         "cast one of them or run under torch.autocast")
+
+
+def linear_with_grad_accumulation_and_async_allreduce(
+        input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+        grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=None):
+    """Functional form of :class:`LinearWithGradAccumulationAndAsyncCommunication`.
+
+    ``input``: ``[s, b, h]`` (``[s/TP, b, h]`` with ``sequence_parallel``). With
+    ``gradient_accumulation_fusion`` the weight must carry an fp32 ``main_grad``. With a
+    ``grad_output_buffer`` list, wgrad is deferred: the backward stores ``grad_output`` there
+    (for the first ``wgrad_deferral_limit`` calls; 0 means always) for a later
+    :meth:`ColumnParallelLinear.compute_deferred_wgrads`.
+    """
+    if gradient_accumulation_fusion and not hasattr(weight, "main_grad"):
+        raise ValueError("gradient_accumulation_fusion=True needs weight.main_grad (an fp32 gradient "
+                         "buffer of the weight's shape), which is not set on this weight")
+    if allreduce_dgrad and sequence_parallel:
+        raise ValueError("allreduce_dgrad and sequence_parallel are exclusive: under SP the dgrad is "
+                         "reduce-scattered")
+    group = resolve_tp_group(tp_group)
+    return LinearWithGradAccumulationAndAsyncCommunication.apply(
+        input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad and comm.group_size(group) > 1,
+        sequence_parallel, grad_output_buffer, wgrad_deferral_limit, group)
+
+
+def linear_with_frozen_weight(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group=None):
+    """Functional form of :class:`LinearWithFrozenWeight`."""
+    group = resolve_tp_group(tp_group)
+    return LinearWithFrozenWeight.apply(input, weight, bias, allreduce_dgrad and comm.group_size(group) > 1,
+                                        sequence_parallel, group)
+
+
+def _resolve_sequence_parallel(sequence_parallel: bool, tp_size: int, name: str) -> bool:
+    if sequence_parallel and tp_size == 1:
+        warnings.warn(f"{name}: sequence_parallel=True with one tensor-parallel rank has nothing to "
+                      "split; turning it off", stacklevel=3)
+        return False
+    return sequence_parallel
+
+
+class _ParallelLinear(nn.Module):
+    """Shared construction of the column and row layers: sharded weight, optional bias."""
+
+    def __init__(self, input_size, output_size, *, partition_dim, bias, bias_is_parallel, init_method,
+                 stride, skip_bias_add, sequence_parallel, gradient_accumulation_fusion, is_expert,
+                 params_dtype, device, tp_group, perform_initialization):
+        super().__init__()
+        name = type(self).__name__
+        for arg, value in (("input_size", input_size), ("output_size", output_size), ("stride", stride)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
+        self.tp_group = resolve_tp_group(tp_group)
+        self.tp_size = comm.group_size(self.tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        split_size = output_size if partition_dim == 0 else input_size
+        split_name = "output_size" if partition_dim == 0 else "input_size"
+        if split_size % (self.tp_size * stride) != 0:
+            raise ValueError(f"{name}: {split_name} {split_size} is not divisible by tensor-parallel size "
+                             f"{self.tp_size}" + (f" x stride {stride}" if stride > 1 else ""))
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = _resolve_sequence_parallel(sequence_parallel, self.tp_size, name)
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.is_expert = is_expert
+        device = default_device() if device is None else torch.device(device)
+        shape = [output_size // self.tp_size, input_size] if partition_dim == 0 else \
+            [output_size, input_size // self.tp_size]
+        self.weight = nn.Parameter(torch.empty(shape, dtype=params_dtype, device=device))
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=partition_dim, stride=stride)
+        if perform_initialization:
+            init_weight_shard(self.weight, init_method or init_method_normal(0.02),
+                              partition_dim=partition_dim, stride=stride, tp_group=self.tp_group)
+        if bias:
+            bias_size = shape[0]
+            self.bias = nn.Parameter(torch.zeros(bias_size, dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, is_parallel=bias_is_parallel, dim=0, stride=stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def _linear(self, input_, weight, bias, *, allreduce_dgrad, sequence_parallel, grad_output_buffer=None,
+                wgrad_deferral_limit=0):
+        _check_input(input_, weight, type(self).__name__)
+        if not weight.requires_grad:
+            return linear_with_frozen_weight(input_, weight, bias, allreduce_dgrad, sequence_parallel,
+                                             self.tp_group)
+        return linear_with_grad_accumulation_and_async_allreduce(
+            input_, weight, bias, self.gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+            grad_output_buffer, wgrad_deferral_limit, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (f"input_size={self.input_size}, output_size={self.output_size}, tp_size={self.tp_size}, "
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``Y = X A + b`` with ``A`` split by columns (PyTorch weight ``[out/TP, in]``).
+
+    Input ``[s, b, in]`` replicated over TP (``[s/TP, b, in]`` under ``sequence_parallel``);
+    output ``[s, b, out/TP]``, or ``[s, b, out]`` with ``gather_output``. Returns
+    ``(output, bias)`` where ``bias`` is not None only with ``skip_bias_add``.
+
+    ``forward(input_, weight=)`` uses a weight owned elsewhere, e.g. an LM head tied to the
+    vocab-parallel embedding. ``defer_wgrad_compute`` keeps inputs and output grads so that
+    :meth:`compute_deferred_wgrads` can run the wgrad GEMMs later (after the rest of backward).
+
+    Example::
+
+        qkv = tp.ColumnParallelLinear(h, 3 * h, stride=3)   # heads split across TP ranks
+        out, _ = qkv(x)                                      # [s, b, 3h/TP]
+    """
+
+    def __init__(self, input_size, output_size, *, bias=True, gather_output=False, init_method=None,
+                 stride=1, skip_bias_add=False, sequence_parallel=False, gradient_accumulation_fusion=False,
+                 allreduce_dgrad=True, is_expert=False, disable_grad_reduce=False,
+                 params_dtype=torch.float32, device=None, tp_group=None, perform_initialization=True,
+                 defer_wgrad_compute=False, wgrad_deferral_limit=0):
+        super().__init__(input_size, output_size, partition_dim=0, bias=bias, bias_is_parallel=True,
+                         init_method=init_method, stride=stride, skip_bias_add=skip_bias_add,
+                         sequence_parallel=sequence_parallel,
+                         gradient_accumulation_fusion=gradient_accumulation_fusion, is_expert=is_expert,
+                         params_dtype=params_dtype, device=device, tp_group=tp_group,
+                         perform_initialization=perform_initialization)
+        if gather_output and self.sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
+                             "sequence_parallel=True")
+        self.gather_output = gather_output
+        self.disable_grad_reduce = disable_grad_reduce
+        # The token dispatcher owns expert communication; nothing to do with one rank either.
+        self.explicit_expert_comm = is_expert and self.tp_size > 1
+        self.allreduce_dgrad = (allreduce_dgrad and self.tp_size > 1 and not self.sequence_parallel
+                                and not disable_grad_reduce and not self.explicit_expert_comm)
+        self.defer_wgrad_compute = defer_wgrad_compute
+        self.wgrad_deferral_limit = wgrad_deferral_limit
+        self.activation_buffer: list[torch.Tensor] = []
+        self.grad_output_buffer: list[torch.Tensor] = []
+
+    def forward(self, input_, weight=None):
+        if weight is None:
+            weight = self.weight
+        elif tuple(weight.shape) != tuple(self.weight.shape):
+            raise ValueError(f"ColumnParallelLinear: the weight passed to forward has shape {list(weight.shape)}, "
+                             f"expected {list(self.weight.shape)}")
+        bias = self.bias if not self.skip_bias_add else None
+        sequence_parallel = self.sequence_parallel and not self.explicit_expert_comm
+        if self.allreduce_dgrad or sequence_parallel or self.explicit_expert_comm or self.disable_grad_reduce:
+            input_parallel = input_  # the autograd function (or nobody) reduces dgrad
+        else:
+            input_parallel = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)  # f
+        grad_output_buffer = None
+        if self.defer_wgrad_compute and weight.requires_grad and torch.is_grad_enabled():
+            if self.wgrad_deferral_limit == 0 or len(self.activation_buffer) < self.wgrad_deferral_limit:
+                self.activation_buffer.append(input_parallel.detach())
+            grad_output_buffer = self.grad_output_buffer
+        output_parallel = self._linear(input_parallel, weight, bias, allreduce_dgrad=self.allreduce_dgrad,
+                                       sequence_parallel=sequence_parallel,
+                                       grad_output_buffer=grad_output_buffer,
+                                       wgrad_deferral_limit=self.wgrad_deferral_limit)
+        self._deferred_weight = weight if grad_output_buffer is not None else None
+        if self.gather_output:
+            output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+        else:
+            output = output_parallel
+        return output, (self.bias if self.skip_bias_add else None)
+
+    def compute_deferred_wgrads(self) -> None:
+        """Run the wgrad GEMMs deferred by ``defer_wgrad_compute`` and empty the buffers.
+
+        Accumulates into ``weight.main_grad`` with gradient accumulation fusion, else into
+        ``weight.grad``. Under SP each stored input shard is all-gathered again first.
+        """
+        if len(self.activation_buffer) != len(self.grad_output_buffer):
+            raise RuntimeError(f"compute_deferred_wgrads: {len(self.activation_buffer)} stored inputs but "
+                               f"{len(self.grad_output_buffer)} stored output grads; call it after backward")
+        weight = self._deferred_weight if self._deferred_weight is not None else self.weight
+        sequence_parallel = self.sequence_parallel and not self.explicit_expert_comm
+        for input_, grad_output in zip(self.activation_buffer, self.grad_output_buffer):
+            total_input = _gather_sequence(input_, self.tp_group, async_op=False) if sequence_parallel else input_
+            grad = compute_weight_grad(weight, total_input.to(grad_output.dtype), grad_output,
+                                       gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+            if not self.gradient_accumulation_fusion:
+                grad = grad.to(weight.dtype)
+                weight.grad = grad if weight.grad is None else weight.grad + grad
+        self.activation_buffer.clear()
+        self.grad_output_buffer.clear()
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``Y = X A + b`` with ``A`` split by rows (PyTorch weight ``[out, in/TP]``).
+
+    Input ``[s, b, in/TP]`` with ``input_is_parallel`` (else ``[s, b, in]``, scattered here);
+    the partial outputs are all-reduced over TP (``g``), or reduce-scattered to ``[s/TP, b, out]``
+    under ``sequence_parallel``. The bias is added once, after the reduction; under SP its
+    gradient is partial per rank, so it is marked ``sequence_parallel`` (see
+    :func:`tensorpar.allreduce_sequence_parallel_grads`).
+
+    Example::
+
+        proj = tp.RowParallelLinear(4 * h, h, input_is_parallel=True)
+        y, _ = proj(hidden_parallel)                       # [s, b, h], summed over TP
+    """
+
+    def __init__(self, input_size, output_size, *, bias=True, input_is_parallel=False, init_method=None,
+                 stride=1, skip_bias_add=False, sequence_parallel=False, gradient_accumulation_fusion=False,
+                 is_expert=False, params_dtype=torch.float32, device=None, tp_group=None,
+                 perform_initialization=True):
+        super().__init__(input_size, output_size, partition_dim=1, bias=bias, bias_is_parallel=False,
+                         init_method=init_method, stride=stride, skip_bias_add=skip_bias_add,
+                         sequence_parallel=sequence_parallel,
+                         gradient_accumulation_fusion=gradient_accumulation_fusion, is_expert=is_expert,
+                         params_dtype=params_dtype, device=device, tp_group=tp_group,
+                         perform_initialization=perform_initialization)
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
+        self.input_is_parallel = input_is_parallel
+        self.explicit_expert_comm = is_expert and self.tp_size > 1
+        if self.bias is not None and self.sequence_parallel:
+            self.bias.sequence_parallel = True
+
+    def forward(self, input_):
+        if self.input_is_parallel:
+            input_parallel = input_
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        output_parallel = self._linear(input_parallel, self.weight, None, allreduce_dgrad=False,
+                                       sequence_parallel=False)
+        if self.explicit_expert_comm:
+            output = output_parallel
+        elif self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
+        else:
+            output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)  # g
+        if self.skip_bias_add:
+            return output, self.bias
+        if self.bias is not None:
+            output = output + self.bias
+        return output, None
