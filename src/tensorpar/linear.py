@@ -317,7 +317,9 @@ class ColumnParallelLinear(_ParallelLinear):
     ``(output, bias)`` where ``bias`` is not None only with ``skip_bias_add``.
 
     ``forward(input_, weight=)`` uses a weight owned elsewhere, e.g. an LM head tied to the
-    vocab-parallel embedding. ``defer_wgrad_compute`` keeps inputs and output grads so that
+    vocab-parallel embedding. ``disable_grad_reduce`` leaves the input gradient partial (the
+    caller reduces it; SP's reduce-scatter still runs); ``is_expert`` issues no TP communication
+    at all (the MoE token dispatcher owns it). ``defer_wgrad_compute`` keeps inputs and output grads so that
     :meth:`compute_deferred_wgrads` can run the wgrad GEMMs later (after the rest of backward).
 
     Example::

@@ -1,0 +1,413 @@
+"""Column/row parallel linear layers against the unsharded computation, every mode, TP = 1, 2, 4.
+
+Each case builds the full weight, bias, input and output gradient with plain torch (same seed
+on every rank), loads this rank's shard into the layer, runs forward and backward, and
+compares the output, the input gradient and every weight/bias gradient shard with the
+corresponding slice of the unsharded result.
+"""
+
+import itertools
+import time
+import warnings
+
+import pytest
+import torch
+
+import tensorpar as tp
+from tests.harness import run_in_fresh_world, run_on_ranks
+
+S, B, IN, OUT = 8, 2, 12, 16
+BF16_TOL = dict(rtol=1.6e-2, atol=2e-2)  # bf16 keeps 8 mantissa bits; values here are O(1..5)
+
+
+def _close(actual, expected, case, what, dtype=torch.float32):
+    tol = BF16_TOL if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(actual.float(), expected.float(), **tol,
+                               msg=lambda m: f"{what} mismatch for {case}:\n{m}")
+
+
+def _full_problem(seed, dtype):
+    """Full weight [OUT, IN], bias, input [S, B, IN], output grad [S, B, OUT], rounded to dtype."""
+    torch.manual_seed(seed)
+    tensors = torch.randn(OUT, IN), torch.randn(OUT), torch.randn(S, B, IN), torch.randn(S, B, OUT)
+    return [t.to(dtype) for t in tensors]
+
+
+def _reference(weight, bias, x, grad, *, with_bias=True):
+    wf, bf, xf, gf = (t.float() for t in (weight, bias, x, grad))
+    out = xf @ wf.t() + (bf if with_bias else 0)
+    return out, gf @ wf, gf.reshape(-1, gf.shape[-1]).t() @ xf.reshape(-1, xf.shape[-1]), gf.sum((0, 1))
+
+
+def _attach_main_grad(layer):
+    layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32)
+
+
+def _column_case(n, r, *, sp, gather_output, skip_bias_add, fusion, allreduce_dgrad, dtype, mode):
+    case = dict(tp=n, sp=sp, gather_output=gather_output, skip_bias_add=skip_bias_add, fusion=fusion,
+                allreduce_dgrad=allreduce_dgrad, dtype=dtype, mode=mode)
+    weight, bias, x, grad = _full_problem(1, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SP at TP=1 warns; covered by its own test
+        layer = tp.ColumnParallelLinear(
+            IN, OUT, sequence_parallel=sp, gather_output=gather_output, skip_bias_add=skip_bias_add,
+            gradient_accumulation_fusion=fusion, allreduce_dgrad=allreduce_dgrad, params_dtype=dtype,
+            is_expert=mode == "expert", disable_grad_reduce=mode == "disable_grad_reduce",
+            defer_wgrad_compute=mode in ("defer", "defer_limit"),
+            wgrad_deferral_limit=1 if mode == "defer_limit" else 0)
+    with torch.no_grad():
+        layer.weight.copy_(weight.chunk(n, 0)[r])
+        layer.bias.copy_(bias.chunk(n)[r])
+    if mode == "frozen":
+        layer.weight.requires_grad_(False)
+    if fusion:
+        _attach_main_grad(layer)
+    # disable_grad_reduce drops the dgrad all-reduce only; SP's reduce-scatter stays.
+    local_comm = n > 1 and (mode == "expert" or (mode == "disable_grad_reduce" and not sp))
+    sp_input = sp and not (mode == "expert" and n > 1)
+    x_local = (x.chunk(n, 0)[r] if sp_input else x).clone().requires_grad_(True)
+    grad_local = grad if gather_output else grad.chunk(n, -1)[r]
+    micro_batches = 2 if mode == "defer_limit" or fusion else 1
+    for _ in range(micro_batches):
+        out, returned_bias = layer(x_local)
+        if skip_bias_add:
+            assert returned_bias is layer.bias, case
+            if not gather_output:
+                out = out + returned_bias
+        else:
+            assert returned_bias is None, case
+        out.backward(grad_local)
+    with_bias = not (skip_bias_add and gather_output)
+    ref_out, ref_dx, ref_dw, ref_db = _reference(weight, bias, x, grad, with_bias=with_bias)
+    if local_comm:
+        # No TP communication at all: the rank computes with its shard only.
+        w_r = weight.chunk(n, 0)[r]
+        x_in = x_local.detach()
+        out_exp, dx_exp, dw_exp, _ = _reference(w_r, bias.chunk(n)[r], x_in, grad_local)
+        _close(out, out_exp, case, "output", dtype)
+        _close(x_local.grad, dx_exp * micro_batches, case, "input grad", dtype)
+        _close(layer.weight.grad, dw_exp * micro_batches, case, "weight grad", dtype)
+        return
+    _close(out, ref_out if gather_output else ref_out.chunk(n, -1)[r], case, "output", dtype)
+    _close(x_local.grad, (ref_dx.chunk(n, 0)[r] if sp else ref_dx) * micro_batches, case, "input grad", dtype)
+    dw_exp = ref_dw.chunk(n, 0)[r]
+    if mode == "frozen":
+        assert layer.weight.grad is None, case
+    elif mode == "defer":
+        assert layer.weight.grad is None, case
+        layer.compute_deferred_wgrads()
+        _close(layer.weight.grad, dw_exp, case, "deferred weight grad", dtype)
+    elif mode == "defer_limit":
+        # The first micro-batch's wgrad was deferred, the second computed in backward.
+        _close(layer.weight.grad, dw_exp, case, "in-backward weight grad", dtype)
+        layer.compute_deferred_wgrads()
+        _close(layer.weight.grad, dw_exp * 2, case, "weight grad after deferred", dtype)
+    elif fusion:
+        assert layer.weight.grad is None, case
+        # fp32 accumulation of the bf16 products: checked at fp32 precision.
+        _close(layer.weight.main_grad, dw_exp * micro_batches, case, "main_grad")
+    else:
+        _close(layer.weight.grad, dw_exp, case, "weight grad", dtype)
+    if with_bias:
+        _close(layer.bias.grad, ref_db.chunk(n)[r] * micro_batches, case, "bias grad", dtype)
+    else:
+        assert layer.bias.grad is None, case
+
+
+def _row_case(n, r, *, sp, input_is_parallel, skip_bias_add, fusion, dtype, mode):
+    case = dict(tp=n, sp=sp, input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add, fusion=fusion,
+                dtype=dtype, mode=mode)
+    weight, bias, x, grad = _full_problem(2, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = tp.RowParallelLinear(IN, OUT, sequence_parallel=sp, input_is_parallel=input_is_parallel,
+                                     skip_bias_add=skip_bias_add, gradient_accumulation_fusion=fusion,
+                                     params_dtype=dtype, is_expert=mode == "expert")
+    with torch.no_grad():
+        layer.weight.copy_(weight.chunk(n, 1)[r])
+        layer.bias.copy_(bias)
+    if mode == "frozen":
+        layer.weight.requires_grad_(False)
+    if fusion:
+        _attach_main_grad(layer)
+    x_local = (x.chunk(n, -1)[r] if input_is_parallel else x).clone().requires_grad_(True)
+    expert_local = mode == "expert" and n > 1
+    grad_local = grad.chunk(n, 0)[r] if sp and not expert_local else grad
+    out, returned_bias = layer(x_local)
+    if skip_bias_add:
+        assert returned_bias is layer.bias, case
+        out = out + returned_bias
+    out.backward(grad_local)
+    if getattr(layer.bias, "sequence_parallel", False):
+        tp.allreduce_sequence_parallel_grads(layer)
+    ref_out, ref_dx, ref_dw, ref_db = _reference(weight, bias, x, grad)
+    if expert_local:
+        out_exp, dx_exp, dw_exp, db_exp = _reference(weight.chunk(n, 1)[r], bias, x_local.detach(), grad_local)
+        _close(out, out_exp, case, "output", dtype)
+        _close(x_local.grad, dx_exp, case, "input grad", dtype)
+        _close(layer.weight.grad, dw_exp, case, "weight grad", dtype)
+        return
+    assert getattr(layer.bias, "sequence_parallel", False) == (sp and n > 1), case
+    _close(out, ref_out.chunk(n, 0)[r] if sp else ref_out, case, "output", dtype)
+    _close(x_local.grad, ref_dx.chunk(n, -1)[r] if input_is_parallel else ref_dx, case, "input grad", dtype)
+    dw_exp = ref_dw.chunk(n, 1)[r]
+    if mode == "frozen":
+        assert layer.weight.grad is None, case
+    elif fusion:
+        assert layer.weight.grad is None, case
+        _close(layer.weight.main_grad, dw_exp, case, "main_grad")
+    else:
+        _close(layer.weight.grad, dw_exp, case, "weight grad", dtype)
+    _close(layer.bias.grad, ref_db, case, "bias grad", dtype)
+
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _column_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n, r = tp.get_tensor_model_parallel_world_size(), tp.get_tensor_model_parallel_rank()
+    count = 0
+    for sp, gather_output, skip, fusion, allreduce_dgrad, dtype in itertools.product(
+            (False, True), (False, True), (False, True), (False, True), (True, False), DTYPES):
+        if sp and gather_output:
+            continue
+        _column_case(n, r, sp=sp, gather_output=gather_output, skip_bias_add=skip, fusion=fusion,
+                     allreduce_dgrad=allreduce_dgrad, dtype=dtype, mode="plain")
+        count += 1
+    for mode, sp, dtype in itertools.product(
+            ("defer", "defer_limit", "frozen", "expert", "disable_grad_reduce"), (False, True), DTYPES):
+        _column_case(n, r, sp=sp, gather_output=False, skip_bias_add=False, fusion=False,
+                     allreduce_dgrad=True, dtype=dtype, mode=mode)
+        count += 1
+    return count
+
+
+def _row_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n, r = tp.get_tensor_model_parallel_world_size(), tp.get_tensor_model_parallel_rank()
+    count = 0
+    for sp, input_is_parallel, skip, fusion, dtype in itertools.product(
+            (False, True), (True, False), (False, True), (False, True), DTYPES):
+        if sp and not input_is_parallel:
+            continue
+        _row_case(n, r, sp=sp, input_is_parallel=input_is_parallel, skip_bias_add=skip, fusion=fusion,
+                  dtype=dtype, mode="plain")
+        count += 1
+    for mode, sp, dtype in itertools.product(("frozen", "expert"), (False, True), DTYPES):
+        _row_case(n, r, sp=sp, input_is_parallel=True, skip_bias_add=False, fusion=False, dtype=dtype, mode=mode)
+        count += 1
+    return count
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_column_parallel_linear_matches_unsharded(world_size):
+    counts = run_on_ranks(_column_body, world_size)
+    assert counts == [counts[0]] * world_size and counts[0] == 68
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_row_parallel_linear_matches_unsharded(world_size):
+    counts = run_on_ranks(_row_body, world_size)
+    assert counts == [counts[0]] * world_size and counts[0] == 32
+
+
+def _autocast_body():
+    """fp32 parameters under bf16 autocast: bf16 compute, fp32 gradients."""
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n, r = tp.get_tensor_model_parallel_world_size(), tp.get_tensor_model_parallel_rank()
+    weight, bias, x, grad = _full_problem(3, torch.float32)
+    layer = tp.ColumnParallelLinear(IN, OUT)
+    with torch.no_grad():
+        layer.weight.copy_(weight.chunk(n, 0)[r])
+        layer.bias.copy_(bias.chunk(n)[r])
+    x_local = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = layer(x_local)
+    assert out.dtype == torch.bfloat16
+    out.backward(grad.chunk(n, -1)[r].to(torch.bfloat16))
+    assert layer.weight.grad.dtype == torch.float32 and x_local.grad.dtype == torch.float32
+    ref_out, ref_dx, ref_dw, ref_db = _reference(*(t.to(torch.bfloat16) for t in (weight, bias, x, grad)))
+    case = "autocast"
+    _close(out, ref_out.chunk(n, -1)[r], case, "output", torch.bfloat16)
+    _close(x_local.grad, ref_dx, case, "input grad", torch.bfloat16)
+    _close(layer.weight.grad, ref_dw.chunk(n, 0)[r], case, "weight grad", torch.bfloat16)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_autocast_bf16_with_fp32_parameters(world_size):
+    assert all(run_on_ranks(_autocast_body, world_size))
+
+
+def _pair_ledger_body(sp):
+    """A column + row pair (an MLP block): the collectives each phase issues."""
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n = tp.get_tensor_model_parallel_world_size()
+    fc1 = tp.ColumnParallelLinear(IN, OUT, sequence_parallel=sp)
+    fc2 = tp.RowParallelLinear(OUT, IN, input_is_parallel=True, sequence_parallel=sp)
+    x = torch.randn(S // n if sp else S, B, IN, requires_grad=True)
+    with tp.CommLedger() as ledger:
+        with ledger.phase("forward"):
+            y, _ = fc2(torch.nn.functional.gelu(fc1(x)[0]))
+        with ledger.phase("backward"):
+            y.sum().backward()
+    return [(rec.phase, rec.op, rec.shape, rec.bytes, rec.async_op) for rec in ledger.records]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_column_row_pair_issues_one_allreduce_each_way(world_size):
+    records = run_on_ranks(_pair_ledger_body, world_size, False)[0]
+    full = (S, B, IN)
+    nbytes = S * B * IN * 4
+    assert records == [("forward", "all_reduce", full, nbytes, False),
+                       ("backward", "all_reduce", full, nbytes, True)]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_column_row_pair_under_sp_issues_gathers_and_reduce_scatters(world_size):
+    records = run_on_ranks(_pair_ledger_body, world_size, True)[0]
+    full = (S, B, IN)
+    nbytes = S * B * IN * 4
+    assert records == [
+        ("forward", "all_gather", full, nbytes, False),       # column input, sequence gathered
+        ("forward", "reduce_scatter", full, nbytes, False),   # row output, g under SP
+        ("backward", "all_gather", full, nbytes, False),      # row output grad
+        ("backward", "all_gather", full, nbytes, True),       # column input re-gathered for wgrad
+        ("backward", "reduce_scatter", full, nbytes, True),   # column dgrad, overlapped with wgrad
+    ]
+
+
+def test_single_rank_issues_no_collectives():
+    assert run_on_ranks(_pair_ledger_body, 1, False) == [[]]
+
+
+def _gather_output_ledger_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    layer = tp.ColumnParallelLinear(IN, OUT, gather_output=True)
+    x = torch.randn(S, B, IN, requires_grad=True)
+    with tp.CommLedger() as ledger:
+        with ledger.phase("forward"):
+            y, _ = layer(x)
+        with ledger.phase("backward"):
+            y.sum().backward()
+    return [(rec.phase, rec.op, rec.shape, rec.bytes) for rec in ledger.records]
+
+
+def test_column_gather_output_issues_allgather_forward_allreduce_backward():
+    assert run_on_ranks(_gather_output_ledger_body, 2)[0] == [
+        ("forward", "all_gather", (S, B, OUT), S * B * OUT * 4),
+        ("backward", "all_reduce", (S, B, IN), S * B * IN * 4)]
+
+
+def _bad_input_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    with pytest.raises(ValueError, match=r"output_size 10 is not divisible by tensor-parallel size 4"):
+        tp.ColumnParallelLinear(8, 10)
+    with pytest.raises(ValueError, match=r"input_size 6 is not divisible by tensor-parallel size 4"):
+        tp.RowParallelLinear(6, 8)
+    with pytest.raises(ValueError, match=r"output_size 12 is not divisible by tensor-parallel size 4 x stride 2"):
+        tp.ColumnParallelLinear(8, 12, stride=2)
+    layer = tp.ColumnParallelLinear(8, 16)
+    with pytest.raises(ValueError, match=r"input feature size 7 does not match the weight's input size 8"):
+        layer(torch.randn(2, 1, 7))
+    with pytest.raises(ValueError, match=r"input dtype torch.bfloat16 differs from weight dtype torch.float32"):
+        layer(torch.randn(2, 1, 8, dtype=torch.bfloat16))
+    fused = tp.ColumnParallelLinear(8, 16, gradient_accumulation_fusion=True)
+    with pytest.raises(ValueError, match=r"needs weight.main_grad"):
+        fused(torch.randn(2, 1, 8))
+    sp = tp.ColumnParallelLinear(8, 16, sequence_parallel=True)
+    row_sp = tp.RowParallelLinear(16, 8, sequence_parallel=True, input_is_parallel=True)
+    with pytest.raises(ValueError, match=r"\(6\) is not divisible by the tensor-parallel size \(4\)"):
+        row_sp(sp(torch.randn(6, 1, 8))[0][:6])
+    with pytest.raises(ValueError, match="sequence_parallel=True needs input_is_parallel=True"):
+        tp.RowParallelLinear(16, 8, sequence_parallel=True)
+    with pytest.raises(ValueError, match="gather_output=True cannot be combined with sequence_parallel"):
+        tp.ColumnParallelLinear(8, 16, sequence_parallel=True, gather_output=True)
+    with pytest.raises(ValueError, match=r"the weight passed to forward has shape \[16, 8\], expected \[4, 8\]"):
+        layer(torch.randn(2, 1, 8), weight=torch.randn(16, 8))
+    return True
+
+
+def test_bad_input_gets_clear_errors():
+    assert all(run_on_ranks(_bad_input_body, 4))
+
+
+def test_layer_before_initialize_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"initialize_model_parallel"):
+        tp.ColumnParallelLinear(4, 4)
+
+
+def _world_not_divisible_body():
+    with pytest.raises(ValueError, match=r"world size 2 is not divisible by tensor_model_parallel_size 4"):
+        tp.initialize_model_parallel(4)
+    return True
+
+
+def test_world_size_not_divisible_by_tp():
+    assert all(run_on_ranks(_world_not_divisible_body, 2))
+
+
+def _sp_single_rank_body():
+    tp.initialize_model_parallel(1)
+    with pytest.warns(UserWarning, match="sequence_parallel=True with one tensor-parallel rank"):
+        layer = tp.ColumnParallelLinear(4, 4, sequence_parallel=True)
+    assert layer.sequence_parallel is False
+    return True
+
+
+def test_sequence_parallel_with_one_rank_warns_and_turns_off():
+    assert run_on_ranks(_sp_single_rank_body, 1) == [True]
+
+
+def _groups_body():
+    tp.initialize_model_parallel(2)
+    rank = torch.distributed.get_rank()
+    return (tp.get_tensor_model_parallel_rank(), tp.get_tensor_model_parallel_world_size(),
+            tp.get_data_parallel_rank(), tp.get_data_parallel_world_size(),
+            tp.get_tensor_model_parallel_src_rank(), rank)
+
+
+def test_tp_groups_are_consecutive_ranks_and_dp_is_the_rest():
+    assert run_on_ranks(_groups_body, 4) == [(0, 2, 0, 2, 0, 0), (1, 2, 0, 2, 0, 1),
+                                             (0, 2, 1, 2, 2, 2), (1, 2, 1, 2, 2, 3)]
+
+
+def _explicit_group_body():
+    """Layers on an explicit tp_group, without initialize_model_parallel."""
+    rank = torch.distributed.get_rank()
+    groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    group = groups[rank // 2]
+    weight, bias, x, grad = _full_problem(4, torch.float32)
+    layer = tp.ColumnParallelLinear(IN, OUT, tp_group=group, gather_output=True)
+    with torch.no_grad():
+        layer.weight.copy_(weight.chunk(2, 0)[rank % 2])
+        layer.bias.copy_(bias.chunk(2)[rank % 2])
+    out, _ = layer(x)
+    ref_out = _reference(weight, bias, x, grad)[0]
+    _close(out, ref_out, "explicit group", "output")
+    return True
+
+
+def test_explicit_tp_group_without_global_state():
+    assert all(run_on_ranks(_explicit_group_body, 4))
+
+
+def _crashed_peer_body():
+    tp.initialize_model_parallel(2, timeout=3)
+    layer = tp.RowParallelLinear(8, 8, input_is_parallel=True)
+    if torch.distributed.get_rank() == 1:
+        return "skipped the collective"
+    start = time.monotonic()
+    try:
+        layer(torch.randn(2, 1, 4))
+    except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError
+        return f"raised after {time.monotonic() - start:.1f}s: {type(exc).__name__}"
+    return "returned"
+
+
+def test_collective_a_peer_never_joins_raises_within_timeout():
+    result = run_in_fresh_world(_crashed_peer_body, 2, timeout=60)
+    assert result[1] == "skipped the collective"
+    assert result[0].startswith("raised after"), result[0]
+    assert float(result[0].split()[2][:-2]) < 20, result[0]
