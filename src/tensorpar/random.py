@@ -1,0 +1,240 @@
+"""TP-aware random streams, TP-aware dropout and activation recompute, on any device.
+
+Two streams feed dropout under tensor parallelism:
+
+* the *default* stream (the device's default generator) is seeded identically on every TP rank,
+  so dropout on an activation every rank holds whole gives every rank the same mask;
+* the *model-parallel* stream, entered with ``get_rng_tracker().fork()``, is seeded differently
+  on each TP rank, so dropout on an activation split across ranks (the attention probabilities
+  of each rank's heads) draws independent masks for the different slices, as TP=1 would.
+
+Megatron's tracker swaps CUDA generator states only, so it fails on CPU; this one swaps the
+default generator of whatever device the stream was created for.
+
+Example::
+
+    tp.model_parallel_manual_seed(1234)
+    y = tp.random.dropout(x, 0.1)                  # replicated x: same mask on every TP rank
+    with tp.get_rng_tracker().fork():
+        h = torch.nn.functional.dropout(h_local, 0.1)   # TP-sharded h: a different mask per rank
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import comm
+from .parallel_state import default_device, model_parallel_is_initialized, resolve_tp_group
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+# Offset of the model-parallel seeds from the default seed, so the two never coincide.
+_MODEL_PARALLEL_SEED_OFFSET = 2718
+
+
+def _get_generator_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device)
+
+
+def _set_generator_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device.type).set_rng_state(state, device)
+
+
+class RNGStatesTracker:
+    """Named random streams, each swapped in for its device's default generator by ``fork``."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every stream."""
+        self._states: dict[str, torch.Tensor] = {}
+        self._devices: dict[str, torch.device] = {}
+        self._seeds: set[int] = set()
+
+    def is_initialized(self) -> bool:
+        return bool(self._states)
+
+    def add(self, name: str, seed: int, *, device: torch.device | str | None = None) -> None:
+        """Create stream ``name`` seeded with ``seed`` for ``device`` (default: the backend's)."""
+        if seed in self._seeds:
+            raise ValueError(f"seed {seed} is already used by another RNG stream")
+        if name in self._states:
+            raise ValueError(f"RNG stream {name!r} already exists")
+        device = torch.device(device) if device is not None else default_device()
+        self._seeds.add(seed)
+        self._devices[name] = device
+        self._states[name] = torch.Generator(device=device).manual_seed(seed).get_state()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """A copy of every stream's current state."""
+        return {name: state.clone() for name, state in self._states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        """Restore states returned by :meth:`get_states` (streams must exist)."""
+        unknown = set(states) - set(self._states)
+        if unknown:
+            raise ValueError(f"unknown RNG streams {sorted(unknown)}; known: {sorted(self._states)}")
+        self._states.update({name: state.clone() for name, state in states.items()})
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG):
+        """Draw from stream ``name`` inside the block; the default stream is left untouched."""
+        if name not in self._states:
+            raise RuntimeError(f"RNG stream {name!r} does not exist; call "
+                               "tensorpar.model_parallel_manual_seed(seed) first")
+        device = self._devices[name]
+        outside = _get_generator_state(device)
+        _set_generator_state(self._states[name], device)
+        try:
+            yield
+        finally:
+            self._states[name] = _get_generator_state(device)
+            _set_generator_state(outside, device)
+
+
+_RNG_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    """The process-wide tracker (Megatron's ``get_cuda_rng_tracker``)."""
+    return _RNG_TRACKER
+
+
+def model_parallel_manual_seed(seed: int, *, tp_group=None) -> None:
+    """Seed the default stream with ``seed`` and the model-parallel stream per TP rank.
+
+    Call it on every rank with the same ``seed``, after the groups exist. Every default
+    generator (CPU and accelerators) gets ``seed``, identical on all TP ranks; the tracker's
+    model-parallel stream gets ``seed + 2718 + tp_rank``.
+    """
+    if tp_group is None and not model_parallel_is_initialized():
+        tp_rank = 0
+    else:
+        tp_rank = comm.group_rank(resolve_tp_group(tp_group))
+    torch.manual_seed(seed)
+    _RNG_TRACKER.reset()
+    _RNG_TRACKER.add(MODEL_PARALLEL_RNG, seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank)
+
+
+model_parallel_cuda_manual_seed = model_parallel_manual_seed
+
+
+def dropout(input_: torch.Tensor, p: float, *, training: bool = True,
+            sequence_parallel: bool = False, tp_group=None) -> torch.Tensor:
+    """Dropout whose mask does not depend on the TP size, drawn from the default stream.
+
+    For an activation every TP rank holds whole, or (``sequence_parallel=True``) one split
+    along dim 0 across the TP group.
+
+    Example::
+
+        h = dropout(h, 0.1, sequence_parallel=True)      # h: [s/TP, b, h]
+    """
+    if not training or p == 0.0:
+        return input_
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    shape = list(input_.shape)
+    group = resolve_tp_group(tp_group) if sequence_parallel else None
+    if group is not None:
+        shape[0] *= comm.group_size(group)
+    # Under SP every rank draws the mask of the whole sequence from the (identical) default
+    # stream and keeps its own tokens' rows: each token gets exactly the mask TP=1 gives it, and
+    # the default stream stays in step across TP ranks. The price, TP x the random numbers of
+    # the local slice, is elementwise work dwarfed by the layer's GEMMs.
+    keep = torch.empty(shape, dtype=torch.bool, device=input_.device).bernoulli_(1.0 - p)
+    if group is not None:
+        keep = keep.chunk(comm.group_size(group), dim=0)[comm.group_rank(group)]
+    return input_ * keep / (1.0 - p)
+
+
+def _device_states(devices) -> dict[torch.device, torch.Tensor]:
+    return {device: _get_generator_state(device) for device in devices}
+
+
+def _restore_device_states(states: dict[torch.device, torch.Tensor]) -> None:
+    for device, state in states.items():
+        _set_generator_state(state, device)
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """Run ``function`` without keeping activations; recompute it in backward.
+
+    The CPU and device generator states and the tracker's streams are saved before the
+    forward and swapped back in for the recompute, so dropout draws the same masks twice.
+    """
+
+    @staticmethod
+    def forward(ctx, function, distribute_saved_activations, group, *args):
+        ctx.function = function
+        tensor_devices = {a.device for a in args if torch.is_tensor(a) and a.device.type != "cpu"}
+        ctx.rng_states = _device_states({torch.device("cpu"), *tensor_devices})
+        ctx.tracker_states = _RNG_TRACKER.get_states()
+        with torch.no_grad():
+            outputs = function(*args)
+        ctx.input_requires_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
+        ctx.first_shape = None
+        if distribute_saved_activations and torch.is_tensor(args[0]) and comm.group_size(group) > 1:
+            # Keep only this rank's 1/TP of the flattened first input; backward all-gathers it.
+            n = comm.group_size(group)
+            flat = args[0].detach().reshape(-1)
+            comm.check_divisible(flat.numel(), n, "checkpointed input element count")
+            ctx.first_shape, ctx.group = args[0].shape, group
+            args = (flat.chunk(n)[comm.group_rank(group)].clone(),) + args[1:]
+        ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.non_tensor_args = [None if torch.is_tensor(a) else a for a in args]
+        ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        args = list(ctx.non_tensor_args)
+        for i, saved in zip(ctx.tensor_positions, ctx.saved_tensors):
+            args[i] = saved
+        if ctx.first_shape is not None:
+            args[0] = comm.all_gather(args[0], ctx.group).view(ctx.first_shape)
+        inputs = [a.detach().requires_grad_(rg) if torch.is_tensor(a) else a
+                  for a, rg in zip(args, ctx.input_requires_grad)]
+
+        current = _device_states(ctx.rng_states)
+        current_tracker = _RNG_TRACKER.get_states()
+        _restore_device_states(ctx.rng_states)
+        _RNG_TRACKER.set_states(ctx.tracker_states)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.function(*inputs)
+        finally:
+            _restore_device_states(current)
+            _RNG_TRACKER.set_states(current_tracker)
+
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
+                 if torch.is_tensor(o) and o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads = tuple(a.grad if torch.is_tensor(a) and rg else None
+                      for a, rg in zip(inputs, ctx.input_requires_grad))
+        return (None, None, None) + grads
+
+
+def checkpoint(function, distribute_saved_activations: bool, *args, tp_group=None):
+    """``function(*args)``, keeping only its inputs and recomputing it during backward.
+
+    ``distribute_saved_activations=True`` stores only this TP rank's 1/TP of the first input
+    (useful when it is replicated across TP, i.e. without sequence parallelism).
+
+    Example::
+
+        hidden = tp.checkpoint(block, False, hidden)
+    """
+    group = None
+    if distribute_saved_activations:
+        group = resolve_tp_group(tp_group)
+    return CheckpointFunction.apply(function, distribute_saved_activations, group, *args)
