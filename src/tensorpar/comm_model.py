@@ -1,0 +1,393 @@
+"""Analytic communication model: every TP collective of a layer or a GPT training step.
+
+Seed 002's arithmetic, generalised. For a layer kind and sizes, :func:`collectives` lists each
+collective tensorpar issues, in issue order, with the phase it belongs to (``forward``,
+``backward``, ``recompute`` for a checkpointed layer's re-run forward, ``grads`` for the
+post-backward SP gradient all-reduce), the full tensor's shape and bytes (as
+:class:`tensorpar.CommRecord` counts them) and the bytes each rank sends under a ring
+algorithm. :func:`summarize` adds time estimates from a link model and the FLOPs of the
+step, :func:`activation_memory` the activations a GPT layer keeps per rank.
+
+Pure arithmetic: nothing here touches a process group.
+
+Example (seed 002: one column layer, H=4096, S=2048, B=1, bf16, TP=2)::
+
+    cfg = CommConfig(layer="column", hidden=4096, seq_len=2048, batch=1, tp=2,
+                     dtype="bf16", gather_output=True)
+    [(op.phase, op.op, op.bytes) for op in collectives(cfg)]
+    # [('forward', 'all_gather', 16777216), ('backward', 'all_reduce', 16777216)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LAYERS = ("column", "row", "mlp", "attention", "embedding", "loss", "gpt-layer", "gpt-step")
+PHASES = ("forward", "recompute", "backward", "grads")
+# ``CommOp.what`` of SP's extra all-gather: the column layer saved only its input shard.
+WGRAD_REGATHER = "input re-gather for wgrad"
+
+# Bytes each rank sends, as a multiple of the full tensor, under ring algorithms.
+_RING_SEND_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+}
+
+# Parameters marked ``sequence_parallel`` per GPT layer (two LayerNorms' weight and bias, the
+# two row-parallel biases) and after the last layer (final LayerNorm weight and bias).
+_SP_PARAMS_PER_LAYER = ("ln1.weight", "ln1.bias", "attention.proj.bias", "ln2.weight", "ln2.bias",
+                        "mlp.fc2.bias")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommConfig:
+    """Sizes and modes of what is modelled; validated on construction.
+
+    ``column`` and ``row`` alone map ``hidden -> hidden`` (so seed 002's example is
+    ``--hidden 4096``); the MLP is ``hidden -> ffn_hidden -> hidden`` (``ffn_hidden`` defaults
+    to ``4 * hidden``). ``vocab`` is the (padded) vocabulary of the embedding, loss and LM head.
+    """
+
+    layer: str
+    hidden: int = 4096
+    ffn_hidden: int | None = None
+    heads: int = 32
+    seq_len: int = 2048
+    batch: int = 1
+    vocab: int = 50304
+    layers: int = 24
+    tp: int = 2
+    dtype: str = "bf16"
+    sp: bool = False
+    recompute: bool = False
+    gather_output: bool = False
+    input_is_parallel: bool = True
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden is None:
+            object.__setattr__(self, "ffn_hidden", 4 * self.hidden if isinstance(self.hidden, int) else None)
+        if self.layer not in LAYERS:
+            raise ValueError(f"unknown layer kind {self.layer!r}; choose one of {', '.join(LAYERS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        for name in ("hidden", "ffn_hidden", "heads", "seq_len", "batch", "vocab", "layers", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, divisor, what in self._divisibility():
+            value = getattr(self, name)
+            if value % divisor != 0:
+                raise ValueError(f"{name} ({value}) is not divisible by {what} ({divisor})")
+        if self.gather_output and (self.layer != "column" or self.sp):
+            raise ValueError("gather_output applies to --layer column without sequence parallelism")
+        if not self.input_is_parallel and (self.layer != "row" or self.sp):
+            raise ValueError("input_is_parallel=False applies to --layer row without sequence parallelism")
+        if self.recompute and self.layer in ("embedding", "loss"):
+            raise ValueError(f"recompute does not apply to --layer {self.layer}")
+
+    def _divisibility(self) -> list[tuple[str, int, str]]:
+        """(size, divisor, divisor's name) the layer kind needs; under SP the sequence splits."""
+        tp = "the tensor-parallel size"
+        attention = [("hidden", self.heads, "heads"), ("heads", self.tp, tp)]
+        needs = {
+            "column": [("hidden", self.tp, tp)],
+            "row": [("hidden", self.tp, tp)],
+            "mlp": [("ffn_hidden", self.tp, tp)],
+            "attention": attention,
+            "embedding": [("vocab", self.tp, tp)],
+            "loss": [("vocab", self.tp, tp)],
+            "gpt-layer": attention + [("ffn_hidden", self.tp, tp)],
+            "gpt-step": attention + [("ffn_hidden", self.tp, tp), ("vocab", self.tp, tp)],
+        }[self.layer]
+        return needs + ([("seq_len", self.tp, tp)] if self.sp else [])
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class CommOp:
+    """One predicted collective; ``bytes`` is the full tensor's size, like ``CommRecord``."""
+
+    layer: str
+    phase: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tp: int
+    what: str
+    reduce_op: str | None = None
+
+    @property
+    def bytes(self) -> int:
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_sent_per_rank(self) -> float:
+        return self.bytes * _RING_SEND_FACTOR[self.op](self.tp)
+
+    def time_s(self, *, bandwidth_gbps: float, latency_us: float) -> float:
+        """Ring estimate: one latency plus the bytes this rank sends over the link."""
+        return latency_us * 1e-6 + self.bytes_sent_per_rank / (bandwidth_gbps * 1e9)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Comm:
+    """The collectives of one piece: forward ops, and backward ops in the order issued."""
+
+    forward: tuple[CommOp, ...] = ()
+    backward: tuple[CommOp, ...] = ()
+
+
+def _chain(*parts: _Comm) -> _Comm:
+    """Pieces applied one after another: backward runs them in reverse."""
+    return _Comm(forward=tuple(op for p in parts for op in p.forward),
+                 backward=tuple(op for p in reversed(parts) for op in p.backward))
+
+
+def _checkpointed(part: _Comm) -> _Comm:
+    """Activation recompute: the forward's collectives run again just before the backward."""
+    again = tuple(dataclasses.replace(op, phase="recompute") for op in part.forward)
+    return _Comm(forward=part.forward, backward=again + part.backward)
+
+
+class _Builder:
+    """Makes the ops of each TP layer for one config; methods mirror tensorpar's layers."""
+
+    def __init__(self, cfg: CommConfig) -> None:
+        self.cfg = cfg
+        self.s, self.b = cfg.seq_len, cfg.batch
+
+    def op(self, layer, phase, op, shape, what, *, dtype=None, reduce_op="sum") -> CommOp:
+        return CommOp(layer, phase, op, tuple(shape), dtype or self.cfg.torch_dtype, self.cfg.tp, what,
+                      None if op == "all_gather" else reduce_op)
+
+    def column(self, name: str, in_: int, out: int) -> _Comm:
+        """Input replicated: dgrad all-reduce. SP: gather the input forward, and in backward
+        re-gather it for wgrad (only the shard was saved) before reduce-scattering dgrad."""
+        x = (self.s, self.b, in_)
+        if self.cfg.sp:
+            return _Comm(forward=(self.op(name, "forward", "all_gather", x, "sequence gather of input"),),
+                         backward=(self.op(name, "backward", "all_gather", x, WGRAD_REGATHER),
+                                   self.op(name, "backward", "reduce_scatter", x, "dgrad")))
+        forward = ()
+        if self.cfg.gather_output:
+            forward = (self.op(name, "forward", "all_gather", (self.s, self.b, out), "output gather"),)
+        return _Comm(forward=forward, backward=(self.op(name, "backward", "all_reduce", x, "dgrad"),))
+
+    def row(self, name: str, in_: int, out: int, *, input_is_parallel: bool = True) -> _Comm:
+        """Exit all-reduce (SP: reduce-scatter, whose backward all-gathers the output grad);
+        an unsplit input is scattered, so its grad is all-gathered on the last dim."""
+        y = (self.s, self.b, out)
+        if self.cfg.sp:
+            exit_ = _Comm(forward=(self.op(name, "forward", "reduce_scatter", y, "exit"),),
+                          backward=(self.op(name, "backward", "all_gather", y, "output-grad gather"),))
+        else:
+            exit_ = _Comm(forward=(self.op(name, "forward", "all_reduce", y, "exit"),))
+        if input_is_parallel:
+            return exit_
+        scatter = _Comm(backward=(self.op(name, "backward", "all_gather", (self.s, self.b, in_),
+                                          "input-grad gather"),))
+        return _chain(scatter, exit_)
+
+    def mlp(self, prefix: str) -> _Comm:
+        h, f = self.cfg.hidden, self.cfg.ffn_hidden
+        return _chain(self.column(f"{prefix}fc1", h, f), self.row(f"{prefix}fc2", f, h))
+
+    def attention(self, prefix: str) -> _Comm:
+        # Core attention runs on this rank's heads: no communication between the two linears.
+        h = self.cfg.hidden
+        return _chain(self.column(f"{prefix}qkv", h, 3 * h), self.row(f"{prefix}proj", h, h))
+
+    def embedding(self, name: str) -> _Comm:
+        """Partial lookups summed over TP: all-reduce of ``[b, s, h]``; under SP a
+        reduce-scatter of the transposed ``[s, b, h]``, whose backward all-gathers."""
+        h = self.cfg.hidden
+        if self.cfg.sp:
+            y = (self.s, self.b, h)
+            return _Comm(forward=(self.op(name, "forward", "reduce_scatter", y, "exit"),),
+                         backward=(self.op(name, "backward", "all_gather", y, "output-grad gather"),))
+        return _Comm(forward=(self.op(name, "forward", "all_reduce", (self.b, self.s, h), "exit"),))
+
+    def loss(self, name: str, tokens: tuple[int, ...]) -> _Comm:
+        """Vocab-parallel cross-entropy over a ``tokens``-shaped target: an fp32 max, then the
+        sum-exp and target logit stacked into one fp32 sum; backward is local."""
+        fp32 = torch.float32
+        return _Comm(forward=(
+            self.op(name, "forward", "all_reduce", tokens, "max logit", dtype=fp32, reduce_op="max"),
+            self.op(name, "forward", "all_reduce", (2, *tokens), "sum exp + target logit", dtype=fp32)))
+
+    def gpt_layer(self, prefix: str) -> _Comm:
+        # LayerNorm, dropout and the residual adds communicate nothing (local tokens under SP).
+        layer = _chain(self.attention(f"{prefix}attention."), self.mlp(f"{prefix}mlp."))
+        return _checkpointed(layer) if self.cfg.recompute else layer
+
+    def gpt_step(self) -> tuple[_Comm, tuple[CommOp, ...]]:
+        h = self.cfg.hidden
+        layers = [self.gpt_layer(f"layers.{i}.") for i in range(self.cfg.layers)]
+        step = _chain(self.embedding("embedding"), *layers, self.column("lm_head", h, self.cfg.vocab),
+                      self.loss("loss", (self.b, self.s)))
+        grads = ()
+        if self.cfg.sp:
+            numel = self.cfg.layers * len(_SP_PARAMS_PER_LAYER) * h + 2 * h
+            # params are fp32 here: tensorpar's SP-grad all-reduce is one flat buffer per grad dtype
+            grads = (self.op("sp_grads", "grads", "all_reduce", (numel,), "sequence-parallel param grads",
+                             dtype=torch.float32),)
+        return step, grads
+
+
+def collectives(cfg: CommConfig) -> list[CommOp]:
+    """Every collective of ``cfg.layer``'s forward and backward, in the order issued.
+
+    Example::
+
+        ops = collectives(CommConfig(layer="mlp", hidden=1024, tp=4))
+        [op.op for op in ops]      # ['all_reduce', 'all_reduce']: exit forward, dgrad backward
+    """
+    if cfg.tp == 1:
+        return []
+    build = _Builder(cfg)
+    grads: tuple[CommOp, ...] = ()
+    h = cfg.hidden
+    if cfg.layer == "gpt-step":
+        comm, grads = build.gpt_step()
+    elif cfg.layer == "gpt-layer":
+        comm = build.gpt_layer("")
+    else:
+        comm = {
+            "column": lambda: build.column("column", h, h),
+            "row": lambda: build.row("row", h, h, input_is_parallel=cfg.input_is_parallel),
+            "mlp": lambda: build.mlp("mlp."),
+            "attention": lambda: build.attention("attention."),
+            "embedding": lambda: build.embedding("embedding"),
+            "loss": lambda: build.loss("loss", (cfg.seq_len, cfg.batch)),
+        }[cfg.layer]()
+        if cfg.recompute:
+            comm = _checkpointed(comm)
+    return [*comm.forward, *comm.backward, *grads]
+
+
+def forward_flops_per_rank(cfg: CommConfig) -> float:
+    """Matmul FLOPs of one forward pass on one rank (elementwise work is ignored).
+
+    Causal masking is not subtracted from attention's ``QK^T`` and ``AV``, as is customary.
+    """
+    tokens, h, f, n = cfg.seq_len * cfg.batch, cfg.hidden, cfg.ffn_hidden, cfg.tp
+    mlp = 2 * tokens * 2 * h * f / n
+    attention = 2 * tokens * (3 * h * h + h * h) / n + 2 * 2 * cfg.batch * cfg.seq_len ** 2 * h / n
+    return {
+        "column": 2 * tokens * h * h / n,
+        "row": 2 * tokens * h * h / n,
+        "mlp": mlp,
+        "attention": attention,
+        "embedding": 0.0,
+        "loss": 0.0,
+        "gpt-layer": attention + mlp,
+        "gpt-step": cfg.layers * (attention + mlp) + 2 * tokens * h * cfg.vocab / n,
+    }[cfg.layer]
+
+
+def step_flops_per_rank(cfg: CommConfig) -> float:
+    """Forward + backward (dgrad and wgrad, each as costly as the forward), plus the
+    recomputed forward of checkpointed layers."""
+    forward = forward_flops_per_rank(cfg)
+    if cfg.recompute:
+        recomputed = forward
+        if cfg.layer == "gpt-step":  # the LM head is not checkpointed
+            recomputed -= 2 * cfg.seq_len * cfg.batch * cfg.hidden * cfg.vocab / cfg.tp
+        return 3 * forward + recomputed
+    return 3 * forward
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """A tensor kept for backward; ``tp_sharded`` ones live inside the TP region."""
+
+    name: str
+    numel: int
+    element_size: int
+    tp_sharded: bool
+
+    def bytes_per_rank(self, *, tp: int, sp: bool) -> float:
+        # Under SP the tensors outside the TP region hold only this rank's tokens.
+        return self.numel * self.element_size / (tp if self.tp_sharded or sp else 1)
+
+
+def saved_activations(cfg: CommConfig) -> list[Activation]:
+    """What ``cfg.layer`` keeps for backward (per GPT layer for ``gpt-step``), input first.
+
+    The accounting of Korthikanti et al. 2022, section 4.1: linear and LayerNorm inputs, the
+    GELU input, softmax output and its dropout, and 1-byte dropout masks. With recompute only
+    the input of the checkpointed unit is kept. Embedding and loss are not modelled (empty).
+    """
+    s, b, h, a, e = cfg.seq_len, cfg.batch, cfg.hidden, cfg.heads, cfg.element_size
+    sbh, sbf, scores = s * b * h, s * b * cfg.ffn_hidden, b * a * s * s
+    mlp = [Activation("fc1 input", sbh, e, False), Activation("gelu input", sbf, e, True),
+           Activation("fc2 input", sbf, e, True)]
+    attention = [Activation("qkv input", sbh, e, False), Activation("q, k, v", 3 * sbh, e, True),
+                 Activation("softmax output", scores, e, True),
+                 Activation("attention dropout mask", scores, 1, True),
+                 Activation("attention dropout output", scores, e, True),
+                 Activation("proj input", sbh, e, True)]
+    layer = [Activation("ln1 input", sbh, e, False), *attention,
+             Activation("attention residual dropout mask", sbh, 1, False),
+             Activation("ln2 input", sbh, e, False), *mlp,
+             Activation("mlp residual dropout mask", sbh, 1, False)]
+    kept = {
+        "column": [Activation("input", sbh, e, False)],
+        "row": [Activation("input", sbh, e, True)],
+        "mlp": mlp,
+        "attention": attention,
+        "embedding": [],
+        "loss": [],
+        "gpt-layer": layer,
+        "gpt-step": layer,
+    }[cfg.layer]
+    return kept[:1] if cfg.recompute else kept
+
+
+def activation_memory(cfg: CommConfig) -> float:
+    """Activation bytes :func:`saved_activations` keeps on each rank.
+
+    Example (Korthikanti et al.'s ``sbh(10 + 24/t + 5as/(ht))`` bytes at bf16, TP only)::
+
+        activation_memory(CommConfig(layer="gpt-layer", hidden=4096, seq_len=2048, tp=8))
+    """
+    return sum(a.bytes_per_rank(tp=cfg.tp, sp=cfg.sp) for a in saved_activations(cfg))
+
+
+def summarize(cfg: CommConfig, ops: list[CommOp], *, bandwidth_gbps: float, latency_us: float,
+              tflops: float) -> dict:
+    """Totals of ``ops`` (overall and per phase), the estimated time, and its share of compute.
+
+    ``comm_share_of_compute`` is communication time over the step's matmul time at ``tflops``
+    per rank, counting every collective as exposed (none hidden behind compute): an upper
+    bound. It is None when the layer does no matmul (embedding, loss).
+    """
+    link = {"bandwidth_gbps": bandwidth_gbps, "latency_us": latency_us}
+
+    def total(selected):
+        return {"count": len(selected), "bytes": sum(op.bytes for op in selected),
+                "bytes_sent_per_rank": sum(op.bytes_sent_per_rank for op in selected),
+                "time_s": sum(op.time_s(**link) for op in selected)}
+
+    totals = total(ops)
+    totals["by_phase"] = {phase: total([op for op in ops if op.phase == phase])
+                          for phase in PHASES if any(op.phase == phase for op in ops)}
+    flops = step_flops_per_rank(cfg)
+    compute_s = flops / (tflops * 1e12)
+    totals.update(flops_per_rank=flops, compute_time_s=compute_s,
+                  comm_share_of_compute=totals["time_s"] / compute_s if flops else None)
+    return totals

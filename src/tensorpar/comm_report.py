@@ -1,0 +1,387 @@
+"""``tensorpar comm``: the predicted TP collectives of a layer or GPT step, optionally measured.
+
+The prediction is :mod:`tensorpar.comm_model`'s. ``--measure`` runs the same layer on
+``--tp`` spawned gloo ranks under a :class:`tensorpar.CommLedger` (sizes divided by
+``--scale``) and prints each measured collective next to the predicted one.
+
+Example (seed 002)::
+
+    tensorpar comm --layer column --gather-output --hidden 4096 --seq-len 2048 --batch 1 \\
+        --tp 2 --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import re
+import socket
+import sys
+import tempfile
+
+import torch
+from torch import nn
+
+from .comm import CommLedger
+from .comm_model import (
+    DTYPES,
+    LAYERS,
+    WGRAD_REGATHER,
+    CommConfig,
+    activation_memory,
+    collectives,
+    summarize,
+)
+
+_MEASURE_TIMEOUT_S = 120
+
+
+# --- measurement --------------------------------------------------------------------------------
+
+class _RecomputeLabels:
+    """Labels the collectives of a checkpointed module ``recompute`` when it re-runs in backward.
+
+    A checkpointed module's forward runs once in the forward pass and once more, to recompute
+    its activations, during the backward pass; the second run is what gets the label.
+    """
+
+    def __init__(self, ledger: CommLedger) -> None:
+        self.ledger, self.in_backward, self._open = ledger, False, []
+
+    def attach(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self._enter)
+        module.register_forward_hook(self._exit)
+
+    def _enter(self, module, args) -> None:
+        if self.in_backward:
+            phase = self.ledger.phase("recompute")
+            phase.__enter__()
+            self._open.append(phase)
+
+    def _exit(self, module, args, output) -> None:
+        if self.in_backward:
+            self._open.pop().__exit__(None, None, None)
+
+
+def record_key(op) -> tuple:
+    """What prediction and measurement must agree on: a ``CommOp`` or ``CommRecord``."""
+    return (op.phase, op.op, tuple(op.shape), str(op.dtype).replace("torch.", ""), op.bytes, op.reduce_op)
+
+
+class _OutputOnly(nn.Module):
+    """A TP linear (which returns ``(output, bias)``) as a module returning its output."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x)[0]
+
+
+def _workload(cfg: CommConfig):
+    """``(module, args)``: the layer of ``cfg`` on this rank and its inputs."""
+    import tensorpar as tp
+
+    n, dtype = cfg.tp, cfg.torch_dtype
+    s, b, h = cfg.seq_len, cfg.batch, cfg.hidden
+    local_s = s // n if cfg.sp else s
+    if cfg.layer == "column":
+        layer = tp.ColumnParallelLinear(h, h, gather_output=cfg.gather_output, sequence_parallel=cfg.sp,
+                                        params_dtype=dtype)
+        return _OutputOnly(layer), (torch.randn(local_s, b, h, dtype=dtype, requires_grad=True),)
+    if cfg.layer == "row":
+        layer = tp.RowParallelLinear(h, h, input_is_parallel=cfg.input_is_parallel, sequence_parallel=cfg.sp,
+                                     params_dtype=dtype)
+        width = h // n if cfg.input_is_parallel else h
+        return _OutputOnly(layer), (torch.randn(s, b, width, dtype=dtype, requires_grad=True),)
+    if cfg.layer == "embedding":
+        layer = tp.VocabParallelEmbedding(cfg.vocab, h, reduce_scatter_embeddings=cfg.sp, params_dtype=dtype)
+        return layer, (torch.randint(0, cfg.vocab, (b, s)),)
+    if cfg.layer == "loss":
+        logits = torch.randn(s, b, cfg.vocab // n, dtype=dtype, requires_grad=True)
+        return _Loss(), (logits, torch.randint(0, cfg.vocab, (s, b)))
+    raise NotImplementedError(cfg.layer)
+
+
+class _Loss(nn.Module):
+    def forward(self, logits, target):
+        import tensorpar as tp
+
+        return tp.vocab_parallel_cross_entropy(logits, target)
+
+
+def measure_on_this_rank(cfg: CommConfig, *, seed: int = 0) -> list[tuple]:
+    """Run ``cfg``'s layer forward and backward here and return its collectives' keys.
+
+    Needs ``tensorpar.initialize_model_parallel(cfg.tp)`` with a TP group of ``cfg.tp`` ranks.
+    """
+    import tensorpar as tp
+
+    tp.model_parallel_manual_seed(seed)
+    module, args = _workload(cfg)
+    with CommLedger() as ledger:
+        labels = _RecomputeLabels(ledger)
+        labels.attach(module)
+        with ledger.phase("forward"):
+            out = tp.checkpoint(module, False, *args) if cfg.recompute else module(*args)
+        with ledger.phase("backward"):
+            labels.in_backward = True
+            out.backward(torch.ones_like(out))
+    return [record_key(r) for r in ledger.records]
+
+
+def _measure_worker(rank: int, cfg: CommConfig, port: int, result_path: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    import tensorpar as tp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.tp,
+                            timeout=datetime.timedelta(seconds=_MEASURE_TIMEOUT_S))
+    try:
+        tp.initialize_model_parallel(cfg.tp)
+        keys = measure_on_this_rank(cfg)
+        if rank == 0:
+            torch.save(keys, result_path)
+    finally:
+        tp.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def measure(cfg: CommConfig) -> list[tuple]:
+    """Spawn ``cfg.tp`` local gloo ranks, run the layer on them, return rank 0's record keys."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "records.pt")
+        mp.spawn(_measure_worker, args=(cfg, port, path), nprocs=cfg.tp, join=True)
+        return torch.load(path)
+
+
+def scaled(cfg: CommConfig, scale: int) -> CommConfig:
+    """``cfg`` with sequence, hidden, FFN and vocab sizes divided by ``scale``."""
+    sizes = {name: getattr(cfg, name) for name in ("seq_len", "hidden", "ffn_hidden", "vocab")}
+    for name, value in sizes.items():
+        if value % scale != 0:
+            raise ValueError(f"--scale {scale} does not divide {name} ({value})")
+    return dataclasses.replace(cfg, **{name: value // scale for name, value in sizes.items()})
+
+
+# --- formatting ---------------------------------------------------------------------------------
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+                     for row in [header, *rows])
+
+
+def _describe(cfg: CommConfig) -> str:
+    modes = [m for m, on in (("sp", cfg.sp), ("recompute", cfg.recompute), ("gather_output", cfg.gather_output),
+                             ("input not parallel", not cfg.input_is_parallel)) if on]
+    sizes = (f"hidden={cfg.hidden} ffn={cfg.ffn_hidden} heads={cfg.heads} seq={cfg.seq_len} batch={cfg.batch} "
+             f"vocab={cfg.vocab} layers={cfg.layers}")
+    return f"{cfg.layer} at TP={cfg.tp}, {cfg.dtype}{', ' + ', '.join(modes) if modes else ''} ({sizes})"
+
+
+def format_report(cfg: CommConfig, args) -> str:
+    """The op table (ops of every GPT layer folded into one row with a count) and totals."""
+    ops = collectives(cfg)
+    link = {"bandwidth_gbps": args.bandwidth, "latency_us": args.latency}
+    rows: dict[tuple, list] = {}
+    for op in ops:
+        key = (op.phase, re.sub(r"^layers\.\d+\.", "layers.*.", op.layer), op.op, op.shape, op.dtype, op.what)
+        rows.setdefault(key, [0, op])[0] += 1
+    table = _table(["phase", "layer", "op", "shape", "dtype", "bytes", "sent/rank", "est. time", "x", "what"],
+                   [[phase, layer, kind, list(shape), _dtype_name(dtype), _size(op.bytes),
+                     _size(op.bytes_sent_per_rank), _duration(op.time_s(**link)), count, what]
+                    for (phase, layer, kind, shape, dtype, what), (count, op) in rows.items()])
+    totals = summarize(cfg, ops, **link, tflops=args.tflops)
+    lines = [f"tensorpar comm: {_describe(cfg)}", "", table if ops else "(no collectives)", ""]
+    for name, t in [("total", totals), *totals["by_phase"].items()]:
+        lines.append(f"{name:<10} {t['count']:>4} ops  {_size(t['bytes']):>10} tensors  "
+                     f"{_size(t['bytes_sent_per_rank']):>10} sent/rank  {_duration(t['time_s']):>10}")
+    lines.append(f"link: {args.bandwidth:g} GB/s per rank, {args.latency:g} us per collective (ring)")
+    if totals["comm_share_of_compute"] is not None:
+        lines.append(f"compute: {totals['flops_per_rank'] / 1e9:.1f} GFLOP per rank = "
+                     f"{_duration(totals['compute_time_s'])} at {args.tflops:g} TFLOP/s; communication = "
+                     f"{100 * totals['comm_share_of_compute']:.1f}% of it if none overlaps")
+    memory = activation_memory(cfg)
+    if memory:
+        per = " per GPT layer" if cfg.layer == "gpt-step" else ""
+        lines.append(f"activations kept for backward{per}: {_size(memory)} per rank")
+    return "\n".join(lines)
+
+
+def report_json(cfg: CommConfig, args) -> dict:
+    ops = collectives(cfg)
+    link = {"bandwidth_gbps": args.bandwidth, "latency_us": args.latency}
+    return {
+        "config": dataclasses.asdict(cfg),
+        "ops": [{"layer": op.layer, "phase": op.phase, "op": op.op, "shape": list(op.shape),
+                 "dtype": _dtype_name(op.dtype), "bytes": op.bytes, "bytes_sent_per_rank": op.bytes_sent_per_rank,
+                 "time_s": op.time_s(**link), "reduce_op": op.reduce_op, "what": op.what} for op in ops],
+        "totals": summarize(cfg, ops, **link, tflops=args.tflops),
+        "link": link,
+        "activation_bytes_per_rank": activation_memory(cfg),
+    }
+
+
+def format_compare(tp_cfg: CommConfig, sp_cfg: CommConfig, args) -> str:
+    """TP and TP+SP side by side: ops per phase, bytes, time, activation memory."""
+    link = {"bandwidth_gbps": args.bandwidth, "latency_us": args.latency}
+    columns = []
+    for cfg in (tp_cfg, sp_cfg):
+        ops = collectives(cfg)
+        totals = summarize(cfg, ops, **link, tflops=args.tflops)
+        column = {}
+        for phase in ("forward", "recompute", "backward", "grads"):
+            counts: dict[str, int] = {}
+            for op in ops:
+                if op.phase == phase:
+                    counts[op.op] = counts.get(op.op, 0) + 1
+            column[f"{phase} ops"] = ", ".join(f"{k} x{v}" for k, v in counts.items()) or "-"
+        column["bytes sent per rank"] = _size(totals["bytes_sent_per_rank"])
+        # SP's extra traffic: the column layers save only their input shard and re-gather it.
+        column["  without wgrad re-gathers"] = _size(sum(op.bytes_sent_per_rank for op in ops
+                                                         if op.what != WGRAD_REGATHER))
+        column["tensor bytes"] = _size(totals["bytes"])
+        column["est. time"] = _duration(totals["time_s"])
+        memory = activation_memory(cfg)
+        column["activations per layer, per rank"] = _size(memory) if memory else "n/a"
+        columns.append(column)
+    rows = [[name, columns[0][name], columns[1][name]] for name in columns[0]
+            if columns[0][name] != "-" or columns[1][name] != "-"]
+    return "\n".join([f"tensorpar comm --compare-sp: {_describe(tp_cfg)}", "",
+                      _table(["", "TP", "TP+SP"], rows)])
+
+
+def format_measured(predicted: list[tuple], measured: list[tuple]) -> tuple[str, int]:
+    """Predicted and measured collectives row by row; returns the text and the mismatch count."""
+    def cell(key):
+        if key is None:
+            return ["-"] * 4
+        phase, op, shape, dtype, nbytes, _ = key
+        return [phase, op, f"{list(shape)} {dtype}", str(nbytes)]
+
+    rows, mismatches = [], 0
+    for i, (p, m) in enumerate(itertools.zip_longest(predicted, measured)):
+        same = p == m
+        mismatches += not same
+        rows.append([str(i + 1), *cell(p), *cell(m), "ok" if same else "DIFFERS"])
+    header = ["#", "phase", "predicted op", "shape", "bytes", "phase", "measured op", "shape", "bytes", ""]
+    summary = (f"measured {len(measured)} collectives, predicted {len(predicted)}: "
+               + ("all agree" if not mismatches else f"{mismatches} differ"))
+    return _table(header, rows) + "\n" + summary, mismatches
+
+
+# --- command ------------------------------------------------------------------------------------
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def register(subparsers) -> None:
+    """Add ``tensorpar comm``."""
+    p = subparsers.add_parser("comm", help="predict (and measure) the TP collectives of a layer or GPT step",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layer", choices=LAYERS, required=True)
+    p.add_argument("--hidden", type=_positive_int, default=4096)
+    p.add_argument("--ffn-hidden", type=_positive_int, default=None, help="default: 4 x hidden")
+    p.add_argument("--heads", type=_positive_int, default=32)
+    p.add_argument("--seq-len", type=_positive_int, default=2048)
+    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--vocab", type=_positive_int, default=50304, help="padded vocabulary size")
+    p.add_argument("--layers", type=_positive_int, default=24, help="transformer layers (gpt-step)")
+    p.add_argument("--tp", type=_positive_int, default=2)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument("--recompute", action="store_true", help="activation recompute of each layer")
+    p.add_argument("--gather-output", action="store_true", help="column layer gathers its output")
+    p.add_argument("--input-is-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="row layer input already split on the last dim (default: yes)")
+    p.add_argument("--bandwidth", type=_positive_float, default=100.0, help="GB/s per rank (default 100)")
+    p.add_argument("--latency", type=_positive_float, default=10.0, help="us per collective (default 10)")
+    p.add_argument("--tflops", type=_positive_float, default=100.0, help="TFLOP/s per rank (default 100)")
+    output = p.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="machine-readable output")
+    output.add_argument("--compare-sp", action="store_true", help="TP and TP+SP side by side")
+    output.add_argument("--measure", action="store_true", help="also run it on --tp local gloo ranks")
+    p.add_argument("--scale", type=_positive_int, default=1,
+                   help="with --measure: divide seq-len, hidden, ffn-hidden and vocab by this")
+    p.set_defaults(func=run, parser=p)
+
+
+def _config(args, **overrides) -> CommConfig:
+    fields = dict(layer=args.layer, hidden=args.hidden, ffn_hidden=args.ffn_hidden, heads=args.heads,
+                  seq_len=args.seq_len, batch=args.batch, vocab=args.vocab, layers=args.layers, tp=args.tp,
+                  dtype=args.dtype, sp=args.sp, recompute=args.recompute, gather_output=args.gather_output,
+                  input_is_parallel=args.input_is_parallel)
+    fields.update(overrides)
+    return CommConfig(**fields)
+
+
+def run(args) -> int:
+    """Print the report; with ``--measure`` exit 1 if measurement and prediction differ."""
+    try:
+        cfg = _config(args)
+        if args.compare_sp:
+            print(format_compare(_config(args, sp=False), _config(args, sp=True), args))
+            return 0
+        if args.json:
+            print(json.dumps(report_json(cfg, args), indent=2))
+            return 0
+        if args.measure:
+            cfg = scaled(cfg, args.scale)
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    print(format_report(cfg, args))
+    if not args.measure:
+        return 0
+    if cfg.tp == 1:
+        print("\n--measure: nothing to measure with one TP rank")
+        return 0
+    print(f"\nmeasuring on {cfg.tp} local gloo ranks" + (f" (sizes / {args.scale})" if args.scale > 1 else ""))
+    sys.stdout.flush()
+    text, mismatches = format_measured([record_key(op) for op in collectives(cfg)], measure(cfg))
+    print(text)
+    return 1 if mismatches else 0

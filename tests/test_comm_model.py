@@ -1,0 +1,194 @@
+"""The communication model against seed 002's arithmetic and against CommLedger measurements."""
+
+import functools
+import json
+import traceback
+
+import pytest
+import torch
+
+import tensorpar as tp
+from tensorpar import cli
+from tensorpar.comm_model import CommConfig, activation_memory, collectives, summarize
+from tensorpar.comm_report import measure_on_this_rank, record_key, scaled
+from tests.harness import run_on_ranks
+
+MiB = 1 << 20
+SEED_EXAMPLE = ["comm", "--layer", "column", "--gather-output", "--hidden", "4096", "--seq-len", "2048",
+                "--batch", "1", "--tp", "2", "--dtype", "bf16"]
+
+
+# --- analytic -----------------------------------------------------------------------------------
+
+def test_seed_002_example_one_all_gather_forward_one_all_reduce_backward_of_16_mib():
+    cfg = CommConfig(layer="column", gather_output=True, hidden=4096, seq_len=2048, batch=1, tp=2, dtype="bf16")
+    ops = collectives(cfg)
+    assert [(op.phase, op.op, op.shape, op.bytes) for op in ops] == [
+        ("forward", "all_gather", (2048, 1, 4096), 16 * MiB),
+        ("backward", "all_reduce", (2048, 1, 4096), 16 * MiB)]
+    # Ring: an all-gather sends (N-1)/N of the tensor per rank, an all-reduce twice that.
+    assert [op.bytes_sent_per_rank for op in ops] == [8 * MiB, 16 * MiB]
+
+
+def test_seed_002_example_on_the_command_line(capsys):
+    assert cli.main(SEED_EXAMPLE) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("forward ", "backward "))]
+    assert [(r[0], r[2], r[7], r[8]) for r in rows if r[1] == "column"] == [
+        ("forward", "all_gather", "16.0", "MiB"), ("backward", "all_reduce", "16.0", "MiB")]
+
+
+def test_json_lists_every_op_with_full_and_sent_bytes(capsys):
+    assert cli.main(SEED_EXAMPLE + ["--json", "--bandwidth", "50", "--latency", "5"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(o["layer"], o["phase"], o["op"], o["shape"], o["dtype"], o["bytes"], o["bytes_sent_per_rank"])
+            for o in report["ops"]] == [
+        ("column", "forward", "all_gather", [2048, 1, 4096], "bf16", 16 * MiB, 8 * MiB),
+        ("column", "backward", "all_reduce", [2048, 1, 4096], "bf16", 16 * MiB, 16 * MiB)]
+    assert report["ops"][0]["time_s"] == pytest.approx(5e-6 + 8 * MiB / 50e9)
+    totals = report["totals"]
+    assert (totals["count"], totals["bytes"], totals["bytes_sent_per_rank"]) == (2, 32 * MiB, 24 * MiB)
+    assert totals["by_phase"]["forward"]["count"] == totals["by_phase"]["backward"]["count"] == 1
+    # Column 4096 -> 4096 over 2048 tokens: 2*T*h*h/N forward, three times that for the step.
+    flops = 3 * 2 * 2048 * 4096 * 4096 / 2
+    assert totals["flops_per_rank"] == flops
+    assert totals["comm_share_of_compute"] == pytest.approx(totals["time_s"] / (flops / 100e12))
+
+
+def test_sequence_parallel_trades_each_all_reduce_for_reduce_scatter_plus_all_gather():
+    for layer in ("mlp", "attention", "gpt-layer"):
+        plain, sp = (collectives(CommConfig(layer=layer, tp=4, sp=sp)) for sp in (False, True))
+        assert {op.op for op in plain} == {"all_reduce"}
+        assert {op.op for op in sp} == {"all_gather", "reduce_scatter"}
+        regather = [op for op in sp if op.what == "input re-gather for wgrad"]
+        # Same bytes on the wire, except the wgrad re-gather SP pays for its memory saving.
+        assert sum(op.bytes_sent_per_rank for op in plain) == pytest.approx(
+            sum(op.bytes_sent_per_rank for op in sp) - sum(op.bytes_sent_per_rank for op in regather))
+        assert len(regather) == {"mlp": 1, "attention": 1, "gpt-layer": 2}[layer]
+
+
+def test_recompute_repeats_each_layers_forward_just_before_its_backward():
+    ops = collectives(CommConfig(layer="gpt-step", layers=2, tp=2, sp=True, recompute=True))
+    phases = [(op.layer.split(".")[1] if op.layer.startswith("layers.") else "-", op.phase) for op in ops]
+    backward = [p for p in phases if p[1] in ("recompute", "backward") and p[0] != "-"]
+    assert backward == [("1", "recompute")] * 4 + [("1", "backward")] * 6 + \
+        [("0", "recompute")] * 4 + [("0", "backward")] * 6
+    assert [op.layer for op in ops if op.phase == "recompute"][:4] == [
+        "layers.1.attention.qkv", "layers.1.attention.proj", "layers.1.mlp.fc1", "layers.1.mlp.fc2"]
+
+
+def test_activation_memory_follows_korthikanti_et_al():
+    s, b, h, a, t = 2048, 2, 4096, 32, 8
+    sbh = s * b * h
+    base = dict(layer="gpt-layer", hidden=h, heads=a, seq_len=s, batch=b, tp=t, dtype="bf16")
+    assert activation_memory(CommConfig(**base)) == sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    assert activation_memory(CommConfig(**base, sp=True)) == sbh * (34 / t + 5 * a * s / (h * t))
+    assert activation_memory(CommConfig(**base, recompute=True)) == 2 * sbh
+    assert activation_memory(CommConfig(**base, sp=True, recompute=True)) == 2 * sbh / t
+
+
+def test_one_rank_communicates_nothing():
+    cfg = CommConfig(layer="gpt-step", tp=1, sp=False)
+    assert collectives(cfg) == []
+    assert summarize(cfg, [], bandwidth_gbps=1, latency_us=1, tflops=1)["time_s"] == 0
+
+
+def test_scale_divides_sizes_and_refuses_a_remainder():
+    cfg = scaled(CommConfig(layer="mlp", hidden=4096, seq_len=2048), 16)
+    assert (cfg.hidden, cfg.ffn_hidden, cfg.seq_len, cfg.vocab) == (256, 1024, 128, 3144)
+    with pytest.raises(ValueError, match=r"--scale 3 does not divide seq_len \(2048\)"):
+        scaled(CommConfig(layer="mlp"), 3)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(layer="column", hidden=4095, tp=2), r"hidden \(4095\) is not divisible by the tensor-parallel size \(2\)"),
+    (dict(layer="mlp", ffn_hidden=1001, tp=4), r"ffn_hidden \(1001\) is not divisible by the tensor-parallel"),
+    (dict(layer="attention", hidden=4800, heads=12, tp=8), r"heads \(12\) is not divisible by the tensor-parallel size \(8\)"),
+    (dict(layer="attention", hidden=1000, heads=16), r"hidden \(1000\) is not divisible by heads \(16\)"),
+    (dict(layer="row", seq_len=2049, sp=True), r"seq_len \(2049\) is not divisible by the tensor-parallel"),
+    (dict(layer="embedding", vocab=50257), r"vocab \(50257\) is not divisible"),
+    (dict(layer="mlp", batch=0), r"batch must be a positive integer, got 0"),
+    (dict(layer="mlp", seq_len=-8), r"seq_len must be a positive integer, got -8"),
+    (dict(layer="mlp", dtype="fp8"), r"unknown dtype 'fp8'"),
+    (dict(layer="conv"), r"unknown layer kind 'conv'"),
+    (dict(layer="column", sp=True, gather_output=True), r"gather_output applies to --layer column without"),
+    (dict(layer="loss", recompute=True), r"recompute does not apply to --layer loss"),
+])
+def test_bad_config_is_a_clear_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CommConfig(**kwargs)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layer", "column", "--hidden", "4095"], "hidden (4095) is not divisible by the tensor-parallel size (2)"),
+    (["--layer", "mlp", "--hidden", "0"], "argument --hidden: expected a positive integer, got 0"),
+    (["--layer", "mlp", "--tp", "-2"], "argument --tp: expected a positive integer, got -2"),
+    (["--layer", "mlp", "--dtype", "fp8"], "invalid choice: 'fp8'"),
+    (["--layer", "mlp", "--bandwidth", "0"], "argument --bandwidth: expected a positive number, got 0"),
+])
+def test_bad_command_line_exits_2_naming_the_value(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["comm", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_compare_sp_prints_both_columns(capsys):
+    assert cli.main(["comm", "--layer", "gpt-layer", "--tp", "8", "--compare-sp"]) == 0
+    rows = {line[:33].strip(): line[33:].split() for line in capsys.readouterr().out.splitlines()}
+    assert rows["forward ops"] == ["all_reduce", "x2", "all_gather", "x2,", "reduce_scatter", "x2"]
+    assert rows["without wgrad re-gathers"] == ["112.0", "MiB", "112.0", "MiB"]
+    assert rows["activations per layer, per rank"] == ["184.0", "MiB", "114.0", "MiB"]
+
+
+# --- measured: the model's op list equals what the real layers issue ---------------------------
+
+TINY = dict(hidden=16, ffn_hidden=32, heads=4, seq_len=8, batch=2, vocab=32, layers=2, dtype="fp32")
+
+
+def _cases(world_size):
+    modes = [(sp, rc) for sp in (False, True) for rc in (False, True)]
+    cases = [dict(layer="column", gather_output=True, recompute=rc) for rc in (False, True)]
+    cases += [dict(layer="row", input_is_parallel=False, recompute=rc) for rc in (False, True)]
+    cases += [dict(layer=layer, sp=sp, recompute=rc) for layer in ("column", "row", "mlp", "attention",
+                                                                      "gpt-layer", "gpt-step")
+              for sp, rc in modes]
+    cases += [dict(layer=layer, sp=sp) for layer in ("embedding", "loss") for sp in (False, True)]
+    cases += [dict(layer="mlp", sp=True, dtype="bf16"), dict(layer="column", dtype="fp16")]
+    return [CommConfig(**{**TINY, "tp": world_size, **case}) for case in cases]
+
+
+def _measure_body(configs):
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    results = []
+    for cfg in configs:
+        try:
+            results.append(measure_on_this_rank(cfg))
+        except Exception:  # one layer's failure is that case's failure, not the whole batch's
+            results.append(traceback.format_exc())
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(world_size):
+    """Per rank, the record of every case: one batch per world size."""
+    return run_on_ranks(_measure_body, world_size, _cases(world_size))
+
+
+def _case_id(cfg):
+    modes = [m for m, on in (("sp", cfg.sp), ("recompute", cfg.recompute), ("gather", cfg.gather_output),
+                             ("unsplit-input", not cfg.input_is_parallel), (cfg.dtype, cfg.dtype != "fp32"))
+             if on]
+    return "-".join([cfg.layer, *modes])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("case", range(len(_cases(2))), ids=[_case_id(c) for c in _cases(2)])
+def test_model_equals_commledger_record(world_size, case):
+    cfg = _cases(world_size)[case]
+    per_rank = _measured(world_size)
+    got = per_rank[0][case]
+    assert not isinstance(got, str), f"running {_case_id(cfg)} failed:\n{got}"
+    # Every rank issues the same collectives.
+    assert all(rank[case] == got for rank in per_rank)
+    assert got == [record_key(op) for op in collectives(cfg)]
