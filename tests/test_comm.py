@@ -1,0 +1,72 @@
+"""Collectives along any dimension, async handles, and what CommLedger records."""
+
+import pytest
+import torch
+
+import tensorpar as tp
+from tensorpar import comm
+from tests.harness import run_on_ranks
+
+
+def _collectives_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    group = tp.get_tensor_model_parallel_group()
+    n, r = comm.group_size(group), comm.group_rank(group)
+    torch.manual_seed(0)
+    per_rank = [torch.randn(2 * n, 2 * n, 4 * n) for _ in range(n)]
+    mine, total = per_rank[r], sum(per_rank)
+    for dim in (0, 1, 2, -1):
+        torch.testing.assert_close(comm.all_gather(per_rank[0].chunk(n, dim)[r], group, dim=dim), per_rank[0])
+        handle = comm.all_gather(per_rank[0].chunk(n, dim)[r], group, dim=dim, async_op=True)
+        torch.testing.assert_close(handle.wait(), per_rank[0])
+    for dim in (0, 1, 2, -1):
+        torch.testing.assert_close(comm.reduce_scatter(mine, group, dim=dim), total.chunk(n, dim)[r])
+        handle = comm.reduce_scatter(mine, group, dim=dim, async_op=True)
+        torch.testing.assert_close(handle.wait(), total.chunk(n, dim)[r])
+    torch.testing.assert_close(comm.all_reduce(mine.clone(), group), total)
+    torch.testing.assert_close(comm.all_reduce(mine.clone(), group, async_op=True).wait(), total)
+    torch.testing.assert_close(comm.all_reduce(mine.clone(), group, op="max"),
+                               torch.stack(per_rank).amax(0))
+    sent = torch.cat([torch.full((1, 2), float(10 * r + j)) for j in range(n)])
+    received = comm.all_to_all(sent, group)
+    torch.testing.assert_close(received, torch.cat([torch.full((1, 2), float(10 * j + r)) for j in range(n)]))
+    source = torch.full((2,), float(r))
+    comm.broadcast(source, tp.get_tensor_model_parallel_src_rank(), group)
+    torch.testing.assert_close(source, torch.zeros(2))
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_collectives_along_any_dim_sync_and_async(world_size):
+    assert all(run_on_ranks(_collectives_body, world_size))
+
+
+def _ledger_body():
+    tp.initialize_model_parallel(2)
+    group = tp.get_tensor_model_parallel_group()
+    x = torch.randn(4, 6, dtype=torch.bfloat16)
+    with tp.CommLedger() as outer:
+        comm.all_reduce(x.clone(), group)
+        with tp.CommLedger() as inner, inner.phase("backward"):
+            comm.reduce_scatter(x, group, dim=1, async_op=True).wait()
+        comm.all_gather(x, group, dim=1)
+    return outer.records, inner.records
+
+
+def test_ledger_records_op_shape_bytes_group_and_phase_and_nests():
+    outer, inner = run_on_ranks(_ledger_body, 2)[0]
+    assert [(r.op, r.shape, r.bytes, r.group_size, r.async_op, r.phase) for r in outer] == [
+        ("all_reduce", (4, 6), 48, 2, False, None),
+        ("reduce_scatter", (4, 6), 48, 2, True, None),
+        ("all_gather", (4, 12), 96, 2, False, None)]
+    assert [(r.op, r.phase) for r in inner] == [("reduce_scatter", "backward")]
+    assert outer[0].bytes_sent_per_rank == 48 and outer[2].bytes_sent_per_rank == 48
+    assert all(r.dtype == torch.bfloat16 for r in outer)
+
+
+def test_ledger_summary_and_queries_without_distributed():
+    ledger = tp.CommLedger()
+    ledger.records.append(comm.CommRecord("all_reduce", torch.float32, (2, 2), 16, 4, True, "forward"))
+    assert ledger.count("all_reduce", phase="forward") == 1 and ledger.total_bytes() == 16
+    assert ledger.records[0].bytes_sent_per_rank == 16 * 2 * 3 / 4
+    assert "all_reduce" in ledger.summary() and ledger.ops() == ["all_reduce"]
