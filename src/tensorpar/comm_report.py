@@ -226,7 +226,7 @@ def format_report(cfg: CommConfig, args) -> str:
                      f"{_size(t['bytes_sent_per_rank']):>10} sent/rank  {_duration(t['time_s']):>10}")
     lines.append(f"link: {args.bandwidth:g} GB/s per rank, {args.latency:g} us per collective (ring)")
     if totals["comm_share_of_compute"] is not None:
-        lines.append(f"compute: {totals['flops_per_rank'] / 1e9:.1f} GFLOP per rank = "
+        lines.append(f"compute: {totals['flops_per_rank'] / 1e9:.4g} GFLOP per rank = "
                      f"{_duration(totals['compute_time_s'])} at {args.tflops:g} TFLOP/s; communication = "
                      f"{100 * totals['comm_share_of_compute']:.1f}% of it if none overlaps")
     memory = activation_memory(cfg)
