@@ -1,0 +1,213 @@
+"""Training data: the embedded corpus, a byte-level tokenizer, token files and batch sampling.
+
+With no ``--data`` the corpus is the running Python's own standard library source (every
+top-level ``*.py`` file, in sorted order): real text that exists on every machine with Python,
+so nothing is downloaded. ``--data`` takes a text file, a directory of text files, or a
+pre-tokenized token file (raw little-endian integers plus a ``<file>.json`` sidecar, see
+:func:`write_token_file`), which is memory-mapped so it may be larger than memory.
+
+Batches are a pure function of ``(seed, step)``: the sampler draws the offsets of the whole
+global batch from a generator seeded with both, and each DP rank takes its slice. TP ranks of
+one group therefore see the same batch without any communication, and the data position to
+checkpoint is just the step.
+
+Example::
+
+    corpus = load_corpus(None)
+    train, val = corpus.split(val_fraction=0.05, seq_len=128)
+    sampler = BatchSampler(train, seq_len=128, micro_batch=8, grad_accum=1,
+                           dp_rank=0, dp_size=1, seed=0)
+    for tokens, labels in sampler.micro_batches(step=0): ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+
+EOT = 256
+BYTE_VOCAB_SIZE = 257
+TOKEN_FILE_FORMAT = "tensorpar-tokens"
+_TOKEN_DTYPES = {"uint8": torch.uint8, "uint16": torch.uint16, "int32": torch.int32}
+
+
+class DataError(ValueError):
+    """A data path or file that cannot be used; the message names it."""
+
+
+def encode(text: str | bytes) -> torch.Tensor:
+    """Byte-level tokens of ``text`` (UTF-8 bytes are the token ids), as int64."""
+    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+
+
+def decode(tokens) -> str:
+    """Text of byte-level tokens; EOT and malformed UTF-8 become replacement characters."""
+    ids = [int(t) for t in tokens]
+    return bytes(i if i < 256 else 0xFF for i in ids).decode("utf-8", errors="replace")
+
+
+@dataclasses.dataclass
+class Corpus:
+    """A 1-D token tensor (possibly memory-mapped), its vocabulary and where it came from."""
+
+    tokens: torch.Tensor
+    vocab_size: int
+    tokenizer: str | None
+    source: str
+
+    def split(self, *, val_fraction: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(train, validation): the last ``val_fraction`` of the tokens is held out."""
+        total = self.tokens.numel()
+        n_val = max(int(total * val_fraction), seq_len + 2)
+        n_train = total - n_val
+        if n_train < seq_len + 2:
+            raise DataError(f"{self.source}: {total} tokens are too few for --seq-len {seq_len} "
+                            f"with a validation split (need at least {2 * (seq_len + 2)})")
+        return self.tokens[:n_train], self.tokens[n_train:]
+
+
+def stdlib_files() -> list[Path]:
+    """The embedded corpus: this Python's top-level standard library modules, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.glob("*.py") if p.is_file())
+
+
+def _files_to_tokens(files: list[Path], source: str) -> torch.Tensor:
+    documents = [data for data in (path.read_bytes() for path in files) if data]
+    if not documents:
+        raise DataError(f"{source}: no text found (empty files)")
+    # Each document is followed by EOT so samples can tell where one file ends.
+    lengths = torch.tensor([len(d) + 1 for d in documents])
+    tokens = torch.full((int(lengths.sum()),), EOT, dtype=torch.int16)
+    is_text = torch.ones_like(tokens, dtype=torch.bool)
+    is_text[lengths.cumsum(0) - 1] = False
+    tokens[is_text] = torch.frombuffer(bytearray(b"".join(documents)), dtype=torch.uint8).to(torch.int16)
+    return tokens
+
+
+def _read_sidecar(path: Path) -> dict | None:
+    sidecar = Path(f"{path}.json")
+    if not sidecar.is_file():
+        return None
+    try:
+        meta = json.loads(sidecar.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DataError(f"{sidecar}: unreadable token-file header ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != TOKEN_FILE_FORMAT:
+        return None
+    return meta
+
+
+def _load_token_file(path: Path, meta: dict) -> Corpus:
+    dtype_name = meta.get("dtype")
+    if dtype_name not in _TOKEN_DTYPES:
+        raise DataError(f"{path}.json: dtype {dtype_name!r} is not one of {sorted(_TOKEN_DTYPES)}")
+    vocab_size = meta.get("vocab_size")
+    if not isinstance(vocab_size, int) or vocab_size < 2:
+        raise DataError(f"{path}.json: vocab_size {vocab_size!r} is not an integer >= 2")
+    dtype = _TOKEN_DTYPES[dtype_name]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = path.stat().st_size
+    if nbytes == 0:
+        raise DataError(f"{path}: empty token file")
+    if nbytes % itemsize:
+        raise DataError(f"{path}: size {nbytes} bytes is not a multiple of {dtype_name} ({itemsize} bytes)")
+    # shared=False maps the file copy-on-write: pages load lazily and the file is never modified.
+    tokens = torch.from_file(str(path), shared=False, size=nbytes // itemsize, dtype=dtype)
+    return Corpus(tokens, vocab_size, meta.get("tokenizer"), str(path))
+
+
+def check_data_path(path: str | os.PathLike) -> None:
+    """Cheap checks of a ``--data`` path before any process starts: exists and is not empty."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"--data {path}: no such file or directory")
+    if path.is_dir():
+        if not any(p.is_file() and p.stat().st_size for p in path.rglob("*")):
+            raise DataError(f"--data {path}: the directory contains no non-empty files")
+    elif path.stat().st_size == 0:
+        raise DataError(f"--data {path}: the file is empty")
+
+
+def load_corpus(path: str | os.PathLike | None) -> Corpus:
+    """The embedded corpus (``None``), a text file, a directory of text files, or a token file."""
+    if path is None:
+        files = stdlib_files()
+        source = f"Python {sysconfig.get_python_version()} standard library ({len(files)} files)"
+        return Corpus(_files_to_tokens(files, source), BYTE_VOCAB_SIZE, "bytes", source)
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"--data {path}: no such file or directory")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*")
+                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise DataError(f"--data {path}: the directory contains no files")
+        return Corpus(_files_to_tokens(files, f"--data {path}"), BYTE_VOCAB_SIZE, "bytes", str(path))
+    meta = _read_sidecar(path)
+    if meta is not None:
+        return _load_token_file(path, meta)
+    return Corpus(_files_to_tokens([path], f"--data {path}"), BYTE_VOCAB_SIZE, "bytes", str(path))
+
+
+def write_token_file(path: str | os.PathLike, tokens: torch.Tensor, *, vocab_size: int,
+                     tokenizer: str | None = None) -> None:
+    """Write ``tokens`` as a memory-mappable token file plus its ``.json`` sidecar."""
+    dtype_name = "uint8" if vocab_size <= 256 else "uint16" if vocab_size <= 65536 else "int32"
+    path = Path(path)
+    data = tokens.reshape(-1).to(_TOKEN_DTYPES[dtype_name]).contiguous()
+    with open(path, "wb") as f:
+        f.truncate(data.numel() * data.element_size())
+    if data.numel():
+        # A shared mapping writes through to the file, with no numpy needed.
+        torch.from_file(str(path), shared=True, size=data.numel(), dtype=data.dtype).copy_(data)
+    Path(f"{path}.json").write_text(json.dumps(
+        {"format": TOKEN_FILE_FORMAT, "dtype": dtype_name, "vocab_size": vocab_size, "tokenizer": tokenizer}))
+
+
+def _generator(seed: int, stream: int, step: int) -> torch.Generator:
+    # Mix the three into one 63-bit seed; distinct (stream, step) pairs give unrelated draws.
+    mixed = (seed * 1_000_003 + stream) * 0x9E3779B97F4A7C15 + step
+    return torch.Generator().manual_seed(mixed % (1 << 63))
+
+
+def sample_windows(tokens: torch.Tensor, offsets: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) ``[len(offsets), seq_len]`` int64: windows and the same shifted by one."""
+    rows = torch.stack([tokens[o:o + seq_len + 1].to(torch.int64) for o in offsets.tolist()])
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+@dataclasses.dataclass
+class BatchSampler:
+    """This DP rank's micro-batches of each global batch, a pure function of (seed, step).
+
+    The global batch of a step is ``grad_accum x dp_size x micro_batch`` windows; micro-batch
+    ``k`` of DP rank ``r`` is row ``k``, columns ``r*micro_batch ...`` of that grid, so any
+    (DP size, micro-batch) with the same product sees the same windows in each accumulation step.
+    """
+
+    tokens: torch.Tensor
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    dp_rank: int
+    dp_size: int
+    seed: int
+    stream: int = 0
+
+    def offsets(self, step: int) -> torch.Tensor:
+        """Offsets of the whole global batch, ``[grad_accum, dp_size, micro_batch]``."""
+        high = self.tokens.numel() - self.seq_len - 1
+        count = self.grad_accum * self.dp_size * self.micro_batch
+        drawn = torch.randint(0, high, (count,), generator=_generator(self.seed, self.stream, step))
+        return drawn.view(self.grad_accum, self.dp_size, self.micro_batch)
+
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mine = self.offsets(step)[:, self.dp_rank]
+        return [sample_windows(self.tokens, row, self.seq_len) for row in mine]

@@ -1,0 +1,119 @@
+"""What a person watching a run sees: a progress bar, ``metrics.jsonl`` and ``loss.png``.
+
+Only rank 0 reports. tqdm and matplotlib are optional: without tqdm each logged step is a plain
+line on stderr, without matplotlib there is no plot; either absence is noted once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+METRICS = "metrics.jsonl"
+PLOT = "loss.png"
+
+
+def _note(message: str) -> None:
+    print(f"tensorpar: {message}", file=sys.stderr, flush=True)
+
+
+class Progress:
+    """Rank 0's reporter. ``out=None`` keeps rows in memory only; ``enabled=False`` does nothing.
+
+    On resume (``first_step > 0``) rows of ``metrics.jsonl`` after ``first_step`` (left by the
+    interrupted run) are dropped, so the file describes one continuous run.
+    """
+
+    def __init__(self, *, out: Path | None, total_steps: int, first_step: int, enabled: bool,
+                 bar: bool = True) -> None:
+        self.out, self.enabled = out, enabled
+        self.rows: list[dict] = []
+        self._bar = None
+        self._started = time.perf_counter()
+        if not enabled:
+            return
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            metrics = out / METRICS
+            if first_step > 0 and metrics.is_file():
+                self.rows = [row for line in metrics.read_text().splitlines() if line.strip()
+                             for row in [json.loads(line)] if row["step"] <= first_step]
+            metrics.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+        if bar:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                _note("tqdm is not installed: plain log lines instead of a progress bar")
+            else:
+                self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True,
+                                 file=sys.stderr)
+
+    def _append(self, row: dict) -> None:
+        self.rows.append(row)
+        if self.out is not None:
+            with open(self.out / METRICS, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def step(self, *, step: int, loss: float, lr: float, tokens_per_s: float, grad_norm: float,
+             log: bool) -> None:
+        """Advance the bar by one step; write a metrics row when ``log``."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        if log:
+            self._append({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s,
+                          "grad_norm": grad_norm, "elapsed_s": round(time.perf_counter() - self._started, 3)})
+            if self._bar is None:
+                _note(f"step {step} loss {loss:.4f} lr {lr:.2e} {tokens_per_s:,.0f} tokens/s")
+
+    def eval(self, *, step: int, val_loss: float) -> None:
+        if not self.enabled:
+            return
+        self._append({"step": step, "val_loss": val_loss})
+        message = f"step {step} validation loss {val_loss:.4f}"
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stderr)
+        else:
+            _note(message)
+        self.plot()
+
+    def plot(self) -> None:
+        """Write ``loss.png`` (train and validation loss against step)."""
+        if not self.enabled or self.out is None:
+            return
+        try:
+            import matplotlib
+        except ImportError:
+            if not getattr(Progress, "_noted_plot", False):
+                Progress._noted_plot = True
+                _note("matplotlib is not installed: no loss.png")
+            return
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+
+        train = [(r["step"], r["loss"]) for r in self.rows if "loss" in r and math.isfinite(r["loss"])]
+        val = [(r["step"], r["val_loss"]) for r in self.rows if "val_loss" in r]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if train:
+            ax.plot(*zip(*train), label="train", linewidth=1)
+        if val:
+            ax.plot(*zip(*val), "o-", label="validation")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        tmp = self.out / (PLOT + ".tmp.png")
+        fig.savefig(tmp, dpi=100)
+        plt.close(fig)
+        tmp.replace(self.out / PLOT)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        self.plot()
