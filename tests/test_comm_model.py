@@ -10,7 +10,7 @@ import torch
 import tensorpar as tp
 from tensorpar import cli
 from tensorpar.comm_model import CommConfig, activation_memory, collectives, summarize
-from tensorpar.comm_report import measure_on_this_rank, record_key, scaled
+from tensorpar.comm_report import format_measured, measure_on_this_rank, record_key, scaled
 from tests.harness import run_on_ranks
 
 MiB = 1 << 20
@@ -55,6 +55,12 @@ def test_json_lists_every_op_with_full_and_sent_bytes(capsys):
     assert totals["comm_share_of_compute"] == pytest.approx(totals["time_s"] / (flops / 100e12))
 
 
+def test_ring_volume_is_what_commledger_counts():
+    for op in collectives(CommConfig(layer="gpt-step", layers=1, tp=4, sp=True)):
+        record = tp.CommRecord(op.op, op.dtype, op.shape, op.bytes, op.tp, False)
+        assert op.bytes_sent_per_rank == record.bytes_sent_per_rank
+
+
 def test_sequence_parallel_trades_each_all_reduce_for_reduce_scatter_plus_all_gather():
     for layer in ("mlp", "attention", "gpt-layer"):
         plain, sp = (collectives(CommConfig(layer=layer, tp=4, sp=sp)) for sp in (False, True))
@@ -69,12 +75,12 @@ def test_sequence_parallel_trades_each_all_reduce_for_reduce_scatter_plus_all_ga
 
 def test_recompute_repeats_each_layers_forward_just_before_its_backward():
     ops = collectives(CommConfig(layer="gpt-step", layers=2, tp=2, sp=True, recompute=True))
-    phases = [(op.layer.split(".")[1] if op.layer.startswith("layers.") else "-", op.phase) for op in ops]
+    phases = [(op.layer.split(".")[1] if op.layer.startswith("blocks.") else "-", op.phase) for op in ops]
     backward = [p for p in phases if p[1] in ("recompute", "backward") and p[0] != "-"]
     assert backward == [("1", "recompute")] * 4 + [("1", "backward")] * 6 + \
         [("0", "recompute")] * 4 + [("0", "backward")] * 6
     assert [op.layer for op in ops if op.phase == "recompute"][:4] == [
-        "layers.1.attention.qkv", "layers.1.attention.proj", "layers.1.mlp.fc1", "layers.1.mlp.fc2"]
+        "blocks.1.attention.qkv", "blocks.1.attention.proj", "blocks.1.mlp.fc", "blocks.1.mlp.proj"]
 
 
 def test_activation_memory_follows_korthikanti_et_al():
@@ -141,6 +147,23 @@ def test_compare_sp_prints_both_columns(capsys):
     assert rows["activations per layer, per rank"] == ["184.0", "MiB", "114.0", "MiB"]
 
 
+def test_a_measured_difference_is_flagged():
+    ops = collectives(CommConfig(layer="mlp", tp=2, sp=True))
+    keys = [record_key(op) for op in ops]
+    keys[2] = ("backward", "all_reduce", *keys[2][2:])
+    text, mismatches = format_measured(ops, keys[:-1])
+    assert mismatches == 2
+    assert [line.split()[0] for line in text.splitlines() if line.endswith("DIFFERS")] == ["3", "5"]
+    assert text.splitlines()[-1] == "measured 4 collectives, predicted 5: 2 differ"
+
+
+def test_measure_on_the_command_line_spawns_ranks_and_agrees(capsys):
+    argv = ["comm", "--layer", "row", "--no-input-is-parallel", "--hidden", "256", "--seq-len", "64",
+            "--tp", "2", "--measure", "--scale", "4"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "measured 2 collectives, predicted 2: all agree"
+
+
 # --- measured: the model's op list equals what the real layers issue ---------------------------
 
 TINY = dict(hidden=16, ffn_hidden=32, heads=4, seq_len=8, batch=2, vocab=32, layers=2, dtype="fp32")
@@ -154,7 +177,7 @@ def _cases(world_size):
                                                                       "gpt-layer", "gpt-step")
               for sp, rc in modes]
     cases += [dict(layer=layer, sp=sp) for layer in ("embedding", "loss") for sp in (False, True)]
-    cases += [dict(layer="mlp", sp=True, dtype="bf16"), dict(layer="column", dtype="fp16")]
+    cases += [dict(layer="gpt-step", sp=True, dtype="bf16"), dict(layer="column", dtype="fp16")]
     return [CommConfig(**{**TINY, "tp": world_size, **case}) for case in cases]
 
 

@@ -37,11 +37,6 @@ _RING_SEND_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
 }
 
-# Parameters marked ``sequence_parallel`` per GPT layer (two LayerNorms' weight and bias, the
-# two row-parallel biases) and after the last layer (final LayerNorm weight and bias).
-_SP_PARAMS_PER_LAYER = ("ln1.weight", "ln1.bias", "attention.proj.bias", "ln2.weight", "ln2.bias",
-                        "mlp.fc2.bias")
-
 
 @dataclasses.dataclass(frozen=True)
 class CommConfig:
@@ -68,8 +63,8 @@ class CommConfig:
     input_is_parallel: bool = True
 
     def __post_init__(self) -> None:
-        if self.ffn_hidden is None:
-            object.__setattr__(self, "ffn_hidden", 4 * self.hidden if isinstance(self.hidden, int) else None)
+        if self.ffn_hidden is None and isinstance(self.hidden, int):
+            object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
         if self.layer not in LAYERS:
             raise ValueError(f"unknown layer kind {self.layer!r}; choose one of {', '.join(LAYERS)}")
         if self.dtype not in DTYPES:
@@ -204,7 +199,7 @@ class _Builder:
 
     def mlp(self, prefix: str) -> _Comm:
         h, f = self.cfg.hidden, self.cfg.ffn_hidden
-        return _chain(self.column(f"{prefix}fc1", h, f), self.row(f"{prefix}fc2", f, h))
+        return _chain(self.column(f"{prefix}fc", h, f), self.row(f"{prefix}proj", f, h))
 
     def attention(self, prefix: str) -> _Comm:
         # Core attention runs on this rank's heads: no communication between the two linears.
@@ -231,20 +226,25 @@ class _Builder:
 
     def gpt_layer(self, prefix: str) -> _Comm:
         # LayerNorm, dropout and the residual adds communicate nothing (local tokens under SP).
-        layer = _chain(self.attention(f"{prefix}attention."), self.mlp(f"{prefix}mlp."))
-        return _checkpointed(layer) if self.cfg.recompute else layer
+        return _chain(self.attention(f"{prefix}attention."), self.mlp(f"{prefix}mlp."))
 
     def gpt_step(self) -> tuple[_Comm, tuple[CommOp, ...]]:
+        """tensorpar's GPT: embedding, blocks, final norm, tied LM head (a column layer over the
+        vocab), loss on the ``[s, b]`` labels; then, under SP, the SP-parameter grad all-reduce."""
         h = self.cfg.hidden
-        layers = [self.gpt_layer(f"layers.{i}.") for i in range(self.cfg.layers)]
-        step = _chain(self.embedding("embedding"), *layers, self.column("lm_head", h, self.cfg.vocab),
-                      self.loss("loss", (self.b, self.s)))
+        blocks = [self.gpt_layer(f"blocks.{i}.") for i in range(self.cfg.layers)]
+        if self.cfg.recompute:  # each block is checkpointed; the head and loss are not
+            blocks = [_checkpointed(block) for block in blocks]
+        step = _chain(self.embedding("embedding.word"), *blocks, self.column("lm_head", h, self.cfg.vocab),
+                      self.loss("loss", (self.s, self.b)))
         grads = ()
         if self.cfg.sp:
-            numel = self.cfg.layers * len(_SP_PARAMS_PER_LAYER) * h + 2 * h
-            # params are fp32 here: tensorpar's SP-grad all-reduce is one flat buffer per grad dtype
-            grads = (self.op("sp_grads", "grads", "all_reduce", (numel,), "sequence-parallel param grads",
-                             dtype=torch.float32),)
+            # One flat all-reduce per grad dtype (parameters are in --dtype) of everything marked
+            # sequence_parallel: per block both LayerNorms' weight and bias and both row biases,
+            # the final LayerNorm, and the learned position table (each rank adds its own
+            # tokens' positions; the table is taken to be --seq-len long).
+            numel = self.cfg.layers * 6 * h + 2 * h + self.s * h
+            grads = (self.op("sp_grads", "grads", "all_reduce", (numel,), "sequence-parallel param grads"),)
         return step, grads
 
 
@@ -263,8 +263,6 @@ def collectives(cfg: CommConfig) -> list[CommOp]:
     h = cfg.hidden
     if cfg.layer == "gpt-step":
         comm, grads = build.gpt_step()
-    elif cfg.layer == "gpt-layer":
-        comm = build.gpt_layer("")
     else:
         comm = {
             "column": lambda: build.column("column", h, h),
@@ -273,6 +271,7 @@ def collectives(cfg: CommConfig) -> list[CommOp]:
             "attention": lambda: build.attention("attention."),
             "embedding": lambda: build.embedding("embedding"),
             "loss": lambda: build.loss("loss", (cfg.seq_len, cfg.batch)),
+            "gpt-layer": lambda: build.gpt_layer(""),
         }[cfg.layer]()
         if cfg.recompute:
             comm = _checkpointed(comm)
@@ -334,13 +333,13 @@ def saved_activations(cfg: CommConfig) -> list[Activation]:
     """
     s, b, h, a, e = cfg.seq_len, cfg.batch, cfg.hidden, cfg.heads, cfg.element_size
     sbh, sbf, scores = s * b * h, s * b * cfg.ffn_hidden, b * a * s * s
-    mlp = [Activation("fc1 input", sbh, e, False), Activation("gelu input", sbf, e, True),
-           Activation("fc2 input", sbf, e, True)]
+    mlp = [Activation("mlp fc input", sbh, e, False), Activation("gelu input", sbf, e, True),
+           Activation("mlp proj input", sbf, e, True)]
     attention = [Activation("qkv input", sbh, e, False), Activation("q, k, v", 3 * sbh, e, True),
                  Activation("softmax output", scores, e, True),
                  Activation("attention dropout mask", scores, 1, True),
                  Activation("attention dropout output", scores, e, True),
-                 Activation("proj input", sbh, e, True)]
+                 Activation("attention proj input", sbh, e, True)]
     layer = [Activation("ln1 input", sbh, e, False), *attention,
              Activation("attention residual dropout mask", sbh, 1, False),
              Activation("ln2 input", sbh, e, False), *mlp,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import itertools
 import json
 import os
@@ -23,6 +24,8 @@ import sys
 import tempfile
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 from .comm import CommLedger
@@ -35,6 +38,13 @@ from .comm_model import (
     collectives,
     summarize,
 )
+from .cross_entropy import vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding
+from .grads import allreduce_sequence_parallel_grads
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .models.gpt import GPT, GPTConfig
+from .parallel_state import destroy_model_parallel, initialize_model_parallel
+from .random import checkpoint, model_parallel_manual_seed
 
 _MEASURE_TIMEOUT_S = 120
 
@@ -84,34 +94,42 @@ class _OutputOnly(nn.Module):
 
 def _workload(cfg: CommConfig):
     """``(module, args)``: the layer of ``cfg`` on this rank and its inputs."""
-    import tensorpar as tp
-
     n, dtype = cfg.tp, cfg.torch_dtype
     s, b, h = cfg.seq_len, cfg.batch, cfg.hidden
     local_s = s // n if cfg.sp else s
     if cfg.layer == "column":
-        layer = tp.ColumnParallelLinear(h, h, gather_output=cfg.gather_output, sequence_parallel=cfg.sp,
+        layer = ColumnParallelLinear(h, h, gather_output=cfg.gather_output, sequence_parallel=cfg.sp,
                                         params_dtype=dtype)
         return _OutputOnly(layer), (torch.randn(local_s, b, h, dtype=dtype, requires_grad=True),)
     if cfg.layer == "row":
-        layer = tp.RowParallelLinear(h, h, input_is_parallel=cfg.input_is_parallel, sequence_parallel=cfg.sp,
+        layer = RowParallelLinear(h, h, input_is_parallel=cfg.input_is_parallel, sequence_parallel=cfg.sp,
                                      params_dtype=dtype)
         width = h // n if cfg.input_is_parallel else h
         return _OutputOnly(layer), (torch.randn(s, b, width, dtype=dtype, requires_grad=True),)
     if cfg.layer == "embedding":
-        layer = tp.VocabParallelEmbedding(cfg.vocab, h, reduce_scatter_embeddings=cfg.sp, params_dtype=dtype)
+        layer = VocabParallelEmbedding(cfg.vocab, h, reduce_scatter_embeddings=cfg.sp, params_dtype=dtype)
         return layer, (torch.randint(0, cfg.vocab, (b, s)),)
     if cfg.layer == "loss":
         logits = torch.randn(s, b, cfg.vocab // n, dtype=dtype, requires_grad=True)
         return _Loss(), (logits, torch.randint(0, cfg.vocab, (s, b)))
-    raise NotImplementedError(cfg.layer)
+    gpt = GPT(GPTConfig(vocab_size=cfg.vocab, max_seq_len=s, num_layers=cfg.layers, num_heads=cfg.heads,
+                        hidden_size=h, ffn_hidden_size=cfg.ffn_hidden, sequence_parallel=cfg.sp,
+                        recompute=cfg.recompute, make_vocab_size_divisible_by=1, params_dtype=dtype))
+    if cfg.layer == "gpt-step":
+        tokens = torch.randint(0, cfg.vocab, (b, s))
+        return gpt, (tokens, torch.randint(0, cfg.vocab, (b, s)))
+    block = gpt.blocks[0]
+    x = torch.randn(local_s, b, h, dtype=dtype, requires_grad=True)
+    if cfg.layer == "attention":
+        return block.attention, (x, None, None)  # no rotary tables: learned positions
+    return {"mlp": block.mlp, "gpt-layer": block}[cfg.layer], (x,)
 
 
 class _Loss(nn.Module):
-    def forward(self, logits, target):
-        import tensorpar as tp
+    """The vocab-parallel loss as a module, like every other workload."""
 
-        return tp.vocab_parallel_cross_entropy(logits, target)
+    def forward(self, logits, target):
+        return vocab_parallel_cross_entropy(logits, target)
 
 
 def measure_on_this_rank(cfg: CommConfig, *, seed: int = 0) -> list[tuple]:
@@ -119,45 +137,41 @@ def measure_on_this_rank(cfg: CommConfig, *, seed: int = 0) -> list[tuple]:
 
     Needs ``tensorpar.initialize_model_parallel(cfg.tp)`` with a TP group of ``cfg.tp`` ranks.
     """
-    import tensorpar as tp
-
-    tp.model_parallel_manual_seed(seed)
+    model_parallel_manual_seed(seed)
     module, args = _workload(cfg)
+    step = cfg.layer == "gpt-step"
     with CommLedger() as ledger:
         labels = _RecomputeLabels(ledger)
-        labels.attach(module)
+        for checkpointed in (module.blocks if step else [module]):
+            labels.attach(checkpointed)
         with ledger.phase("forward"):
-            out = tp.checkpoint(module, False, *args) if cfg.recompute else module(*args)
+            # The GPT checkpoints its own blocks; a lone layer is checkpointed here.
+            out = checkpoint(module, False, *args) if cfg.recompute and not step else module(*args)
         with ledger.phase("backward"):
             labels.in_backward = True
             out.backward(torch.ones_like(out))
+        if step:
+            with ledger.phase("grads"):
+                allreduce_sequence_parallel_grads(module)
     return [record_key(r) for r in ledger.records]
 
 
 def _measure_worker(rank: int, cfg: CommConfig, port: int, result_path: str) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    import tensorpar as tp
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.tp,
                             timeout=datetime.timedelta(seconds=_MEASURE_TIMEOUT_S))
     try:
-        tp.initialize_model_parallel(cfg.tp)
+        initialize_model_parallel(cfg.tp)
         keys = measure_on_this_rank(cfg)
         if rank == 0:
             torch.save(keys, result_path)
     finally:
-        tp.destroy_model_parallel()
+        destroy_model_parallel()
         dist.destroy_process_group()
 
 
 def measure(cfg: CommConfig) -> list[tuple]:
     """Spawn ``cfg.tp`` local gloo ranks, run the layer on them, return rank 0's record keys."""
-    import torch.multiprocessing as mp
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -213,7 +227,7 @@ def format_report(cfg: CommConfig, args) -> str:
     link = {"bandwidth_gbps": args.bandwidth, "latency_us": args.latency}
     rows: dict[tuple, list] = {}
     for op in ops:
-        key = (op.phase, re.sub(r"^layers\.\d+\.", "layers.*.", op.layer), op.op, op.shape, op.dtype, op.what)
+        key = (op.phase, re.sub(r"^blocks\.\d+\.", "blocks.*.", op.layer), op.op, op.shape, op.dtype, op.what)
         rows.setdefault(key, [0, op])[0] += 1
     table = _table(["phase", "layer", "op", "shape", "dtype", "bytes", "sent/rank", "est. time", "x", "what"],
                    [[phase, layer, kind, list(shape), _dtype_name(dtype), _size(op.bytes),
@@ -279,8 +293,8 @@ def format_compare(tp_cfg: CommConfig, sp_cfg: CommConfig, args) -> str:
                       _table(["", "TP", "TP+SP"], rows)])
 
 
-def format_measured(predicted: list[tuple], measured: list[tuple]) -> tuple[str, int]:
-    """Predicted and measured collectives row by row; returns the text and the mismatch count."""
+def format_measured(predicted: list, measured: list[tuple]) -> tuple[str, int]:
+    """Predicted ops and measured record keys row by row; returns the text and the mismatch count."""
     def cell(key):
         if key is None:
             return ["-"] * 4
@@ -289,10 +303,12 @@ def format_measured(predicted: list[tuple], measured: list[tuple]) -> tuple[str,
 
     rows, mismatches = [], 0
     for i, (p, m) in enumerate(itertools.zip_longest(predicted, measured)):
-        same = p == m
+        expected = record_key(p) if p is not None else None
+        same = expected == m
         mismatches += not same
-        rows.append([str(i + 1), *cell(p), *cell(m), "ok" if same else "DIFFERS"])
-    header = ["#", "phase", "predicted op", "shape", "bytes", "phase", "measured op", "shape", "bytes", ""]
+        rows.append([str(i + 1), p.layer if p is not None else "-", *cell(expected), *cell(m),
+                     "ok" if same else "DIFFERS"])
+    header = ["#", "layer", "phase", "predicted op", "shape", "bytes", "phase", "measured op", "shape", "bytes", ""]
     summary = (f"measured {len(measured)} collectives, predicted {len(predicted)}: "
                + ("all agree" if not mismatches else f"{mismatches} differ"))
     return _table(header, rows) + "\n" + summary, mismatches
@@ -382,6 +398,6 @@ def run(args) -> int:
         return 0
     print(f"\nmeasuring on {cfg.tp} local gloo ranks" + (f" (sizes / {args.scale})" if args.scale > 1 else ""))
     sys.stdout.flush()
-    text, mismatches = format_measured([record_key(op) for op in collectives(cfg)], measure(cfg))
+    text, mismatches = format_measured(collectives(cfg), measure(cfg))
     print(text)
     return 1 if mismatches else 0
