@@ -93,9 +93,10 @@ def _fsync_dir(path: Path) -> None:
 
 def _sharded(tensor: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None):
     """``tensor`` (shaped like ``param``'s shard) as DCP should store it."""
-    if mesh is None or not getattr(param, "tensor_model_parallel", False):
+    if not getattr(param, "tensor_model_parallel", False):
         return tensor
-    dim, stride, tp = param.partition_dim % tensor.dim(), param.partition_stride, mesh.size()
+    dim, stride = param.partition_dim % tensor.dim(), param.partition_stride
+    tp = 1 if mesh is None else mesh.size()
     shape = list(tensor.shape)
     if stride == 1:
         local, shard_dim = tensor, dim
@@ -104,6 +105,8 @@ def _sharded(tensor: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None)
         local = tensor.view(shape[:dim] + [stride, shape[dim] // stride] + shape[dim + 1:])
         shard_dim = dim + 1
         global_shape = shape[:dim] + [stride, shape[dim] * tp // stride] + shape[dim + 1:]
+    if mesh is None:
+        return local
     global_stride, running = [], 1
     for size in reversed(global_shape):
         global_stride.insert(0, running)

@@ -1,0 +1,116 @@
+"""End to end at a tiny size: DP equivalence, resuming at other TP sizes, exact same-size resume.
+
+One shared sequence of runs (module fixture), on the harness's persistent worlds:
+A = TP1 x DP1; B = TP2 x DP2 (same global batch, checkpoints at steps 3 and 6); B resumed from
+step 3 at TP2 x DP2 (must equal B exactly), at TP1 and at TP4.
+"""
+
+import json
+
+import pytest
+import torch
+
+from tensorpar.training.cli import parse_train_args
+from tests.harness import run_on_ranks
+
+TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--steps", "6",
+        "--warmup", "2", "--lr", "1e-2", "--eval-every", "0", "--no-progress", "--seed", "7"]
+
+
+def _train_body(argv):
+    from tensorpar.training.loop import train
+
+    result = train(parse_train_args(argv))
+    return result.losses, result.checkpoint
+
+
+def _train(world, tp, micro, out, *extra):
+    argv = TINY + ["--tp", str(tp), "--micro-batch", str(micro), "--out", str(out), *extra]
+    results = run_on_ranks(_train_body, world, argv)
+    return results[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    a, _ = _train(1, 1, 4, root / "a")
+    b, _ = _train(4, 2, 2, root / "b", "--save-every", "3")
+    resumed = {name: _train(world, tp, micro, root / name, "--resume", str(root / "b" / "step_3"))[0]
+               for name, world, tp, micro in (("tp2dp2", 4, 2, 2), ("tp1", 1, 1, 4), ("tp4", 4, 4, 4))}
+    return root, a, b, resumed
+
+
+def test_tp2_dp2_matches_tp1_dp1_on_the_same_global_batch(runs):
+    _, a, b, _ = runs
+    assert list(a) == list(b) == [1, 2, 3, 4, 5, 6]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=2e-5)
+    assert a[6] < a[1] - 0.5  # it learns
+
+
+def test_resume_at_the_same_sizes_reproduces_the_run_exactly(runs):
+    _, _, b, resumed = runs
+    assert resumed["tp2dp2"] == {step: b[step] for step in (4, 5, 6)}
+
+
+@pytest.mark.parametrize("name", ["tp1", "tp4"])
+def test_resume_at_another_tp_size_continues_the_run(runs, name):
+    _, _, b, resumed = runs
+    assert list(resumed[name]) == [4, 5, 6]
+    for step, loss in resumed[name].items():
+        assert loss == pytest.approx(b[step], rel=2e-5)
+
+
+def test_outputs_metrics_plot_and_tp_independent_checkpoint(runs):
+    root, _, _, _ = runs
+    out = root / "b"
+    assert (out / "latest").read_text().strip() == "step_6"
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_3", "step_6"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {"step", "loss", "lr", "tokens_per_s", "grad_norm"} <= set(rows[0])
+    assert (out / "loss.png").stat().st_size > 1000
+    meta = json.loads((out / "step_6" / "meta.json").read_text())
+    assert meta["step"] == 6 and meta["world"] == {"tp": 2, "dp": 2} and meta["data"]["position"] == 6
+    config = json.loads((out / "step_6" / "config.json").read_text())
+    assert config["num_layers"] == 2 and config["hidden_size"] == 32
+
+
+def _mismatch_body(argv):
+    from tensorpar.training.loop import ConfigMismatch, train
+
+    with pytest.raises(ConfigMismatch, match=r"hidden_size: checkpoint 32, requested 64.*num_layers: "
+                                             r"checkpoint 2, requested 3"):
+        train(parse_train_args(argv))
+    return True
+
+
+def test_resuming_with_another_model_shape_names_the_fields(runs):
+    root = runs[0]
+    argv = TINY + ["--layers", "3", "--hidden", "64", "--tp", "1", "--out", str(root / "mismatch"),
+                   "--resume", str(root / "b")]
+    assert run_on_ranks(_mismatch_body, 1, argv) == [True]
+
+
+def _sampler_body():
+    import tensorpar as tp
+    from tensorpar.training.data import BatchSampler
+
+    tp.initialize_model_parallel(2)
+    tokens = torch.arange(10_000)
+    sampler = BatchSampler(tokens, seq_len=16, micro_batch=3, grad_accum=2,
+                           dp_rank=tp.get_data_parallel_rank(), dp_size=tp.get_data_parallel_world_size(),
+                           seed=5)
+    return [x for x, _ in sampler.micro_batches(4)]
+
+
+def test_tp_ranks_share_a_batch_and_dp_ranks_split_the_global_batch():
+    ranks = run_on_ranks(_sampler_body, 4)  # TP groups {0,1} {2,3}; DP groups {0,2} {1,3}
+    for k in range(2):
+        assert torch.equal(ranks[0][k], ranks[1][k]) and torch.equal(ranks[2][k], ranks[3][k])
+        assert not torch.equal(ranks[0][k], ranks[2][k])
+    from tensorpar.training.data import BatchSampler
+
+    whole = BatchSampler(torch.arange(10_000), seq_len=16, micro_batch=6, grad_accum=2, dp_rank=0,
+                         dp_size=1, seed=5).micro_batches(4)
+    for k in range(2):
+        assert torch.equal(torch.cat([ranks[0][k], ranks[2][k]]), whole[k][0])
