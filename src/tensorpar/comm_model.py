@@ -3,7 +3,7 @@
 Seed 002's arithmetic, generalised. For a layer kind and sizes, :func:`collectives` lists each
 collective tensorpar issues, in issue order, with the phase it belongs to (``forward``,
 ``backward``, ``recompute`` for a checkpointed layer's re-run forward, ``grads`` for the
-post-backward SP gradient all-reduce), the full tensor's shape and bytes (as
+training loop's post-backward all-reduces), the full tensor's shape and bytes (as
 :class:`tensorpar.CommRecord` counts them) and the bytes each rank sends under a ring
 algorithm. :func:`summarize` adds time estimates from a link model and the FLOPs of the
 step, :func:`activation_memory` the activations a GPT layer keeps per rank.
@@ -230,7 +230,8 @@ class _Builder:
 
     def gpt_step(self) -> tuple[_Comm, tuple[CommOp, ...]]:
         """tensorpar's GPT: embedding, blocks, final norm, tied LM head (a column layer over the
-        vocab), loss on the ``[s, b]`` labels; then, under SP, the SP-parameter grad all-reduce."""
+        vocab), loss on the ``[s, b]`` labels; then what ``tensorpar train`` does after backward
+        (under SP the SP-parameter grad all-reduce, then the grad-norm all-reduce)."""
         h = self.cfg.hidden
         blocks = [self.gpt_layer(f"blocks.{i}.") for i in range(self.cfg.layers)]
         if self.cfg.recompute:  # each block is checkpointed; the head and loss are not
@@ -245,6 +246,8 @@ class _Builder:
             # tokens' positions; the table is taken to be --seq-len long).
             numel = self.cfg.layers * 6 * h + 2 * h + self.s * h
             grads = (self.op("sp_grads", "grads", "all_reduce", (numel,), "sequence-parallel param grads"),)
+        # The training loop's gradient norm (for clipping and logging): squares summed over TP.
+        grads += (self.op("grad_norm", "grads", "all_reduce", (), "grad norm", dtype=torch.float32),)
         return step, grads
 
 

@@ -40,7 +40,7 @@ from .comm_model import (
 )
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
-from .grads import allreduce_sequence_parallel_grads
+from .grads import allreduce_sequence_parallel_grads, get_grad_norm
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .models.gpt import GPT, GPTConfig
 from .parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -151,8 +151,9 @@ def measure_on_this_rank(cfg: CommConfig, *, seed: int = 0) -> list[tuple]:
             labels.in_backward = True
             out.backward(torch.ones_like(out))
         if step:
-            with ledger.phase("grads"):
+            with ledger.phase("grads"):  # as tensorpar train does after backward
                 allreduce_sequence_parallel_grads(module)
+                get_grad_norm(module.parameters())
     return [record_key(r) for r in ledger.records]
 
 
