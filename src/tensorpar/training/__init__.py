@@ -1,0 +1,1 @@
+"""Training a tensor- and data-parallel GPT: data, loop, checkpoints, progress, the commands."""
