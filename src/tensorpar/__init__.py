@@ -51,5 +51,6 @@ from .random import (
     model_parallel_cuda_manual_seed,
     model_parallel_manual_seed,
 )
+from .models import GPT, GPTConfig
 
 __version__ = "0.1.0"

@@ -1,0 +1,320 @@
+"""GPT at TP = 2 and 4 against the TP=1 model built from the same seed, in the same process."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import tensorpar as tp
+from tensorpar.models import GPT, GPTConfig, gather_full_tensor
+from tests.harness import run_on_ranks
+
+BASE = dict(vocab_size=101, max_seq_len=16, num_layers=2, num_heads=4, hidden_size=32,
+            make_vocab_size_divisible_by=8)
+LLAMA = dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
+             tie_word_embeddings=False)
+# fp32, different summation orders across ranks: relative error ~1e-6 of the largest value.
+RTOL, ATOL = 1e-5, 1e-6
+
+_SINGLE_RANK_GROUP = []
+
+
+def _single_rank_group():
+    """A TP group of this rank alone, for the TP=1 reference (every rank creates all of them)."""
+    if not _SINGLE_RANK_GROUP:
+        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        _SINGLE_RANK_GROUP.append(groups[dist.get_rank()])
+    return _SINGLE_RANK_GROUP[0]
+
+
+def _everyone(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def _build(config, group, seed=7):
+    tp.model_parallel_manual_seed(seed, tp_group=group)
+    return GPT(config, tp_group=group)
+
+
+def _full_grads(model):
+    return {lay.name: gather_full_tensor(lay.param.grad, partition_dim=lay.partition_dim,
+                                         stride=lay.partition_stride, tp_group=model.tp_group)
+            if lay.tensor_model_parallel else lay.param.grad.clone()
+            for lay in model.parameter_layouts()}
+
+
+def _data(seed=1, batch=2, seq=8):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, BASE["vocab_size"], (batch, seq), generator=g)
+    labels = torch.randint(0, BASE["vocab_size"], (batch, seq), generator=g)
+    labels[0, :3] = -100
+    return tokens, labels
+
+
+def _equivalence_body(cases):
+    tp.initialize_model_parallel(dist.get_world_size())
+    group, single = tp.get_tensor_model_parallel_group(), _single_rank_group()
+    tokens, labels = _data()
+    for overrides in cases:
+        config = GPTConfig(**BASE, **overrides)
+        reference_config = GPTConfig(**{**BASE, **overrides, "sequence_parallel": False, "recompute": False,
+                                        "distribute_saved_activations": False})
+        models = {"ref": _build(reference_config, single), "tp": _build(config, group)}
+        ref_full, tp_full = models["ref"].full_state_dict(), models["tp"].full_state_dict()
+        assert ref_full.keys() == tp_full.keys()
+        for name in ref_full:  # TP-invariant initialisation
+            torch.testing.assert_close(tp_full[name], ref_full[name], rtol=0, atol=0, msg=name)
+        # SGD, not Adam: Adam's first step moves a parameter by ~lr * sign(grad), so a grad
+        # that is 0 up to summation-order noise (~1e-8) would move by +-lr on either side.
+        optimizers = {k: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for k, m in models.items()}
+        for step in range(3):
+            losses, grads = {}, {}
+            for key, model in models.items():
+                optimizers[key].zero_grad()
+                loss = model(tokens, labels)
+                loss.backward()
+                tp.allreduce_sequence_parallel_grads(model, tp_group=model.tp_group)
+                losses[key], grads[key] = loss.detach(), _full_grads(model)
+                optimizers[key].step()
+            for other in _everyone(losses["tp"]):  # the same loss on every rank
+                assert torch.equal(other, losses["tp"]), (overrides, step)
+            torch.testing.assert_close(losses["tp"], losses["ref"], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{overrides} step {step}: {m}")
+            for name, ref_grad in grads["ref"].items():
+                torch.testing.assert_close(grads["tp"][name], ref_grad, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m, name=name: f"{overrides} step {step}: grad of {name}: {m}")
+            # Padded vocab rows are never looked up and get no probability: zero grads.
+            for key in grads:
+                assert not grads[key]["embedding.word.weight"][BASE["vocab_size"]:].any()
+        # Padding does not change the loss: the unpadded logits give the same cross-entropy.
+        with torch.no_grad():
+            logits = models["ref"](tokens)
+            assert logits.shape == (2, 8, 104)
+            unpadded = F.cross_entropy(logits[..., :BASE["vocab_size"]].reshape(-1, BASE["vocab_size"]),
+                                       labels.reshape(-1))
+            torch.testing.assert_close(models["ref"](tokens, labels), unpadded, rtol=RTOL, atol=ATOL)
+            local = models["tp"](tokens)
+            assert local.shape == (2, 8, 104 // dist.get_world_size())
+            gathered = torch.cat(_everyone(local), dim=-1)
+            torch.testing.assert_close(gathered, logits, rtol=RTOL, atol=ATOL)
+    return True
+
+
+EQUIVALENCE_CASES = [
+    {},
+    {"sequence_parallel": True},
+    {"recompute": True},
+    {"recompute": True, "distribute_saved_activations": True},
+    {"sequence_parallel": True, "recompute": True},
+    LLAMA,
+    {**LLAMA, "sequence_parallel": True, "recompute": True},
+    {"activation": "gelu_tanh", "tie_word_embeddings": False, "sequence_parallel": True},
+]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gpt_matches_tp1_loss_grads_and_optimizer_steps(world_size):
+    assert run_on_ranks(_equivalence_body, world_size, EQUIVALENCE_CASES) == [True] * world_size
+
+
+@contextlib.contextmanager
+def _attention_mask_probe(records):
+    """Record the dropout mask scaled_dot_product_attention applies (by replaying its draw)."""
+    original = F.scaled_dot_product_attention
+
+    def probe(q, k, v, *args, dropout_p=0.0, is_causal=False, **kwargs):
+        state = torch.get_rng_state()
+        eye = torch.eye(q.shape[-2]).expand(*q.shape[:-2], -1, -1)
+        probs = original(q.detach(), k.detach(), eye, dropout_p=dropout_p, is_causal=is_causal)
+        torch.set_rng_state(state)
+        out = original(q, k, v, *args, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+        torch.testing.assert_close(out.detach(), probs @ v.detach())  # the probe saw the real mask
+        records.append(probs != 0)
+        return out
+
+    F.scaled_dot_product_attention = probe
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _dropout_body():
+    tp.initialize_model_parallel(dist.get_world_size())
+    group, single = tp.get_tensor_model_parallel_group(), _single_rank_group()
+    n, rank = dist.get_world_size(), dist.get_rank()
+    tokens, labels = _data()
+
+    # Residual/embedding dropout acts on replicated (or SP-split) activations: its masks are
+    # drawn from the shared default stream, the same as TP=1 draws, so the model is TP=1's.
+    for sp in (False, True):
+        config = GPTConfig(**BASE, dropout=0.3, attention_dropout=0.0, sequence_parallel=sp)
+        ref, model = _build(config, single), _build(config, group)
+        losses = []
+        for m in (ref, model):
+            tp.model_parallel_manual_seed(11, tp_group=m.tp_group)
+            loss = m(tokens, labels)
+            loss.backward()
+            tp.allreduce_sequence_parallel_grads(m, tp_group=m.tp_group)
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=RTOL, atol=ATOL)
+        ref_grads, tp_grads = _full_grads(ref), _full_grads(model)
+        for name in ref_grads:
+            torch.testing.assert_close(tp_grads[name], ref_grads[name], rtol=RTOL, atol=ATOL, msg=name)
+        with torch.no_grad():  # dropout really is on
+            assert not torch.allclose(model.eval()(tokens, labels), losses[1])
+
+    # Attention dropout acts on each rank's own heads: masks come from the per-rank stream.
+    results = {}
+    for recompute in (False, True):
+        config = GPTConfig(**BASE, dropout=0.1, attention_dropout=0.5, recompute=recompute)
+        model = _build(config, group)
+        records = []
+        tp.model_parallel_manual_seed(5, tp_group=group)
+        with _attention_mask_probe(records):
+            loss = model(tokens, labels)
+            forward_masks = len(records)
+            loss.backward()
+        results[recompute] = (loss.detach(), _full_grads(model), records)
+        assert forward_masks == 2
+        if recompute:  # backward recomputes the blocks, last first, with the forward's masks
+            assert len(records) == 4
+            for first, again in zip(records[:2], reversed(records[2:])):
+                assert torch.equal(first, again)
+        mask = records[0]
+        assert mask.shape == (2, 4 // n, 8, 8)
+        causal = torch.ones(8, 8, dtype=torch.bool).tril()
+        dropped = (~mask & causal).sum().item() / (causal.sum().item() * mask.shape[0] * mask.shape[1])
+        assert 0.3 < dropped < 0.7, dropped
+        masks = _everyone(mask)
+        for other in range(n):
+            if other != rank:
+                assert not torch.equal(masks[other], mask)  # independent per TP rank
+    plain, recomputed = results[False], results[True]
+    assert torch.equal(plain[0], recomputed[0])
+    for name in plain[1]:
+        torch.testing.assert_close(recomputed[1][name], plain[1][name], rtol=0, atol=0, msg=name)
+    for a, b in zip(plain[2], recomputed[2]):
+        assert torch.equal(a, b)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dropout_masks_and_recompute(world_size):
+    assert run_on_ranks(_dropout_body, world_size) == [True] * world_size
+
+
+def _ledger_body(sequence_parallel):
+    tp.initialize_model_parallel(dist.get_world_size())
+    n = dist.get_world_size()
+    config = GPTConfig(**{**BASE, "num_layers": 1}, sequence_parallel=sequence_parallel)
+    tp.model_parallel_manual_seed(3)
+    model = GPT(config)
+    s, b, h = 8, 2, BASE["hidden_size"]
+    x = torch.randn(s // n if sequence_parallel else s, b, h, requires_grad=True)
+    with tp.CommLedger() as block_ledger:
+        with block_ledger.phase("forward"):
+            y = model.blocks[0](x)
+        with block_ledger.phase("backward"):
+            y.backward(torch.randn_like(y))
+    tokens, labels = _data()
+    with tp.CommLedger() as model_ledger:
+        with model_ledger.phase("forward"):
+            loss = model(tokens, labels)
+        with model_ledger.phase("backward"):
+            loss.backward()
+    return [[(r.phase, r.op, r.shape) for r in ledger.records] for ledger in (block_ledger, model_ledger)]
+
+
+def test_comm_ledger_of_one_layer_without_sp():
+    block, model = run_on_ranks(_ledger_body, 2, False)[0]
+    act = (8, 2, 32)
+    assert block == [("forward", "all_reduce", act)] * 2 + [("backward", "all_reduce", act)] * 2
+    # + embedding all-reduce ([b, s, h]), cross-entropy max and sum all-reduces forward;
+    # + the LM head's input-grad all-reduce backward.
+    assert model == ([("forward", "all_reduce", (2, 8, 32))] + [("forward", "all_reduce", act)] * 2
+                     + [("forward", "all_reduce", (8, 2)), ("forward", "all_reduce", (2, 8, 2))]
+                     + [("backward", "all_reduce", act)] * 3)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_comm_ledger_of_one_layer_with_sp(world_size):
+    block, model = run_on_ranks(_ledger_body, world_size, True)[0]
+    act = (8, 2, 32)
+    ag, rs = ("all_gather", act), ("reduce_scatter", act)
+    forward = [("forward",) + op for op in (ag, rs, ag, rs)]
+    # Per layer pair, last first: grad of the row output gathered, the column input
+    # re-gathered for its wgrad, the column input grad reduce-scattered.
+    backward = [("backward",) + op for op in (ag, ag, rs, ag, ag, rs)]
+    assert block == forward + backward
+    assert model == ([("forward", "reduce_scatter", act)] + forward
+                     + [("forward", "all_gather", act),
+                        ("forward", "all_reduce", (8, 2)), ("forward", "all_reduce", (2, 8, 2))]
+                     + [("backward",) + op for op in (ag, rs)] + backward + [("backward",) + ag])
+
+
+def _generate_body():
+    tp.initialize_model_parallel(dist.get_world_size())
+    group, single = tp.get_tensor_model_parallel_group(), _single_rank_group()
+    prompt = _data(seq=5)[0]
+    for sp in (False, True):
+        config = GPTConfig(**BASE, sequence_parallel=sp)
+        ref, model = _build(config, single).eval(), _build(config, group).eval()
+        greedy = model.generate(prompt, 14, temperature=0)  # runs past max_seq_len: cropped
+        assert greedy.shape == (2, 19)
+        assert torch.equal(greedy, ref.generate(prompt, 14, temperature=0))
+        torch.manual_seed(dist.get_rank())  # sampling must not depend on anything rank-local
+        tp.model_parallel_manual_seed(4, tp_group=group)
+        sampled = model.generate(prompt, 6, temperature=0.9, top_k=10)
+        for other in _everyone(sampled):
+            assert torch.equal(other, sampled)
+        assert int(sampled.max()) < BASE["vocab_size"]
+    return True
+
+
+def test_generate_is_identical_on_tp_ranks_and_matches_tp1():
+    assert run_on_ranks(_generate_body, 2) == [True, True]
+
+
+def _bad_input_body():
+    tp.initialize_model_parallel(dist.get_world_size())
+    with pytest.raises(ValueError, match=r"num_heads \(2\) is not divisible by the tensor-parallel size \(4\)"):
+        GPT(GPTConfig(**{**BASE, "num_heads": 2}))
+    model = GPT(GPTConfig(**BASE, sequence_parallel=True))
+    tokens = _data()[0]
+    with pytest.raises(ValueError, match="sequence length 17 is longer than max_seq_len 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"token id 101 is outside the vocabulary \[0, 101\)"):
+        model(torch.full((1, 8), 101))
+    with pytest.raises(ValueError, match=r"token id -1 is outside the vocabulary \[0, 101\)"):
+        model(torch.full((1, 8), -1))
+    with pytest.raises(ValueError, match="sequence length 6 is not divisible by the tensor-parallel size 4"):
+        model(tokens[:, :6])
+    with pytest.raises(ValueError, match=r"labels of shape \[2, 7\] must match tokens of shape \[2, 8\]"):
+        model(tokens, tokens[:, :7])
+    return True
+
+
+def test_bad_input_is_a_clear_error():
+    assert run_on_ranks(_bad_input_body, 4) == [True] * 4
+
+
+def test_config_validation_and_presets():
+    with pytest.raises(ValueError, match=r"hidden_size \(30\) is not divisible by num_heads \(4\)"):
+        GPTConfig(**{**BASE, "hidden_size": 30})
+    with pytest.raises(ValueError, match="norm must be one of"):
+        GPTConfig(**BASE, norm="batchnorm")
+    with pytest.raises(ValueError, match="distribute_saved_activations needs"):
+        GPTConfig(**BASE, recompute=True, sequence_parallel=True, distribute_saved_activations=True)
+    with pytest.raises(ValueError, match="unknown GPTConfig preset"):
+        GPTConfig.preset("huge")
+    small = GPTConfig.preset("small")
+    assert (small.num_layers, small.hidden_size, small.ffn_hidden_size) == (12, 768, 3072)
+    # The padded vocabulary does not depend on TP when TP divides the multiple.
+    assert {small.padded_vocab_size(t) for t in (1, 2, 4, 8)} == {50304}
+    assert GPTConfig.preset("tiny", vocab_size=100, make_vocab_size_divisible_by=1).padded_vocab_size(3) == 102
+    assert GPTConfig.preset("llama-tiny").activation == "swiglu"
