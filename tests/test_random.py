@@ -161,3 +161,25 @@ def _distributed_saves_a_slice_body():
 
 def test_distribute_saved_activations_all_gathers_the_input_once_in_backward():
     assert run_on_ranks(_distributed_saves_a_slice_body, 2) == [[("all_gather", (64,))]] * 2
+
+
+def _autocast_block(x, w):
+    out = x @ w
+    assert out.dtype == torch.bfloat16, "the recompute must run under the forward's autocast"
+    return out.float().tanh()
+
+
+def test_checkpoint_recomputes_under_the_forwards_autocast():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        direct = _autocast_block(x, w)
+    direct.sum().backward()
+    expected = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        recomputed = tp.checkpoint(_autocast_block, False, x, w)
+    recomputed.sum().backward()
+    torch.testing.assert_close(recomputed, direct, rtol=0, atol=0)
+    torch.testing.assert_close((x.grad, w.grad), expected, rtol=0, atol=0)

@@ -133,6 +133,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     def forward(ctx, input_, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
                 sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group):
         compute_dtype = _compute_dtype(input_)
+        # Under autocast, cast before the SP all-gather: half the bytes on the wire and saved.
+        input_ = input_.to(compute_dtype)
         ctx.save_for_backward(input_, weight)
         ctx.use_bias = bias is not None
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
@@ -146,7 +148,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             _warn_if_overlap_unavailable(input_)
         total_input = _gather_sequence(input_, tp_group, async_op=False) if sequence_parallel else input_
         with torch.autocast(input_.device.type, enabled=False):
-            return F.linear(total_input.to(compute_dtype), weight.to(compute_dtype),
+            return F.linear(total_input, weight.to(compute_dtype),
                             None if bias is None else bias.to(compute_dtype))
 
     @staticmethod
@@ -170,7 +172,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             buffer.append(grad_output)
         elif wgrad_needed:
             # Runs while the dgrad reduction is in flight: the overlap this function exists for.
-            grad_weight = compute_weight_grad(weight, total_input.to(dtype), grad_output,
+            grad_weight = compute_weight_grad(weight, total_input, grad_output,
                                               gradient_accumulation_fusion=ctx.gradient_accumulation_fusion)
         grad_bias = _flatten(grad_output).sum(dim=0) if ctx.use_bias else None
         if reduction is not None:
@@ -188,13 +190,14 @@ class LinearWithFrozenWeight(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_, weight, bias, allreduce_dgrad, sequence_parallel, tp_group):
         compute_dtype = _compute_dtype(input_)
+        input_ = input_.to(compute_dtype)
         ctx.save_for_backward(weight)
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
         ctx.compute_dtype = compute_dtype
         total_input = _gather_sequence(input_, tp_group, async_op=False) if sequence_parallel else input_
         with torch.autocast(input_.device.type, enabled=False):
-            return F.linear(total_input.to(compute_dtype), weight.to(compute_dtype),
+            return F.linear(total_input, weight.to(compute_dtype),
                             None if bias is None else bias.to(compute_dtype))
 
     @staticmethod
@@ -393,8 +396,9 @@ class ColumnParallelLinear(_ParallelLinear):
         weight = self._deferred_weight if self._deferred_weight is not None else self.weight
         sequence_parallel = self.sequence_parallel and not self.explicit_expert_comm
         for input_, grad_output in zip(self.activation_buffer, self.grad_output_buffer):
+            input_ = input_.to(grad_output.dtype)
             total_input = _gather_sequence(input_, self.tp_group, async_op=False) if sequence_parallel else input_
-            grad = compute_weight_grad(weight, total_input.to(grad_output.dtype), grad_output,
+            grad = compute_weight_grad(weight, total_input, grad_output,
                                        gradient_accumulation_fusion=self.gradient_accumulation_fusion)
             if not self.gradient_accumulation_fusion:
                 grad = grad.to(weight.dtype)

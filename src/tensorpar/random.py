@@ -177,6 +177,9 @@ class CheckpointFunction(torch.autograd.Function):
         tensor_devices = {a.device for a in args if torch.is_tensor(a) and a.device.type != "cpu"}
         ctx.rng_states = _device_states({torch.device("cpu"), *tensor_devices})
         ctx.tracker_states = _RNG_TRACKER.get_states()
+        # The recompute runs in backward, outside the caller's autocast: replay it exactly.
+        ctx.autocast = {d.type: (torch.is_autocast_enabled(d.type), torch.get_autocast_dtype(d.type))
+                        for d in ctx.rng_states}
         with torch.no_grad():
             outputs = function(*args)
         ctx.input_requires_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
@@ -208,7 +211,9 @@ class CheckpointFunction(torch.autograd.Function):
         _restore_device_states(ctx.rng_states)
         _RNG_TRACKER.set_states(ctx.tracker_states)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), contextlib.ExitStack() as autocasts:
+                for device_type, (enabled, dtype) in ctx.autocast.items():
+                    autocasts.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
                 outputs = ctx.function(*inputs)
         finally:
             _restore_device_states(current)
