@@ -367,3 +367,21 @@ def _explicit_group_body():
 
 def test_explicit_tp_group_without_global_state():
     assert all(run_on_ranks(_explicit_group_body, 4))
+
+
+def _autocast_sp_ledger_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n = tp.get_tensor_model_parallel_world_size()
+    layer = tp.ColumnParallelLinear(IN, OUT, sequence_parallel=True)
+    x = torch.randn(S // n, B, IN, requires_grad=True)
+    with tp.CommLedger() as ledger, torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = layer(x)
+        out.float().sum().backward()
+    return [(rec.op, rec.dtype, rec.bytes) for rec in ledger.records]
+
+
+def test_sp_gathers_travel_in_the_autocast_dtype():
+    nbytes = S * B * IN * 2
+    assert run_on_ranks(_autocast_sp_ledger_body, 2)[0] == [
+        ("all_gather", torch.bfloat16, nbytes), ("all_gather", torch.bfloat16, nbytes),
+        ("reduce_scatter", torch.bfloat16, nbytes)]
