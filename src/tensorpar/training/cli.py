@@ -55,7 +55,7 @@ def _add_world_flags(parser: argparse.ArgumentParser) -> None:
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
     _add_world_flags(parser)
     run = parser.add_argument_group("run")
-    run.add_argument("--steps", type=_positive(int), default=400, help="optimizer steps in total")
+    run.add_argument("--steps", type=_positive(int), default=600, help="optimizer steps in total")
     run.add_argument("--out", default=None, help=f"output directory (default: {DEFAULT_OUT}, or the "
                      "resumed run's directory): checkpoints, metrics.jsonl, loss.png")
     run.add_argument("--resume", default=None, metavar="CKPT",
@@ -73,7 +73,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                       help="text file, directory of text files, or token file with a .json sidecar "
                            "(default: this Python's standard library source)")
     data.add_argument("--seq-len", type=_positive(int), default=None, help="tokens per sample (default: the model's max_seq_len, 128 for the default model)")
-    data.add_argument("--micro-batch", type=_positive(int), default=8, help="samples per DP rank per micro-batch")
+    data.add_argument("--micro-batch", type=_positive(int), default=16, help="samples per DP rank per micro-batch")
     data.add_argument("--grad-accum", type=_positive(int), default=1, help="micro-batches per step")
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, help="size preset: tiny (default), llama-tiny, small "
