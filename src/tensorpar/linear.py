@@ -67,6 +67,20 @@ def _gather_sequence(input_: torch.Tensor, group, *, async_op: bool):
     return comm.all_gather(input_, group, dim=0, async_op=async_op, out=buffer)
 
 
+def _linear_forward(input_, weight, bias, sequence_parallel, group):
+    """``x W^T + b`` at the compute dtype, gathering the sequence first under SP.
+
+    Returns the input cast to the compute dtype (what backward needs), that dtype, the output.
+    """
+    compute_dtype = _compute_dtype(input_)
+    # Under autocast, cast before the SP all-gather: half the bytes on the wire and saved.
+    input_ = input_.to(compute_dtype)
+    total_input = _gather_sequence(input_, group, async_op=False) if sequence_parallel else input_
+    with torch.autocast(input_.device.type, enabled=False):
+        output = F.linear(total_input, weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype))
+    return input_, compute_dtype, output
+
+
 def _launch_dgrad_reduction(grad_input: torch.Tensor, *, allreduce_dgrad: bool,
                             sequence_parallel: bool, group):
     """Start the dgrad all-reduce (TP) or reduce-scatter (SP); returns a Handle or None."""
@@ -132,9 +146,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
                 sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group):
-        compute_dtype = _compute_dtype(input_)
-        # Under autocast, cast before the SP all-gather: half the bytes on the wire and saved.
-        input_ = input_.to(compute_dtype)
+        if allreduce_dgrad or sequence_parallel:
+            _warn_if_overlap_unavailable(input_)
+        input_, ctx.compute_dtype, output = _linear_forward(input_, weight, bias, sequence_parallel, tp_group)
         ctx.save_for_backward(input_, weight)
         ctx.use_bias = bias is not None
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
@@ -143,13 +157,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.grad_output_buffer = grad_output_buffer
         ctx.wgrad_deferral_limit = wgrad_deferral_limit
         ctx.tp_group = tp_group
-        ctx.compute_dtype = compute_dtype
-        if allreduce_dgrad or sequence_parallel:
-            _warn_if_overlap_unavailable(input_)
-        total_input = _gather_sequence(input_, tp_group, async_op=False) if sequence_parallel else input_
-        with torch.autocast(input_.device.type, enabled=False):
-            return F.linear(total_input, weight.to(compute_dtype),
-                            None if bias is None else bias.to(compute_dtype))
+        return output
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -189,16 +197,11 @@ class LinearWithFrozenWeight(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_, weight, bias, allreduce_dgrad, sequence_parallel, tp_group):
-        compute_dtype = _compute_dtype(input_)
-        input_ = input_.to(compute_dtype)
+        _, ctx.compute_dtype, output = _linear_forward(input_, weight, bias, sequence_parallel, tp_group)
         ctx.save_for_backward(weight)
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
-        ctx.compute_dtype = compute_dtype
-        total_input = _gather_sequence(input_, tp_group, async_op=False) if sequence_parallel else input_
-        with torch.autocast(input_.device.type, enabled=False):
-            return F.linear(total_input, weight.to(compute_dtype),
-                            None if bias is None else bias.to(compute_dtype))
+        return output
 
     @staticmethod
     def backward(ctx, grad_output):
