@@ -1,0 +1,412 @@
+"""``tensorpar bench``: an MLP block (column -> GELU -> row), tensorpar against PyTorch DTensor TP.
+
+Every variant runs forward + backward (+ zeroing grads) of the same block on the same data, in
+one run, on gloo/CPU with one thread per rank:
+
+* ``unsharded``: plain ``nn.Linear -> GELU -> nn.Linear`` in one process (rank 0; the other
+  ranks wait at a barrier), the baseline of the scaling efficiency ``T1 / (TP x T_TP)``;
+* ``compute_only``: every rank runs its shard's layers concurrently with no communication (wrong
+  result, right cost): the efficiency ceiling of any TP implementation on this machine;
+* ``tensorpar`` / ``tensorpar_sp``: Column/RowParallelLinear without / with sequence parallelism;
+* ``tensorpar_no_overlap``: ``allreduce_dgrad=False``, so the dgrad all-reduce is the
+  synchronous ``f`` mapping instead of overlapping the wgrad GEMM;
+* ``dtensor`` / ``dtensor_sp``: ``ColwiseParallel``/``RowwiseParallel`` via
+  ``parallelize_module``, with ``Shard(0)`` sequence layouts for SP.
+
+Rounds interleave the variants (rotating their order); an iteration's time is the slowest
+rank's. Every ratio is taken within a round and reported as the median over rounds, so slow
+drift of a shared machine cancels. Before timing, every TP variant's output and gradients are
+checked against the unsharded block, so all variants do the same work.
+
+Example::
+
+    tensorpar bench --tp 2 --seq 256 --batch 4 --hidden 512 --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from .grads import allreduce_sequence_parallel_grads
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .parallel_state import destroy_model_parallel, initialize_model_parallel
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Relative to the largest reference entry: sharding reorders sums, and in bf16 each partial sum
+# is rounded before the reduction, so entries near zero can differ by a few of the largest's ulps.
+_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
+
+UNSHARDED = "unsharded"
+COMPUTE_ONLY = "compute_only"
+VARIANTS = (UNSHARDED, COMPUTE_ONLY, "tensorpar", "tensorpar_sp", "tensorpar_no_overlap", "dtensor", "dtensor_sp")
+LABELS = {
+    UNSHARDED: "unsharded (1 process)",
+    COMPUTE_ONLY: "TP shards, no comm",
+    "tensorpar": "tensorpar TP",
+    "tensorpar_sp": "tensorpar TP+SP",
+    "tensorpar_no_overlap": "tensorpar TP, overlap off",
+    "dtensor": "DTensor TP",
+    "dtensor_sp": "DTensor TP+SP",
+}
+# Each tensorpar variant against the DTensor variant doing the same communication pattern.
+DTENSOR_PEER = {"tensorpar": "dtensor", "tensorpar_sp": "dtensor_sp", "tensorpar_no_overlap": "dtensor"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """Sizes (activations ``[seq, batch, hidden]``, FFN width ``ffn_mult * hidden``) and repetitions."""
+
+    tp: int = 2
+    seq: int = 256
+    batch: int = 4
+    hidden: int = 512
+    ffn_mult: int = 4
+    rounds: int = 5
+    warmup: int = 2
+    iters: int = 10
+    dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.tp < 2:
+            raise ValueError(f"--tp must be at least 2 (TP=1 has nothing to compare), got {self.tp}")
+        for name in ("seq", "batch", "hidden", "ffn_mult", "rounds", "iters"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be non-negative, got {self.warmup}")
+        for name, size in (("seq", self.seq), ("hidden", self.hidden), ("ffn", self.ffn_hidden)):
+            if size % self.tp:
+                raise ValueError(f"{name} size {size} is not divisible by --tp {self.tp}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def ffn_hidden(self) -> int:
+        return self.ffn_mult * self.hidden
+
+
+class MLP(nn.Module):
+    """The unsharded block, also the module DTensor parallelizes."""
+
+    def __init__(self, hidden: int, ffn_hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, ffn_hidden)
+        self.fc2 = nn.Linear(ffn_hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class TensorparMLP(nn.Module):
+    """The same block from tensorpar's layers, holding this rank's shards of ``full``'s weights."""
+
+    def __init__(self, full: MLP, *, sequence_parallel: bool, allreduce_dgrad: bool) -> None:
+        super().__init__()
+        hidden, ffn_hidden = full.fc1.in_features, full.fc1.out_features
+        dtype = full.fc1.weight.dtype
+        self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, sequence_parallel=sequence_parallel,
+                                        allreduce_dgrad=allreduce_dgrad, params_dtype=dtype,
+                                        perform_initialization=False)
+        self.fc2 = RowParallelLinear(ffn_hidden, hidden, input_is_parallel=True,
+                                     sequence_parallel=sequence_parallel, params_dtype=dtype,
+                                     perform_initialization=False)
+        _load_shards(self, full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)[0]))[0]
+
+
+def _shard(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    return tensor.chunk(dist.get_world_size(), dim=dim)[dist.get_rank()]
+
+
+def _shard_like(full: torch.Tensor, name: str) -> torch.Tensor:
+    """This rank's part of parameter ``name``: column layer by rows, row layer by columns."""
+    if name.startswith("fc1."):
+        return _shard(full, 0)
+    return _shard(full, 1) if name == "fc2.weight" else full
+
+
+@torch.no_grad()
+def _load_shards(module: nn.Module, full: MLP) -> nn.Module:
+    """Copy this rank's shard of each of ``full``'s parameters into ``module``'s namesake."""
+    for name, param in module.named_parameters():
+        param.copy_(_shard_like(full.get_parameter(name), name))
+    return module
+
+
+def _dtensor_mlp(full: MLP, mesh, *, sequence_parallel: bool) -> nn.Module:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if sequence_parallel:
+        plan = {"fc1": ColwiseParallel(input_layouts=Shard(0)), "fc2": RowwiseParallel(output_layouts=Shard(0))}
+    else:
+        plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    return parallelize_module(copy.deepcopy(full), mesh, plan)
+
+
+def _wait_for_dtensor_collectives(variant: "_Variant", out: torch.Tensor) -> None:
+    """Finish the output and input-grad collectives DTensor leaves in flight.
+
+    DTensor returns them as lazily awaited tensors; a real model waits when the next layer
+    reads them, so a step that never reads them would end with its communication unfinished.
+    """
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    for tensor in (out, variant.x.grad):
+        if isinstance(tensor, AsyncCollectiveTensor):
+            tensor.wait()
+
+
+def _sum_sequence_parallel_grads(variant: "_Variant", out: torch.Tensor) -> None:
+    """Under SP the row bias grad is partial per rank; DTensor's backward sums it too."""
+    allreduce_sequence_parallel_grads(variant.module)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class _Variant:
+    """One way of running the block: ``step()`` is one timed iteration."""
+
+    def __init__(self, module: nn.Module | None, x: torch.Tensor, dy: torch.Tensor, *,
+                 sequence_parallel: bool,
+                 after_backward: Callable[["_Variant", torch.Tensor], None] | None = None):
+        self.module = module  # None: this rank sits the variant out
+        self.sequence_parallel = sequence_parallel
+        self.x = (_shard(x, 0) if sequence_parallel else x).clone().requires_grad_()
+        self.dy = _shard(dy, 0) if sequence_parallel else dy
+        self.after_backward = after_backward
+
+    def step(self) -> torch.Tensor | None:
+        if self.module is None:
+            return None
+        self.module.zero_grad(set_to_none=True)
+        self.x.grad = None
+        out = self.module(self.x)
+        out.backward(self.dy)
+        if self.after_backward is not None:
+            self.after_backward(self, out)
+        return out
+
+    def results(self) -> dict[str, torch.Tensor]:
+        """One step's output, input grad and parameter grads (this rank's parts)."""
+        got = {"output": self.step().detach(), "input grad": self.x.grad}
+        got.update({f"{n} grad": _local(p.grad) for n, p in self.module.named_parameters()})
+        return got
+
+    def check_against(self, reference: dict[str, torch.Tensor], name: str) -> None:
+        """Assert output and every gradient equal this rank's slice of the unsharded block's."""
+        for key, value in self.results().items():
+            expected = reference[key]
+            if key in ("output", "input grad"):
+                expected = _shard(expected, 0) if self.sequence_parallel else expected
+            else:
+                expected = _shard_like(expected, key.removesuffix(" grad"))
+            rtol = _RTOL[value.dtype]
+            torch.testing.assert_close(value, expected, rtol=rtol, atol=rtol * expected.abs().max().item(),
+                                       msg=lambda m, k=key: f"{name}: {k} differs from the unsharded block: {m}")
+
+
+def _build_variants(cfg: BenchConfig) -> dict[str, _Variant]:
+    torch.manual_seed(0)  # same weights and data on every rank
+    dtype = DTYPES[cfg.dtype]
+    full = MLP(cfg.hidden, cfg.ffn_hidden).to(dtype)
+    x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, dtype=dtype)
+    dy = torch.randn(cfg.seq, cfg.batch, cfg.hidden, dtype=dtype)
+    mesh = init_device_mesh("cpu", (cfg.tp,))
+    variants = {
+        UNSHARDED: _Variant(full if dist.get_rank() == 0 else None, x, dy, sequence_parallel=False),
+        COMPUTE_ONLY: _Variant(_load_shards(MLP(cfg.hidden, cfg.ffn_hidden // cfg.tp).to(dtype), full), x, dy,
+                               sequence_parallel=False),
+        "tensorpar": _Variant(TensorparMLP(full, sequence_parallel=False, allreduce_dgrad=True), x, dy,
+                              sequence_parallel=False),
+        "tensorpar_sp": _Variant(TensorparMLP(full, sequence_parallel=True, allreduce_dgrad=True), x, dy,
+                                 sequence_parallel=True, after_backward=_sum_sequence_parallel_grads),
+        "tensorpar_no_overlap": _Variant(TensorparMLP(full, sequence_parallel=False, allreduce_dgrad=False),
+                                         x, dy, sequence_parallel=False),
+        "dtensor": _Variant(_dtensor_mlp(full, mesh, sequence_parallel=False), x, dy, sequence_parallel=False,
+                            after_backward=_wait_for_dtensor_collectives),
+        "dtensor_sp": _Variant(_dtensor_mlp(full, mesh, sequence_parallel=True), x, dy, sequence_parallel=True,
+                               after_backward=_wait_for_dtensor_collectives),
+    }
+    expected = _Variant(full, x, dy, sequence_parallel=False).results()
+    for name, variant in variants.items():
+        if name not in (UNSHARDED, COMPUTE_ONLY):
+            variant.check_against(expected, name)
+    return variants
+
+
+def _time_iterations(variant: _Variant, *, warmup: int, iters: int) -> list[float]:
+    """Seconds per iteration, each the slowest rank's.
+
+    Iterations run back to back after one barrier, as in training: the collectives keep the
+    ranks in step, while a barrier per iteration would add its exit skew to every iteration.
+    """
+    for _ in range(warmup):
+        variant.step()
+    stamps = torch.zeros(iters + 1, dtype=torch.float64)
+    dist.barrier()
+    stamps[0] = time.perf_counter()
+    for i in range(iters):
+        variant.step()
+        stamps[i + 1] = time.perf_counter()
+    times = stamps.diff()
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times.tolist()
+
+
+def _median_ratio(rounds: list[dict[str, float]], numerator: Callable[[dict], float],
+                  denominator: Callable[[dict], float]) -> float:
+    return statistics.median(numerator(r) / denominator(r) for r in rounds)
+
+
+def _summarise(cfg: BenchConfig, rounds: list[dict[str, float]]) -> dict:
+    tp_variants = [v for v in VARIANTS if v != UNSHARDED]
+    return {
+        "config": {**dataclasses.asdict(cfg), "ffn_hidden": cfg.ffn_hidden, "threads_per_rank": 1,
+                   "backend": "gloo", "torch": torch.__version__},
+        "median_ms": {v: statistics.median(r[v] for r in rounds) for v in VARIANTS},
+        "range_ms": {v: [min(r[v] for r in rounds), max(r[v] for r in rounds)] for v in VARIANTS},
+        # >1 means tensorpar is faster.
+        "speedup_vs_dtensor": {v: _median_ratio(rounds, lambda r, p=peer: r[p], lambda r, v=v: r[v])
+                               for v, peer in DTENSOR_PEER.items()},
+        "scaling_efficiency": {v: _median_ratio(rounds, lambda r: r[UNSHARDED], lambda r, v=v: cfg.tp * r[v])
+                               for v in tp_variants},
+        "overlap_speedup": _median_ratio(rounds, lambda r: r["tensorpar_no_overlap"], lambda r: r["tensorpar"]),
+        "rounds_ms": rounds,
+    }
+
+
+def measure(cfg: BenchConfig) -> dict:
+    """Run the benchmark on an initialized default process group of ``cfg.tp`` ranks.
+
+    Returns the report (the same on every rank): per-round medians, their medians, ratios.
+    """
+    if dist.get_world_size() != cfg.tp:
+        raise ValueError(f"the benchmark needs a world of exactly --tp {cfg.tp} ranks, "
+                         f"got {dist.get_world_size()}")
+    initialize_model_parallel(cfg.tp)
+    try:
+        variants = _build_variants(cfg)
+        rounds = []
+        for index in range(cfg.rounds):
+            shift = index % len(VARIANTS)  # rotate so no variant always runs first
+            result = {}
+            for name in VARIANTS[shift:] + VARIANTS[:shift]:
+                times = _time_iterations(variants[name], warmup=cfg.warmup, iters=cfg.iters)
+                result[name] = 1e3 * statistics.median(times)
+            rounds.append({name: result[name] for name in VARIANTS})
+        return _summarise(cfg, rounds)
+    finally:
+        destroy_model_parallel()
+
+
+def _rank_main(rank: int, cfg: BenchConfig, rendezvous: str, report_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=cfg.tp,
+                            timeout=_COLLECTIVE_TIMEOUT)
+    try:
+        report = measure(cfg)
+        if rank == 0:
+            with open(report_path, "w") as f:
+                json.dump(report, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(cfg: BenchConfig) -> dict:
+    """Spawn ``cfg.tp`` local gloo ranks, run :func:`measure` on them, return the report."""
+    import torch.multiprocessing as mp
+
+    # A file rendezvous needs no free port, so concurrent runs on a shared machine cannot collide.
+    with tempfile.TemporaryDirectory(prefix="tensorpar-bench-") as tmp:
+        report_path = os.path.join(tmp, "report.json")
+        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks before torch loads
+        mp.spawn(_rank_main, args=(cfg, os.path.join(tmp, "rendezvous"), report_path), nprocs=cfg.tp)
+        with open(report_path) as f:
+            return json.load(f)
+
+
+def format_report(report: dict) -> str:
+    """The report as a table: medians, spread over rounds, speedups and scaling efficiency."""
+    cfg = report["config"]
+    lines = [
+        f"MLP block {cfg['hidden']} -> {cfg['ffn_hidden']} -> {cfg['hidden']} (GELU), activations "
+        f"[s={cfg['seq']}, b={cfg['batch']}, h={cfg['hidden']}], {cfg['dtype']}, forward+backward",
+        f"TP={cfg['tp']} on gloo/CPU, {cfg['threads_per_rank']} thread per rank, torch {cfg['torch']}; "
+        f"{cfg['rounds']} interleaved rounds x {cfg['iters']} iterations ({cfg['warmup']} warmup)",
+        "",
+        f"{'variant':<27}{'median ms':>10}{'rounds min-max':>17}{'vs DTensor':>12}{'scaling eff.':>14}",
+    ]
+    for name in VARIANTS:
+        low, high = report["range_ms"][name]
+        speedup = report["speedup_vs_dtensor"].get(name)
+        efficiency = report["scaling_efficiency"].get(name)
+        lines.append(f"{LABELS[name]:<27}{report['median_ms'][name]:>10.2f}{f'{low:.2f}-{high:.2f}':>17}"
+                     f"{'-' if speedup is None else f'{speedup:.3f}x':>12}"
+                     f"{'-' if efficiency is None else f'{efficiency:.3f}':>14}")
+    lines += [
+        "",
+        f"overlap on vs off (tensorpar TP): {report['overlap_speedup']:.3f}x",
+        "vs DTensor: DTensor time / tensorpar time (>1: tensorpar faster); scaling eff.: "
+        "T(unsharded) / (TP x T(variant)); both medians of per-round ratios.",
+    ]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = BenchConfig()
+    parser.add_argument("--tp", type=int, default=defaults.tp, help="tensor-parallel ranks (local processes)")
+    parser.add_argument("--seq", type=int, default=defaults.seq, help="sequence length s")
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="micro-batch size b")
+    parser.add_argument("--hidden", type=int, default=defaults.hidden, help="hidden size h")
+    parser.add_argument("--ffn-mult", type=int, default=defaults.ffn_mult, help="FFN width = ffn_mult x h")
+    parser.add_argument("--rounds", type=int, default=defaults.rounds, help="interleaved rounds")
+    parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed iterations per variant and round")
+    parser.add_argument("--iters", type=int, default=defaults.iters, help="timed iterations per variant and round")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    fields = {f.name for f in dataclasses.fields(BenchConfig)}
+    try:
+        cfg = BenchConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    except ValueError as exc:
+        raise SystemExit(f"tensorpar bench: {exc}")
+    report = run(cfg)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="MLP block tensorpar vs DTensor TP on gloo/CPU",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(func=_run_command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``benchmarks/mlp_vs_dtensor.py``: the ``bench`` flags without the subcommand."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return _run_command(parser.parse_args(argv))

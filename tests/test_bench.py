@@ -1,0 +1,44 @@
+"""Smoke test of ``tensorpar bench`` at tiny sizes: the report's structure, never its timings."""
+
+import json
+
+import pytest
+
+from tensorpar import bench
+from tensorpar.cli import main
+from tests.harness import run_on_ranks
+
+TINY = dict(tp=2, seq=4, batch=2, hidden=8, ffn_mult=2, rounds=1, warmup=1, iters=1)
+
+
+def _check_structure(report: dict) -> None:
+    assert report["config"]["tp"] == 2 and report["config"]["ffn_hidden"] == 16
+    tp_variants = set(bench.VARIANTS) - {bench.UNSHARDED}
+    assert set(report["median_ms"]) == set(report["range_ms"]) == set(bench.VARIANTS)
+    assert set(report["scaling_efficiency"]) == tp_variants
+    assert set(report["speedup_vs_dtensor"]) == set(bench.DTENSOR_PEER)
+    assert len(report["rounds_ms"]) == 1 and set(report["rounds_ms"][0]) == set(bench.VARIANTS)
+    values = [*report["median_ms"].values(), *report["scaling_efficiency"].values(),
+              *report["speedup_vs_dtensor"].values(), report["overlap_speedup"]]
+    assert all(v > 0 for v in values)
+
+
+def test_measure_on_two_ranks_reports_every_variant():
+    # measure() also checks every variant's output and grads against the unsharded block.
+    reports = run_on_ranks(bench.measure, 2, bench.BenchConfig(**TINY))
+    assert reports[0] == reports[1]
+    _check_structure(reports[0])
+    table = bench.format_report(reports[0])
+    assert all(label in table for label in bench.LABELS.values())
+
+
+def test_cli_spawns_ranks_and_prints_json(capsys):
+    argv = ["bench", "--json"] + [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
+    assert main(argv) == 0
+    _check_structure(json.loads(capsys.readouterr().out))
+
+
+@pytest.mark.parametrize("bad", [dict(tp=1), dict(seq=3), dict(hidden=9), dict(iters=0), dict(dtype="fp16")])
+def test_config_rejects_unusable_sizes(bad):
+    with pytest.raises(ValueError):
+        bench.BenchConfig(**{**TINY, **bad})
