@@ -20,8 +20,8 @@ import queue
 import socket
 import traceback
 
-DEFAULT_TIMEOUT = float(os.environ.get("TENSORPAR_TEST_TIMEOUT", "180"))
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("TENSORPAR_COLLECTIVE_TIMEOUT", "60"))
+DEFAULT_TIMEOUT = float(os.environ.get("TENSORPAR_TEST_TIMEOUT", "120"))
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("TENSORPAR_COLLECTIVE_TIMEOUT", "30"))
 
 
 def free_port() -> int:
@@ -38,6 +38,8 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout: f
     import torch
     import torch.distributed as dist
 
+    import tensorpar
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout))
@@ -48,14 +50,13 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout: f
         module_name, fn_name, args = task
         try:
             fn = getattr(importlib.import_module(module_name), fn_name)
-            results.put((rank, True, fn(*args)))
+            outcome = (rank, True, fn(*args))
         except BaseException:  # noqa: BLE001 - report everything to the parent
-            results.put((rank, False, traceback.format_exc()))
-        finally:
-            import tensorpar
-
-            if tensorpar.model_parallel_is_initialized():
-                tensorpar.destroy_model_parallel()
+            outcome = (rank, False, traceback.format_exc())
+        # Tear down before reporting, so the next body never meets a peer still cleaning up.
+        if tensorpar.model_parallel_is_initialized():
+            tensorpar.destroy_model_parallel()
+        results.put(outcome)
     dist.destroy_process_group()
 
 
