@@ -114,3 +114,13 @@ def test_tp_ranks_share_a_batch_and_dp_ranks_split_the_global_batch():
                          dp_size=1, seed=5).micro_batches(4)
     for k in range(2):
         assert torch.equal(torch.cat([ranks[0][k], ranks[2][k]]), whole[k][0])
+
+
+def test_sp_recompute_fusion_and_accumulation_keep_tp2_dp2_equal_to_tp1_dp1(tmp_path):
+    """The fp32 main_grad path (fusion + bucketed DP) with SP grads and recompute, 2 micro-batches."""
+    extra = ("--sp", "--recompute", "--grad-fusion", "--grad-accum", "2")
+    a, _ = _train(1, 1, 2, tmp_path / "a", *extra)
+    b, _ = _train(4, 2, 1, tmp_path / "b", *extra)
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=2e-5)
+    assert a[6] < a[1] - 0.5
