@@ -63,6 +63,13 @@ def _mappings_body():
     y, gx = _grad_through(tp.reduce_scatter_last_dim_to_tensor_parallel_region, mine, hid_chunks[r])
     torch.testing.assert_close(y, total.chunk(n, -1)[r])
     torch.testing.assert_close(gx, full)
+    # The group is every mapping's second positional argument (DESIGN.md's contract).
+    group = tp.get_tensor_model_parallel_group()
+    for mapping, x, expected in ((tp.gather_from_sequence_parallel_region, seq_chunks[r], full),
+                                 (tp.scatter_to_sequence_parallel_region, full, seq_chunks[r]),
+                                 (tp.reduce_scatter_to_sequence_parallel_region, mine, total.chunk(n, 0)[r]),
+                                 (tp.gather_from_tensor_model_parallel_region, hid_chunks[r], full)):
+        torch.testing.assert_close(mapping(x, group), expected)
     # all-to-all between sequence-parallel and hidden-parallel layouts, and its inverse.
     tokens = full.reshape(-1, h)
     sp = tokens.chunk(n, 0)[r]

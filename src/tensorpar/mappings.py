@@ -146,7 +146,7 @@ def scatter_to_sequence_parallel_region(input_, group=None):
     return input_ if _single(group) else _SplitRegion.apply(input_, group, 0)
 
 
-def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None):
+def gather_from_sequence_parallel_region(input_, group=None, *, tensor_parallel_output_grad=True):
     """All-gather the sequence (dim 0).
 
     Backward reduce-scatters when the consumer is TP-parallel (each rank holds a partial
