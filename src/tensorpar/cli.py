@@ -11,7 +11,9 @@ _COMMAND_MODULES = ("tensorpar.training.cli", "tensorpar.comm_report", "tensorpa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tensorpar", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="tensorpar", description="Megatron-style tensor parallelism for PyTorch: train, generate, "
+        "export, predict communication, benchmark against DTensor.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
