@@ -54,19 +54,20 @@ def test_shards_concatenate_to_the_tp1_weight(world_size):
 
 
 def test_slabs_cover_weights_larger_than_one_slab(monkeypatch):
+    """Slabs of 2 rows (10 elements // 4 per row): every shard spans several, and cuts some."""
     monkeypatch.setattr(initialization, "SLAB_ELEMENTS", 10)
     full = _full_weight(12, 4, 3, 0, 7)
-    group_free_shards = []
+    # Build the four TP=4 shards in one process: only the group's size and rank matter.
+    monkeypatch.setattr(initialization.comm, "group_size", lambda g: g.size)
+    monkeypatch.setattr(initialization.comm, "group_rank", lambda g: g.rank)
+    shards = []
     for rank in range(4):
         torch.manual_seed(7)
         shard = torch.empty(3, 4)
-        fake_group = _FakeGroup(4, rank)
-        monkeypatch.setattr(initialization.comm, "group_size", lambda g: g.size)
-        monkeypatch.setattr(initialization.comm, "group_rank", lambda g: g.rank)
         initialization.init_weight_shard(shard, tp.init_method_normal(0.02), partition_dim=0, stride=3,
-                                         tp_group=fake_group)
-        group_free_shards.append(shard)
-    torch.testing.assert_close(_reassemble(group_free_shards, 3, 0), full, rtol=0, atol=0)
+                                         tp_group=_FakeGroup(4, rank))
+        shards.append(shard)
+    torch.testing.assert_close(_reassemble(shards, 3, 0), full, rtol=0, atol=0)
     assert full.std() > 0
 
 
@@ -90,3 +91,16 @@ def test_parameter_attributes_and_duplicates():
     tp.set_tensor_model_parallel_attributes(p, is_parallel=True, dim=1, stride=2)
     assert (p.tensor_model_parallel, p.partition_dim, p.partition_stride) == (True, 1, 2)
     assert tp.param_is_not_tensor_parallel_duplicate(p)
+
+
+def _deferred_init_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    torch.manual_seed(3)
+    before = torch.random.get_rng_state()
+    layer = tp.ColumnParallelLinear(8, 16, perform_initialization=False, device="meta")
+    assert layer.weight.is_meta and torch.equal(torch.random.get_rng_state(), before)
+    return tuple(layer.weight.shape)
+
+
+def test_perform_initialization_false_skips_init_for_meta_or_deferred_weights():
+    assert run_on_ranks(_deferred_init_body, 2) == [(8, 8), (8, 8)]
