@@ -17,17 +17,12 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
+
+from tensorpar.launch import free_port
 
 DEFAULT_TIMEOUT = float(os.environ.get("TENSORPAR_TEST_TIMEOUT", "120"))
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("TENSORPAR_COLLECTIVE_TIMEOUT", "30"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout: float) -> None:

@@ -32,7 +32,6 @@ import datetime
 import json
 import os
 import statistics
-import tempfile
 import time
 from typing import Callable
 
@@ -43,6 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from .grads import allreduce_sequence_parallel_grads
+from .launch import launch_local
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .parallel_state import destroy_model_parallel, initialize_model_parallel
 
@@ -320,30 +320,18 @@ def measure(cfg: BenchConfig) -> dict:
         destroy_model_parallel()
 
 
-def _rank_main(rank: int, cfg: BenchConfig, rendezvous: str, report_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=cfg.tp,
-                            timeout=_COLLECTIVE_TIMEOUT)
+def _rank_entry(cfg: BenchConfig) -> dict:
+    dist.init_process_group("gloo", timeout=_COLLECTIVE_TIMEOUT)
     try:
-        report = measure(cfg)
-        if rank == 0:
-            with open(report_path, "w") as f:
-                json.dump(report, f)
+        return measure(cfg)
     finally:
         dist.destroy_process_group()
 
 
 def run(cfg: BenchConfig) -> dict:
-    """Spawn ``cfg.tp`` local gloo ranks, run :func:`measure` on them, return the report."""
-    import torch.multiprocessing as mp
-
-    # A file rendezvous needs no free port, so concurrent runs on a shared machine cannot collide.
-    with tempfile.TemporaryDirectory(prefix="tensorpar-bench-") as tmp:
-        report_path = os.path.join(tmp, "report.json")
-        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks before torch loads
-        mp.spawn(_rank_main, args=(cfg, os.path.join(tmp, "rendezvous"), report_path), nprocs=cfg.tp)
-        with open(report_path) as f:
-            return json.load(f)
+    """Start ``cfg.tp`` local gloo ranks, run :func:`measure` on them, return the report."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank, read as each rank starts
+    return launch_local(_rank_entry, cfg, nproc=cfg.tp)[0]
 
 
 def format_report(report: dict) -> str:

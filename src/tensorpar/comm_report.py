@@ -14,18 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import itertools
 import json
-import os
 import re
-import socket
 import sys
-import tempfile
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from .comm import CommLedger
@@ -41,6 +35,7 @@ from .comm_model import (
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .grads import allreduce_sequence_parallel_grads, get_grad_norm
+from .launch import launch_local
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .models.gpt import GPT, GPTConfig
 from .parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -157,29 +152,18 @@ def measure_on_this_rank(cfg: CommConfig, *, seed: int = 0) -> list[tuple]:
     return [record_key(r) for r in ledger.records]
 
 
-def _measure_worker(rank: int, cfg: CommConfig, port: int, result_path: str) -> None:
+def _measure_rank(cfg: CommConfig) -> list[tuple]:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.tp,
-                            timeout=datetime.timedelta(seconds=_MEASURE_TIMEOUT_S))
+    initialize_model_parallel(cfg.tp, backend="gloo", timeout=_MEASURE_TIMEOUT_S)
     try:
-        initialize_model_parallel(cfg.tp)
-        keys = measure_on_this_rank(cfg)
-        if rank == 0:
-            torch.save(keys, result_path)
+        return measure_on_this_rank(cfg)
     finally:
         destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def measure(cfg: CommConfig) -> list[tuple]:
-    """Spawn ``cfg.tp`` local gloo ranks, run the layer on them, return rank 0's record keys."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "records.pt")
-        mp.spawn(_measure_worker, args=(cfg, port, path), nprocs=cfg.tp, join=True)
-        return torch.load(path)
+    """Start ``cfg.tp`` local gloo ranks, run the layer on them, return rank 0's record keys."""
+    return launch_local(_measure_rank, cfg, nproc=cfg.tp)[0]
 
 
 def scaled(cfg: CommConfig, scale: int) -> CommConfig:

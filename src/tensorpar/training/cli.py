@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import sys
-import uuid
 from pathlib import Path
+
+from ..launch import LaunchError, launch_local, set_threads
 
 DEFAULT_OUT = "tensorpar-run"
 
@@ -133,54 +133,14 @@ def _resolve_world(args) -> int:
     return world
 
 
-def _set_threads() -> None:
-    import torch
-
-    if "OMP_NUM_THREADS" in os.environ:
-        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
-        return
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_in_world(entry, args, nproc: int) -> dict:
     """Run ``entry(args)`` on every rank; returns {rank: result}."""
     # The subcommand's handler is a closure: keep it out of what the workers unpickle.
     args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
     if _under_torchrun():
-        _set_threads()
+        set_threads()
         return {int(os.environ["RANK"]): entry(args)}
-    if nproc == 1:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        _set_threads()
-        return {0: entry(args)}
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                          monitor_interval=0.2)
-    try:
-        return elastic_launch(config, _elastic_entry)(entry, args)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        message = failure.message if isinstance(failure.message, str) and failure.message \
-            else f"exit code {failure.exitcode}"
-        raise UsageError(f"rank {rank} failed: {message}") from None
-
-
-def _elastic_entry(entry, args):
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    _set_threads()
-    return record(entry)(args)
+    return launch_local(entry, args, nproc=nproc)
 
 
 # --- train ---------------------------------------------------------------------------------
@@ -284,7 +244,7 @@ def _guard(command):
 
         try:
             return command(args)
-        except (UsageError, DataError, CheckpointError, ConfigMismatch) as exc:
+        except (UsageError, LaunchError, DataError, CheckpointError, ConfigMismatch) as exc:
             print(f"tensorpar {args.command}: error: {exc}", file=sys.stderr, flush=True)
             return 2
     return run
