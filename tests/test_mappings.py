@@ -36,6 +36,11 @@ def _mappings_body():
     y, gx = _grad_through(tp.reduce_from_tensor_model_parallel_region, mine, full)
     torch.testing.assert_close(y, total)
     torch.testing.assert_close(gx, full)
+    partial = mine.clone().requires_grad_(True)
+    summed = tp.reduce_from_tensor_model_parallel_region(partial * 1, inplace=True)
+    torch.testing.assert_close(summed, total)
+    summed.backward(full)
+    torch.testing.assert_close(partial.grad, full)
     # scatter last dim / gather last dim.
     y, gx = _grad_through(tp.scatter_to_tensor_model_parallel_region, full, hid_chunks[r])
     torch.testing.assert_close(y, hid_chunks[r])

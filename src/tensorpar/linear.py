@@ -454,7 +454,8 @@ class RowParallelLinear(_ParallelLinear):
         elif self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
         else:
-            output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)  # g
+            # g, summing in place: the partial output is this layer's own fresh tensor.
+            output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group, inplace=True)
         if self.skip_bias_add:
             return output, self.bias
         if self.bias is not None:

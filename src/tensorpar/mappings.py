@@ -46,12 +46,15 @@ class _ReduceFromRegion(torch.autograd.Function):
     """g: all-reduce forward, identity backward."""
 
     @staticmethod
-    def forward(ctx, input_, group):
+    def forward(ctx, input_, group, inplace):
+        if inplace and input_.is_contiguous():
+            ctx.mark_dirty(input_)
+            return comm.all_reduce(input_, group)
         return comm.all_reduce(input_.clone(memory_format=torch.contiguous_format), group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return grad_output, None
+        return grad_output, None, None
 
 
 class _SplitRegion(torch.autograd.Function):
@@ -122,10 +125,14 @@ def copy_to_tensor_model_parallel_region(input_, group=None):
     return input_ if _single(group) else _CopyToRegion.apply(input_, group)
 
 
-def reduce_from_tensor_model_parallel_region(input_, group=None):
-    """g: forward all-reduce over TP, backward identity."""
+def reduce_from_tensor_model_parallel_region(input_, group=None, *, inplace=False):
+    """g: forward all-reduce over TP, backward identity.
+
+    ``inplace=True`` sums into ``input_`` itself instead of a copy: for a tensor nothing else
+    reads, such as a row-parallel layer's fresh partial output.
+    """
     group = resolve_tp_group(group)
-    return input_ if _single(group) else _ReduceFromRegion.apply(input_, group)
+    return input_ if _single(group) else _ReduceFromRegion.apply(input_, group, inplace)
 
 
 def scatter_to_tensor_model_parallel_region(input_, group=None):
