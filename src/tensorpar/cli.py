@@ -1,28 +1,67 @@
-"""The ``tensorpar`` command: each subcommand lives in the module that implements it."""
+"""The ``tensorpar`` command: each subcommand lives in the module that implements it.
+
+Whatever fails, in this process or in any rank it started, ends the command with one line,
+``tensorpar <command>: error: <message>``, and a non-zero exit (2: bad input, 1: any other
+failure); ``--debug`` or ``TENSORPAR_DEBUG=1`` adds the tracebacks.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from . import __version__
+from .errors import DEBUG_ENV, OneLineErrorHandler, report
 
 # Each module defines ``register(subparsers)``, which adds its subcommands and sets ``func``.
 _COMMAND_MODULES = ("tensorpar.training.cli", "tensorpar.comm_report", "tensorpar.bench")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; every option's help ends with its default, unless it says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, argparse.SUPPRESS)
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                                       argparse._HelpAction, argparse._VersionAction))):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    import torch
+
     parser = argparse.ArgumentParser(
-        prog="tensorpar", description="Megatron-style tensor parallelism for PyTorch: train, generate, "
+        prog="tensorpar", formatter_class=HelpFormatter,
+        description="Megatron-style tensor parallelism for PyTorch: train, generate, "
         "export, predict communication, benchmark against DTensor.")
+    parser.add_argument("--version", action="version",
+                        version=f"tensorpar {__version__} (torch {torch.__version__})")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    for sub in subparsers.choices.values():
+        sub.formatter_class = HelpFormatter
+        sub.add_argument("--debug", action="store_true",
+                         help=f"print full tracebacks of errors (or set {DEBUG_ENV}=1)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``tensorpar`` with ``argv``; returns the exit status."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # inherited by the ranks this command starts
+    try:
+        # Under torchrun, record() leaves the one-line message in the launcher's error file.
+        return int(record(args.func, error_handler=OneLineErrorHandler())(args) or 0)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one line
+        return report(args.command, exc)
 
 
 if __name__ == "__main__":

@@ -12,15 +12,30 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
 import socket
+import sys
 import uuid
+from pathlib import Path
 
 import torch
 
+from .errors import OneLineErrorHandler, debug_enabled, exit_code
+
 
 class LaunchError(RuntimeError):
-    """A rank of a local launch failed; the message names the rank and why."""
+    """A rank of a local launch failed: its own one-line message and rank.
+
+    ``exit_code`` is the rank's (2: bad input, 1: anything else); ``traceback`` is the rank's
+    traceback, when it recorded one.
+    """
+
+    def __init__(self, message: str, *, rank: int, exit_code: int = 1, traceback: str | None = None):
+        super().__init__(f"{message} (rank {rank})")
+        self.rank, self.exit_code, self.traceback = rank, exit_code, traceback
 
 
 def free_port() -> int:
@@ -42,7 +57,9 @@ def launch_local(entry, *args, nproc: int) -> dict[int, object]:
     """Run ``entry(*args)`` on ``nproc`` local processes; returns ``{rank: entry's result}``.
 
     ``entry`` and ``args`` must be picklable (a module-level function). With one process the
-    entry runs here, in this process.
+    entry runs here, in this process, and its exceptions propagate unchanged. With more, the
+    first rank to raise ends the others (SIGTERM, within a second) and its exception becomes a
+    :class:`LaunchError` carrying its message, read from torch elastic's error files.
     """
     if nproc == 1:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -55,17 +72,71 @@ def launch_local(entry, *args, nproc: int) -> dict[int, object]:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
                           monitor_interval=0.2)
+    with _quiet_launcher():
+        try:
+            return elastic_launch(config, _elastic_entry)(entry, *args)
+        except ChildFailedError as exc:
+            raise _first_failure(exc) from None
+
+
+@contextlib.contextmanager
+def _quiet_launcher():
+    """Silence the launcher's own logging (it repeats each failure with tracebacks) unless debugging."""
+    if debug_enabled():
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
     try:
-        return elastic_launch(config, _elastic_entry)(entry, *args)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        message = failure.message if isinstance(failure.message, str) and failure.message \
-            else f"exit code {failure.exitcode}"
-        raise LaunchError(f"rank {rank} failed: {message}") from None
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _read_error_file(path: Path) -> dict | None:
+    """The ``message`` record of an error file written by :class:`OneLineErrorHandler`, if any."""
+    try:
+        record = json.loads(path.read_text())["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("extraInfo"), dict):
+        return None
+    return record
+
+
+def _first_failure(exc) -> LaunchError:
+    """The rank that failed first, with its own message.
+
+    torch reports the first rank it saw exit. When that rank recorded an exception, a peer may
+    have recorded one earlier (its exit made this one's collectives fail): the error files'
+    times decide. A rank that recorded nothing (killed by a signal) is reported as such.
+    """
+    rank, failure = exc.get_first_failure()
+    path = Path(failure.error_file)
+    if _read_error_file(path) is None:
+        if failure.exitcode < 0:
+            return LaunchError(f"killed by signal {failure.signal_name()}", rank=rank)
+        return LaunchError(f"exited with code {failure.exitcode} without an error message", rank=rank,
+                           exit_code=failure.exitcode or 1)
+    # One node: each local rank's error file is <attempt dir>/<local rank>/error.json.
+    recorded = [(float(record["extraInfo"].get("time", 0)), int(other.parent.name), record)
+                for other in path.parent.parent.glob("*/error.json") if other.parent.name.isdigit()
+                for record in [_read_error_file(other)] if record is not None]
+    _, rank, record = min(recorded, key=lambda entry: entry[:2])
+    info = record["extraInfo"]
+    return LaunchError(str(record["message"]), rank=rank, exit_code=int(info.get("exit_code", 1)),
+                       traceback=info.get("py_callstack"))
 
 
 def _elastic_entry(entry, *args):
     from torch.distributed.elastic.multiprocessing.errors import record
 
     set_threads()
-    return record(entry)(*args)
+    try:
+        return record(entry, error_handler=OneLineErrorHandler())(*args)
+    except Exception as exc:  # noqa: BLE001 - recorded above, for the launcher to report
+        # Exit without a traceback on the console; torch's own wrapper would print one.
+        sys.exit(exit_code(exc))

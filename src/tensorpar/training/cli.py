@@ -14,13 +14,10 @@ import os
 import sys
 from pathlib import Path
 
-from ..launch import LaunchError, launch_local, set_threads
+from ..errors import UsageError
+from ..launch import launch_local, set_threads
 
 DEFAULT_OUT = "tensorpar-run"
-
-
-class UsageError(ValueError):
-    """A command-line value that cannot work; the message names it."""
 
 
 def _positive(kind):
@@ -235,26 +232,11 @@ def _cmd_export(args) -> int:
     return 0
 
 
-def _guard(command):
-    """Turn the errors users cause into one clear line and exit status 2."""
-    def run(args) -> int:
-        from .checkpoint import CheckpointError
-        from .data import DataError
-        from .loop import ConfigMismatch
-
-        try:
-            return command(args)
-        except (UsageError, LaunchError, DataError, CheckpointError, ConfigMismatch) as exc:
-            print(f"tensorpar {args.command}: error: {exc}", file=sys.stderr, flush=True)
-            return 2
-    return run
-
-
 def register(subparsers) -> None:
     train = subparsers.add_parser("train", help="train a TP x DP GPT (default: a small one on an embedded corpus)",
                                   description=_cmd_train.__doc__ or "Train a GPT with tensor and data parallelism.")
     add_train_flags(train)
-    train.set_defaults(func=_guard(_cmd_train))
+    train.set_defaults(func=_cmd_train)
 
     gen = subparsers.add_parser("generate", help="sample text from a checkpoint, at any TP size")
     gen.add_argument("--checkpoint", required=True, help="a step_N directory or an output directory")
@@ -264,10 +246,10 @@ def register(subparsers) -> None:
     gen.add_argument("--top-k", type=_positive(int), default=40)
     gen.add_argument("--seed", type=int, default=0)
     _add_world_flags(gen)
-    gen.set_defaults(func=_guard(_cmd_generate))
+    gen.set_defaults(func=_cmd_generate)
 
     export = subparsers.add_parser("export", help="write a checkpoint as a transformers GPT-2 directory")
     export.add_argument("--checkpoint", required=True, help="a step_N directory or an output directory")
     export.add_argument("--to-hf", required=True, metavar="OUT", help="directory for config.json + model.safetensors")
     export.add_argument("--timeout", type=_positive(float), default=300.0)
-    export.set_defaults(func=_guard(_cmd_export))
+    export.set_defaults(func=_cmd_export)

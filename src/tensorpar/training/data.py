@@ -30,13 +30,15 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UsageError
+
 EOT = 256
 BYTE_VOCAB_SIZE = 257
 TOKEN_FILE_FORMAT = "tensorpar-tokens"
 _TOKEN_DTYPES = {"uint8": torch.uint8, "uint16": torch.uint16, "int32": torch.int32}
 
 
-class DataError(ValueError):
+class DataError(UsageError):
     """A data path or file that cannot be used; the message names it."""
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm, parallel_state as ps
+from ..errors import UsageError
 from ..grads import DataParallelGradReducer, allreduce_sequence_parallel_grads, clip_grad_norm_, get_grad_norm
 from ..models.gpt import GPT, GPTConfig
 from ..random import model_parallel_manual_seed
@@ -38,7 +39,7 @@ MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_he
                "activation": "activation", "position_embedding": "position_embedding"}
 
 
-class ConfigMismatch(ValueError):
+class ConfigMismatch(UsageError):
     """The requested model differs from a checkpoint's; the message names the fields."""
 
 

@@ -1,0 +1,91 @@
+"""How a failure reaches the user: one line naming the cause, a traceback only on request.
+
+A rank records the exception it dies of in torch elastic's error file (``TORCHELASTIC_ERROR_FILE``,
+set by ``torchrun`` and by :func:`tensorpar.launch.launch_local`) through torch's ``record``
+with :class:`OneLineErrorHandler`: that one line plus the traceback. The launcher reads the file
+back, so the command the user ran prints the line. ``--debug`` (or ``TENSORPAR_DEBUG=1``)
+prints the tracebacks too.
+
+Example::
+
+    try:
+        record(run, error_handler=OneLineErrorHandler())()
+    except Exception as exc:
+        sys.exit(report("train", exc))            # "tensorpar train: error: ..." on stderr
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import sys
+import time
+import traceback
+
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+DEBUG_ENV = "TENSORPAR_DEBUG"
+
+
+class UsageError(ValueError):
+    """Input that cannot work (a flag, a size, a path); the message names the offending values."""
+
+    exit_code = 2
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def exit_code(exc: BaseException) -> int:
+    """2 for bad input (argparse's convention), 1 for any other failure."""
+    return getattr(exc, "exit_code", 1)
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's own message on one line; the type is named unless it is one of ours."""
+    message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if type(exc).__module__.startswith("tensorpar") and message:
+        return message
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+class OneLineErrorHandler(ErrorHandler):
+    """torch elastic's error file, with :func:`one_line` as the message.
+
+    The layout is the one torch's own handler writes (``message`` with ``extraInfo``), so
+    ``torchrun``'s failure summary shows the line too; ``time`` (sub-second) orders failures of
+    ranks that died within the same second, ``exit_code`` is :func:`exit_code`.
+    """
+
+    def initialize(self) -> None:
+        # torch's enables faulthandler and warns where stderr is no file (a captured stream).
+        with contextlib.suppress(Exception):
+            faulthandler.enable(all_threads=True)
+
+    def record_exception(self, e: BaseException) -> None:
+        path = self._get_error_file_path()
+        if not path:
+            return
+        now = time.time()
+        data = {"message": {"message": one_line(e), "extraInfo": {
+            "py_callstack": "".join(traceback.format_exception(e)), "timestamp": str(int(now)),
+            "time": now, "exit_code": exit_code(e)}}}
+        try:
+            with open(path, "w") as f:
+                json.dump(data, f)
+        except OSError:
+            pass  # the message still reaches stderr
+
+
+def report(command: str, exc: BaseException) -> int:
+    """Print ``tensorpar <command>: error: <message>`` (and tracebacks under debug); the exit code."""
+    if debug_enabled():
+        traceback.print_exception(exc, file=sys.stderr)
+        remote = getattr(exc, "traceback", None)
+        if remote:
+            print(remote, file=sys.stderr, end="" if remote.endswith("\n") else "\n")
+    print(f"tensorpar {command}: error: {one_line(exc)}", file=sys.stderr, flush=True)
+    return exit_code(exc)

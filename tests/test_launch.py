@@ -1,0 +1,47 @@
+"""The local launcher: a rank's exception reaches the caller as one line naming the rank, fast."""
+
+import datetime
+import os
+import signal
+import time
+
+import pytest
+
+from tensorpar.errors import UsageError, one_line
+from tensorpar.launch import LaunchError, launch_local
+
+PG_TIMEOUT_S = 300
+
+
+def _fail_on_rank1_while_rank0_waits(kind: str):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    if dist.get_rank() == 1:
+        if kind == "usage":
+            raise UsageError("--widgets 3 is not a multiple of 2")
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # rank 0 waits for a peer that is gone: the launcher must end it
+
+
+def test_a_rank_exception_is_reported_once_with_its_rank_and_ends_the_others():
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch_local(_fail_on_rank1_while_rank0_waits, "usage", nproc=2)
+    # Rank 0 was stuck in a collective with a PG_TIMEOUT_S timeout; the launcher ended it.
+    assert time.monotonic() - started < PG_TIMEOUT_S / 5
+    assert str(info.value) == "--widgets 3 is not a multiple of 2 (rank 1)"
+    assert info.value.rank == 1 and info.value.exit_code == 2
+    assert "raise UsageError" in info.value.traceback
+
+
+def test_a_rank_killed_by_a_signal_is_named():
+    with pytest.raises(LaunchError, match=r"^killed by signal SIGKILL \(rank 1\)$"):
+        launch_local(_fail_on_rank1_while_rank0_waits, "signal", nproc=2)
+
+
+def test_one_line_keeps_our_messages_and_names_other_types():
+    assert one_line(UsageError("--lr nan is not a finite number")) == "--lr nan is not a finite number"
+    assert one_line(ValueError("bad\n  value\n")) == "ValueError: bad value"
+    assert one_line(KeyError("step")) == "KeyError: 'step'"
+    assert one_line(RuntimeError()) == "RuntimeError"
