@@ -23,6 +23,9 @@ def _collectives_body():
         torch.testing.assert_close(comm.reduce_scatter(mine, group, dim=dim), total.chunk(n, dim)[r])
         handle = comm.reduce_scatter(mine, group, dim=dim, async_op=True)
         torch.testing.assert_close(handle.wait(), total.chunk(n, dim)[r])
+    into = torch.empty(3, *mine.shape[1:])
+    assert comm.reduce_scatter(mine, group, out=into[1:3]).data_ptr() == into[1].data_ptr()
+    torch.testing.assert_close(into[1:3], total.chunk(n, 0)[r])
     torch.testing.assert_close(comm.all_reduce(mine.clone(), group), total)
     torch.testing.assert_close(comm.all_reduce(mine.clone(), group, async_op=True).wait(), total)
     torch.testing.assert_close(comm.all_reduce(mine.clone(), group, op="max"),

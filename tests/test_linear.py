@@ -42,9 +42,16 @@ def _attach_main_grad(layer):
     layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32)
 
 
-def _column_case(n, r, *, sp, gather_output, skip_bias_add, fusion, allreduce_dgrad, dtype, mode):
+def _results(out, x_local, layer):
+    """What a case computed, for comparing the chunked path with the unchunked one."""
+    weight_grad = layer.weight.main_grad if hasattr(layer.weight, "main_grad") else layer.weight.grad
+    return {"output": out.detach(), "input grad": x_local.grad, "weight grad": weight_grad,
+            "bias grad": layer.bias.grad}
+
+
+def _column_case(n, r, *, sp, gather_output, skip_bias_add, fusion, allreduce_dgrad, dtype, mode, overlap):
     case = dict(tp=n, sp=sp, gather_output=gather_output, skip_bias_add=skip_bias_add, fusion=fusion,
-                allreduce_dgrad=allreduce_dgrad, dtype=dtype, mode=mode)
+                allreduce_dgrad=allreduce_dgrad, dtype=dtype, mode=mode, overlap=overlap)
     weight, bias, x, grad = _full_problem(1, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # SP at TP=1 warns; covered by its own test
@@ -53,7 +60,7 @@ def _column_case(n, r, *, sp, gather_output, skip_bias_add, fusion, allreduce_dg
             gradient_accumulation_fusion=fusion, allreduce_dgrad=allreduce_dgrad, params_dtype=dtype,
             is_expert=mode == "expert", disable_grad_reduce=mode == "disable_grad_reduce",
             defer_wgrad_compute=mode in ("defer", "defer_limit"),
-            wgrad_deferral_limit=1 if mode == "defer_limit" else 0)
+            wgrad_deferral_limit=1 if mode == "defer_limit" else 0, overlap=overlap)
     with torch.no_grad():
         layer.weight.copy_(weight.chunk(n, 0)[r])
         layer.bias.copy_(bias.chunk(n)[r])
@@ -86,7 +93,7 @@ def _column_case(n, r, *, sp, gather_output, skip_bias_add, fusion, allreduce_dg
         _close(out, out_exp, case, "output", dtype)
         _close(x_local.grad, dx_exp * micro_batches, case, "input grad", dtype)
         _close(layer.weight.grad, dw_exp * micro_batches, case, "weight grad", dtype)
-        return
+        return _results(out, x_local, layer)
     _close(out, ref_out if gather_output else ref_out.chunk(n, -1)[r], case, "output", dtype)
     _close(x_local.grad, (ref_dx.chunk(n, 0)[r] if sp else ref_dx) * micro_batches, case, "input grad", dtype)
     dw_exp = ref_dw.chunk(n, 0)[r]
@@ -111,17 +118,18 @@ def _column_case(n, r, *, sp, gather_output, skip_bias_add, fusion, allreduce_dg
         _close(layer.bias.grad, ref_db.chunk(n)[r] * micro_batches, case, "bias grad", dtype)
     else:
         assert layer.bias.grad is None, case
+    return _results(out, x_local, layer)
 
 
-def _row_case(n, r, *, sp, input_is_parallel, skip_bias_add, fusion, dtype, mode):
+def _row_case(n, r, *, sp, input_is_parallel, skip_bias_add, fusion, dtype, mode, overlap):
     case = dict(tp=n, sp=sp, input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add, fusion=fusion,
-                dtype=dtype, mode=mode)
+                dtype=dtype, mode=mode, overlap=overlap)
     weight, bias, x, grad = _full_problem(2, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         layer = tp.RowParallelLinear(IN, OUT, sequence_parallel=sp, input_is_parallel=input_is_parallel,
                                      skip_bias_add=skip_bias_add, gradient_accumulation_fusion=fusion,
-                                     params_dtype=dtype, is_expert=mode == "expert")
+                                     params_dtype=dtype, is_expert=mode == "expert", overlap=overlap)
     with torch.no_grad():
         layer.weight.copy_(weight.chunk(n, 1)[r])
         layer.bias.copy_(bias)
@@ -145,7 +153,7 @@ def _row_case(n, r, *, sp, input_is_parallel, skip_bias_add, fusion, dtype, mode
         _close(out, out_exp, case, "output", dtype)
         _close(x_local.grad, dx_exp, case, "input grad", dtype)
         _close(layer.weight.grad, dw_exp, case, "weight grad", dtype)
-        return
+        return _results(out, x_local, layer)
     assert getattr(layer.bias, "sequence_parallel", False) == (sp and n > 1), case
     _close(out, ref_out.chunk(n, 0)[r] if sp else ref_out, case, "output", dtype)
     _close(x_local.grad, ref_dx.chunk(n, -1)[r] if input_is_parallel else ref_dx, case, "input grad", dtype)
@@ -158,9 +166,40 @@ def _row_case(n, r, *, sp, input_is_parallel, skip_bias_add, fusion, dtype, mode
     else:
         _close(layer.weight.grad, dw_exp, case, "weight grad", dtype)
     _close(layer.bias.grad, ref_db, case, "bias grad", dtype)
+    return _results(out, x_local, layer)
 
 
 DTYPES = (torch.float32, torch.bfloat16)
+# 3 chunks: uneven splits of S=8 rows (3+3+2) and of a rank's SP slice (2+1+1 at TP=2; at TP=4
+# its 2 rows cap it at 2 chunks).
+CHUNKS = 3
+
+
+def _check_chunked_bits(case_fn, may_differ, **case):
+    """Run ``case_fn`` unchunked and chunked (each checked against the unsharded computation)
+    and assert the two agree bit for bit, except for the results named in ``may_differ``."""
+    unchunked, chunked = case_fn(overlap="off", **case), case_fn(overlap=CHUNKS, **case)
+    for key, value in unchunked.items():
+        if key in may_differ or value is None:
+            assert (chunked[key] is None) == (value is None), (key, case)
+            continue
+        assert torch.equal(value, chunked[key]), f"{key}: chunked differs from unchunked for {case}"
+
+
+# Where chunking may change bits (both stay within tolerance of the unsharded result): gloo's
+# ring all-reduce orders each element's TP > 2 partial sums by where it falls in the buffer, so
+# a chunk sums in another order than the whole; the row wgrad under SP sums its rows chunk by chunk.
+def _column_may_differ(n, *, sp, allreduce_dgrad, mode, **_):
+    chunked_all_reduce = n > 2 and not sp and allreduce_dgrad and mode not in ("expert", "disable_grad_reduce")
+    return {"input grad"} if chunked_all_reduce else set()
+
+
+def _row_may_differ(n, *, sp, mode, **_):
+    if mode == "expert":
+        return set()
+    if sp:
+        return {"weight grad"}
+    return {"output"} if n > 2 else set()
 
 
 def _column_body():
@@ -171,13 +210,15 @@ def _column_body():
             (False, True), (False, True), (False, True), (False, True), (True, False), DTYPES):
         if sp and gather_output:
             continue
-        _column_case(n, r, sp=sp, gather_output=gather_output, skip_bias_add=skip, fusion=fusion,
-                     allreduce_dgrad=allreduce_dgrad, dtype=dtype, mode="plain")
+        case = dict(sp=sp, gather_output=gather_output, skip_bias_add=skip, fusion=fusion,
+                    allreduce_dgrad=allreduce_dgrad, dtype=dtype, mode="plain")
+        _check_chunked_bits(_column_case, _column_may_differ(n, **case), n=n, r=r, **case)
         count += 1
     for mode, sp, dtype in itertools.product(
             ("defer", "defer_limit", "frozen", "expert", "disable_grad_reduce"), (False, True), DTYPES):
-        _column_case(n, r, sp=sp, gather_output=False, skip_bias_add=False, fusion=False,
-                     allreduce_dgrad=True, dtype=dtype, mode=mode)
+        case = dict(sp=sp, gather_output=False, skip_bias_add=False, fusion=False, allreduce_dgrad=True,
+                    dtype=dtype, mode=mode)
+        _check_chunked_bits(_column_case, _column_may_differ(n, **case), n=n, r=r, **case)
         count += 1
     return count
 
@@ -190,11 +231,13 @@ def _row_body():
             (False, True), (True, False), (False, True), (False, True), DTYPES):
         if sp and not input_is_parallel:
             continue
-        _row_case(n, r, sp=sp, input_is_parallel=input_is_parallel, skip_bias_add=skip, fusion=fusion,
-                  dtype=dtype, mode="plain")
+        case = dict(sp=sp, input_is_parallel=input_is_parallel, skip_bias_add=skip, fusion=fusion, dtype=dtype,
+                    mode="plain")
+        _check_chunked_bits(_row_case, _row_may_differ(n, **case), n=n, r=r, **case)
         count += 1
     for mode, sp, dtype in itertools.product(("frozen", "expert"), (False, True), DTYPES):
-        _row_case(n, r, sp=sp, input_is_parallel=True, skip_bias_add=False, fusion=False, dtype=dtype, mode=mode)
+        case = dict(sp=sp, input_is_parallel=True, skip_bias_add=False, fusion=False, dtype=dtype, mode=mode)
+        _check_chunked_bits(_row_case, _row_may_differ(n, **case), n=n, r=r, **case)
         count += 1
     return count
 
@@ -239,12 +282,12 @@ def test_autocast_bf16_with_fp32_parameters(world_size):
     assert all(run_on_ranks(_autocast_body, world_size))
 
 
-def _pair_ledger_body(sp):
+def _pair_ledger_body(sp, overlap="off"):
     """A column + row pair (an MLP block): the collectives each phase issues."""
     tp.initialize_model_parallel(torch.distributed.get_world_size())
     n = tp.get_tensor_model_parallel_world_size()
-    fc1 = tp.ColumnParallelLinear(IN, OUT, sequence_parallel=sp)
-    fc2 = tp.RowParallelLinear(OUT, IN, input_is_parallel=True, sequence_parallel=sp)
+    fc1 = tp.ColumnParallelLinear(IN, OUT, sequence_parallel=sp, overlap=overlap)
+    fc2 = tp.RowParallelLinear(OUT, IN, input_is_parallel=True, sequence_parallel=sp, overlap=overlap)
     x = torch.randn(S // n if sp else S, B, IN, requires_grad=True)
     with tp.CommLedger() as ledger:
         with ledger.phase("forward"):
@@ -277,8 +320,26 @@ def test_column_row_pair_under_sp_issues_gathers_and_reduce_scatters(world_size)
     ]
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_chunked_pair_issues_each_collective_in_chunks(world_size):
+    """overlap=2: every collective on the critical path becomes two of half the sequence."""
+    half = (S // 2, B, IN)
+    nbytes = S // 2 * B * IN * 4
+    chunk = lambda phase, op: [(phase, op, half, nbytes, True)] * 2  # noqa: E731
+    assert run_on_ranks(_pair_ledger_body, world_size, False, 2)[0] == [
+        *chunk("forward", "all_reduce"),           # row output, against the row GEMM
+        *chunk("backward", "all_reduce")]          # column dgrad, against the dgrad GEMM
+    assert run_on_ranks(_pair_ledger_body, world_size, True, 2)[0] == [
+        *chunk("forward", "all_gather"),           # column input, against the column GEMM
+        *chunk("forward", "reduce_scatter"),       # row output, against the row GEMM
+        *chunk("backward", "all_gather"),          # row output grad, against the row dgrad GEMM
+        ("backward", "all_gather", (S, B, IN), S * B * IN * 4, True),  # column input for wgrad
+        *chunk("backward", "reduce_scatter")]      # column dgrad, against the dgrad GEMM
+
+
 def test_single_rank_issues_no_collectives():
     assert run_on_ranks(_pair_ledger_body, 1, False) == [[]]
+    assert run_on_ranks(_pair_ledger_body, 1, False, 4) == [[]]
 
 
 def _gather_output_ledger_body():
@@ -321,6 +382,9 @@ def _bad_input_body():
         row_sp(sp(torch.randn(6, 1, 8))[0][:6])
     with pytest.raises(ValueError, match="sequence_parallel=True needs input_is_parallel=True"):
         tp.RowParallelLinear(16, 8, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"RowParallelLinear: overlap must be 'off' or a positive number of chunks, "
+                                         r"got 0"):
+        tp.RowParallelLinear(16, 8, overlap=0)
     with pytest.raises(ValueError, match="gather_output=True cannot be combined with sequence_parallel"):
         tp.ColumnParallelLinear(8, 16, sequence_parallel=True, gather_output=True)
     with pytest.raises(ValueError, match=r"the weight passed to forward has shape \[16, 8\], expected \[4, 8\]"):

@@ -176,7 +176,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
     """
     n = group_size(group)
     if n == 1:
-        return _done(tensor, async_op)
+        return _done(tensor if out is None else out.copy_(tensor), async_op)
     dim = dim % tensor.dim()
     shape = list(tensor.shape)
     shape[dim] *= n
@@ -203,17 +203,22 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
 
 
 def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
-                   async_op: bool = False, op: str = "sum"):
-    """Sum ``tensor`` over ``group`` and keep this rank's slice along ``dim``."""
+                   async_op: bool = False, op: str = "sum", out: torch.Tensor | None = None):
+    """Sum ``tensor`` over ``group`` and keep this rank's slice along ``dim``.
+
+    ``out`` (dim 0 only) is a preallocated contiguous result, e.g. a slice of a larger output.
+    """
     n = group_size(group)
     if n == 1:
-        return _done(tensor, async_op)
+        return _done(tensor if out is None else out.copy_(tensor), async_op)
     dim = dim % tensor.dim()
     check_divisible(tensor.shape[dim], n, f"reduce-scatter dimension {dim} of shape {list(tensor.shape)}")
     _record("reduce_scatter", tensor.shape, tensor.dtype, n, async_op, op)
+    if out is not None and dim != 0:
+        raise ValueError("reduce_scatter: `out` is supported for dim 0 only")
     source = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
     out_shape = [source.shape[0] // n] + list(source.shape[1:])
-    result = source.new_empty(out_shape)
+    result = out if out is not None else source.new_empty(out_shape)
     work = _reduce_scatter_single(result, source, op=_REDUCE_OPS[op], group=group, async_op=async_op)
     finish = (lambda t: t.movedim(0, dim).contiguous()) if dim != 0 else None
     if async_op:

@@ -29,6 +29,7 @@ from .initialization import (
     init_weight_shard,
     set_tensor_model_parallel_attributes,
 )
+from .overlap import all_gather_matmul, matmul_reduce
 from .mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -67,17 +68,28 @@ def _gather_sequence(input_: torch.Tensor, group, *, async_op: bool):
     return comm.all_gather(input_, group, dim=0, async_op=async_op, out=buffer)
 
 
-def _linear_forward(input_, weight, bias, sequence_parallel, group):
+def _linear_forward(input_, weight, bias, sequence_parallel, group, overlap_chunks=1, output_reduction=None):
     """``x W^T + b`` at the compute dtype, gathering the sequence first under SP.
 
+    With ``output_reduction`` (``"all_reduce"`` or ``"reduce_scatter"``: the row layer's ``g``)
+    the output is reduced over TP too. With ``overlap_chunks > 1`` the SP gather or the output
+    reduction is chunked against the GEMM (:mod:`tensorpar.overlap`).
     Returns the input cast to the compute dtype (what backward needs), that dtype, the output.
     """
     compute_dtype = _compute_dtype(input_)
     # Under autocast, cast before the SP all-gather: half the bytes on the wire and saved.
     input_ = input_.to(compute_dtype)
-    total_input = _gather_sequence(input_, group, async_op=False) if sequence_parallel else input_
+    weight = weight.to(compute_dtype)
+    bias = None if bias is None else bias.to(compute_dtype)
     with torch.autocast(input_.device.type, enabled=False):
-        output = F.linear(total_input, weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype))
+        if output_reduction is not None:
+            output = matmul_reduce(input_, weight.t(), group, chunks=overlap_chunks,
+                                   scatter=output_reduction == "reduce_scatter")
+        elif sequence_parallel and overlap_chunks > 1:
+            output, _ = all_gather_matmul(input_, weight.t(), group, chunks=overlap_chunks, bias=bias)
+        else:
+            total_input = _gather_sequence(input_, group, async_op=False) if sequence_parallel else input_
+            output = F.linear(total_input, weight, bias)
     return input_, compute_dtype, output
 
 
@@ -89,6 +101,29 @@ def _launch_dgrad_reduction(grad_input: torch.Tensor, *, allreduce_dgrad: bool,
     if allreduce_dgrad:
         return comm.all_reduce(grad_input, group, async_op=True)
     return None
+
+
+def _launch_dgrad(grad_output, weight, *, allreduce_dgrad, sequence_parallel, output_reduction,
+                  overlap_chunks, group, keep_gathered=False):
+    """dgrad ``grad_output @ W`` with its TP communication started.
+
+    Returns ``(handle, gathered)``: ``handle.wait()`` gives the input grad; ``gathered`` is the
+    row layer's chunk-gathered output grad under SP (``keep_gathered``), for its wgrad.
+    The column's dgrad reduction (all-reduce, or reduce-scatter under SP) is chunked against
+    the dgrad GEMM with ``overlap_chunks > 1``; the row layer's SP output-grad all-gather
+    (``output_reduction == "reduce_scatter"``) too.
+    """
+    if output_reduction == "reduce_scatter":
+        grad_input, gathered = all_gather_matmul(grad_output, weight, group, chunks=overlap_chunks,
+                                                 keep_gathered=keep_gathered)
+        return comm.Handle(None, grad_input), gathered
+    if overlap_chunks > 1 and (allreduce_dgrad or sequence_parallel):
+        return matmul_reduce(grad_output, weight, group, chunks=overlap_chunks, scatter=sequence_parallel,
+                             async_op=True), None
+    grad_input = grad_output.matmul(weight)
+    reduction = _launch_dgrad_reduction(grad_input, allreduce_dgrad=allreduce_dgrad,
+                                        sequence_parallel=sequence_parallel, group=group)
+    return reduction if reduction is not None else comm.Handle(None, grad_input), None
 
 
 def _accumulate_wgrad_into_main_grad(weight: torch.Tensor, grad_output_2d: torch.Tensor,
@@ -135,6 +170,28 @@ def compute_weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_ou
     return grad_output_2d.t().matmul(input_2d)
 
 
+def _weight_grad_from_row_blocks(weight: torch.Tensor, input_: torch.Tensor, gathered: list[torch.Tensor],
+                                 *, gradient_accumulation_fusion: bool):
+    """wgrad of the row layer under chunked SP: summed over the chunk-gathered output grads.
+
+    ``gathered[i]`` is ``[TP, rows_i, ...]``: chunk ``i`` of every rank's sequence slice, whose
+    inputs are the matching rows of ``input_`` (``[s, ...]`` in sequence order).
+    """
+    n = gathered[0].shape[0]
+    input_by_rank = input_.view(n, input_.shape[0] // n, *input_.shape[1:])
+    grad_weight, start = None, 0
+    for chunk in gathered:
+        size = chunk.shape[1]
+        for rank in range(n):
+            x, g = input_by_rank[rank, start:start + size], chunk[rank]
+            if grad_weight is None or gradient_accumulation_fusion:
+                grad_weight = compute_weight_grad(weight, x, g, gradient_accumulation_fusion=gradient_accumulation_fusion)
+            else:
+                grad_weight.addmm_(_flatten(g).t(), _flatten(x))
+        start += size
+    return grad_weight
+
+
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """``y = x W^T + b`` with TP communication folded in (seed 000, section 4).
 
@@ -145,10 +202,13 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
-                sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group):
-        if allreduce_dgrad or sequence_parallel:
+                sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group,
+                overlap_chunks=1, output_reduction=None):
+        if allreduce_dgrad or sequence_parallel or output_reduction is not None:
             _warn_if_overlap_unavailable(input_)
-        input_, ctx.compute_dtype, output = _linear_forward(input_, weight, bias, sequence_parallel, tp_group)
+        input_, ctx.compute_dtype, output = _linear_forward(input_, weight, bias, sequence_parallel, tp_group,
+                                                            overlap_chunks, output_reduction)
+        ctx.overlap_chunks, ctx.output_reduction = overlap_chunks, output_reduction
         ctx.save_for_backward(input_, weight)
         ctx.use_bias = bias is not None
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
@@ -171,21 +231,24 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         gather = None
         if ctx.sequence_parallel and wgrad_needed:
             gather = _gather_sequence(input_, group, async_op=True)  # overlaps the dgrad GEMM
-        grad_input = grad_output.matmul(weight.to(dtype))
+        reduction, gathered_grad = _launch_dgrad(
+            grad_output, weight.to(dtype), allreduce_dgrad=ctx.allreduce_dgrad,
+            sequence_parallel=ctx.sequence_parallel, output_reduction=ctx.output_reduction,
+            overlap_chunks=ctx.overlap_chunks, group=group, keep_gathered=wgrad_needed)
         total_input = gather.wait() if gather is not None else input_
-        reduction = _launch_dgrad_reduction(grad_input, allreduce_dgrad=ctx.allreduce_dgrad,
-                                            sequence_parallel=ctx.sequence_parallel, group=group)
         grad_weight = None
         if defer_wgrad:
             buffer.append(grad_output)
+        elif gathered_grad is not None:
+            grad_weight = _weight_grad_from_row_blocks(
+                weight, total_input, gathered_grad, gradient_accumulation_fusion=ctx.gradient_accumulation_fusion)
         elif wgrad_needed:
             # Runs while the dgrad reduction is in flight: the overlap this function exists for.
             grad_weight = compute_weight_grad(weight, total_input, grad_output,
                                               gradient_accumulation_fusion=ctx.gradient_accumulation_fusion)
         grad_bias = _flatten(grad_output).sum(dim=0) if ctx.use_bias else None
-        if reduction is not None:
-            grad_input = reduction.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        grad_input = reduction.wait()
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 class LinearWithFrozenWeight(torch.autograd.Function):
@@ -196,23 +259,25 @@ class LinearWithFrozenWeight(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input_, weight, bias, allreduce_dgrad, sequence_parallel, tp_group):
-        _, ctx.compute_dtype, output = _linear_forward(input_, weight, bias, sequence_parallel, tp_group)
+    def forward(ctx, input_, weight, bias, allreduce_dgrad, sequence_parallel, tp_group,
+                overlap_chunks=1, output_reduction=None):
+        _, ctx.compute_dtype, output = _linear_forward(input_, weight, bias, sequence_parallel, tp_group,
+                                                       overlap_chunks, output_reduction)
         ctx.save_for_backward(weight)
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
+        ctx.overlap_chunks, ctx.output_reduction = overlap_chunks, output_reduction
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
         (weight,) = ctx.saved_tensors
-        grad_input = grad_output.matmul(weight.to(ctx.compute_dtype))
-        reduction = _launch_dgrad_reduction(grad_input, allreduce_dgrad=ctx.allreduce_dgrad,
-                                            sequence_parallel=ctx.sequence_parallel, group=ctx.tp_group)
-        if reduction is not None:
-            grad_input = reduction.wait()
+        reduction, _ = _launch_dgrad(grad_output, weight.to(ctx.compute_dtype), allreduce_dgrad=ctx.allreduce_dgrad,
+                                     sequence_parallel=ctx.sequence_parallel, output_reduction=ctx.output_reduction,
+                                     overlap_chunks=ctx.overlap_chunks, group=ctx.tp_group)
+        grad_input = reduction.wait()
         grad_bias = _flatten(grad_output).sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
-        return grad_input, None, grad_bias, None, None, None
+        return grad_input, None, grad_bias, None, None, None, None, None
 
 
 def _check_input(input_: torch.Tensor, weight: torch.Tensor, name: str) -> None:
@@ -226,14 +291,17 @@ def _check_input(input_: torch.Tensor, weight: torch.Tensor, name: str) -> None:
 
 def linear_with_grad_accumulation_and_async_allreduce(
         input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-        grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=None):
+        grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=None, *, overlap_chunks=1,
+        output_reduction=None):
     """Functional form of :class:`LinearWithGradAccumulationAndAsyncCommunication`.
 
     ``input``: ``[s, b, h]`` (``[s/TP, b, h]`` with ``sequence_parallel``). With
     ``gradient_accumulation_fusion`` the weight must carry an fp32 ``main_grad``. With a
     ``grad_output_buffer`` list, wgrad is deferred: the backward stores ``grad_output`` there
     (for the first ``wgrad_deferral_limit`` calls; 0 means always) for a later
-    :meth:`ColumnParallelLinear.compute_deferred_wgrads`.
+    :meth:`ColumnParallelLinear.compute_deferred_wgrads`. ``output_reduction``
+    (``"all_reduce"`` / ``"reduce_scatter"``) sums the output over TP inside, as the row
+    layer's ``g``; ``overlap_chunks > 1`` chunks every collective against its GEMM.
     """
     if gradient_accumulation_fusion and not hasattr(weight, "main_grad"):
         raise ValueError("gradient_accumulation_fusion=True needs weight.main_grad (an fp32 gradient "
@@ -242,16 +310,47 @@ def linear_with_grad_accumulation_and_async_allreduce(
         raise ValueError("allreduce_dgrad and sequence_parallel are exclusive: under SP the dgrad is "
                          "reduce-scattered")
     group = resolve_tp_group(tp_group)
+    overlap_chunks, output_reduction = _check_overlap(overlap_chunks, output_reduction, bias, allreduce_dgrad,
+                                                      sequence_parallel, group)
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
         input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad and comm.group_size(group) > 1,
-        sequence_parallel, grad_output_buffer, wgrad_deferral_limit, group)
+        sequence_parallel, grad_output_buffer, wgrad_deferral_limit, group, overlap_chunks, output_reduction)
 
 
-def linear_with_frozen_weight(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group=None):
+def linear_with_frozen_weight(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group=None, *,
+                              overlap_chunks=1, output_reduction=None):
     """Functional form of :class:`LinearWithFrozenWeight`."""
     group = resolve_tp_group(tp_group)
+    overlap_chunks, output_reduction = _check_overlap(overlap_chunks, output_reduction, bias, allreduce_dgrad,
+                                                      sequence_parallel, group)
     return LinearWithFrozenWeight.apply(input, weight, bias, allreduce_dgrad and comm.group_size(group) > 1,
-                                        sequence_parallel, group)
+                                        sequence_parallel, group, overlap_chunks, output_reduction)
+
+
+_OUTPUT_REDUCTIONS = (None, "all_reduce", "reduce_scatter")
+
+
+def _check_overlap(overlap_chunks, output_reduction, bias, allreduce_dgrad, sequence_parallel, group):
+    """Validated ``(overlap_chunks, output_reduction)``; one rank has nothing to reduce or chunk."""
+    if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
+        raise ValueError(f"overlap_chunks must be a positive int, got {overlap_chunks!r}")
+    if output_reduction not in _OUTPUT_REDUCTIONS:
+        raise ValueError(f"output_reduction must be one of {_OUTPUT_REDUCTIONS}, got {output_reduction!r}")
+    if output_reduction is not None and (bias is not None or allreduce_dgrad or sequence_parallel):
+        raise ValueError("output_reduction (the row layer's g) takes no bias (it would be summed TP times), "
+                         "allreduce_dgrad or sequence_parallel")
+    if comm.group_size(group) == 1:
+        return 1, None
+    return overlap_chunks, output_reduction
+
+
+def _resolve_overlap(overlap, name: str) -> int:
+    """``overlap``: ``"off"`` or a number of chunks (1 is off)."""
+    if overlap == "off":
+        return 1
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 1:
+        raise ValueError(f"{name}: overlap must be 'off' or a positive number of chunks, got {overlap!r}")
+    return overlap
 
 
 def _resolve_sequence_parallel(sequence_parallel: bool, tp_size: int, name: str) -> bool:
@@ -301,14 +400,15 @@ class _ParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def _linear(self, input_, weight, bias, *, allreduce_dgrad, sequence_parallel, grad_output_buffer=None,
-                wgrad_deferral_limit=0):
+                wgrad_deferral_limit=0, overlap_chunks=1, output_reduction=None):
         _check_input(input_, weight, type(self).__name__)
+        overlap = dict(overlap_chunks=overlap_chunks, output_reduction=output_reduction)
         if not weight.requires_grad:
             return linear_with_frozen_weight(input_, weight, bias, allreduce_dgrad, sequence_parallel,
-                                             self.tp_group)
+                                             self.tp_group, **overlap)
         return linear_with_grad_accumulation_and_async_allreduce(
             input_, weight, bias, self.gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-            grad_output_buffer, wgrad_deferral_limit, self.tp_group)
+            grad_output_buffer, wgrad_deferral_limit, self.tp_group, **overlap)
 
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, tp_size={self.tp_size}, "
@@ -338,7 +438,7 @@ class ColumnParallelLinear(_ParallelLinear):
                  stride=1, skip_bias_add=False, sequence_parallel=False, gradient_accumulation_fusion=False,
                  allreduce_dgrad=True, is_expert=False, disable_grad_reduce=False,
                  params_dtype=torch.float32, device=None, tp_group=None, perform_initialization=True,
-                 defer_wgrad_compute=False, wgrad_deferral_limit=0):
+                 defer_wgrad_compute=False, wgrad_deferral_limit=0, overlap="off"):
         super().__init__(input_size, output_size, partition_dim=0, bias=bias, bias_is_parallel=True,
                          init_method=init_method, stride=stride, skip_bias_add=skip_bias_add,
                          sequence_parallel=sequence_parallel,
@@ -356,6 +456,7 @@ class ColumnParallelLinear(_ParallelLinear):
                                 and not disable_grad_reduce and not self.explicit_expert_comm)
         self.defer_wgrad_compute = defer_wgrad_compute
         self.wgrad_deferral_limit = wgrad_deferral_limit
+        self.overlap_chunks = _resolve_overlap(overlap, "ColumnParallelLinear")
         self.activation_buffer: list[torch.Tensor] = []
         self.grad_output_buffer: list[torch.Tensor] = []
 
@@ -379,7 +480,8 @@ class ColumnParallelLinear(_ParallelLinear):
         output_parallel = self._linear(input_parallel, weight, bias, allreduce_dgrad=self.allreduce_dgrad,
                                        sequence_parallel=sequence_parallel,
                                        grad_output_buffer=grad_output_buffer,
-                                       wgrad_deferral_limit=self.wgrad_deferral_limit)
+                                       wgrad_deferral_limit=self.wgrad_deferral_limit,
+                                       overlap_chunks=self.overlap_chunks)
         self._deferred_weight = weight if grad_output_buffer is not None else None
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
@@ -428,7 +530,7 @@ class RowParallelLinear(_ParallelLinear):
     def __init__(self, input_size, output_size, *, bias=True, input_is_parallel=False, init_method=None,
                  stride=1, skip_bias_add=False, sequence_parallel=False, gradient_accumulation_fusion=False,
                  is_expert=False, params_dtype=torch.float32, device=None, tp_group=None,
-                 perform_initialization=True):
+                 perform_initialization=True, overlap="off"):
         super().__init__(input_size, output_size, partition_dim=1, bias=bias, bias_is_parallel=False,
                          init_method=init_method, stride=stride, skip_bias_add=skip_bias_add,
                          sequence_parallel=sequence_parallel,
@@ -439,6 +541,7 @@ class RowParallelLinear(_ParallelLinear):
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
         self.input_is_parallel = input_is_parallel
         self.explicit_expert_comm = is_expert and self.tp_size > 1
+        self.overlap_chunks = _resolve_overlap(overlap, "RowParallelLinear")
         if self.bias is not None and self.sequence_parallel:
             self.bias.sequence_parallel = True
 
@@ -447,6 +550,12 @@ class RowParallelLinear(_ParallelLinear):
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        if self.overlap_chunks > 1 and self.tp_size > 1 and not self.explicit_expert_comm:
+            # g (or the SP reduce-scatter) inside, chunk by chunk against the GEMM.
+            output = self._linear(input_parallel, self.weight, None, allreduce_dgrad=False, sequence_parallel=False,
+                                  overlap_chunks=self.overlap_chunks,
+                                  output_reduction="reduce_scatter" if self.sequence_parallel else "all_reduce")
+            return self._add_bias(output)
         output_parallel = self._linear(input_parallel, self.weight, None, allreduce_dgrad=False,
                                        sequence_parallel=False)
         if self.explicit_expert_comm:
@@ -456,6 +565,10 @@ class RowParallelLinear(_ParallelLinear):
         else:
             # g, summing in place: the partial output is this layer's own fresh tensor.
             output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group, inplace=True)
+        return self._add_bias(output)
+
+    def _add_bias(self, output):
+        """Once, after the reduction; or handed back with ``skip_bias_add``."""
         if self.skip_bias_add:
             return output, self.bias
         if self.bias is not None:

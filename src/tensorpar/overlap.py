@@ -1,0 +1,149 @@
+"""TP collectives split into chunks, each overlapped with the GEMM that produces or consumes it.
+
+Two pipelines cover every collective on a TP layer's critical path (the names follow PyTorch's
+async-TP ``fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``, but these run eagerly,
+on any device and backend):
+
+* :func:`all_gather_matmul`: ``all_gather(x, dim 0) @ rhs``. Each rank's ``x`` is cut into
+  ``chunks`` row blocks; chunk ``i + 1`` is gathered while chunk ``i``'s GEMMs run, and each
+  GEMM writes straight into its rows of the result. Under SP: the column layer's forward, and
+  the row layer's backward (the output grad's all-gather against the dgrad GEMM).
+* :func:`matmul_reduce`: ``all_reduce(x @ rhs)`` or ``reduce_scatter(x @ rhs, dim 0)``. Chunk
+  ``i``'s collective runs while chunk ``i + 1``'s GEMM computes. The row layer's forward ``g``
+  (all-reduce, or reduce-scatter under SP), and the column layer's dgrad reduction.
+
+Chunks split the sequence (dim 0), i.e. the GEMM's rows only: every output element is computed
+by the same kernel over the same reduction as the unchunked GEMM. ``chunks`` is capped at the
+rows available; uneven splits are fine (every rank splits the same way).
+
+Device and stream safety: collectives are issued with ``async_op=True`` through
+:mod:`tensorpar.comm`. On CUDA, ProcessGroupNCCL runs them on its own stream after an event
+on the issuing stream, keeps their tensors alive until completion, and ``wait()`` makes the
+issuing stream wait for them; every handle here is waited before its buffer is read or handed
+back, and scratch buffers are named per pipeline, so no buffer is reused while in flight.
+
+Example (the SP column forward, 4 chunks)::
+
+    out = all_gather_matmul(x_shard, weight.t(), group, chunks=4, bias=bias)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .buffers import get_global_memory_buffer
+
+
+def chunk_sizes(rows: int, chunks: int) -> list[int]:
+    """Sizes of ``min(chunks, rows)`` consecutive row blocks, as even as possible (larger first)."""
+    parts = max(1, min(chunks, rows))
+    base, extra = divmod(rows, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+class Pending:
+    """Collectives in flight whose results fill ``result``; ``wait()`` returns it."""
+
+    def __init__(self, handles: list, result: torch.Tensor) -> None:
+        self._handles, self._result = handles, result
+
+    def wait(self) -> torch.Tensor:
+        for handle in self._handles:
+            handle.wait()
+        self._handles = []
+        return self._result
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 2-D ``[rows, features]`` view (``t`` is contiguous)."""
+    return t.view(-1, t.shape[-1])
+
+
+def _gemm_into(out: torch.Tensor, x: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``out = x @ rhs (+ bias)`` on 2-D views, as ``F.linear`` computes it (addmm / mm)."""
+    if bias is None:
+        torch.mm(_rows(x), rhs, out=_rows(out))
+    else:
+        torch.addmm(bias, _rows(x), rhs, out=_rows(out))
+
+
+def _scratch(shape, dtype, device, name: str) -> torch.Tensor:
+    return get_global_memory_buffer().get_tensor(shape, dtype, name, device)
+
+
+def all_gather_matmul(shard: torch.Tensor, rhs: torch.Tensor, group, *, chunks: int,
+                      bias: torch.Tensor | None = None, keep_gathered: bool = False):
+    """``all_gather(shard, dim 0) @ rhs (+ bias)``, gathering chunk ``i + 1`` during chunk ``i``'s GEMMs.
+
+    ``shard``: ``[s/TP, ..., k]`` on every rank; ``rhs``: ``[k, n]``. Returns the product
+    ``[s, ..., n]`` in sequence order and, with ``keep_gathered``, the gathered chunks: a list
+    of ``[TP, rows_i, ..., k]`` tensors (chunk ``i`` of every rank), else None.
+    """
+    n = comm.group_size(group)
+    shard = shard.contiguous()
+    rows = shard.shape[0]
+    out = shard.new_empty([n * rows, *shard.shape[1:-1], rhs.shape[1]])
+    out_by_rank = out.view(n, rows, *out.shape[1:])
+    sizes = chunk_sizes(rows, chunks)
+    pieces = shard.split(sizes)
+    gathered_all = (shard.new_empty if keep_gathered else
+                    lambda shape: _scratch(shape, shard.dtype, shard.device, "overlap_gather"))(
+        [n * rows, *shard.shape[1:]])
+    gathered = [g.view(n, size, *shard.shape[1:])
+                for g, size in zip(gathered_all.split([n * s for s in sizes]), sizes)]
+
+    def launch(i: int):
+        return comm.all_gather(pieces[i], group, async_op=True, out=gathered[i].view(-1, *shard.shape[1:]))
+
+    in_flight = launch(0)
+    start = 0
+    for i, size in enumerate(sizes):
+        handle = in_flight
+        if i + 1 < len(sizes):
+            in_flight = launch(i + 1)  # gathers while this chunk's GEMMs run
+        handle.wait()
+        for rank in range(n):
+            _gemm_into(out_by_rank[rank, start:start + size], gathered[i][rank], rhs, bias)
+        start += size
+    return out, (gathered if keep_gathered else None)
+
+
+def matmul_reduce(x: torch.Tensor, rhs: torch.Tensor, group, *, chunks: int, scatter: bool,
+                  async_op: bool = False):
+    """``all_reduce(x @ rhs)``, or with ``scatter`` ``reduce_scatter(x @ rhs, dim 0)``, chunked.
+
+    ``x``: ``[s, ..., k]``; ``rhs``: ``[k, n]``. Chunk ``i``'s collective is in flight while
+    chunk ``i + 1``'s GEMM runs. Under ``scatter`` each chunk is rows ``i`` of every rank's
+    sequence slice, GEMM'd into a scratch buffer and reduce-scattered into this rank's result.
+    With ``async_op`` returns a :class:`Pending` (the last chunks may still be in flight).
+    """
+    x = x.contiguous()
+    n = comm.group_size(group)
+    feature_shape = [*x.shape[1:-1], rhs.shape[1]]
+    handles = []
+    if not scatter:
+        out = x.new_empty([x.shape[0], *feature_shape])
+        start = 0
+        for size in chunk_sizes(x.shape[0], chunks):
+            rows_out = out[start:start + size]
+            _gemm_into(rows_out, x[start:start + size], rhs, None)
+            handles.append(comm.all_reduce(rows_out, group, async_op=True))
+            start += size
+    else:
+        comm.check_divisible(x.shape[0], n, f"reduce-scatter dimension 0 of shape {list(x.shape)}")
+        rows = x.shape[0] // n
+        x_by_rank = x.view(n, rows, *x.shape[1:])
+        out = x.new_empty([rows, *feature_shape])
+        sizes = chunk_sizes(rows, chunks)
+        # Chunks in flight must not share scratch rows: one buffer holds all of them.
+        scratch = _scratch([n * rows, *feature_shape], x.dtype, x.device, "overlap_reduce")
+        start = 0
+        for part, size in zip(scratch.split([n * s for s in sizes]), sizes):
+            partial = part.view(n, size, *feature_shape)
+            for rank in range(n):
+                _gemm_into(partial[rank], x_by_rank[rank, start:start + size], rhs, None)
+            handles.append(comm.reduce_scatter(part, group, async_op=True, out=out[start:start + size]))
+            start += size
+    pending = Pending(handles, out)
+    return pending if async_op else pending.wait()
