@@ -449,3 +449,157 @@ def test_sp_gathers_travel_in_the_autocast_dtype():
     assert run_on_ranks(_autocast_sp_ledger_body, 2)[0] == [
         ("all_gather", torch.bfloat16, nbytes), ("all_gather", torch.bfloat16, nbytes),
         ("reduce_scatter", torch.bfloat16, nbytes)]
+
+
+# ----------------------------------------------------------- fused fp32 wgrad accumulation
+
+def _addmm_variant(name, calls):
+    """Emulations of ``torch.addmm`` across torch versions and devices (the real one on CPU
+    has no ``out_dtype`` kernel at all)."""
+    real = torch.addmm
+
+    def addmm(self, mat1, mat2, *, out_dtype=None, out=None, **kwargs):
+        if out_dtype is None:
+            return real(self, mat1, mat2, out=out, **kwargs) if out is not None else real(self, mat1, mat2, **kwargs)
+        if name == "no_overload":        # torch < 2.8
+            raise TypeError("addmm() got an unexpected keyword argument 'out_dtype'")
+        if name == "rejects_fp32_self":  # torch 2.8 / 2.9 on CUDA
+            raise RuntimeError("self and mat2 must have the same dtype, but got Float and BFloat16")
+        calls.append(out)
+        assert out_dtype == torch.float32 and mat1.dtype == mat2.dtype == torch.bfloat16
+        # "rounds_self" stands for any kernel that does not keep self's fp32 bits.
+        base = self.to(torch.bfloat16).float() if name == "rounds_self" else self
+        return out.copy_(base + mat1.float() @ mat2.float())
+
+    return addmm
+
+
+@pytest.mark.parametrize("variant, fused", [("cpu", False), ("no_overload", False), ("rejects_fp32_self", False),
+                                            ("rounds_self", False), ("fp32_out", True)])
+def test_fused_wgrad_accumulation_probes_addmm_and_stays_exact(monkeypatch, variant, fused):
+    """Item 1: addmm's out_dtype overload is used only where a probe finds it correct; every
+    branch sums bf16 products into the fp32 main_grad exactly."""
+    from tensorpar import linear
+
+    monkeypatch.setattr(linear, "_FUSED_ADDMM_SUPPORTED", {})
+    calls = []
+    if variant != "cpu":
+        monkeypatch.setattr(torch, "addmm", _addmm_variant(variant, calls))
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(OUT, IN))
+    weight.main_grad = torch.full((OUT, IN), 1.0 + 2.0 ** -12)
+    x, grad = torch.randn(S, B, IN).bfloat16(), torch.randn(S, B, OUT).bfloat16()
+    for _ in range(2):
+        assert linear.compute_weight_grad(weight, x, grad, gradient_accumulation_fusion=True) is None
+    assert linear.fused_addmm_supported(torch.device("cpu")) is fused
+    assert sum(out is weight.main_grad for out in calls) == (2 if fused else 0)
+    exact = grad.reshape(-1, OUT).double().t() @ x.reshape(-1, IN).double()
+    torch.testing.assert_close(weight.main_grad.double(), 1.0 + 2.0 ** -12 + 2 * exact, rtol=1e-6, atol=1e-5)
+
+
+def test_fused_weight_placeholder_grad_has_the_parameter_dtype():
+    """Item 10: the dummy wgrad autograd gets for a fused weight is in the weight's dtype
+    (nothing for autograd to cast), zeros when the weight is used elsewhere too."""
+    from tensorpar import linear
+
+    weight = torch.nn.Parameter(torch.randn(OUT, IN))
+    weight.main_grad = torch.zeros(OUT, IN)
+    weight.grad_added_to_main_grad = False
+    x, grad = torch.randn(S, B, IN).bfloat16(), torch.randn(S, B, OUT).bfloat16()
+    placeholder = linear.compute_weight_grad(weight, x, grad, gradient_accumulation_fusion=True)
+    assert placeholder.dtype == torch.float32 and placeholder.shape == weight.shape
+    assert weight.grad_added_to_main_grad is True
+    weight.zero_out_wgrad = True
+    placeholder = linear.compute_weight_grad(weight, x, grad, gradient_accumulation_fusion=True)
+    assert placeholder.dtype == torch.float32 and not placeholder.any()
+
+
+def _cast_count_body():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    layer = tp.ColumnParallelLinear(IN, OUT, bias=False)
+    casts = []
+
+    class CountWeightCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0] is layer.weight:
+                casts.append(kwargs["dtype"])
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(S, B, IN, requires_grad=True)
+    with CountWeightCasts():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = layer(x)
+        out.float().sum().backward()
+    return casts
+
+
+def test_weight_is_cast_once_per_micro_batch_under_autocast():
+    """Item 9: forward casts the fp32 weight to bf16 and backward reuses that copy."""
+    assert run_on_ranks(_cast_count_body, 2) == [[torch.bfloat16]] * 2
+
+
+# ------------------------------------------------------------------- what Megatron ports use
+
+def _frozen_positional_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n, r = tp.get_tensor_model_parallel_world_size(), tp.get_tensor_model_parallel_rank()
+    weight, bias, x, grad = _full_problem(5, torch.float32)
+    x_local = x.clone().requires_grad_(True)
+    # Megatron's order: (input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+    # sequence_parallel, grad_output_buffer, wgrad_deferral_limit).
+    out = tp.linear_with_frozen_weight(x_local, weight.chunk(n, 0)[r], bias.chunk(n)[r], False, True, False,
+                                       None, None)
+    out.backward(grad.chunk(n, -1)[r])
+    ref_out, ref_dx, _, _ = _reference(weight, bias, x, grad)
+    _close(out, ref_out.chunk(n, -1)[r], "frozen positional", "output")
+    _close(x_local.grad, ref_dx, "frozen positional", "input grad")  # dgrad all-reduced
+    with pytest.raises(ValueError, match="frozen weight has no wgrad to defer"):
+        tp.linear_with_frozen_weight(x_local, weight.chunk(n, 0)[r], None, False, True, False, [])
+    return True
+
+
+def test_linear_with_frozen_weight_takes_megatron_positional_arguments():
+    assert all(run_on_ranks(_frozen_positional_body, 2))
+
+
+def _allreduce_attribute_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    marks = []
+    for is_expert in (False, True):
+        for layer in (tp.ColumnParallelLinear(IN, OUT, is_expert=is_expert),
+                      tp.RowParallelLinear(OUT, IN, is_expert=is_expert)):
+            marks.append((is_expert, layer.weight.allreduce, layer.bias.allreduce))
+    return marks
+
+
+def test_parameters_carry_megatron_allreduce_attribute():
+    marks = run_on_ranks(_allreduce_attribute_body, 2)[0]
+    assert marks == [(False, True, True)] * 2 + [(True, False, False)] * 2
+
+
+def _skip_weight_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n, r = tp.get_tensor_model_parallel_world_size(), tp.get_tensor_model_parallel_rank()
+    weight, _, x, grad = _full_problem(6, torch.float32)
+    head = tp.ColumnParallelLinear(IN, OUT, bias=False, skip_weight_param_allocation=True)
+    assert head.weight is None and list(head.parameters()) == []
+    with pytest.raises(ValueError, match="skip_weight_param_allocation=True, so forward needs the weight"):
+        head(x)
+    with pytest.raises(ValueError, match=r"expected \[%d, %d\]" % (OUT // n, IN)):
+        head(x, weight=torch.randn(OUT, IN + 1))
+    shard = weight.chunk(n, 0)[r].clone().requires_grad_(True)
+    x_local = x.clone().requires_grad_(True)
+    out, _ = head(x_local, weight=shard)
+    out.backward(grad.chunk(n, -1)[r])
+    ref_out, ref_dx, ref_dw, _ = _reference(weight, torch.zeros(OUT), x, grad, with_bias=False)
+    case = "skip_weight_param_allocation"
+    _close(out, ref_out.chunk(n, -1)[r], case, "output")
+    _close(x_local.grad, ref_dx, case, "input grad")
+    _close(shard.grad, ref_dw.chunk(n, 0)[r], case, "weight grad")
+    return True
+
+
+def test_skip_weight_param_allocation_allocates_no_weight():
+    assert all(run_on_ranks(_skip_weight_body, 2))

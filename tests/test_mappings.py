@@ -68,10 +68,10 @@ def _mappings_body():
     y, gx = _grad_through(tp.reduce_scatter_last_dim_to_tensor_parallel_region, mine, hid_chunks[r])
     torch.testing.assert_close(y, total.chunk(n, -1)[r])
     torch.testing.assert_close(gx, full)
-    # The group is every mapping's second positional argument (DESIGN.md's contract).
+    # The group is the second positional argument of every mapping but the sequence gather
+    # (DESIGN.md's contract; that one follows Megatron, see its own test).
     group = tp.get_tensor_model_parallel_group()
-    for mapping, x, expected in ((tp.gather_from_sequence_parallel_region, seq_chunks[r], full),
-                                 (tp.scatter_to_sequence_parallel_region, full, seq_chunks[r]),
+    for mapping, x, expected in ((tp.scatter_to_sequence_parallel_region, full, seq_chunks[r]),
                                  (tp.reduce_scatter_to_sequence_parallel_region, mine, total.chunk(n, 0)[r]),
                                  (tp.gather_from_tensor_model_parallel_region, hid_chunks[r], full)):
         torch.testing.assert_close(mapping(x, group), expected)
@@ -90,6 +90,61 @@ def _mappings_body():
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_mappings_forward_and_backward(world_size):
     assert run_on_ranks(_mappings_body, world_size) == [True] * world_size
+
+
+def _megatron_order_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n, r = tp.get_tensor_model_parallel_world_size(), tp.get_tensor_model_parallel_rank()
+    group = tp.get_tensor_model_parallel_group()
+    torch.manual_seed(0)
+    full, grad = torch.randn(2 * n, 3), torch.randn(n, 2 * n, 3)[r]
+    shard = full.chunk(n, 0)[r]
+    # Ported Megatron calls: f(x, False) keeps this rank's gradient slice, no reduce-scatter.
+    y, gx = _grad_through(lambda x: tp.gather_from_sequence_parallel_region(x, False), shard, grad)
+    torch.testing.assert_close(y, full)
+    torch.testing.assert_close(gx, grad.chunk(n, 0)[r])
+    summed = comm_sum(grad).chunk(n, 0)[r]
+    y, gx = _grad_through(lambda x: tp.gather_from_sequence_parallel_region(x, True, group), shard, grad)
+    torch.testing.assert_close(gx, summed)
+    # The old group-second call still works, with a warning naming the new order.
+    with pytest.warns(FutureWarning, match="tensor_parallel_output_grad"):
+        y, gx = _grad_through(lambda x: tp.gather_from_sequence_parallel_region(x, group), shard, grad)
+    torch.testing.assert_close(gx, summed)
+    return True
+
+
+def comm_sum(t):
+    t = t.clone()
+    torch.distributed.all_reduce(t)
+    return t
+
+
+def test_gather_from_sequence_parallel_region_takes_megatron_positional_order():
+    assert run_on_ranks(_megatron_order_body, 2) == [True, True]
+
+
+def _copy_to_inplace_grad_body():
+    tp.initialize_model_parallel(2)
+    x = torch.randn(4, 3, requires_grad=True)
+    weight = torch.randn(5, 3)
+    ptrs = {}
+    results = []
+    x.register_hook(lambda g: ptrs.__setitem__("out", g.data_ptr()))
+    for inplace_grad in (False, True):
+        x.grad = None
+        y = tp.copy_to_tensor_model_parallel_region(x, inplace_grad=inplace_grad)
+        y.register_hook(lambda g: ptrs.__setitem__("in", g.data_ptr()))
+        (y @ weight.t()).backward(torch.ones(4, 5))
+        results.append(x.grad.clone())
+        # f's backward returns the very buffer it received (no copy) only with inplace_grad.
+        assert (ptrs["in"] == ptrs["out"]) == inplace_grad, inplace_grad
+    torch.testing.assert_close(results[0], results[1])
+    torch.testing.assert_close(results[0], comm_sum(torch.ones(4, 5) @ weight))
+    return True
+
+
+def test_copy_to_region_sums_a_fresh_gradient_in_place():
+    assert run_on_ranks(_copy_to_inplace_grad_body, 2) == [True, True]
 
 
 def _ledger_body():

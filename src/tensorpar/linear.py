@@ -15,7 +15,6 @@ Example (an MLP block)::
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
@@ -39,20 +38,6 @@ from .mappings import (
 )
 from .parallel_state import default_device, resolve_tp_group
 
-_warned_max_connections = False
-
-
-def _warn_if_overlap_unavailable(tensor: torch.Tensor) -> None:
-    """On CUDA, async dgrad communication overlaps the wgrad GEMM only with one HW queue."""
-    global _warned_max_connections
-    if tensor.is_cuda and not _warned_max_connections and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
-        _warned_max_connections = True
-        warnings.warn("CUDA_DEVICE_MAX_CONNECTIONS is not 1: the async TP gradient all-reduce / "
-                      "reduce-scatter may be scheduled after the wgrad GEMM instead of overlapping "
-                      "it. Set CUDA_DEVICE_MAX_CONNECTIONS=1 before CUDA is initialised.",
-                      stacklevel=3)
-
-
 def _compute_dtype(input_: torch.Tensor) -> torch.dtype:
     device_type = input_.device.type
     if torch.is_autocast_enabled(device_type):
@@ -74,7 +59,8 @@ def _linear_forward(input_, weight, bias, sequence_parallel, group, overlap_chun
     With ``output_reduction`` (``"all_reduce"`` or ``"reduce_scatter"``: the row layer's ``g``)
     the output is reduced over TP too. With ``overlap_chunks > 1`` the SP gather or the output
     reduction is chunked against the GEMM (:mod:`tensorpar.overlap`).
-    Returns the input cast to the compute dtype (what backward needs), that dtype, the output.
+    Returns the input and the weight cast to the compute dtype (what backward needs, so the
+    weight is cast once per micro-batch, as autocast would) and the output.
     """
     compute_dtype = _compute_dtype(input_)
     # Under autocast, cast before the SP all-gather: half the bytes on the wire and saved.
@@ -90,7 +76,7 @@ def _linear_forward(input_, weight, bias, sequence_parallel, group, overlap_chun
         else:
             total_input = _gather_sequence(input_, group, async_op=False) if sequence_parallel else input_
             output = F.linear(total_input, weight, bias)
-    return input_, compute_dtype, output
+    return input_, weight, output
 
 
 def _launch_dgrad_reduction(grad_input: torch.Tensor, *, allreduce_dgrad: bool,
@@ -126,34 +112,64 @@ def _launch_dgrad(grad_output, weight, *, allreduce_dgrad, sequence_parallel, ou
     return reduction if reduction is not None else comm.Handle(None, grad_input), None
 
 
+# Device type -> whether ``torch.addmm(main_grad, a, b, out_dtype=fp32, out=main_grad)`` sums
+# bf16/fp16 products into an fp32 main_grad correctly. The overload exists on CUDA from torch 2.8
+# and accepts an fp32 ``self`` from 2.10; probed once per device type rather than versioned.
+_FUSED_ADDMM_SUPPORTED: dict[str, bool] = {}
+
+
+def _probe_fused_addmm(device: torch.device) -> bool:
+    """Whether addmm's ``out_dtype`` overload accumulates low-precision products into fp32."""
+    # 1 + 2^-12 is not a bf16 number: an implementation that rounds ``self`` to the operands'
+    # dtype (or ignores it) gives a different sum.
+    main_grad = torch.full((2, 2), 1.0 + 2.0 ** -12, dtype=torch.float32, device=device)
+    operand = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+    try:
+        torch.addmm(main_grad, operand, operand, out_dtype=torch.float32, out=main_grad)
+    except (TypeError, RuntimeError):  # no overload (torch < 2.8), fp32 self rejected, no kernel
+        return False
+    return bool(main_grad.eq(3.0 + 2.0 ** -12).all())
+
+
+def fused_addmm_supported(device: torch.device) -> bool:
+    """Probed once per device type (one tiny GEMM and one host sync), then cached."""
+    supported = _FUSED_ADDMM_SUPPORTED.get(device.type)
+    if supported is None:
+        supported = _FUSED_ADDMM_SUPPORTED[device.type] = _probe_fused_addmm(device)
+    return supported
+
+
 def _accumulate_wgrad_into_main_grad(weight: torch.Tensor, grad_output_2d: torch.Tensor,
                                      input_2d: torch.Tensor) -> None:
     """``weight.main_grad += grad_output^T @ input`` as one GEMM with accumulation.
 
-    When main_grad (fp32) is wider than the activations, CUDA accumulates in place with
-    ``out_dtype``; other devices upcast the operands, so the sum is still exact fp32.
+    When main_grad (fp32) is wider than the activations, one GEMM accumulates the low-precision
+    products into it where the device has that kernel; otherwise the operands are upcast, so the
+    sum is the same exact fp32 either way.
     """
     main_grad = weight.main_grad
     if main_grad.dtype == grad_output_2d.dtype:
         main_grad.addmm_(grad_output_2d.t(), input_2d)
-    elif main_grad.is_cuda:
+    elif fused_addmm_supported(main_grad.device):
         torch.addmm(main_grad, grad_output_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
     else:
         main_grad.addmm_(grad_output_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
 
 
-def _weight_grad_placeholder(weight: torch.Tensor, dtype: torch.dtype):
+def _weight_grad_placeholder(weight: torch.Tensor):
     """What autograd gets for a weight whose gradient went into ``main_grad``.
 
     Megatron's protocol: a weight carrying ``grad_added_to_main_grad`` (set up by a DP grad
-    reducer) gets a dummy gradient so its post-accumulate hook still fires.
+    reducer) gets a dummy gradient so its post-accumulate hook still fires; zeros when the
+    weight is also used elsewhere (``zero_out_wgrad``), since autograd adds the other use's
+    gradient to it. In the weight's dtype, so autograd has nothing to cast.
     """
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
     if getattr(weight, "zero_out_wgrad", False):
-        return torch.zeros(weight.main_grad.shape, dtype=dtype, device=weight.device)
-    return torch.empty(weight.main_grad.shape, dtype=dtype, device=weight.device)
+        return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 def _flatten(t: torch.Tensor) -> torch.Tensor:
@@ -166,7 +182,7 @@ def compute_weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_ou
     grad_output_2d, input_2d = _flatten(grad_output), _flatten(total_input)
     if gradient_accumulation_fusion:
         _accumulate_wgrad_into_main_grad(weight, grad_output_2d, input_2d)
-        return _weight_grad_placeholder(weight, grad_output.dtype)
+        return _weight_grad_placeholder(weight)
     return grad_output_2d.t().matmul(input_2d)
 
 
@@ -204,12 +220,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     def forward(ctx, input_, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
                 sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group,
                 overlap_chunks=1, output_reduction=None):
-        if allreduce_dgrad or sequence_parallel or output_reduction is not None:
-            _warn_if_overlap_unavailable(input_)
-        input_, ctx.compute_dtype, output = _linear_forward(input_, weight, bias, sequence_parallel, tp_group,
-                                                            overlap_chunks, output_reduction)
+        input_, compute_weight, output = _linear_forward(input_, weight, bias, sequence_parallel, tp_group,
+                                                         overlap_chunks, output_reduction)
         ctx.overlap_chunks, ctx.output_reduction = overlap_chunks, output_reduction
-        ctx.save_for_backward(input_, weight)
+        ctx.save_for_backward(input_, weight, compute_weight)
         ctx.use_bias = bias is not None
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
         ctx.allreduce_dgrad = allreduce_dgrad
@@ -221,9 +235,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        input_, weight = ctx.saved_tensors
+        input_, weight, compute_weight = ctx.saved_tensors
         group = ctx.tp_group
-        dtype = ctx.compute_dtype
         buffer = ctx.grad_output_buffer
         defer_wgrad = buffer is not None and (ctx.wgrad_deferral_limit == 0
                                               or len(buffer) < ctx.wgrad_deferral_limit)
@@ -232,7 +245,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if ctx.sequence_parallel and wgrad_needed:
             gather = _gather_sequence(input_, group, async_op=True)  # overlaps the dgrad GEMM
         reduction, gathered_grad = _launch_dgrad(
-            grad_output, weight.to(dtype), allreduce_dgrad=ctx.allreduce_dgrad,
+            grad_output, compute_weight, allreduce_dgrad=ctx.allreduce_dgrad,
             sequence_parallel=ctx.sequence_parallel, output_reduction=ctx.output_reduction,
             overlap_chunks=ctx.overlap_chunks, group=group, keep_gathered=wgrad_needed)
         total_input = gather.wait() if gather is not None else input_
@@ -261,9 +274,9 @@ class LinearWithFrozenWeight(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_, weight, bias, allreduce_dgrad, sequence_parallel, tp_group,
                 overlap_chunks=1, output_reduction=None):
-        _, ctx.compute_dtype, output = _linear_forward(input_, weight, bias, sequence_parallel, tp_group,
-                                                       overlap_chunks, output_reduction)
-        ctx.save_for_backward(weight)
+        _, compute_weight, output = _linear_forward(input_, weight, bias, sequence_parallel, tp_group,
+                                                    overlap_chunks, output_reduction)
+        ctx.save_for_backward(compute_weight)
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
         ctx.overlap_chunks, ctx.output_reduction = overlap_chunks, output_reduction
@@ -271,8 +284,8 @@ class LinearWithFrozenWeight(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        (weight,) = ctx.saved_tensors
-        reduction, _ = _launch_dgrad(grad_output, weight.to(ctx.compute_dtype), allreduce_dgrad=ctx.allreduce_dgrad,
+        (compute_weight,) = ctx.saved_tensors
+        reduction, _ = _launch_dgrad(grad_output, compute_weight, allreduce_dgrad=ctx.allreduce_dgrad,
                                      sequence_parallel=ctx.sequence_parallel, output_reduction=ctx.output_reduction,
                                      overlap_chunks=ctx.overlap_chunks, group=ctx.tp_group)
         grad_input = reduction.wait()
@@ -317,9 +330,18 @@ def linear_with_grad_accumulation_and_async_allreduce(
         sequence_parallel, grad_output_buffer, wgrad_deferral_limit, group, overlap_chunks, output_reduction)
 
 
-def linear_with_frozen_weight(input, weight, bias, allreduce_dgrad, sequence_parallel, tp_group=None, *,
-                              overlap_chunks=1, output_reduction=None):
-    """Functional form of :class:`LinearWithFrozenWeight`."""
+def linear_with_frozen_weight(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                              sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=None, *,
+                              tp_group=None, overlap_chunks=1, output_reduction=None):
+    """Functional form of :class:`LinearWithFrozenWeight`, in Megatron's positional order.
+
+    ``gradient_accumulation_fusion`` is accepted for ported calls and ignored (there is no
+    wgrad); a frozen weight has nothing to defer, so ``grad_output_buffer`` must be None.
+    """
+    if grad_output_buffer is not None or wgrad_deferral_limit:
+        raise ValueError("linear_with_frozen_weight: a frozen weight has no wgrad to defer; pass "
+                         f"grad_output_buffer=None (got {type(grad_output_buffer).__name__}) and no "
+                         f"wgrad_deferral_limit (got {wgrad_deferral_limit!r})")
     group = resolve_tp_group(tp_group)
     overlap_chunks, output_reduction = _check_overlap(overlap_chunks, output_reduction, bias, allreduce_dgrad,
                                                       sequence_parallel, group)
@@ -366,7 +388,7 @@ class _ParallelLinear(nn.Module):
 
     def __init__(self, input_size, output_size, *, partition_dim, bias, bias_is_parallel, init_method,
                  stride, skip_bias_add, sequence_parallel, gradient_accumulation_fusion, is_expert,
-                 params_dtype, device, tp_group, perform_initialization):
+                 params_dtype, device, tp_group, perform_initialization, skip_weight_param_allocation=False):
         super().__init__()
         name = type(self).__name__
         for arg, value in (("input_size", input_size), ("output_size", output_size), ("stride", stride)):
@@ -387,15 +409,22 @@ class _ParallelLinear(nn.Module):
         device = default_device() if device is None else torch.device(device)
         shape = [output_size // self.tp_size, input_size] if partition_dim == 0 else \
             [output_size, input_size // self.tp_size]
-        self.weight = nn.Parameter(torch.empty(shape, dtype=params_dtype, device=device))
-        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=partition_dim, stride=stride)
-        if perform_initialization:
-            init_weight_shard(self.weight, init_method or init_method_normal(0.02),
-                              partition_dim=partition_dim, stride=stride, tp_group=self.tp_group)
+        self.weight_shape = tuple(shape)
+        if skip_weight_param_allocation:
+            self.register_parameter("weight", None)  # forward(input_, weight=) brings it
+        else:
+            self.weight = nn.Parameter(torch.empty(shape, dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=partition_dim, stride=stride)
+            # Megatron's marker for the DP grad reduction: expert weights are reduced elsewhere.
+            self.weight.allreduce = not is_expert
+            if perform_initialization:
+                init_weight_shard(self.weight, init_method or init_method_normal(0.02),
+                                  partition_dim=partition_dim, stride=stride, tp_group=self.tp_group)
         if bias:
             bias_size = shape[0]
             self.bias = nn.Parameter(torch.zeros(bias_size, dtype=params_dtype, device=device))
             set_tensor_model_parallel_attributes(self.bias, is_parallel=bias_is_parallel, dim=0, stride=stride)
+            self.bias.allreduce = not is_expert
         else:
             self.register_parameter("bias", None)
 
@@ -404,8 +433,8 @@ class _ParallelLinear(nn.Module):
         _check_input(input_, weight, type(self).__name__)
         overlap = dict(overlap_chunks=overlap_chunks, output_reduction=output_reduction)
         if not weight.requires_grad:
-            return linear_with_frozen_weight(input_, weight, bias, allreduce_dgrad, sequence_parallel,
-                                             self.tp_group, **overlap)
+            return linear_with_frozen_weight(input_, weight, bias, False, allreduce_dgrad, sequence_parallel,
+                                             tp_group=self.tp_group, **overlap)
         return linear_with_grad_accumulation_and_async_allreduce(
             input_, weight, bias, self.gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
             grad_output_buffer, wgrad_deferral_limit, self.tp_group, **overlap)
@@ -425,7 +454,8 @@ class ColumnParallelLinear(_ParallelLinear):
     ``forward(input_, weight=)`` uses a weight owned elsewhere, e.g. an LM head tied to the
     vocab-parallel embedding. ``disable_grad_reduce`` leaves the input gradient partial (the
     caller reduces it; SP's reduce-scatter still runs); ``is_expert`` issues no TP communication
-    at all (the MoE token dispatcher owns it). ``defer_wgrad_compute`` keeps inputs and output grads so that
+    at all (the MoE token dispatcher owns it). ``skip_weight_param_allocation`` allocates no
+    weight: every forward passes one (an LM head tied to the embedding). ``defer_wgrad_compute`` keeps inputs and output grads so that
     :meth:`compute_deferred_wgrads` can run the wgrad GEMMs later (after the rest of backward).
 
     Example::
@@ -437,14 +467,16 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, input_size, output_size, *, bias=True, gather_output=False, init_method=None,
                  stride=1, skip_bias_add=False, sequence_parallel=False, gradient_accumulation_fusion=False,
                  allreduce_dgrad=True, is_expert=False, disable_grad_reduce=False,
-                 params_dtype=torch.float32, device=None, tp_group=None, perform_initialization=True,
+                 skip_weight_param_allocation=False, params_dtype=torch.float32, device=None, tp_group=None,
+                 perform_initialization=True,
                  defer_wgrad_compute=False, wgrad_deferral_limit=0, overlap="off"):
         super().__init__(input_size, output_size, partition_dim=0, bias=bias, bias_is_parallel=True,
                          init_method=init_method, stride=stride, skip_bias_add=skip_bias_add,
                          sequence_parallel=sequence_parallel,
                          gradient_accumulation_fusion=gradient_accumulation_fusion, is_expert=is_expert,
                          params_dtype=params_dtype, device=device, tp_group=tp_group,
-                         perform_initialization=perform_initialization)
+                         perform_initialization=perform_initialization,
+                         skip_weight_param_allocation=skip_weight_param_allocation)
         if gather_output and self.sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
                              "sequence_parallel=True")
@@ -462,16 +494,20 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, input_, weight=None):
         if weight is None:
+            if self.weight is None:
+                raise ValueError("ColumnParallelLinear: built with skip_weight_param_allocation=True, so "
+                                 "forward needs the weight: call it as layer(input_, weight=w)")
             weight = self.weight
-        elif tuple(weight.shape) != tuple(self.weight.shape):
+        elif tuple(weight.shape) != self.weight_shape:
             raise ValueError(f"ColumnParallelLinear: the weight passed to forward has shape {list(weight.shape)}, "
-                             f"expected {list(self.weight.shape)}")
+                             f"expected {list(self.weight_shape)}")
         bias = self.bias if not self.skip_bias_add else None
         sequence_parallel = self.sequence_parallel and not self.explicit_expert_comm
         if self.allreduce_dgrad or sequence_parallel or self.explicit_expert_comm or self.disable_grad_reduce:
             input_parallel = input_  # the autograd function (or nobody) reduces dgrad
         else:
-            input_parallel = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)  # f
+            # f; the layer's input gradient is a fresh GEMM output: all-reduce it in place.
+            input_parallel = copy_to_tensor_model_parallel_region(input_, group=self.tp_group, inplace_grad=True)
         grad_output_buffer = None
         if self.defer_wgrad_compute and weight.requires_grad and torch.is_grad_enabled():
             if self.wgrad_deferral_limit == 0 or len(self.activation_buffer) < self.wgrad_deferral_limit:

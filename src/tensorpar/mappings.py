@@ -9,12 +9,16 @@ The paper's two operators (Megatron-LM, Shoeybi et al. 2019, section 3):
 
 Sequence parallelism replaces them with all-gather / reduce-scatter along the sequence
 dimension (dim 0 of ``[s, b, h]``). Every mapping is the identity for a group of one rank.
-Every function takes ``(input_, group=None)``; ``group=None`` means the TP group.
+Every function takes ``(input_, group=None)`` (``gather_from_sequence_parallel_region`` takes
+``tensor_parallel_output_grad`` second, as Megatron's); ``group=None`` means the TP group.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import torch.distributed as dist
 
 from . import comm
 from .parallel_state import resolve_tp_group
@@ -32,14 +36,16 @@ class _CopyToRegion(torch.autograd.Function):
     """f: identity forward, all-reduce backward."""
 
     @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
+    def forward(ctx, input_, group, inplace_grad):
+        ctx.group, ctx.inplace_grad = group, inplace_grad
         return input_.view_as(input_)
 
     @staticmethod
     def backward(ctx, grad_output):
-        # A private copy: the incoming gradient may be a tensor the caller still holds.
-        return comm.all_reduce(grad_output.clone(memory_format=torch.contiguous_format), ctx.group), None
+        if not (ctx.inplace_grad and grad_output.is_contiguous()):
+            # A private copy: the incoming gradient may be a tensor someone else still reads.
+            grad_output = grad_output.clone(memory_format=torch.contiguous_format)
+        return comm.all_reduce(grad_output, ctx.group), None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -119,10 +125,15 @@ def _single(group) -> bool:
     return comm.group_size(group) == 1
 
 
-def copy_to_tensor_model_parallel_region(input_, group=None):
-    """f: forward identity, backward all-reduce over TP."""
+def copy_to_tensor_model_parallel_region(input_, group=None, *, inplace_grad=False):
+    """f: forward identity, backward all-reduce over TP.
+
+    ``inplace_grad=True`` sums the incoming gradient in place instead of a copy: for an output
+    whose consumer hands backward a fresh gradient nothing else reads, such as a linear layer's
+    input gradient.
+    """
     group = resolve_tp_group(group)
-    return input_ if _single(group) else _CopyToRegion.apply(input_, group)
+    return input_ if _single(group) else _CopyToRegion.apply(input_, group, inplace_grad)
 
 
 def reduce_from_tensor_model_parallel_region(input_, group=None, *, inplace=False):
@@ -153,12 +164,17 @@ def scatter_to_sequence_parallel_region(input_, group=None):
     return input_ if _single(group) else _SplitRegion.apply(input_, group, 0)
 
 
-def gather_from_sequence_parallel_region(input_, group=None, *, tensor_parallel_output_grad=True):
-    """All-gather the sequence (dim 0).
+def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None):
+    """All-gather the sequence (dim 0); Megatron's positional order, so ported calls work.
 
     Backward reduce-scatters when the consumer is TP-parallel (each rank holds a partial
     gradient of the whole sequence), and just keeps this rank's slice when it is not.
     """
+    if isinstance(tensor_parallel_output_grad, dist.ProcessGroup):
+        warnings.warn("gather_from_sequence_parallel_region(input_, group) is deprecated: the second "
+                      "positional argument is tensor_parallel_output_grad (Megatron's order); pass group=",
+                      FutureWarning, stacklevel=2)
+        tensor_parallel_output_grad, group = True, tensor_parallel_output_grad
     group = resolve_tp_group(group)
     if _single(group):
         return input_
