@@ -178,6 +178,8 @@ def _cases(world_size):
               for sp, rc in modes]
     cases += [dict(layer=layer, sp=sp) for layer in ("embedding", "loss") for sp in (False, True)]
     cases += [dict(layer="gpt-step", sp=True, dtype="bf16"), dict(layer="column", dtype="fp16")]
+    # Chunked overlap: 3 chunks split S=8 unevenly (and each rank's SP slice, capped at TP=4).
+    cases += [dict(layer=layer, sp=sp, overlap_chunks=3) for layer in ("mlp", "gpt-step") for sp in (False, True)]
     return [CommConfig(**{**TINY, "tp": world_size, **case}) for case in cases]
 
 
@@ -200,7 +202,8 @@ def _measured(world_size):
 
 def _case_id(cfg):
     modes = [m for m, on in (("sp", cfg.sp), ("recompute", cfg.recompute), ("gather", cfg.gather_output),
-                             ("unsplit-input", not cfg.input_is_parallel), (cfg.dtype, cfg.dtype != "fp32"))
+                             ("unsplit-input", not cfg.input_is_parallel), (cfg.dtype, cfg.dtype != "fp32"),
+                             (f"chunks{cfg.overlap_chunks}", cfg.overlap_chunks > 1))
              if on]
     return "-".join([cfg.layer, *modes])
 

@@ -113,6 +113,8 @@ EQUIVALENCE_CASES = [
     LLAMA,
     {**LLAMA, "sequence_parallel": True, "recompute": True},
     {"activation": "gelu_tanh", "tie_word_embeddings": False, "sequence_parallel": True},
+    {"overlap": 3},
+    {"sequence_parallel": True, "recompute": True, "overlap": 3},
 ]
 
 

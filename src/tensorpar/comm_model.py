@@ -24,6 +24,8 @@ import dataclasses
 
 import torch
 
+from .overlap import chunk_sizes
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LAYERS = ("column", "row", "mlp", "attention", "embedding", "loss", "gpt-layer", "gpt-step")
 PHASES = ("forward", "recompute", "backward", "grads")
@@ -61,6 +63,7 @@ class CommConfig:
     recompute: bool = False
     gather_output: bool = False
     input_is_parallel: bool = True
+    overlap_chunks: int = 1
 
     def __post_init__(self) -> None:
         if self.ffn_hidden is None and isinstance(self.hidden, int):
@@ -69,7 +72,7 @@ class CommConfig:
             raise ValueError(f"unknown layer kind {self.layer!r}; choose one of {', '.join(LAYERS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        for name in ("hidden", "ffn_hidden", "heads", "seq_len", "batch", "vocab", "layers", "tp"):
+        for name in ("hidden", "ffn_hidden", "heads", "seq_len", "batch", "vocab", "layers", "tp", "overlap_chunks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -169,28 +172,39 @@ class _Builder:
         return CommOp(layer, phase, op, tuple(shape), dtype or self.cfg.torch_dtype, self.cfg.tp, what,
                       None if op == "all_gather" else reduce_op)
 
+    def chunked(self, layer, phase, op, width, what) -> tuple[CommOp, ...]:
+        """A ``[s, b, width]`` collective split along the sequence as ``tensorpar.overlap``
+        splits it: an all-reduce's rows, or each rank's sequence slice under SP."""
+        k, n = self.cfg.overlap_chunks, self.cfg.tp
+        if k == 1:
+            return (self.op(layer, phase, op, (self.s, self.b, width), what),)
+        rows = chunk_sizes(self.s, k) if op == "all_reduce" else [n * c for c in chunk_sizes(self.s // n, k)]
+        return tuple(self.op(layer, phase, op, (r, self.b, width), f"{what} (chunk {i + 1}/{len(rows)})")
+                     for i, r in enumerate(rows))
+
     def column(self, name: str, in_: int, out: int) -> _Comm:
         """Input replicated: dgrad all-reduce. SP: gather the input forward, and in backward
-        re-gather it for wgrad (only the shard was saved) before reduce-scattering dgrad."""
+        re-gather it for wgrad (only the shard was saved) before reduce-scattering dgrad.
+        With overlap chunks, the input gather and the dgrad reduction are chunked."""
         x = (self.s, self.b, in_)
         if self.cfg.sp:
-            return _Comm(forward=(self.op(name, "forward", "all_gather", x, "sequence gather of input"),),
+            return _Comm(forward=self.chunked(name, "forward", "all_gather", in_, "sequence gather of input"),
                          backward=(self.op(name, "backward", "all_gather", x, WGRAD_REGATHER),
-                                   self.op(name, "backward", "reduce_scatter", x, "dgrad")))
+                                   *self.chunked(name, "backward", "reduce_scatter", in_, "dgrad")))
         forward = ()
         if self.cfg.gather_output:
             forward = (self.op(name, "forward", "all_gather", (self.s, self.b, out), "output gather"),)
-        return _Comm(forward=forward, backward=(self.op(name, "backward", "all_reduce", x, "dgrad"),))
+        return _Comm(forward=forward, backward=self.chunked(name, "backward", "all_reduce", in_, "dgrad"))
 
     def row(self, name: str, in_: int, out: int, *, input_is_parallel: bool = True) -> _Comm:
         """Exit all-reduce (SP: reduce-scatter, whose backward all-gathers the output grad);
-        an unsplit input is scattered, so its grad is all-gathered on the last dim."""
-        y = (self.s, self.b, out)
+        an unsplit input is scattered, so its grad is all-gathered on the last dim.
+        With overlap chunks, the exit and the output-grad gather are chunked."""
         if self.cfg.sp:
-            exit_ = _Comm(forward=(self.op(name, "forward", "reduce_scatter", y, "exit"),),
-                          backward=(self.op(name, "backward", "all_gather", y, "output-grad gather"),))
+            exit_ = _Comm(forward=self.chunked(name, "forward", "reduce_scatter", out, "exit"),
+                          backward=self.chunked(name, "backward", "all_gather", out, "output-grad gather"))
         else:
-            exit_ = _Comm(forward=(self.op(name, "forward", "all_reduce", y, "exit"),))
+            exit_ = _Comm(forward=self.chunked(name, "forward", "all_reduce", out, "exit"))
         if input_is_parallel:
             return exit_
         scatter = _Comm(backward=(self.op(name, "backward", "all_gather", (self.s, self.b, in_),

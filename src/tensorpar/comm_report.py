@@ -94,11 +94,11 @@ def _workload(cfg: CommConfig):
     local_s = s // n if cfg.sp else s
     if cfg.layer == "column":
         layer = ColumnParallelLinear(h, h, gather_output=cfg.gather_output, sequence_parallel=cfg.sp,
-                                        params_dtype=dtype)
+                                     params_dtype=dtype, overlap=cfg.overlap_chunks)
         return _OutputOnly(layer), (torch.randn(local_s, b, h, dtype=dtype, requires_grad=True),)
     if cfg.layer == "row":
         layer = RowParallelLinear(h, h, input_is_parallel=cfg.input_is_parallel, sequence_parallel=cfg.sp,
-                                     params_dtype=dtype)
+                                  params_dtype=dtype, overlap=cfg.overlap_chunks)
         width = h // n if cfg.input_is_parallel else h
         return _OutputOnly(layer), (torch.randn(s, b, width, dtype=dtype, requires_grad=True),)
     if cfg.layer == "embedding":
@@ -109,7 +109,8 @@ def _workload(cfg: CommConfig):
         return _Loss(), (logits, torch.randint(0, cfg.vocab, (s, b)))
     gpt = GPT(GPTConfig(vocab_size=cfg.vocab, max_seq_len=s, num_layers=cfg.layers, num_heads=cfg.heads,
                         hidden_size=h, ffn_hidden_size=cfg.ffn_hidden, sequence_parallel=cfg.sp,
-                        recompute=cfg.recompute, make_vocab_size_divisible_by=1, params_dtype=dtype))
+                        recompute=cfg.recompute, make_vocab_size_divisible_by=1, params_dtype=dtype,
+                        overlap=cfg.overlap_chunks))
     if cfg.layer == "gpt-step":
         tokens = torch.randint(0, cfg.vocab, (b, s))
         return gpt, (tokens, torch.randint(0, cfg.vocab, (b, s)))
@@ -200,7 +201,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def _describe(cfg: CommConfig) -> str:
     modes = [m for m, on in (("sp", cfg.sp), ("recompute", cfg.recompute), ("gather_output", cfg.gather_output),
-                             ("input not parallel", not cfg.input_is_parallel)) if on]
+                             ("input not parallel", not cfg.input_is_parallel),
+                             (f"overlap in {cfg.overlap_chunks} chunks", cfg.overlap_chunks > 1)) if on]
     sizes = (f"hidden={cfg.hidden} ffn={cfg.ffn_hidden} heads={cfg.heads} seq={cfg.seq_len} batch={cfg.batch} "
              f"vocab={cfg.vocab} layers={cfg.layers}")
     return f"{cfg.layer} at TP={cfg.tp}, {cfg.dtype}{', ' + ', '.join(modes) if modes else ''} ({sizes})"
@@ -340,6 +342,8 @@ def register(subparsers) -> None:
     p.add_argument("--gather-output", action="store_true", help="column layer gathers its output")
     p.add_argument("--input-is-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="row layer input already split on the last dim (default: yes)")
+    p.add_argument("--overlap-chunks", type=_positive_int, default=1,
+                   help="split each TP collective into this many chunks overlapped with the GEMMs (default 1: off)")
     p.add_argument("--bandwidth", type=_positive_float, default=100.0, help="GB/s per rank (default 100)")
     p.add_argument("--latency", type=_positive_float, default=10.0, help="us per collective (default 10)")
     p.add_argument("--tflops", type=_positive_float, default=100.0, help="TFLOP/s per rank (default 100)")
@@ -356,7 +360,7 @@ def _config(args, **overrides) -> CommConfig:
     fields = dict(layer=args.layer, hidden=args.hidden, ffn_hidden=args.ffn_hidden, heads=args.heads,
                   seq_len=args.seq_len, batch=args.batch, vocab=args.vocab, layers=args.layers, tp=args.tp,
                   dtype=args.dtype, sp=args.sp, recompute=args.recompute, gather_output=args.gather_output,
-                  input_is_parallel=args.input_is_parallel)
+                  input_is_parallel=args.input_is_parallel, overlap_chunks=args.overlap_chunks)
     fields.update(overrides)
     return CommConfig(**fields)
 

@@ -84,7 +84,8 @@ class GPTConfig:
     layer is then ``2 * ffn_hidden_size`` wide). ``attention_dropout`` defaults to ``dropout``.
     ``make_vocab_size_divisible_by``: see :meth:`padded_vocab_size`. ``gelu_tanh`` is GPT-2's
     ``gelu_new``. ``distribute_saved_activations`` (recompute without SP only) keeps 1/TP of
-    each block's saved input.
+    each block's saved input. ``overlap`` (``"off"`` or a number of chunks) is every TP
+    linear's: its collectives chunked against its GEMMs (:mod:`tensorpar.overlap`).
 
     Example::
 
@@ -114,6 +115,7 @@ class GPTConfig:
     init_std: float = 0.02
     gradient_accumulation_fusion: bool = False
     params_dtype: torch.dtype = torch.float32
+    overlap: int | str = "off"
 
     PRESETS = tuple(_PRESETS)
 
@@ -203,7 +205,8 @@ class _Parallel:
     def linear_kwargs(self, config: GPTConfig) -> dict:
         return dict(sequence_parallel=self.sequence_parallel,
                     gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-                    params_dtype=config.params_dtype, device=self.device, tp_group=self.group)
+                    params_dtype=config.params_dtype, device=self.device, tp_group=self.group,
+                    overlap=config.overlap)
 
 
 class Embedding(nn.Module):
