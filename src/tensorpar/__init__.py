@@ -4,7 +4,13 @@ from .buffers import GlobalMemoryBuffer, get_global_memory_buffer
 from .comm import CommLedger, CommRecord
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
-from .grads import DataParallelGradReducer, allreduce_sequence_parallel_grads, clip_grad_norm_, get_grad_norm
+from .grads import (
+    DataParallelGradReducer,
+    MasterWeights,
+    allreduce_sequence_parallel_grads,
+    clip_grad_norm_,
+    get_grad_norm,
+)
 from .initialization import (
     init_method_normal,
     param_is_not_tensor_parallel_duplicate,

@@ -52,7 +52,9 @@ class DataParallelGradReducer:
     parameter order (the order backward produces them). A post-accumulate-grad hook moves each
     ``.grad`` into ``main_grad`` (or, for layers with ``gradient_accumulation_fusion``, which
     wrote ``main_grad`` themselves, just drops their placeholder, Megatron's
-    ``grad_added_to_main_grad`` protocol); when the last parameter of a bucket arrives, the
+    ``grad_added_to_main_grad`` protocol; a fused weight also used elsewhere, such as an
+    embedding tied to the LM head, carries ``zero_out_wgrad = True``: its fused layer hands
+    autograd zeros and the other uses' ``.grad`` is added); when the last parameter of a bucket arrives, the
     bucket's all-reduce is launched asynchronously, while backward continues. Only the last
     micro-batch of a gradient-accumulation step reduces (``sync=False`` for the others).
 
@@ -64,6 +66,9 @@ class DataParallelGradReducer:
             loss(batch).backward()
         reducer.finish()          # waits for the buckets; param.grad is now main_grad
         optimizer.step()
+
+    Parameters in a lower precision than fp32 (bf16) keep their gradient in ``main_grad``
+    only (``.grad`` cannot hold fp32): step them through :class:`MasterWeights`.
     """
 
     def __init__(self, params, *, dp_group, bucket_bytes: int = 25 * 2**20) -> None:
@@ -95,7 +100,8 @@ class DataParallelGradReducer:
         self.buckets.append(bucket)
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        if param.grad is not None and not param.grad_added_to_main_grad:
+        if param.grad is not None and (not param.grad_added_to_main_grad
+                                       or getattr(param, "zero_out_wgrad", False)):
             param.main_grad.add_(param.grad)
         param.grad = None
         param.grad_added_to_main_grad = False
@@ -115,7 +121,7 @@ class DataParallelGradReducer:
         bucket.handle = comm.all_reduce(bucket.buffer, self.group, async_op=True)
 
     def finish(self) -> None:
-        """Wait for every bucket (launching those with unused parameters); set ``.grad``."""
+        """Wait for every bucket (launching those with unused parameters); set ``.grad`` of fp32 parameters."""
         for bucket in self.buckets:
             if bucket.handle is None:
                 self._launch(bucket)
@@ -124,7 +130,8 @@ class DataParallelGradReducer:
             bucket.handle = None
             bucket.ready.clear()
         for p in self.params:
-            p.grad = p.main_grad
+            if p.dtype == p.main_grad.dtype:
+                p.grad = p.main_grad
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
@@ -138,31 +145,75 @@ class DataParallelGradReducer:
         self._hooks = []
 
 
+class MasterWeights:
+    """fp32 master copies of low-precision parameters for a ``torch.optim`` optimizer.
+
+    Megatron's mixed-precision layout, the one way tensorpar supports bf16 parameters: forward
+    and backward run on the bf16 parameters, :class:`DataParallelGradReducer` accumulates their
+    fp32 ``main_grad`` (fused layers write it directly), the optimizer steps fp32 masters whose
+    ``.grad`` *is* that ``main_grad`` (no copy), and :meth:`step` rounds the masters back into
+    the parameters. fp32 parameters are their own masters. Checkpoint ``params`` (the masters),
+    not the rounded model, to resume exactly.
+
+    Example::
+
+        reducer = tp.DataParallelGradReducer(model.parameters(), dp_group=dp_group)
+        master = tp.MasterWeights(model.parameters())
+        optimizer = torch.optim.AdamW(master.params, lr=3e-4)
+        reducer.zero_grad(); loss.backward(); reducer.finish()
+        tp.clip_grad_norm_(model.parameters(), 1.0)      # reads and scales main_grad
+        master.step(optimizer)
+    """
+
+    def __init__(self, params) -> None:
+        self.model_params = [p for p in params if p.requires_grad]
+        missing = [tuple(p.shape) for p in self.model_params if not hasattr(p, "main_grad")]
+        if missing:
+            raise ValueError(f"MasterWeights: parameters of shapes {missing[:3]} have no main_grad; "
+                             "create the DataParallelGradReducer first")
+        self.params = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_()
+                       for p in self.model_params]
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` on the masters, then copy them into the model's parameters."""
+        for param, master in zip(self.model_params, self.params):
+            master.grad = param.main_grad
+        optimizer.step()
+        for param, master in zip(self.model_params, self.params):
+            if master is not param:
+                param.copy_(master)
+
+
+@torch.no_grad()
 def get_grad_norm(params, *, tp_group=None) -> torch.Tensor:
     """The L2 norm of the whole model's gradient (fp32 scalar), identical on every TP rank.
 
     Each parameter is counted once: TP shards by every rank, replicated parameters by TP
-    rank 0 only, and the squares are summed over TP. Uses ``main_grad`` where present.
+    rank 0 only, and the squares are summed over TP. Uses ``main_grad`` where present. One
+    ``torch._foreach_norm`` over all gradients, and no host synchronisation.
     """
     group = resolve_tp_group(tp_group)
     grads = [g for p in params
              if (g := _grad_of(p)) is not None and param_is_not_tensor_parallel_duplicate(p, group)]
-    device = grads[0].device if grads else None
-    square = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        square += g.detach().float().pow(2).sum()
+    if grads:
+        square = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+    else:
+        square = torch.zeros((), dtype=torch.float32)
     comm.all_reduce(square, group)
     return square.sqrt()
 
 
+@torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, *, tp_group=None) -> torch.Tensor:
-    """Scale gradients so the TP-aware total norm is at most ``max_norm``; returns the norm."""
+    """Scale gradients so the TP-aware total norm is at most ``max_norm``; returns the norm.
+
+    The scale is clamped on the device and applied to every gradient (by 1 when the norm is
+    already small): the CPU never waits for the norm.
+    """
     params = list(params)
     norm = get_grad_norm(params, tp_group=tp_group)
-    scale = max_norm / (norm + 1e-6)
-    if scale < 1.0:
-        for p in params:
-            g = _grad_of(p)
-            if g is not None:
-                g.mul_(scale)
+    grads = [g for p in params if (g := _grad_of(p)) is not None]
+    if grads:
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm

@@ -1,0 +1,32 @@
+"""Count the aten operators a block of code dispatches (host syncs, per-parameter loops).
+
+``aten._local_scalar_dense`` is what every device-to-host read (``float(t)``, ``t.item()``,
+``if t:``) dispatches: counting it finds host synchronisations on CPU, where none is visible.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HOST_SYNC = torch.ops.aten._local_scalar_dense.default
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def host_syncs(self) -> int:
+        return self.counts[HOST_SYNC]
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
