@@ -8,7 +8,8 @@ from tensorpar import bench
 from tensorpar.cli import main
 from tests.harness import run_on_ranks
 
-TINY = dict(tp=2, seq=4, batch=2, hidden=8, ffn_mult=2, rounds=1, warmup=1, iters=1)
+TINY = dict(tp=2, seq=4, batch=2, hidden=8, ffn_mult=2, rounds=1, warmup=1, iters=1, gpt_layers=1, gpt_heads=2,
+            gpt_vocab=16)
 
 
 def _check_structure(report: dict) -> None:
@@ -17,9 +18,14 @@ def _check_structure(report: dict) -> None:
     assert set(report["median_ms"]) == set(report["range_ms"]) == set(bench.VARIANTS)
     assert set(report["scaling_efficiency"]) == tp_variants
     assert set(report["speedup_vs_dtensor"]) == set(bench.DTENSOR_PEER)
+    assert set(report["fraction_of_ceiling"]) == tp_variants - {bench.COMPUTE_ONLY}
+    assert set(report["gpt"]["median_ms"]) == set(bench.GPT_VARIANTS)
+    assert set(report["gpt"]["scaling_efficiency"]) == set(bench.GPT_VARIANTS) - {bench.GPT_TP1}
     assert len(report["rounds_ms"]) == 1 and set(report["rounds_ms"][0]) == set(bench.VARIANTS)
     values = [*report["median_ms"].values(), *report["scaling_efficiency"].values(),
-              *report["speedup_vs_dtensor"].values(), report["overlap_speedup"]]
+              *report["speedup_vs_dtensor"].values(), report["overlap_speedup"],
+              *report["fraction_of_ceiling"].values(), *report["gpt"]["median_ms"].values(),
+              *report["gpt"]["scaling_efficiency"].values()]
     assert all(v > 0 for v in values)
 
 
@@ -29,7 +35,7 @@ def test_measure_on_two_ranks_reports_every_variant():
     assert reports[0] == reports[1]
     _check_structure(reports[0])
     table = bench.format_report(reports[0])
-    assert all(label in table for label in bench.LABELS.values())
+    assert all(label in table for label in [*bench.LABELS.values(), *bench.GPT_LABELS.values()])
 
 
 def test_cli_spawns_ranks_and_prints_json(capsys):
@@ -38,7 +44,8 @@ def test_cli_spawns_ranks_and_prints_json(capsys):
     _check_structure(json.loads(capsys.readouterr().out))
 
 
-@pytest.mark.parametrize("bad", [dict(tp=1), dict(seq=3), dict(hidden=9), dict(iters=0), dict(dtype="fp16")])
+@pytest.mark.parametrize("bad", [dict(tp=1), dict(seq=3), dict(hidden=9), dict(iters=0), dict(dtype="fp16"),
+                                 dict(chunks=0), dict(gpt_heads=3), dict(gpt_layers=-1)])
 def test_config_rejects_unusable_sizes(bad):
     with pytest.raises(ValueError):
         bench.BenchConfig(**{**TINY, **bad})

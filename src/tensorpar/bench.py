@@ -1,7 +1,8 @@
-"""``tensorpar bench``: an MLP block (column -> GELU -> row), tensorpar against PyTorch DTensor TP.
+"""``tensorpar bench``: an MLP block (column -> GELU -> row), tensorpar against PyTorch DTensor TP,
+and a GPT training step's TP=1 -> TP scaling.
 
-Every variant runs forward + backward (+ zeroing grads) of the same block on the same data, in
-one run, on gloo/CPU with one thread per rank:
+Every MLP variant runs forward + backward (+ zeroing grads) of the same block on the same data,
+in one run, on gloo/CPU with one thread per rank:
 
 * ``unsharded``: plain ``nn.Linear -> GELU -> nn.Linear`` in one process (rank 0; the other
   ranks wait at a barrier), the baseline of the scaling efficiency ``T1 / (TP x T_TP)``;
@@ -10,6 +11,8 @@ one run, on gloo/CPU with one thread per rank:
 * ``tensorpar`` / ``tensorpar_sp``: Column/RowParallelLinear without / with sequence parallelism;
 * ``tensorpar_no_overlap``: ``allreduce_dgrad=False``, so the dgrad all-reduce is the
   synchronous ``f`` mapping instead of overlapping the wgrad GEMM;
+* ``tensorpar_chunked`` / ``tensorpar_sp_chunked``: ``overlap=--chunks``: every collective on
+  the critical path split into chunks, each in flight while the next chunk's GEMM runs;
 * ``dtensor`` / ``dtensor_sp``: ``ColwiseParallel``/``RowwiseParallel`` via
   ``parallelize_module``, with ``Shard(0)`` sequence layouts for SP.
 
@@ -17,6 +20,10 @@ Rounds interleave the variants (rotating their order); an iteration's time is th
 rank's. Every ratio is taken within a round and reported as the median over rounds, so slow
 drift of a shared machine cancels. Before timing, every TP variant's output and gradients are
 checked against the unsharded block, so all variants do the same work.
+
+The GPT part (``--gpt-layers`` > 0) times a training step (forward, loss, backward, SP grad
+sum, SGD step) of a GPT of the same hidden size, sequence and batch: at TP=1 on rank 0 alone,
+and at TP with SP and overlap off / on; its losses are checked against TP=1's first.
 
 Example::
 
@@ -44,7 +51,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from .grads import allreduce_sequence_parallel_grads
 from .launch import launch_local
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .parallel_state import destroy_model_parallel, initialize_model_parallel
+from .models.gpt import GPT, GPTConfig
+from .parallel_state import destroy_model_parallel, get_tensor_model_parallel_group, initialize_model_parallel
+from .random import model_parallel_manual_seed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Relative to the largest reference entry: sharding reorders sums, and in bf16 each partial sum
@@ -54,18 +63,26 @@ _COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 
 UNSHARDED = "unsharded"
 COMPUTE_ONLY = "compute_only"
-VARIANTS = (UNSHARDED, COMPUTE_ONLY, "tensorpar", "tensorpar_sp", "tensorpar_no_overlap", "dtensor", "dtensor_sp")
+VARIANTS = (UNSHARDED, COMPUTE_ONLY, "tensorpar", "tensorpar_sp", "tensorpar_no_overlap", "tensorpar_chunked",
+            "tensorpar_sp_chunked", "dtensor", "dtensor_sp")
 LABELS = {
     UNSHARDED: "unsharded (1 process)",
     COMPUTE_ONLY: "TP shards, no comm",
     "tensorpar": "tensorpar TP",
     "tensorpar_sp": "tensorpar TP+SP",
     "tensorpar_no_overlap": "tensorpar TP, overlap off",
+    "tensorpar_chunked": "tensorpar TP, chunked",
+    "tensorpar_sp_chunked": "tensorpar TP+SP, chunked",
     "dtensor": "DTensor TP",
     "dtensor_sp": "DTensor TP+SP",
 }
 # Each tensorpar variant against the DTensor variant doing the same communication pattern.
-DTENSOR_PEER = {"tensorpar": "dtensor", "tensorpar_sp": "dtensor_sp", "tensorpar_no_overlap": "dtensor"}
+DTENSOR_PEER = {"tensorpar": "dtensor", "tensorpar_sp": "dtensor_sp", "tensorpar_no_overlap": "dtensor",
+                "tensorpar_chunked": "dtensor", "tensorpar_sp_chunked": "dtensor_sp"}
+GPT_TP1 = "gpt_tp1"
+GPT_VARIANTS = (GPT_TP1, "gpt", "gpt_chunked", "gpt_sp", "gpt_sp_chunked")
+GPT_LABELS = {GPT_TP1: "GPT step, TP=1 (1 process)", "gpt": "GPT step, TP", "gpt_chunked": "GPT step, TP, chunked",
+              "gpt_sp": "GPT step, TP+SP", "gpt_sp_chunked": "GPT step, TP+SP, chunked"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,15 +98,23 @@ class BenchConfig:
     warmup: int = 2
     iters: int = 10
     dtype: str = "fp32"
+    chunks: int = 2
+    gpt_layers: int = 2
+    gpt_heads: int = 8
+    gpt_vocab: int = 1024
 
     def __post_init__(self) -> None:
         if self.tp < 2:
             raise ValueError(f"--tp must be at least 2 (TP=1 has nothing to compare), got {self.tp}")
-        for name in ("seq", "batch", "hidden", "ffn_mult", "rounds", "iters"):
+        for name in ("seq", "batch", "hidden", "ffn_mult", "rounds", "iters", "chunks", "gpt_heads", "gpt_vocab"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.warmup < 0:
-            raise ValueError(f"--warmup must be non-negative, got {self.warmup}")
+        for name in ("warmup", "gpt_layers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be non-negative, got {getattr(self, name)}")
+        if self.gpt_layers and (self.hidden % self.gpt_heads or self.gpt_heads % self.tp):
+            raise ValueError(f"--hidden {self.hidden} must be divisible by --gpt-heads {self.gpt_heads}, "
+                             f"and --gpt-heads by --tp {self.tp}")
         for name, size in (("seq", self.seq), ("hidden", self.hidden), ("ffn", self.ffn_hidden)):
             if size % self.tp:
                 raise ValueError(f"{name} size {size} is not divisible by --tp {self.tp}")
@@ -116,16 +141,17 @@ class MLP(nn.Module):
 class TensorparMLP(nn.Module):
     """The same block from tensorpar's layers, holding this rank's shards of ``full``'s weights."""
 
-    def __init__(self, full: MLP, *, sequence_parallel: bool, allreduce_dgrad: bool) -> None:
+    def __init__(self, full: MLP, *, sequence_parallel: bool, allreduce_dgrad: bool = True,
+                 overlap: int | str = "off") -> None:
         super().__init__()
         hidden, ffn_hidden = full.fc1.in_features, full.fc1.out_features
         dtype = full.fc1.weight.dtype
         self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, sequence_parallel=sequence_parallel,
                                         allreduce_dgrad=allreduce_dgrad, params_dtype=dtype,
-                                        perform_initialization=False)
+                                        perform_initialization=False, overlap=overlap)
         self.fc2 = RowParallelLinear(ffn_hidden, hidden, input_is_parallel=True,
                                      sequence_parallel=sequence_parallel, params_dtype=dtype,
-                                     perform_initialization=False)
+                                     perform_initialization=False, overlap=overlap)
         _load_shards(self, full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,6 +269,10 @@ def _build_variants(cfg: BenchConfig) -> dict[str, _Variant]:
                                  sequence_parallel=True, after_backward=_sum_sequence_parallel_grads),
         "tensorpar_no_overlap": _Variant(TensorparMLP(full, sequence_parallel=False, allreduce_dgrad=False),
                                          x, dy, sequence_parallel=False),
+        "tensorpar_chunked": _Variant(TensorparMLP(full, sequence_parallel=False, overlap=cfg.chunks), x, dy,
+                                      sequence_parallel=False),
+        "tensorpar_sp_chunked": _Variant(TensorparMLP(full, sequence_parallel=True, overlap=cfg.chunks), x, dy,
+                                         sequence_parallel=True, after_backward=_sum_sequence_parallel_grads),
         "dtensor": _Variant(_dtensor_mlp(full, mesh, sequence_parallel=False), x, dy, sequence_parallel=False,
                             after_backward=_wait_for_dtensor_collectives),
         "dtensor_sp": _Variant(_dtensor_mlp(full, mesh, sequence_parallel=True), x, dy, sequence_parallel=True,
@@ -252,6 +282,53 @@ def _build_variants(cfg: BenchConfig) -> dict[str, _Variant]:
     for name, variant in variants.items():
         if name not in (UNSHARDED, COMPUTE_ONLY):
             variant.check_against(expected, name)
+    return variants
+
+
+class _GPTStep:
+    """One GPT training step: forward, loss, backward, SP grad sum, SGD step."""
+
+    def __init__(self, model: GPT | None, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+        self.model, self.tokens, self.labels = model, tokens, labels  # model None: sit out
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-3) if model is not None else None
+
+    def step(self) -> torch.Tensor | None:
+        if self.model is None:
+            return None
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.model(self.tokens, self.labels)
+        loss.backward()
+        allreduce_sequence_parallel_grads(self.model, tp_group=self.model.tp_group)
+        self.optimizer.step()
+        return loss.detach()
+
+
+def _build_gpt_variants(cfg: BenchConfig) -> dict[str, _GPTStep]:
+    """The GPT step at TP=1 (rank 0) and at TP; checks each first step's loss against TP=1's."""
+    dtype = DTYPES[cfg.dtype]
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank creates each
+
+    def gpt(group, **options):
+        model_parallel_manual_seed(0, tp_group=group)
+        return GPT(GPTConfig(vocab_size=cfg.gpt_vocab, max_seq_len=cfg.seq, num_layers=cfg.gpt_layers,
+                             num_heads=cfg.gpt_heads, hidden_size=cfg.hidden, ffn_hidden_size=cfg.ffn_hidden,
+                             params_dtype=dtype, **options), tp_group=group)
+
+    generator = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, cfg.gpt_vocab, (cfg.batch, cfg.seq), generator=generator) for _ in range(2))
+    tp_group = get_tensor_model_parallel_group()
+    variants = {GPT_TP1: _GPTStep(gpt(singles[0]) if dist.get_rank() == 0 else None, tokens, labels)}
+    for name, sp, overlap in (("gpt", False, "off"), ("gpt_chunked", False, cfg.chunks),
+                              ("gpt_sp", True, "off"), ("gpt_sp_chunked", True, cfg.chunks)):
+        variants[name] = _GPTStep(gpt(tp_group, sequence_parallel=sp, overlap=overlap), tokens, labels)
+    reference = variants[GPT_TP1].step()
+    if reference is None:
+        reference = torch.zeros((), dtype=torch.float32)
+    dist.broadcast(reference, src=0)
+    for name in GPT_VARIANTS[1:]:
+        loss = variants[name].step()
+        torch.testing.assert_close(loss, reference, rtol=_RTOL[dtype], atol=0,
+                                   msg=lambda m, name=name: f"{name}: first-step loss differs from TP=1's: {m}")
     return variants
 
 
@@ -279,6 +356,29 @@ def _median_ratio(rounds: list[dict[str, float]], numerator: Callable[[dict], fl
     return statistics.median(numerator(r) / denominator(r) for r in rounds)
 
 
+def _interleaved_rounds(cfg: BenchConfig, variants: dict, names: tuple[str, ...]) -> list[dict[str, float]]:
+    """Per round, each variant's median ms; the order rotates so no variant always runs first."""
+    rounds = []
+    for index in range(cfg.rounds):
+        shift = index % len(names)
+        result = {}
+        for name in names[shift:] + names[:shift]:
+            times = _time_iterations(variants[name], warmup=cfg.warmup, iters=cfg.iters)
+            result[name] = 1e3 * statistics.median(times)
+        rounds.append({name: result[name] for name in names})
+    return rounds
+
+
+def _summarise_gpt(cfg: BenchConfig, rounds: list[dict[str, float]]) -> dict:
+    return {
+        "median_ms": {v: statistics.median(r[v] for r in rounds) for v in GPT_VARIANTS},
+        "range_ms": {v: [min(r[v] for r in rounds), max(r[v] for r in rounds)] for v in GPT_VARIANTS},
+        "scaling_efficiency": {v: _median_ratio(rounds, lambda r: r[GPT_TP1], lambda r, v=v: cfg.tp * r[v])
+                               for v in GPT_VARIANTS[1:]},
+        "rounds_ms": rounds,
+    }
+
+
 def _summarise(cfg: BenchConfig, rounds: list[dict[str, float]]) -> dict:
     tp_variants = [v for v in VARIANTS if v != UNSHARDED]
     return {
@@ -291,6 +391,9 @@ def _summarise(cfg: BenchConfig, rounds: list[dict[str, float]]) -> dict:
                                for v, peer in DTENSOR_PEER.items()},
         "scaling_efficiency": {v: _median_ratio(rounds, lambda r: r[UNSHARDED], lambda r, v=v: cfg.tp * r[v])
                                for v in tp_variants},
+        # The share of the no-communication ceiling each variant reaches: 1 hides all communication.
+        "fraction_of_ceiling": {v: _median_ratio(rounds, lambda r: r[COMPUTE_ONLY], lambda r, v=v: r[v])
+                                for v in tp_variants if v != COMPUTE_ONLY},
         "overlap_speedup": _median_ratio(rounds, lambda r: r["tensorpar_no_overlap"], lambda r: r["tensorpar"]),
         "rounds_ms": rounds,
     }
@@ -306,16 +409,10 @@ def measure(cfg: BenchConfig) -> dict:
                          f"got {dist.get_world_size()}")
     initialize_model_parallel(cfg.tp)
     try:
-        variants = _build_variants(cfg)
-        rounds = []
-        for index in range(cfg.rounds):
-            shift = index % len(VARIANTS)  # rotate so no variant always runs first
-            result = {}
-            for name in VARIANTS[shift:] + VARIANTS[:shift]:
-                times = _time_iterations(variants[name], warmup=cfg.warmup, iters=cfg.iters)
-                result[name] = 1e3 * statistics.median(times)
-            rounds.append({name: result[name] for name in VARIANTS})
-        return _summarise(cfg, rounds)
+        report = _summarise(cfg, _interleaved_rounds(cfg, _build_variants(cfg), VARIANTS))
+        if cfg.gpt_layers:
+            report["gpt"] = _summarise_gpt(cfg, _interleaved_rounds(cfg, _build_gpt_variants(cfg), GPT_VARIANTS))
+        return report
     finally:
         destroy_model_parallel()
 
@@ -343,21 +440,36 @@ def format_report(report: dict) -> str:
         f"TP={cfg['tp']} on gloo/CPU, {cfg['threads_per_rank']} thread per rank, torch {cfg['torch']}; "
         f"{cfg['rounds']} interleaved rounds x {cfg['iters']} iterations ({cfg['warmup']} warmup)",
         "",
-        f"{'variant':<27}{'median ms':>10}{'rounds min-max':>17}{'vs DTensor':>12}{'scaling eff.':>14}",
+        f"{'variant':<29}{'median ms':>10}{'rounds min-max':>17}{'vs DTensor':>12}{'scaling eff.':>14}"
+        f"{'of ceiling':>12}",
     ]
+
+    def number(value, suffix=""):
+        return "-" if value is None else f"{value:.3f}{suffix}"
+
     for name in VARIANTS:
         low, high = report["range_ms"][name]
-        speedup = report["speedup_vs_dtensor"].get(name)
-        efficiency = report["scaling_efficiency"].get(name)
-        lines.append(f"{LABELS[name]:<27}{report['median_ms'][name]:>10.2f}{f'{low:.2f}-{high:.2f}':>17}"
-                     f"{'-' if speedup is None else f'{speedup:.3f}x':>12}"
-                     f"{'-' if efficiency is None else f'{efficiency:.3f}':>14}")
+        lines.append(f"{LABELS[name]:<29}{report['median_ms'][name]:>10.2f}{f'{low:.2f}-{high:.2f}':>17}"
+                     f"{number(report['speedup_vs_dtensor'].get(name), 'x'):>12}"
+                     f"{number(report['scaling_efficiency'].get(name)):>14}"
+                     f"{number(report['fraction_of_ceiling'].get(name)):>12}")
     lines += [
         "",
-        f"overlap on vs off (tensorpar TP): {report['overlap_speedup']:.3f}x",
+        f"overlap on vs off (tensorpar TP): {report['overlap_speedup']:.3f}x; chunked: overlap={cfg['chunks']}",
         "vs DTensor: DTensor time / tensorpar time (>1: tensorpar faster); scaling eff.: "
-        "T(unsharded) / (TP x T(variant)); both medians of per-round ratios.",
+        "T(unsharded) / (TP x T(variant)); of ceiling: T(TP shards, no comm) / T(variant); all medians of "
+        "per-round ratios.",
     ]
+    if "gpt" in report:
+        gpt = report["gpt"]
+        lines += ["", f"GPT training step ({cfg['gpt_layers']} layers, {cfg['gpt_heads']} heads, vocab "
+                      f"{cfg['gpt_vocab']}, same h/s/b; forward, loss, backward, SGD step); first-step losses "
+                      "checked against TP=1",
+                  f"{'variant':<29}{'median ms':>10}{'rounds min-max':>17}{'scaling eff.':>14}"]
+        for name in GPT_VARIANTS:
+            low, high = gpt["range_ms"][name]
+            lines.append(f"{GPT_LABELS[name]:<29}{gpt['median_ms'][name]:>10.2f}{f'{low:.2f}-{high:.2f}':>17}"
+                         f"{number(gpt['scaling_efficiency'].get(name)):>14}")
     return "\n".join(lines)
 
 
@@ -372,6 +484,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed iterations per variant and round")
     parser.add_argument("--iters", type=int, default=defaults.iters, help="timed iterations per variant and round")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype)
+    parser.add_argument("--chunks", type=int, default=defaults.chunks,
+                        help="overlap chunks of the chunked variants")
+    parser.add_argument("--gpt-layers", type=int, default=defaults.gpt_layers,
+                        help="layers of the GPT whose training step is timed (0: skip the GPT part)")
+    parser.add_argument("--gpt-heads", type=int, default=defaults.gpt_heads, help="GPT attention heads")
+    parser.add_argument("--gpt-vocab", type=int, default=defaults.gpt_vocab, help="GPT vocabulary size")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
