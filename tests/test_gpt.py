@@ -15,6 +15,11 @@ BASE = dict(vocab_size=101, max_seq_len=16, num_layers=2, num_heads=4, hidden_si
             make_vocab_size_divisible_by=8)
 LLAMA = dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
              tie_word_embeddings=False)
+# Grouped-query attention (2 query heads per K/V head), Qwen2's QKV biases, Llama 3's rope scaling.
+GQA = dict(LLAMA, num_heads=8, num_query_groups=4, qkv_bias=True, rope_theta=5e5,
+           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 4})
+VOCAB_NEVER = 100  # an eos id the test never expects to see first
 # fp32, different summation orders across ranks: relative error ~1e-6 of the largest value.
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -60,7 +65,7 @@ def _equivalence_body(cases):
     group, single = tp.get_tensor_model_parallel_group(), _single_rank_group()
     tokens, labels = _data()
     for overrides in cases:
-        config = GPTConfig(**BASE, **overrides)
+        config = GPTConfig(**{**BASE, **overrides})
         reference_config = GPTConfig(**{**BASE, **overrides, "sequence_parallel": False, "recompute": False,
                                         "distribute_saved_activations": False})
         models = {"ref": _build(reference_config, single), "tp": _build(config, group)}
@@ -112,6 +117,7 @@ EQUIVALENCE_CASES = [
     {"sequence_parallel": True, "recompute": True},
     LLAMA,
     {**LLAMA, "sequence_parallel": True, "recompute": True},
+    {**GQA, "sequence_parallel": True},
     {"activation": "gelu_tanh", "tie_word_embeddings": False, "sequence_parallel": True},
     {"overlap": 3},
     {"sequence_parallel": True, "recompute": True, "overlap": 3},
@@ -263,18 +269,37 @@ def _generate_body():
     tp.initialize_model_parallel(dist.get_world_size())
     group, single = tp.get_tensor_model_parallel_group(), _single_rank_group()
     prompt = _data(seq=5)[0]
-    for sp in (False, True):
-        config = GPTConfig(**BASE, sequence_parallel=sp)
+    # A batch of a 5- and a 3-token prompt, the short one left-padded.
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0
+    padded = prompt.masked_fill(mask == 0, 0)
+    for overrides in ({}, {"sequence_parallel": True}, GQA, {**GQA, "sequence_parallel": True}):
+        config = GPTConfig(**{**BASE, **overrides})
         ref, model = _build(config, single).eval(), _build(config, group).eval()
-        greedy = model.generate(prompt, 14, temperature=0)  # runs past max_seq_len: cropped
+        greedy = model.generate(prompt, 14, temperature=0)  # runs past max_seq_len: the window slides
         assert greedy.shape == (2, 19)
-        assert torch.equal(greedy, ref.generate(prompt, 14, temperature=0))
+        assert torch.equal(greedy, ref.generate(prompt, 14, temperature=0)), overrides
+        assert torch.equal(greedy, model.generate(prompt, 14, temperature=0, use_cache=False)), overrides
+        batch = model.generate(padded, 8, temperature=0, attention_mask=mask)
+        assert torch.equal(batch, ref.generate(padded, 8, temperature=0, attention_mask=mask)), overrides
+        assert torch.equal(batch, model.generate(padded, 8, temperature=0, attention_mask=mask, use_cache=False))
+        for row, start in ((0, 0), (1, 2)):  # each prompt alone continues the same way
+            alone = model.generate(padded[row:row + 1, start:], 8, temperature=0)[0]
+            assert torch.equal(batch[row, start:], alone), (overrides, row)
+        # After eos a sequence repeats it; generation stops once every sequence has it.
+        eos = int(greedy[0, 5])
+        stopped = model.generate(prompt, 14, temperature=0, eos_token_id=[eos, VOCAB_NEVER])
+        ends = [5 + int((row[5:] == eos).nonzero()[0]) + 1 if (row[5:] == eos).any() else 19 for row in greedy]
+        assert stopped.shape[1] == max(ends), overrides
+        for row, end in enumerate(ends):
+            assert torch.equal(stopped[row, :end], greedy[row, :end]) and (stopped[row, end:] == eos).all()
         torch.manual_seed(dist.get_rank())  # sampling must not depend on anything rank-local
         tp.model_parallel_manual_seed(4, tp_group=group)
-        sampled = model.generate(prompt, 6, temperature=0.9, top_k=10)
-        for other in _everyone(sampled):
-            assert torch.equal(other, sampled)
-        assert int(sampled.max()) < BASE["vocab_size"]
+        for top_k, top_p in ((10, None), (None, 0.9), (20, 0.5)):
+            sampled = model.generate(prompt, 6, temperature=0.9, top_k=top_k, top_p=top_p)
+            for other in _everyone(sampled):
+                assert torch.equal(other, sampled)
+            assert int(sampled.max()) < BASE["vocab_size"]
     return True
 
 

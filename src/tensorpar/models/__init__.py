@@ -1,6 +1,7 @@
-"""Models built from tensorpar layers: a GPT with Llama-style options, and HF GPT-2 interop."""
+"""Models built from tensorpar layers: a GPT with Llama-family options, and Hugging Face interop."""
 
-from .gpt import GPT, GPTConfig
+from .gpt import GPT, GPTConfig, KVCache
+from .hf import from_hf, to_hf
 from .layout import (
     ParamLayout,
     full_state_dict,
@@ -10,5 +11,5 @@ from .layout import (
     shard_full_tensor,
 )
 
-__all__ = ["GPT", "GPTConfig", "ParamLayout", "full_state_dict", "gather_full_tensor", "load_full_state_dict",
-           "parameter_layouts", "shard_full_tensor"]
+__all__ = ["GPT", "GPTConfig", "KVCache", "ParamLayout", "from_hf", "full_state_dict", "gather_full_tensor",
+           "load_full_state_dict", "parameter_layouts", "shard_full_tensor", "to_hf"]

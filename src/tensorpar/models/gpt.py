@@ -64,6 +64,9 @@ from . import layout
 _CHOICES = {"norm": ("layernorm", "rmsnorm"), "activation": ("gelu", "gelu_tanh", "swiglu"),
             "position_embedding": ("learned", "rope")}
 
+# Llama 3's rope scaling parameters (besides rope_type).
+_LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
 _PRESETS = {
     "tiny": dict(vocab_size=256, max_seq_len=256, num_layers=4, num_heads=4, hidden_size=128),
     "small": dict(vocab_size=50257, max_seq_len=1024, num_layers=12, num_heads=12, hidden_size=768),
@@ -87,10 +90,19 @@ class GPTConfig:
     each block's saved input. ``overlap`` (``"off"`` or a number of chunks) is every TP
     linear's: its collectives chunked against its GEMMs (:mod:`tensorpar.overlap`).
 
+    Llama-family options: ``num_query_groups`` is the number of K/V heads (grouped-query
+    attention; default ``num_heads``); ``qkv_bias`` defaults to ``bias`` (Qwen2 has biases on
+    Q, K and V only); ``rope_scaling`` is Llama 3's ``{"rope_type": "llama3", "factor",
+    "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``;
+    ``layernorm_epsilon`` is RMSNorm's epsilon too.
+
     Example::
 
         GPTConfig(vocab_size=50257, max_seq_len=1024, num_layers=12, num_heads=12, hidden_size=768)
         GPTConfig.preset("small", sequence_parallel=True)
+        GPTConfig(vocab_size=32000, max_seq_len=4096, num_layers=32, num_heads=32, hidden_size=4096,
+                  ffn_hidden_size=14336, num_query_groups=8, norm="rmsnorm", activation="swiglu",
+                  position_embedding="rope", rope_theta=5e5, bias=False, tie_word_embeddings=False)
     """
 
     vocab_size: int
@@ -99,6 +111,7 @@ class GPTConfig:
     num_heads: int
     hidden_size: int
     ffn_hidden_size: int | None = None
+    num_query_groups: int | None = None
     dropout: float = 0.0
     attention_dropout: float | None = None
     sequence_parallel: bool = False
@@ -109,7 +122,9 @@ class GPTConfig:
     activation: str = "gelu"
     position_embedding: str = "learned"
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
     bias: bool = True
+    qkv_bias: bool | None = None
     tie_word_embeddings: bool = True
     layernorm_epsilon: float = 1e-5
     init_std: float = 0.02
@@ -132,6 +147,19 @@ class GPTConfig:
             raise ValueError(f"hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads})")
         if self.position_embedding == "rope" and self.head_dim % 2 != 0:
             raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim}")
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_heads
+        if not isinstance(self.num_query_groups, int) or self.num_query_groups < 1 \
+                or self.num_heads % self.num_query_groups:
+            raise ValueError(f"GPTConfig.num_query_groups must be a positive divisor of num_heads "
+                             f"({self.num_heads}), got {self.num_query_groups!r}")
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
+        if self.rope_scaling is not None:
+            keys = {"rope_type", *_LLAMA3_SCALING}
+            if self.rope_scaling.get("rope_type") != "llama3" or set(self.rope_scaling) != keys:
+                raise ValueError(f"GPTConfig.rope_scaling must be None or a dict with keys {sorted(keys)} "
+                                 f"and rope_type 'llama3', got {self.rope_scaling!r}")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.attention_dropout is None:
@@ -146,6 +174,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def queries_per_group(self) -> int:
+        """Query heads sharing one K/V head (1 without grouped-query attention)."""
+        return self.num_heads // self.num_query_groups
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """``vocab_size`` rounded up to a multiple of lcm(make_vocab_size_divisible_by, TP).
@@ -177,10 +210,24 @@ def _norm(config: GPTConfig, device, sequence_parallel: bool) -> nn.Module:
     return norm
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, *, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and ``sin`` of the rotary angles, ``[seq_len, head_dim]`` each."""
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+def rotary_frequencies(config: GPTConfig) -> torch.Tensor:
+    """The ``head_dim / 2`` rotary angular frequencies, with Llama 3's scaling if configured."""
+    d = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    if config.rope_scaling is None:
+        return inv_freq
+    # Llama 3: long wavelengths slowed down by `factor`, short ones kept, a smooth blend between.
+    factor, low, high, context = (config.rope_scaling[k] for k in _LLAMA3_SCALING)
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(wavelength > context / low, inv_freq / factor,
+                       torch.where(wavelength < context / high, inv_freq, blended))
+
+
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, *, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` of the rotary angles at ``positions``: ``[..., s, head_dim]`` each."""
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -232,51 +279,94 @@ class Embedding(nn.Module):
         else:
             self.register_parameter("position", None)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq_len = tokens.shape[1]
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         # g inside: all-reduce of the partial lookups, or reduce-scatter to [s/TP, b, h] under SP.
         x = self.word(tokens)
         if not self.parallel.sequence_parallel:
             x = x.transpose(0, 1).contiguous()
         if self.position is not None:
-            positions = self.position[:seq_len]
+            positions = self.position[position_ids]                # [s, h] or [b, s, h]
+            positions = positions.unsqueeze(1) if positions.dim() == 2 else positions.transpose(0, 1)
             if self.parallel.sequence_parallel:
                 positions = positions.chunk(self.parallel.size, dim=0)[self.parallel.rank]
-            x = x + positions.unsqueeze(1)
+            x = x + positions
         return dropout(x, self.config.dropout, training=self.training,
                        sequence_parallel=self.parallel.sequence_parallel, tp_group=self.parallel.group)
 
 
-class Attention(nn.Module):
-    """Causal self-attention with this rank's ``num_heads / TP`` heads."""
+class KVCache:
+    """Keys and values of every layer for this rank's K/V heads, ``[b, groups/TP, capacity, d]``.
 
-    def __init__(self, config: GPTConfig, parallel: _Parallel) -> None:
+    A forward with the cache attends over the ``length`` cached positions plus its own, writes
+    its own after them and advances ``length``. Build it with :meth:`GPT.new_kv_cache`.
+    """
+
+    def __init__(self, *, num_layers: int, shape: tuple[int, int, int, int], dtype, device) -> None:
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``, ``v`` (``[b, groups/TP, s, d]``) after the cached ones; all of them, so far."""
+        stop = self.length + k.shape[2]
+        if stop > self.capacity:
+            raise ValueError(f"KV cache of {self.capacity} positions cannot take {k.shape[2]} more "
+                             f"after {self.length}")
+        self.keys[layer][:, :, self.length:stop] = k
+        self.values[layer][:, :, self.length:stop] = v
+        return self.keys[layer][:, :, :stop], self.values[layer][:, :, :stop]
+
+
+class Attention(nn.Module):
+    """Causal self-attention with this rank's ``num_query_groups / TP`` K/V heads and their queries.
+
+    The fused QKV weight is ``p + 2`` equal blocks of ``num_query_groups`` heads each, ``p`` the
+    query heads per group: block ``j`` holds every group's ``j``-th query head, then come K and
+    V. ``stride=p+2`` gives each rank the rows of its own groups in every block (``p = 1``, no
+    grouped-query attention, is plain Q|K|V). Each rank attends with its own heads only.
+    """
+
+    def __init__(self, config: GPTConfig, parallel: _Parallel, layer_number: int) -> None:
         super().__init__()
-        self.config = config
-        self.local_heads = config.num_heads // parallel.size
-        h = config.hidden_size
-        # stride=3: the full weight is Q|K|V and each rank holds its heads' rows of all three.
-        self.qkv = ColumnParallelLinear(h, 3 * h, bias=config.bias, stride=3,
+        self.config, self.layer_number = config, layer_number
+        self.local_groups = config.num_query_groups // parallel.size
+        p, d = config.queries_per_group, config.head_dim
+        self.qkv = ColumnParallelLinear(config.hidden_size, (p + 2) * config.num_query_groups * d,
+                                        bias=config.qkv_bias, stride=p + 2,
                                         init_method=init_method_normal(config.init_std),
                                         **parallel.linear_kwargs(config))
-        self.proj = RowParallelLinear(h, h, bias=config.bias, input_is_parallel=True,
+        self.proj = RowParallelLinear(config.num_heads * d, config.hidden_size, bias=config.bias,
+                                      input_is_parallel=True,
                                       init_method=scaled_init_method_normal(config.init_std, config.num_layers),
                                       **parallel.linear_kwargs(config))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
         # f (or the SP all-gather) happens inside the column layer.
-        qkv, _ = self.qkv(x)                                        # [s, b, 3h/TP]
+        qkv, _ = self.qkv(x)                                        # [s, b, (p+2) groups/TP d]
         s, b = qkv.shape[:2]
-        q, k, v = (t.reshape(s, b, self.local_heads, self.config.head_dim).permute(1, 2, 0, 3)
-                   for t in qkv.chunk(3, dim=-1))                   # [b, heads/TP, s, d]
+        p, g, d = self.config.queries_per_group, self.local_groups, self.config.head_dim
+        qkv = qkv.view(s, b, p + 2, g, d)
+        # [b, heads/TP, s, d] with the query heads of one group adjacent (Hugging Face's order).
+        q = qkv[:, :, :p].permute(1, 3, 2, 0, 4).reshape(b, g * p, s, d)
+        k, v = qkv[:, :, p].permute(1, 2, 0, 3), qkv[:, :, p + 1].permute(1, 2, 0, 3)   # [b, groups/TP, s, d]
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        p = self.config.attention_dropout if self.training else 0.0
+        if kv_cache is not None:
+            k, v = kv_cache.append(self.layer_number, k, v)         # every position so far
+        if p > 1:
+            k, v = k.repeat_interleave(p, dim=1), v.repeat_interleave(p, dim=1)
+        dropout_p = self.config.attention_dropout if self.training else 0.0
         # The probabilities of different heads live on different ranks: their dropout masks
         # must be independent, so they come from the per-rank model-parallel stream.
-        with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)             # [s, b, h/TP]
+        with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                 is_causal=mask is None)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)             # [s, b, heads/TP d]
         # g (or the SP reduce-scatter) happens inside the row layer.
         return self.proj(out)[0]
 
@@ -311,11 +401,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``."""
 
-    def __init__(self, config: GPTConfig, parallel: _Parallel) -> None:
+    def __init__(self, config: GPTConfig, parallel: _Parallel, layer_number: int) -> None:
         super().__init__()
         self.config, self.parallel = config, parallel
         self.norm1 = _norm(config, parallel.device, parallel.sequence_parallel)
-        self.attention = Attention(config, parallel)
+        self.attention = Attention(config, parallel, layer_number)
         self.norm2 = _norm(config, parallel.device, parallel.sequence_parallel)
         self.mlp = MLP(config, parallel)
 
@@ -324,8 +414,8 @@ class Block(nn.Module):
         return dropout(x, self.config.dropout, training=self.training,
                        sequence_parallel=self.parallel.sequence_parallel, tp_group=self.parallel.group)
 
-    def forward(self, x, cos=None, sin=None):
-        x = x + self._dropout(self.attention(self.norm1(x), cos, sin))
+    def forward(self, x, cos=None, sin=None, mask=None, kv_cache=None):
+        x = x + self._dropout(self.attention(self.norm1(x), cos, sin, mask, kv_cache))
         return x + self._dropout(self.mlp(self.norm2(x)))
 
 
@@ -352,12 +442,15 @@ class GPT(nn.Module):
         if config.num_heads % parallel.size != 0:
             raise ValueError(f"num_heads ({config.num_heads}) is not divisible by the tensor-parallel size "
                              f"({parallel.size})")
+        if config.num_query_groups % parallel.size != 0:
+            raise ValueError(f"num_query_groups ({config.num_query_groups} K/V heads) is not divisible by the "
+                             f"tensor-parallel size ({parallel.size})")
         if config.ffn_hidden_size % parallel.size != 0:
             raise ValueError(f"ffn_hidden_size ({config.ffn_hidden_size}) is not divisible by the "
                              f"tensor-parallel size ({parallel.size})")
         self.padded_vocab_size = config.padded_vocab_size(parallel.size)
         self.embedding = Embedding(config, parallel)
-        self.blocks = nn.ModuleList(Block(config, parallel) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(Block(config, parallel, i) for i in range(config.num_layers))
         self.final_norm = _norm(config, parallel.device, parallel.sequence_parallel)
         tied = config.tie_word_embeddings
         self.lm_head = ColumnParallelLinear(
@@ -374,19 +467,30 @@ class GPT(nn.Module):
 
     # ---------------------------------------------------------------- forward
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, *,
+                position_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Loss, or this rank's logits; ``position_ids`` (``[b, s]``, default ``0..s-1``),
+        ``attn_mask`` (boolean ``[b, 1, s, keys]``, True = attend; default causal) and ``kv_cache``
+        serve generation (see :meth:`generate`)."""
         self._check_input(tokens, labels)
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device)
         rotary = (None, None)
         if self.config.position_embedding == "rope":
-            rotary = rotary_tables(tokens.shape[1], self.config.head_dim, self.config.rope_theta,
-                                   device=tokens.device, dtype=self.embedding.word.weight.dtype)
-        x = self.embedding(tokens)                                  # [s(/TP), b, h]
+            cos, sin = rotary_tables(position_ids, rotary_frequencies(self.config),
+                                     dtype=self.embedding.word.weight.dtype)
+            # Per-sequence positions broadcast over the heads.
+            rotary = (cos.unsqueeze(1), sin.unsqueeze(1)) if cos.dim() == 3 else (cos, sin)
+        x = self.embedding(tokens, position_ids)                    # [s(/TP), b, h]
         for block in self.blocks:
             if self.config.recompute and torch.is_grad_enabled():
-                x = checkpoint(block, self.config.distribute_saved_activations, x, *rotary,
+                x = checkpoint(block, self.config.distribute_saved_activations, x, *rotary, attn_mask,
                                tp_group=self.tp_group)
             else:
-                x = block(x, *rotary)
+                x = block(x, *rotary, attn_mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.length += tokens.shape[1]
         x = self.final_norm(x)
         # The LM head: a column layer over the vocab with the embedding's weight (when tied);
         # f (or the SP all-gather) inside. Logits stay split over the vocab: never gathered.
@@ -416,41 +520,87 @@ class GPT(nn.Module):
         if labels is not None and labels.shape != tokens.shape:
             raise ValueError(f"labels of shape {list(labels.shape)} must match tokens of shape {list(tokens.shape)}")
 
+    def new_kv_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty :class:`KVCache` for ``batch`` sequences of up to ``capacity`` positions."""
+        weight = self.embedding.word.weight
+        shape = (batch, self.config.num_query_groups // self.parallel.size, capacity, self.config.head_dim)
+        return KVCache(num_layers=self.config.num_layers, shape=shape, dtype=weight.dtype, device=weight.device)
+
     @torch.no_grad()
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled tokens to ``tokens`` (``[b, s]``); same on every TP rank.
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
+                 use_cache: bool = True, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Append up to ``max_new_tokens`` tokens to ``tokens`` (``[b, s]``); the same on every TP rank.
 
-        Samples from the gathered last-position logits with the default stream, which is the
-        same on every TP rank. ``temperature=0`` is greedy. Call ``model.eval()`` first.
+        A prefill of the prompts, then one token per step: each rank caches the keys and values
+        of its own heads (``use_cache=False`` recomputes the whole sequence every step). Prompts
+        of different lengths are left-padded, with ``attention_mask`` (``[b, s]``, 0 at the
+        padding) as in ``transformers``. Sampling draws from the default stream, the same on
+        every TP rank: ``temperature=0`` is greedy, else ``top_k`` and ``top_p`` (nucleus) cut
+        the distribution. A sequence that produced ``eos_token_id`` (an id or a list of ids)
+        repeats it, and generation stops once every sequence did. Past ``max_seq_len`` the
+        context slides, and is recomputed each step (every position moves). Call
+        ``model.eval()`` first.
 
         Example::
 
             out = model.generate(prompt, 20, temperature=0.8, top_k=40)
+            out = model.generate(left_padded, 20, temperature=0, attention_mask=mask)
         """
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if attention_mask is not None and attention_mask.shape != tokens.shape:
+            raise ValueError(f"attention_mask of shape {list(attention_mask.shape)} must match tokens of shape "
+                             f"{list(tokens.shape)}")
+        is_real = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=tokens.device).reshape(-1)
+        finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        window = self.config.max_seq_len
+        cache = None
+        if self.parallel.sequence_parallel:
+            window -= window % self.parallel.size
+        if use_cache:
+            # Under SP each step runs a multiple of TP positions: room for that padding at the end.
+            slack = self.parallel.size - 1 if self.parallel.sequence_parallel else 0
+            cache = self.new_kv_cache(tokens.shape[0], min(tokens.shape[1] + max_new_tokens, window) + slack)
         for _ in range(max_new_tokens):
-            context, pad = tokens[:, -self.config.max_seq_len:], 0
-            if self.parallel.sequence_parallel:
-                # Pad the end to a multiple of TP (causal attention keeps the padding out of the
-                # position read), cropping first so the padded context fits max_seq_len.
-                n = self.parallel.size
-                context = context[:, -(self.config.max_seq_len // n * n):]
-                pad = -context.shape[1] % n
-            local = self(F.pad(context, (0, pad)))[:, context.shape[1] - 1]   # [b, V_pad/TP]
-            logits = gather_from_tensor_model_parallel_region(local.contiguous(), group=self.tp_group)
-            logits = logits[:, :self.config.vocab_size].float()
-            if temperature == 0:
-                next_token = logits.argmax(dim=-1, keepdim=True)
+            if cache is not None and tokens.shape[1] <= window:
+                logits = self._last_logits(tokens[:, cache.length:], is_real, cache)
             else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_token = torch.multinomial(logits.softmax(dim=-1), 1)
-            tokens = torch.cat([tokens, next_token.to(tokens.dtype)], dim=1)
+                cache = None
+                logits = self._last_logits(tokens[:, -window:], is_real[:, -window:], None)
+            next_token = _sample(logits, temperature, top_k, top_p)
+            if eos is not None:
+                next_token = torch.where(finished, eos[0], next_token)
+                finished |= torch.isin(next_token, eos)
+            tokens = torch.cat([tokens, next_token[:, None].to(tokens.dtype)], dim=1)
+            is_real = F.pad(is_real, (0, 1), value=True)
+            if eos is not None and bool(finished.all()):
+                break
         return tokens
+
+    def _last_logits(self, new: torch.Tensor, is_real: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """Full-vocabulary fp32 logits ``[b, vocab]`` after ``new``, the tokens ``cache`` lacks.
+
+        ``is_real`` (``[b, cached + new]``) is False at the left padding, which no token sees.
+        """
+        past, n = (cache.length if cache is not None else 0), new.shape[1]
+        pad = -n % self.parallel.size if self.parallel.sequence_parallel else 0
+        # Positions count the real tokens only, as transformers does under left padding.
+        positions = F.pad((is_real.cumsum(1) - 1).clamp(min=0)[:, past:], (0, pad))
+        keys_real = F.pad(is_real, (0, pad))
+        slots = torch.arange(past + n + pad, device=new.device)
+        queries = slots[past:, None]
+        # A token sees the real tokens up to itself, and itself (so a padding row stays finite).
+        mask = (queries >= slots) & (keys_real[:, None, :] | (queries == slots))
+        local = self(F.pad(new, (0, pad)), position_ids=positions, attn_mask=mask.unsqueeze(1),
+                     kv_cache=cache)[:, n - 1]
+        if cache is not None:
+            cache.length -= pad  # the SP padding at the end is overwritten by the next step
+        logits = gather_from_tensor_model_parallel_region(local.contiguous(), group=self.tp_group)
+        return logits[:, :self.config.vocab_size].float()
 
     # ------------------------------------------------- parameters and checkpoints
 
@@ -470,19 +620,19 @@ class GPT(nn.Module):
         """Load TP=1-shaped parameters (as :meth:`full_state_dict` gives) into this rank's shards."""
         layout.load_full_state_dict(self, state, tp_group=self.tp_group)
 
-    @classmethod
-    def from_hf_gpt2(cls, hf_model, *, tp_group=None, device=None, **overrides) -> "GPT":
-        """This rank's shard of a ``transformers`` ``GPT2LMHeadModel`` (``overrides``: GPTConfig fields)."""
-        from .hf_gpt2 import config_from_hf_gpt2, state_dict_from_hf_gpt2
 
-        config = config_from_hf_gpt2(hf_model.config, **overrides)
-        model = cls(config, tp_group=tp_group, device=device)
-        model.load_full_state_dict(state_dict_from_hf_gpt2(hf_model.state_dict(), config,
-                                                           model.padded_vocab_size))
-        return model
-
-    def to_hf_gpt2_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model as a ``GPT2LMHeadModel`` state dict (collective; on every rank)."""
-        from .hf_gpt2 import state_dict_to_hf_gpt2
-
-        return state_dict_to_hf_gpt2(self.full_state_dict(), self.config)
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """One token id per row of ``logits`` (``[b, vocab]``), drawn from the default stream."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        # Keep the most likely tokens until they cover top_p (the first always stays).
+        ordered = ordered.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, float("-inf"))
+        logits = logits.scatter(-1, order, ordered)
+    return torch.multinomial(logits.softmax(dim=-1), 1)[:, 0]

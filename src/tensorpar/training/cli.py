@@ -228,7 +228,7 @@ def export_entry(args):
 def _cmd_export(args) -> int:
     args.nproc, args.tp = 1, 1
     path = _run_in_world(export_entry, args, 1)[0]
-    print(f"wrote a transformers GPT-2 model to {path}", flush=True)
+    print(f"wrote a transformers model to {path}", flush=True)
     return 0
 
 
@@ -248,7 +248,7 @@ def register(subparsers) -> None:
     _add_world_flags(gen)
     gen.set_defaults(func=_cmd_generate)
 
-    export = subparsers.add_parser("export", help="write a checkpoint as a transformers GPT-2 directory")
+    export = subparsers.add_parser("export", help="write a checkpoint as a transformers model directory")
     export.add_argument("--checkpoint", required=True, help="a step_N directory or an output directory")
     export.add_argument("--to-hf", required=True, metavar="OUT", help="directory for config.json + model.safetensors")
     export.add_argument("--timeout", type=_positive(float), default=300.0)

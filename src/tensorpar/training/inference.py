@@ -49,14 +49,14 @@ def generate(args) -> str:
 
 
 def export_hf(args) -> str:
-    """Write ``args.checkpoint`` as a ``transformers`` GPT-2 directory at ``args.to_hf``."""
-    from ..models.hf_gpt2 import to_hf_gpt2
+    """Write ``args.checkpoint`` as a ``transformers`` directory (GPT-2, Llama or Qwen2) at ``args.to_hf``."""
+    from ..models.hf import to_hf
 
     ps.initialize_model_parallel(1, timeout=args.timeout)
     try:
         model, _ = load_model(args.checkpoint, tp_group=ps.get_tensor_model_parallel_group())
         out = Path(args.to_hf)
-        to_hf_gpt2(model).save_pretrained(out, safe_serialization=True)
+        to_hf(model, out)
         return str(out)
     finally:
         ps.destroy_model_parallel()

@@ -1,0 +1,423 @@
+"""Hugging Face ``transformers`` models in and out: GPT-2, Llama, Mistral and Qwen2.
+
+:func:`from_hf` builds this rank's shard of a :class:`~tensorpar.models.gpt.GPT` from a
+``transformers`` model object or a local directory (``config.json`` and safetensors files).
+From a directory each rank reads only the bytes of its own shard (safetensors slices), so its
+peak memory is one shard, not the model. :func:`to_hf` gathers the weights into the
+``transformers`` model on rank 0.
+
+How weights map: along its TP partition dimension, every GPT parameter is a sequence of row
+ranges of Hugging Face tensors (:class:`Piece`, in the GPT's orientation: GPT-2's ``Conv1D``
+weights are transposed). A rank reads the ranges its shard covers; export cuts the gathered
+tensors at the same boundaries. The fused QKV weight is ``p + 2`` blocks of K/V-group heads
+(see :class:`~tensorpar.models.gpt.Attention`): block ``j`` takes every group's ``j``-th query
+head from ``q_proj``. The vocabulary is padded with zero rows on import and cut on export.
+``transformers`` is imported only when needed; Mistral exports as Llama (the same network).
+
+Example::
+
+    model = from_hf("llama-dir/", sequence_parallel=True)   # this rank's shard
+    hf = to_hf(model, "out/")                               # on rank 0; None elsewhere
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .. import comm
+from ..initialization import shard_rows
+from .gpt import GPT, GPTConfig
+
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, stop)`` of Hugging Face tensor ``name`` (``None``: zero rows, the vocab padding)."""
+
+    name: str | None
+    start: int
+    stop: int
+    transposed: bool = False
+
+
+def _whole(name: str, rows: int, transposed: bool = False) -> list[Piece]:
+    return [Piece(name, 0, rows, transposed)]
+
+
+def _padded_vocab(name: str, config: GPTConfig, padded: int) -> list[Piece]:
+    return [Piece(name, 0, config.vocab_size), Piece(None, config.vocab_size, padded)]
+
+
+def _gpt2_pieces(config: GPTConfig, padded_vocab: int) -> dict[str, list[Piece]]:
+    h, f = config.hidden_size, config.ffn_hidden_size
+    pieces = {"embedding.word.weight": _padded_vocab("transformer.wte.weight", config, padded_vocab),
+              "embedding.position": _whole("transformer.wpe.weight", config.max_seq_len),
+              "final_norm.weight": _whole("transformer.ln_f.weight", h),
+              "final_norm.bias": _whole("transformer.ln_f.bias", h)}
+    if not config.tie_word_embeddings:
+        pieces["lm_head.weight"] = _padded_vocab("lm_head.weight", config, padded_vocab)
+    for i in range(config.num_layers):
+        ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
+        # c_attn's output columns are Q|K|V, heads contiguous in each: the QKV layout at p = 1.
+        pieces |= {ours + "attention.qkv.weight": _whole(theirs + "attn.c_attn.weight", 3 * h, True),
+                   ours + "attention.qkv.bias": _whole(theirs + "attn.c_attn.bias", 3 * h),
+                   ours + "attention.proj.weight": _whole(theirs + "attn.c_proj.weight", h, True),
+                   ours + "attention.proj.bias": _whole(theirs + "attn.c_proj.bias", h),
+                   ours + "mlp.fc.weight": _whole(theirs + "mlp.c_fc.weight", f, True),
+                   ours + "mlp.fc.bias": _whole(theirs + "mlp.c_fc.bias", f),
+                   ours + "mlp.proj.weight": _whole(theirs + "mlp.c_proj.weight", f, True),
+                   ours + "mlp.proj.bias": _whole(theirs + "mlp.c_proj.bias", h)}
+        for norm, ln in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            pieces |= {f"{ours}{norm}.{p}": _whole(f"{theirs}{ln}.{p}", h) for p in ("weight", "bias")}
+    return pieces
+
+
+def _llama_pieces(config: GPTConfig, padded_vocab: int) -> dict[str, list[Piece]]:
+    h, f, d = config.hidden_size, config.ffn_hidden_size, config.head_dim
+    groups, p = config.num_query_groups, config.queries_per_group
+    pieces = {"embedding.word.weight": _padded_vocab("model.embed_tokens.weight", config, padded_vocab),
+              "final_norm.weight": _whole("model.norm.weight", h)}
+    if not config.tie_word_embeddings:
+        pieces["lm_head.weight"] = _padded_vocab("lm_head.weight", config, padded_vocab)
+    for i in range(config.num_layers):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        attn = theirs + "self_attn."
+        for param in ("weight", "bias") if config.qkv_bias else ("weight",):
+            # Hugging Face numbers query heads group by group: head g*p + j is query j of group g.
+            queries = [Piece(f"{attn}q_proj.{param}", (g * p + j) * d, (g * p + j + 1) * d)
+                       for j in range(p) for g in range(groups)]
+            pieces[f"{ours}attention.qkv.{param}"] = (queries + _whole(f"{attn}k_proj.{param}", groups * d)
+                                                      + _whole(f"{attn}v_proj.{param}", groups * d))
+        pieces |= {ours + "attention.proj.weight": _whole(attn + "o_proj.weight", config.num_heads * d),
+                   ours + "mlp.fc.weight": (_whole(theirs + "mlp.gate_proj.weight", f)
+                                            + _whole(theirs + "mlp.up_proj.weight", f)),
+                   ours + "mlp.proj.weight": _whole(theirs + "mlp.down_proj.weight", f),
+                   ours + "norm1.weight": _whole(theirs + "input_layernorm.weight", h),
+                   ours + "norm2.weight": _whole(theirs + "post_attention_layernorm.weight", h)}
+    return pieces
+
+
+def _family(config: GPTConfig) -> str:
+    """``gpt2`` or ``llama``: the Hugging Face layout a GPT's weights map to."""
+    if (config.norm, config.position_embedding, config.bias, config.qkv_bias) == ("layernorm", "learned", True, True) \
+            and config.activation != "swiglu" and config.num_query_groups == config.num_heads:
+        return "gpt2"
+    if (config.norm, config.activation, config.position_embedding, config.bias) == ("rmsnorm", "swiglu", "rope", False):
+        return "llama"
+    raise ValueError("no transformers family has this GPT's shape: GPT-2 needs layernorm, learned positions, "
+                     "biases, GELU and no grouped-query attention; Llama/Qwen2 need rmsnorm, swiglu, rope and "
+                     f"no biases besides QKV; got norm={config.norm!r}, activation={config.activation!r}, "
+                     f"position_embedding={config.position_embedding!r}, bias={config.bias}, "
+                     f"qkv_bias={config.qkv_bias}, num_query_groups={config.num_query_groups}")
+
+
+def hf_pieces(config: GPTConfig, padded_vocab: int) -> dict[str, list[Piece]]:
+    """Every GPT parameter name -> its :class:`Piece` list along the TP partition dimension."""
+    return (_gpt2_pieces if _family(config) == "gpt2" else _llama_pieces)(config, padded_vocab)
+
+
+# --------------------------------------------------------------------------------- configs
+
+def _rope(hf_config) -> tuple[float, dict | None]:
+    """(rope_theta, Llama 3 rope_scaling or None) from transformers 5's ``rope_parameters``
+    or the older ``rope_theta`` / ``rope_scaling``."""
+    params = dict(getattr(hf_config, "rope_parameters", None)
+                  or {"rope_theta": getattr(hf_config, "rope_theta", 10000.0),
+                      **(getattr(hf_config, "rope_scaling", None) or {})})
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    theta = float(params.pop("rope_theta"))
+    if params.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":
+        return theta, {"rope_type": "llama3", **params}
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: 'default', 'llama3'")
+
+
+def _gpt2_fields(hf_config) -> dict:
+    activation = GPT2_ACTIVATIONS.get(hf_config.activation_function)
+    if activation is None:
+        raise ValueError(f"unsupported GPT-2 activation_function {hf_config.activation_function!r}; "
+                         f"supported: {sorted(GPT2_ACTIVATIONS)}")
+    if not getattr(hf_config, "scale_attn_weights", True) or getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
+        raise ValueError("only GPT-2's standard 1/sqrt(head_dim) attention scaling is supported "
+                         "(scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False)")
+    return dict(vocab_size=hf_config.vocab_size, max_seq_len=hf_config.n_positions,
+                num_layers=hf_config.n_layer, num_heads=hf_config.n_head, hidden_size=hf_config.n_embd,
+                ffn_hidden_size=hf_config.n_inner, activation=activation,
+                dropout=hf_config.resid_pdrop, attention_dropout=hf_config.attn_pdrop,
+                layernorm_epsilon=hf_config.layer_norm_epsilon, init_std=hf_config.initializer_range,
+                tie_word_embeddings=getattr(hf_config, "tie_word_embeddings", True))
+
+
+def _llama_fields(hf_config) -> dict:
+    heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
+    if hf_config.hidden_act != "silu":
+        raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; the Llama family uses 'silu'")
+    head_dim = getattr(hf_config, "head_dim", None)
+    if head_dim not in (None, hidden // heads):
+        raise ValueError(f"head_dim {head_dim} differs from hidden_size / num_attention_heads = {hidden // heads}")
+    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+        raise ValueError("Llama's attention_bias (which includes o_proj) and mlp_bias are not supported")
+    theta, scaling = _rope(hf_config)
+    max_seq_len = hf_config.max_position_embeddings
+    sliding = getattr(hf_config, "sliding_window", None)
+    if sliding and (hf_config.model_type == "mistral" or getattr(hf_config, "use_sliding_window", False)):
+        # Within the window, sliding-window attention is full causal attention.
+        max_seq_len = min(max_seq_len, sliding)
+    return dict(vocab_size=hf_config.vocab_size, max_seq_len=max_seq_len,
+                num_layers=hf_config.num_hidden_layers, num_heads=heads, hidden_size=hidden,
+                ffn_hidden_size=hf_config.intermediate_size,
+                num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+                norm="rmsnorm", activation="swiglu", position_embedding="rope", rope_theta=theta,
+                rope_scaling=scaling, bias=False, qkv_bias=hf_config.model_type == "qwen2",
+                attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
+                layernorm_epsilon=hf_config.rms_norm_eps, init_std=hf_config.initializer_range,
+                tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+
+
+def config_from_hf(hf_config, **overrides) -> GPTConfig:
+    """The :class:`GPTConfig` of a ``transformers`` config (``overrides``: any GPTConfig field)."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type == "gpt2":
+        fields = _gpt2_fields(hf_config)
+    elif model_type in LLAMA_FAMILY:
+        fields = _llama_fields(hf_config)
+    else:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: gpt2, {', '.join(LLAMA_FAMILY)}")
+    return GPTConfig(**{**fields, **overrides})
+
+
+def hf_config_of(config: GPTConfig):
+    """The ``transformers`` config of a GPT: GPT-2, Qwen2 (QKV biases) or Llama."""
+    import transformers
+
+    if _family(config) == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=config.vocab_size, n_positions=config.max_seq_len, n_embd=config.hidden_size,
+            n_layer=config.num_layers, n_head=config.num_heads, n_inner=config.ffn_hidden_size,
+            activation_function="gelu_new" if config.activation == "gelu_tanh" else "gelu",
+            resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.attention_dropout,
+            layer_norm_epsilon=config.layernorm_epsilon, initializer_range=config.init_std,
+            tie_word_embeddings=config.tie_word_embeddings, bos_token_id=None, eos_token_id=None)
+    fields = dict(vocab_size=config.vocab_size, max_position_embeddings=config.max_seq_len,
+                  num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+                  num_key_value_heads=config.num_query_groups, hidden_size=config.hidden_size,
+                  intermediate_size=config.ffn_hidden_size, hidden_act="silu",
+                  rms_norm_eps=config.layernorm_epsilon, rope_theta=config.rope_theta,
+                  rope_scaling=config.rope_scaling, attention_dropout=config.attention_dropout,
+                  initializer_range=config.init_std, tie_word_embeddings=config.tie_word_embeddings,
+                  bos_token_id=None, eos_token_id=None)
+    if config.qkv_bias:
+        if config.rope_scaling is not None:
+            raise ValueError("Qwen2 (QKV biases) with Llama 3 rope scaling has no transformers class")
+        return transformers.Qwen2Config(**fields)
+    return transformers.LlamaConfig(**fields)
+
+
+# --------------------------------------------------------------------------------- reading
+
+class _StateDictReader:
+    """Tensors of an in-memory state dict."""
+
+    def __init__(self, state: dict[str, torch.Tensor], source: str) -> None:
+        self.state, self.source = state, source
+
+    def names(self):
+        return self.state.keys()
+
+    def shape(self, key: str) -> list[int]:
+        return list(self.state[key].shape)
+
+    def read(self, key: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        return self.state[key].narrow(dim, start, stop - start)
+
+
+class _SafetensorsReader:
+    """Tensors of a directory's safetensors files; a read loads only the bytes of its slice."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{directory}: no *.safetensors files (pickled .bin weights are never read: "
+                             "loading them can execute code)")
+        self.source, self.handles, self.file_of = str(directory), [], {}
+        for name in files:
+            if Path(name).name != name:
+                raise ValueError(f"{index}: weight file {name!r} is not a plain file name in {directory}")
+            handle = safe_open(str(directory / name), framework="pt")
+            self.handles.append(handle)
+            self.file_of |= {key: handle for key in handle.keys()}
+
+    def names(self):
+        return self.file_of.keys()
+
+    def shape(self, key: str) -> list[int]:
+        return list(self.file_of[key].get_slice(key).get_shape())
+
+    def read(self, key: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape(key))
+        index[dim] = slice(start, stop)
+        return self.file_of[key].get_slice(key)[tuple(index)]
+
+
+def _key(reader, name: str) -> str:
+    # Older GPT-2 files (the hub's "gpt2") name the transformer's tensors without its prefix.
+    for key in (name, name.removeprefix("transformer.")):
+        if key in reader.names():
+            return key
+    raise ValueError(f"{reader.source}: tensor {name!r} is missing")
+
+
+def _read_rows(reader, piece: Piece, start: int, stop: int, dim: int, like: list[int], dtype) -> torch.Tensor:
+    """Rows ``[start, stop)`` of ``piece`` (piece coordinates) along ``dim``, GPT orientation."""
+    shape = list(like)
+    shape[dim] = stop - start
+    if piece.name is None:
+        return torch.zeros(shape, dtype=dtype)
+    key = _key(reader, piece.name)
+    theirs = reader.shape(key)
+    hf_dim = len(theirs) - 1 - dim if piece.transposed else dim
+    expected = shape[::-1] if piece.transposed else shape
+    rows = reader.read(key, hf_dim, piece.start + start, piece.start + stop)
+    if list(rows.shape) != expected:
+        raise ValueError(f"{reader.source}: tensor {piece.name!r} of shape {theirs} does not fit this "
+                         f"model (expected {expected} at rows {piece.start + start}:{piece.start + stop})")
+    return rows.t() if piece.transposed else rows
+
+
+def _shard_from_pieces(reader, pieces: list[Piece], *, name: str, full_shape: list[int], dim: int,
+                       ranges: list[tuple[int, int]], dtype) -> torch.Tensor:
+    """The rows ``ranges`` of a parameter's full tensor along ``dim``, read piece by piece."""
+    if sum(p.stop - p.start for p in pieces) != full_shape[dim]:
+        raise ValueError(f"{name}: the Hugging Face tensors give {sum(p.stop - p.start for p in pieces)} rows "
+                         f"along dim {dim}, the model has {full_shape[dim]}")
+    parts = []
+    for start, stop in ranges:  # in the order the shard holds them
+        offset = 0
+        for piece in pieces:
+            length = piece.stop - piece.start
+            lo, hi = max(start, offset), min(stop, offset + length)
+            if lo < hi:
+                parts.append(_read_rows(reader, piece, lo - offset, hi - offset, dim, full_shape, dtype))
+            offset += length
+    return torch.cat(parts, dim=dim)
+
+
+@torch.no_grad()
+def load_hf_weights(model: GPT, reader) -> None:
+    """Copy this rank's shard of every parameter from ``reader``'s Hugging Face tensors."""
+    pieces = hf_pieces(model.config, model.padded_vocab_size)
+    n, rank = comm.group_size(model.tp_group), comm.group_rank(model.tp_group)
+    for layout in model.parameter_layouts():
+        dim = layout.partition_dim % len(layout.full_shape) if layout.tensor_model_parallel else 0
+        full_rows = layout.full_shape[dim]
+        ranges = (shard_rows(full_rows, n, rank, layout.partition_stride) if layout.tensor_model_parallel
+                  else [(0, full_rows)])
+        shard = _shard_from_pieces(reader, pieces[layout.name], name=layout.name, full_shape=list(layout.full_shape),
+                                   dim=dim, ranges=ranges, dtype=layout.param.dtype)
+        layout.param.copy_(shard)
+
+
+def from_hf(model_or_dir, *, tp_group=None, device=None, **config_overrides) -> GPT:
+    """This rank's shard of a Hugging Face GPT-2, Llama, Mistral or Qwen2 model.
+
+    ``model_or_dir``: a ``transformers`` model object, or a local directory with
+    ``config.json`` and safetensors weights (each rank reads only its shard's bytes).
+    ``config_overrides``: GPTConfig fields such as ``sequence_parallel=True``.
+
+    Example::
+
+        model = from_hf(transformers.LlamaForCausalLM(config), tp_group=group)
+        model = from_hf("path/to/qwen2", sequence_parallel=True)
+    """
+    if isinstance(model_or_dir, (str, os.PathLike)):
+        from transformers import AutoConfig
+
+        directory = Path(model_or_dir)
+        if not (directory / "config.json").is_file():
+            raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
+        hf_config = AutoConfig.from_pretrained(directory)
+        reader = _SafetensorsReader(directory)
+    else:
+        hf_config = model_or_dir.config
+        reader = _StateDictReader(model_or_dir.state_dict(), type(model_or_dir).__name__)
+    model = GPT(config_from_hf(hf_config, **config_overrides), tp_group=tp_group, device=device)
+    load_hf_weights(model, reader)
+    return model
+
+
+# --------------------------------------------------------------------------------- writing
+
+def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """The full model as a Hugging Face state dict (collective: gathers every shard, on every rank)."""
+    full = model.full_state_dict()
+    pieces = hf_pieces(model.config, model.padded_vocab_size)
+    parts: dict[str, list[tuple[int, torch.Tensor, bool, int]]] = {}
+    for layout in model.parameter_layouts():
+        dim = layout.partition_dim % len(layout.full_shape) if layout.tensor_model_parallel else 0
+        offset = 0
+        for piece in pieces[layout.name]:
+            rows = full[layout.name].narrow(dim, offset, piece.stop - piece.start)
+            offset += piece.stop - piece.start
+            if piece.name is not None:
+                parts.setdefault(piece.name, []).append((piece.start, rows, piece.transposed, dim))
+    state = {}
+    for name, rows in parts.items():
+        rows.sort(key=lambda part: part[0])
+        transposed, dim = rows[0][2], rows[0][3]
+        tensor = torch.cat([r for _, r, _, _ in rows], dim=dim)
+        state[name] = (tensor.t() if transposed else tensor).contiguous()
+    if model.config.tie_word_embeddings:
+        state["lm_head.weight"] = state[pieces["embedding.word.weight"][0].name]
+    return state
+
+
+def to_hf(model: GPT, path=None):
+    """The ``transformers`` model holding ``model``'s weights, on TP rank 0 (``None`` elsewhere).
+
+    Collective over the model's TP group. With ``path``, rank 0 also saves it there
+    (``save_pretrained``, safetensors).
+
+    Example::
+
+        hf = to_hf(model, "exported/")
+        if hf is not None:
+            print(hf.generate(ids, max_new_tokens=5))
+    """
+    import transformers
+
+    state = hf_state_dict(model)
+    if comm.group_rank(model.tp_group) != 0:
+        return None
+    hf_config = hf_config_of(model.config)
+    classes = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
+               "qwen2": transformers.Qwen2ForCausalLM}
+    hf_model = classes[hf_config.model_type](hf_config)
+    hf_model.load_state_dict(state, strict=True)
+    if path is not None:
+        hf_model.save_pretrained(path)
+    return hf_model
+
+
+def _from_hf_gpt2(cls, hf_model, *, tp_group=None, device=None, **overrides) -> GPT:
+    """This rank's shard of a ``transformers`` ``GPT2LMHeadModel``: :func:`from_hf`, kept by its old name."""
+    return from_hf(hf_model, tp_group=tp_group, device=device, **overrides)
+
+
+# The model never imports its conversions: its former constructor is attached from here.
+GPT.from_hf_gpt2 = classmethod(_from_hf_gpt2)

@@ -1,0 +1,196 @@
+"""Random GPT-2, Llama, Mistral and Qwen2 models through from_hf at TP 1, 2 and 4, and back.
+
+Each TP world also builds the TP=1 model in every rank (a group of that rank alone).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tensorpar as tp
+from tensorpar.models import GPT, from_hf, to_hf
+from tests.harness import run_on_ranks
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 101  # not divisible by any TP size
+LOGIT_TOL = 1e-5
+LLAMA_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32,
+                   rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+FAMILIES = {
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)),
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **LLAMA_SHAPE, rope_theta=5e5, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16})),
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
+        **LLAMA_SHAPE, sliding_window=24, rope_theta=1e4)),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        **LLAMA_SHAPE, tie_word_embeddings=True)),
+}
+
+_SINGLE_RANK_GROUP = []
+
+
+def _single_rank_group():
+    """A TP group of this rank alone (every rank creates all of them, once per world)."""
+    if not _SINGLE_RANK_GROUP:
+        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        _SINGLE_RANK_GROUP.append(groups[dist.get_rank()])
+    return _SINGLE_RANK_GROUP[0]
+
+
+def hf_model(family: str):
+    """A random model, the same on every rank; norm weights moved off 1 so their mapping shows."""
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    return model.eval()
+
+
+def full_logits(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
+    """The TP model's logits over the real vocabulary (gathered over its TP group)."""
+    local = model(tokens).contiguous()
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(model.tp_group))]
+    dist.all_gather(gathered, local, group=model.tp_group)
+    return torch.cat(gathered, dim=-1)[..., :VOCAB]
+
+
+def _parity_body(directory):
+    tp.initialize_model_parallel(dist.get_world_size())
+    group, single = tp.get_tensor_model_parallel_group(), _single_rank_group()
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    labels = torch.cat([tokens[:, 1:], torch.full((2, 1), -100)], dim=1)  # HF shifts inside
+    for family in FAMILIES:
+        hf = hf_model(family)
+        path = f"{directory}/{family}"
+        if dist.get_rank() == 0:
+            hf.save_pretrained(path)
+        dist.barrier()
+        with torch.no_grad():
+            expected = hf(tokens, labels=tokens)
+        models = {"tp1": from_hf(hf, tp_group=single),
+                  "dir": from_hf(path, tp_group=group),
+                  "sp": from_hf(hf, tp_group=group, sequence_parallel=True)}
+        assert models["sp"].parallel.sequence_parallel == (dist.get_world_size() > 1)
+        for key, model in models.items():
+            model.eval()
+            with torch.no_grad():
+                error = (full_logits(model, tokens) - expected.logits).abs().max().item()
+                assert error <= LOGIT_TOL, (family, key, error)
+                torch.testing.assert_close(model(tokens, labels), expected.loss, rtol=1e-5, atol=1e-6)
+        # The directory (safetensors slices) and the object give the same shards, bit for bit.
+        for (name, a), (_, b) in zip(models["dir"].named_parameters(), models["sp"].named_parameters()):
+            assert torch.equal(a, b), (family, name)
+        # Back to transformers: every tensor exactly the original, at any TP size.
+        for model in (models["tp1"], models["dir"]):
+            exported = to_hf(model)
+            if dist.get_rank(model.tp_group) != 0:
+                assert exported is None
+                continue
+            assert type(exported).__name__ == ("LlamaForCausalLM" if family == "mistral" else type(hf).__name__)
+            theirs = exported.state_dict()
+            assert theirs.keys() == hf.state_dict().keys()
+            for name, tensor in hf.state_dict().items():
+                assert torch.equal(theirs[name], tensor), (family, name)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_families_match_transformers_and_round_trip(world_size, tmp_path):
+    assert run_on_ranks(_parity_body, world_size, str(tmp_path)) == [True] * world_size
+
+
+def _greedy_body():
+    tp.initialize_model_parallel(dist.get_world_size())
+    group, single = tp.get_tensor_model_parallel_group(), _single_rank_group()
+    prompt = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :3] = 0  # a 6- and a 3-token prompt, left-padded
+    prompt = prompt.masked_fill(mask == 0, 0)
+    for family in FAMILIES:
+        hf = hf_model(family)
+        expected = hf.generate(prompt, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                               pad_token_id=0, eos_token_id=None)
+        for model in (from_hf(hf, tp_group=single), from_hf(hf, tp_group=group),
+                      from_hf(hf, tp_group=group, sequence_parallel=True)):
+            out = model.eval().generate(prompt, 10, temperature=0, attention_mask=mask)
+            assert torch.equal(out, expected), (family, out, expected)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_greedy_generation_equals_transformers(world_size):
+    assert run_on_ranks(_greedy_body, world_size) == [True] * world_size
+
+
+def _trained_export_body(directory):
+    tp.initialize_model_parallel(dist.get_world_size())
+    hf = hf_model("llama")
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
+    model = from_hf(hf, sequence_parallel=True)
+    model(tokens, tokens).backward()
+    tp.allreduce_sequence_parallel_grads(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+        ours = full_logits(model.eval(), tokens)
+    exported = to_hf(model, directory)
+    dist.barrier()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        assert (reloaded(tokens).logits - ours).abs().max().item() <= LOGIT_TOL
+        if exported is not None:
+            assert torch.equal(exported(tokens).logits, reloaded(tokens).logits)
+    return True
+
+
+def test_trained_model_exports_what_it_learned(tmp_path):
+    assert run_on_ranks(_trained_export_body, 2, str(tmp_path / "out")) == [True, True]
+
+
+def _gqa_tp_body():
+    tp.initialize_model_parallel(dist.get_world_size())
+    config = transformers.LlamaConfig(**{**LLAMA_SHAPE, "num_key_value_heads": 2})
+    with pytest.raises(ValueError, match=r"num_query_groups \(2 K/V heads\) is not divisible by the "
+                                         r"tensor-parallel size \(4\)"):
+        from_hf(transformers.LlamaForCausalLM(config))
+    # The GPT's former constructor still works, as an alias.
+    hf = hf_model("gpt2")
+    alias, model = GPT.from_hf_gpt2(hf), from_hf(hf)
+    for a, b in zip(alias.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    return True
+
+
+def test_kv_heads_not_divisible_by_tp_and_the_old_gpt2_constructor():
+    assert run_on_ranks(_gqa_tp_body, 4) == [True] * 4
+
+
+def test_unsupported_configs_are_clear_errors(tmp_path):
+    from tensorpar.models.hf import config_from_hf, hf_config_of
+
+    config = hf_model("gpt2").config
+    config.activation_function = "relu"
+    with pytest.raises(ValueError, match="unsupported GPT-2 activation_function 'relu'"):
+        config_from_hf(config)
+    with pytest.raises(ValueError, match="unsupported model_type 'bert'"):
+        config_from_hf(transformers.BertConfig())
+    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+        config_from_hf(transformers.LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+    from tensorpar.models import GPTConfig
+
+    with pytest.raises(ValueError, match="no transformers family has this GPT's shape"):
+        hf_config_of(GPTConfig(vocab_size=8, max_seq_len=4, num_layers=1, num_heads=1, hidden_size=8,
+                               norm="rmsnorm"))
+    (tmp_path / "config.json").write_text(hf_model("llama").config.to_json_string())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="no \\*.safetensors files"):
+        from_hf(tmp_path)
+
