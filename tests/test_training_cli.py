@@ -1,65 +1,189 @@
-"""``tensorpar train`` from the command line: bad input rejected up front, and a two-node launch."""
+"""``tensorpar train/generate/export`` from the command line: every bad input is one line, up front.
+
+Each case gives the exact message; none starts a process (the checkpoints they refer to are made
+once, on the harness's persistent one-rank world).
+"""
 
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from tensorpar.cli import main
-from tensorpar.training.data import DataError, load_corpus
-from tests.harness import free_port
+from tensorpar.training.cli import parse_train_args
+from tensorpar.training.data import DataError, load_corpus, write_token_file
+from tests.harness import free_port, run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
         "--eval-every", "0", "--no-progress"]
 
 
-@pytest.fixture
-def bad_input(tmp_path, capsys):
-    def run(*argv):
-        assert main(["train", *argv]) == 2
-        return capsys.readouterr().err
-    return run
+def _train_body(argv):
+    from tensorpar.training.loop import train
+
+    return train(parse_train_args(argv)).checkpoint
 
 
-def test_tp_that_does_not_divide_nproc(bad_input):
-    assert "--tp 2 does not divide --nproc 3" in bad_input("--nproc", "3", "--tp", "2")
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A text file, a token file, and runs on each: GPT-2-shaped on text; on tokens, one with RMSNorm and
+    GELU, which no transformers class expresses."""
+    root = tmp_path_factory.mktemp("cli")
+    text = root / "text.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 400)
+    tokens = root / "tokens.bin"
+    write_token_file(tokens, torch.arange(20_000) % 300, vocab_size=300)
+    common = TINY + ["--tp", "1", "--steps", "2", "--warmup", "1"]
+    run_on_ranks(_train_body, 1, common + ["--data", str(text), "--out", str(root / "run")])
+    run_on_ranks(_train_body, 1, common + ["--data", str(tokens), "--norm", "rmsnorm", "--out", str(root / "odd")])
+    return root
 
 
-def test_heads_not_divisible_by_tp(bad_input, tmp_path):
-    err = bad_input("--nproc", "4", "--tp", "4", "--heads", "6", "--hidden", "48", "--out", str(tmp_path))
-    assert "6 attention heads are not divisible by --tp 4" in err
+def _fails(capsys, argv, code=2):
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    return err.removesuffix("\n")
 
 
-def test_missing_or_empty_data(bad_input, tmp_path):
-    assert f"--data {tmp_path / 'nope'}: no such file" in bad_input("--data", str(tmp_path / "nope"))
+def _train_error(capsys, *argv):
+    return _fails(capsys, ["train", *argv]).removeprefix("tensorpar train: error: ")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
+    (["--lr", "inf"], "argument --lr: must be a finite number > 0, got inf"),
+    (["--lr", "fast"], "argument --lr: expected a number > 0, got 'fast'"),
+    (["--dropout", "2"], "argument --dropout: must be a finite number in [0, 1), got 2"),
+    (["--steps", "0"], "argument --steps: must be a finite number > 0, got 0"),
+    (["--nproc", "3", "--tp", "2"], "--tp 2 does not divide --nproc 3"),
+    (["--hidden", "66", "--heads", "4"],
+     "the hidden size 66 (--hidden) is not divisible by the 4 attention heads (--heads)"),
+    (["--nproc", "4", "--tp", "4", "--heads", "6", "--hidden", "48"],
+     "the model's 6 attention heads are not divisible by --tp 4"),
+    (["--nproc", "4", "--tp", "4", "--ffn-hidden", "130"], "the model's FFN width 130 is not divisible by --tp 4"),
+    (["--sp", "--seq-len", "33"], "--seq-len 33 is not divisible by --tp 2, as sequence parallelism (--sp) needs"),
+    (["--vocab", "10"], "--vocab 10 is smaller than the data's vocabulary (257 token ids)"),
+    (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1 is above --lr 0.1"),
+    (["--nproc", "3", "--tp", "1", "--global-batch", "16"],
+     "--global-batch 16 cannot be split evenly over 3 data-parallel ranks: choose --nproc/--tp so that the DP "
+     "size divides 16"),
+    (["--global-batch", "32", "--micro-batch", "5"],
+     "--global-batch 32 over 1 data-parallel ranks is 32 sequences per rank, not a multiple of --micro-batch 5: "
+     "choose a --micro-batch dividing 32"),
+    (["--global-batch", "32", "--grad-accum", "3"],
+     "--grad-accum 3 x --micro-batch 16 x 1 data-parallel ranks is 48 sequences per step, not --global-batch 32: "
+     "leave --grad-accum out to adapt it"),
+    (["--model", "huge"], "--model 'huge' is not a preset; choose from ['tiny', 'small', 'medium', 'large', 'xl', "
+                          "'llama-tiny']"),
+])
+def test_bad_numbers_and_shapes(capsys, argv, message):
+    assert _train_error(capsys, *argv) == message
+
+
+def test_data_too_short_missing_or_empty(capsys, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("x" * 99)
+    assert _train_error(capsys, "--data", str(short), "--seq-len", "64") == (
+        f"--data {short}: 100 tokens are too few for --seq-len 64 with a validation split (need at least 132)")
+    assert _train_error(capsys, "--seq-len", "100000000").endswith(
+        "tokens are too few for --seq-len 100,000,000 with a validation split (need at least 200,000,004)")
+    assert _train_error(capsys, "--data", str(tmp_path / "nope")) == f"--data {tmp_path / 'nope'}: no such file or directory"
     (tmp_path / "empty.txt").write_text("")
-    assert "the file is empty" in bad_input("--data", str(tmp_path / "empty.txt"))
+    assert _train_error(capsys, "--data", str(tmp_path / "empty.txt")) == \
+        f"--data {tmp_path / 'empty.txt'}: no text found (empty files)"
     (tmp_path / "dir").mkdir()
-    assert "contains no non-empty files" in bad_input("--data", str(tmp_path / "dir"))
+    assert _train_error(capsys, "--data", str(tmp_path / "dir")) == f"--data {tmp_path / 'dir'}: the directory contains no files"
 
 
-def test_unwritable_out(bad_input, tmp_path):
+def test_token_file_ids_beyond_its_vocab_or_odd_size(capsys, tmp_path):
+    path = tmp_path / "tokens.bin"
+    write_token_file(path, torch.arange(1000) % 700, vocab_size=700)
+    (tmp_path / "tokens.bin.json").write_text('{"format": "tensorpar-tokens", "dtype": "uint16", "vocab_size": 500}')
+    assert _train_error(capsys, "--data", str(path)) == \
+        f"{path}: holds token id 699, outside its vocab_size 500 (from {path}.json)"
+    with open(path, "ab") as f:
+        f.write(b"\0")
+    assert _train_error(capsys, "--data", str(path)) == f"{path}: size 2001 bytes is not a multiple of uint16 (2 bytes)"
+
+
+def test_unwritable_out(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
-    assert f"--out {tmp_path / 'file' / 'run'} is not a writable directory" in \
-        bad_input("--out", str(tmp_path / "file" / "run"))
+    assert _train_error(capsys, "--out", str(tmp_path / "file" / "run")) == \
+        f"--out {tmp_path / 'file' / 'run'} is not a writable directory (Not a directory)"
 
 
-def test_resume_from_a_directory_without_checkpoint(bad_input, tmp_path):
-    assert f"--resume {tmp_path}" in bad_input("--resume", str(tmp_path))
+def test_resume_checks(capsys, files, tmp_path):
+    run = files / "run"
+    assert _train_error(capsys, "--resume", str(run), "--steps", "2") == (
+        "--steps 2 is the run's total, and the checkpoint is already at step 2: pass --steps above 2 to train further")
+    assert _train_error(capsys, "--resume", str(run), "--hidden", "64") == (
+        "the checkpoint's model config differs from the one requested: hidden_size: checkpoint 32, requested 64")
+    assert _train_error(capsys, "--resume", str(run), "--model", "small") == (
+        "the checkpoint's model config differs from the one requested: ffn_hidden_size: checkpoint 128, requested "
+        "3072; hidden_size: checkpoint 32, requested 768; num_heads: checkpoint 4, requested 12; num_layers: "
+        "checkpoint 2, requested 12")
+    assert _train_error(capsys, "--resume", str(tmp_path / "nope")) == \
+        f"--resume: checkpoint {tmp_path / 'nope'}: no such directory"
+    assert _train_error(capsys, "--resume", str(tmp_path)) == (
+        f"--resume: checkpoint {tmp_path}: no latest pointer naming a step_N directory, and not a step_N "
+        "checkpoint directory itself")
 
 
-def test_unknown_flag_and_preset(bad_input, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["train", "--bogus"])
-    assert exc.value.code == 2 and "--bogus" in capsys.readouterr().err
-    assert "--model 'huge' is not a preset" in bad_input("--model", "huge")
+def test_generate_checks(capsys, files, tmp_path):
+    def error(*argv):
+        return _fails(capsys, ["generate", *argv]).removeprefix("tensorpar generate: error: ")
+
+    assert error("--checkpoint", str(tmp_path / "nope")) == f"--checkpoint: checkpoint {tmp_path / 'nope'}: no such directory"
+    assert error("--checkpoint", str(files / "run"), "--prompt", "") == \
+        "--prompt is empty: give at least one token to continue"
+    assert error("--checkpoint", str(files / "run"), "--nproc", "8", "--tp", "8") == \
+        "the model's 4 attention heads are not divisible by --tp 8"
+    assert error("--checkpoint", str(files / "odd"), "--prompt", "def f") == (
+        "--prompt 'def f': this checkpoint was trained on a token file, so the prompt is token ids separated by "
+        "spaces (e.g. --prompt \"464 2068\"); 'def' is not one")
+    assert error("--checkpoint", str(files / "odd"), "--prompt", "5 300") == \
+        "--prompt: token id 300 is outside the model's vocabulary of 300"
+
+
+def test_export_checks(capsys, files, tmp_path):
+    def error(*argv):
+        return _fails(capsys, ["export", *argv]).removeprefix("tensorpar export: error: ")
+
+    assert error("--checkpoint", str(files / "odd"), "--to-hf", str(tmp_path / "out")) == (
+        f"--checkpoint {files / 'odd'} cannot be exported: no transformers family has this GPT's shape: GPT-2 "
+        "needs layernorm, learned positions, biases, GELU and no grouped-query attention; Llama/Qwen2 need "
+        "rmsnorm, swiglu, rope and no biases besides QKV; got norm='rmsnorm', activation='gelu', "
+        "position_embedding='learned', bias=True, qkv_bias=True, num_query_groups=4")
+    (tmp_path / "file").write_text("x")
+    assert error("--checkpoint", str(files / "run"), "--to-hf", str(tmp_path / "file")) == \
+        f"--to-hf {tmp_path / 'file'} is an existing file, not a directory"
+    assert error("--checkpoint", str(files / "run"), "--to-hf", str(tmp_path / "file" / "out")) == \
+        f"--to-hf {tmp_path / 'file' / 'out'} is not a writable directory (Not a directory)"
+    assert error("--checkpoint", str(files / "run"), "--to-hf", str(tmp_path)) == (
+        f"--to-hf {tmp_path} is a directory that is not empty; pass --overwrite to write config.json and "
+        "model.safetensors into it")
+
+
+def _export_body(checkpoint, out):
+    return main(["export", "--checkpoint", checkpoint, "--to-hf", out])
+
+
+def test_export_writes_eos_inside_the_vocabulary(files, tmp_path):
+    import json
+
+    assert run_on_ranks(_export_body, 1, str(files / "run"), str(tmp_path / "hf")) == [0]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["vocab_size"] == 257 and config["bos_token_id"] == config["eos_token_id"] == 256
+
+
+def test_unknown_flag_is_one_line(capsys):
+    assert _fails(capsys, ["train", "--bogus"]) == "tensorpar: error: unrecognized arguments: --bogus"
 
 
 def test_token_file_sidecar_is_validated(tmp_path):
-    from tensorpar.training.data import write_token_file
-    import torch
-
     path = tmp_path / "tokens.bin"
     write_token_file(path, torch.arange(1000) % 700, vocab_size=700)
     corpus = load_corpus(path)

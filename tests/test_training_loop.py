@@ -25,7 +25,8 @@ def _train_body(argv):
 
 
 def _train(world, tp, micro, out, *extra):
-    argv = TINY + ["--tp", str(tp), "--micro-batch", str(micro), "--out", str(out), *extra]
+    micro_flag = ["--micro-batch", str(micro)] if micro else []
+    argv = TINY + ["--tp", str(tp), *micro_flag, "--out", str(out), *extra]
     results = run_on_ranks(_train_body, world, argv)
     return results[0]
 
@@ -35,8 +36,10 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     a, _ = _train(1, 1, 4, root / "a")
     b, _ = _train(4, 2, 2, root / "b", "--save-every", "3")
-    resumed = {name: _train(world, tp, micro, root / name, "--resume", str(root / "b" / "step_3"))[0]
-               for name, world, tp, micro in (("tp2dp2", 4, 2, 2), ("tp1", 1, 1, 4), ("tp4", 4, 4, 4))}
+    # tp2dp2 extends the run to 8 steps; tp1 (DP 1) gets no --micro-batch: accumulation adapts.
+    resumed = {name: _train(world, tp, micro, root / name, "--resume", str(root / "b" / "step_3"), *extra)[0]
+               for name, world, tp, micro, extra in (("tp2dp2", 4, 2, 2, ("--steps", "8")),
+                                                     ("tp1", 1, 1, None, ()), ("tp4", 4, 4, 4, ()))}
     return root, a, b, resumed
 
 
@@ -48,9 +51,13 @@ def test_tp2_dp2_matches_tp1_dp1_on_the_same_global_batch(runs):
     assert a[6] < a[1] - 0.5  # it learns
 
 
-def test_resume_at_the_same_sizes_reproduces_the_run_exactly(runs):
-    _, _, b, resumed = runs
-    assert resumed["tp2dp2"] == {step: b[step] for step in (4, 5, 6)}
+def test_resume_continues_the_run_exactly_and_keeps_its_schedule(runs):
+    """Extending the run (--steps 8) keeps the saved cosine horizon (6): steps 4-6 are unchanged."""
+    root, _, b, resumed = runs
+    assert list(resumed["tp2dp2"]) == [4, 5, 6, 7, 8]
+    assert {step: resumed["tp2dp2"][step] for step in (4, 5, 6)} == {step: b[step] for step in (4, 5, 6)}
+    meta = json.loads((root / "tp2dp2" / "step_8" / "meta.json").read_text())
+    assert meta["schedule"]["decay_steps"] == 6 and meta["steps"] == 8 and meta["global_batch"] == 4
 
 
 @pytest.mark.parametrize("name", ["tp1", "tp4"])

@@ -31,10 +31,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line like every other error (usage: ``--help``)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     import torch
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="tensorpar", formatter_class=HelpFormatter,
         description="Megatron-style tensor parallelism for PyTorch: train, generate, "
         "export, predict communication, benchmark against DTensor.")
@@ -54,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``tensorpar`` with ``argv``; returns the exit status."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a flag argparse rejected (already printed)
+        return exc.code or 0
     if args.debug:
         os.environ[DEBUG_ENV] = "1"  # inherited by the ranks this command starts
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 from pathlib import Path
@@ -20,22 +21,30 @@ from ..launch import launch_local, set_threads
 DEFAULT_OUT = "tensorpar-run"
 
 
-def _positive(kind):
+def _number(kind, *, low: float, low_inclusive: bool = True, high: float | None = None):
+    """An argparse type: a finite ``kind`` in ``[low, high)`` (``(low, high)`` unless ``low_inclusive``)."""
+    bound = (f"{'>=' if low_inclusive else '>'} {low:g}" if high is None
+             else f"in {'[' if low_inclusive else '('}{low:g}, {high:g})")
+
     def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} "
+                                             f"{bound}, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not low_inclusive) \
+                or (high is not None and value >= high):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
         return value
     return parse
+
+
+def _positive(kind):
+    return _number(kind, low=0, low_inclusive=False)
 
 
 def _non_negative(kind):
-    def parse(text: str):
-        value = kind(text)
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-        return value
-    return parse
+    return _number(kind, low=0)
 
 
 def _add_world_flags(parser: argparse.ArgumentParser) -> None:
@@ -49,52 +58,76 @@ def _add_world_flags(parser: argparse.ArgumentParser) -> None:
                         help="seconds before a collective that does not complete is an error")
 
 
+_PRESET_HELP = ("model preset (default: tiny): tiny (4 layers, width 128, 4 heads), llama-tiny (tiny with "
+                "RMSNorm, SwiGLU and rotary positions), small, medium, large, xl (the layer shapes of GPT-2 "
+                "small/medium/large/xl; the vocabulary is the data's, 257 byte tokens by default, so they "
+                "are smaller than GPT-2's 124M/355M/774M/1.5B parameters)")
+
+
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
     _add_world_flags(parser)
     run = parser.add_argument_group("run")
-    run.add_argument("--steps", type=_positive(int), default=600, help="optimizer steps in total")
+    run.add_argument("--steps", type=_positive(int), default=600,
+                     help="optimizer steps of the whole run; when resuming, the total to reach, not steps to add")
     run.add_argument("--out", default=None, help=f"output directory (default: {DEFAULT_OUT}, or the "
                      "resumed run's directory): checkpoints, metrics.jsonl, loss.png")
     run.add_argument("--resume", default=None, metavar="CKPT",
                      help="checkpoint to continue from: a step_N directory or an output directory "
-                          "(its latest); any TP/DP size")
+                          "(its latest); any TP/DP size (default: start a new run)")
     run.add_argument("--save-every", type=_non_negative(int), default=0,
                      help="checkpoint every N steps (0: only at the end)")
     run.add_argument("--eval-every", type=_non_negative(int), default=100, help="validate every N steps (0: never)")
     run.add_argument("--eval-iters", type=_positive(int), default=10, help="validation batches per evaluation")
-    run.add_argument("--log-every", type=_positive(int), default=10, help="metrics.jsonl row every N steps")
-    run.add_argument("--seed", type=int, default=1234)
-    run.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    run.add_argument("--log-every", type=_positive(int), default=10,
+                     help="metrics.jsonl row every N steps, and a log line when the output is not a terminal")
+    run.add_argument("--seed", type=int, default=1234, help="seed of the weights, dropout and batches")
+    run.add_argument("--no-progress", action="store_true",
+                     help="log lines instead of a progress bar, also on a terminal")
     data = parser.add_argument_group("data")
     data.add_argument("--data", default=None, metavar="PATH",
                       help="text file, directory of text files, or token file with a .json sidecar "
                            "(default: this Python's standard library source)")
-    data.add_argument("--seq-len", type=_positive(int), default=None, help="tokens per sample (default: the model's max_seq_len, 128 for the default model)")
-    data.add_argument("--micro-batch", type=_positive(int), default=16, help="samples per DP rank per micro-batch")
-    data.add_argument("--grad-accum", type=_positive(int), default=1, help="micro-batches per step")
+    data.add_argument("--seq-len", type=_positive(int), default=None,
+                      help="tokens per sample (default: the model's max_seq_len; 128 with the default model)")
+    data.add_argument("--micro-batch", type=_positive(int), default=None,
+                      help="sequences per DP rank per micro-batch (default: the resumed run's, else 16)")
+    data.add_argument("--global-batch", type=_positive(int), default=None,
+                      help="sequences per optimizer step over all DP ranks; gradient accumulation makes it up "
+                           "(default: the resumed run's, else --micro-batch x DP size x --grad-accum)")
+    data.add_argument("--grad-accum", type=_positive(int), default=None,
+                      help="micro-batches per step (default: what --global-batch needs, else 1)")
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, help="size preset: tiny (default), llama-tiny, small "
-                       "(GPT-2 124M), medium, large, xl")
-    model.add_argument("--layers", type=_positive(int), default=None)
-    model.add_argument("--hidden", type=_positive(int), default=None)
-    model.add_argument("--heads", type=_positive(int), default=None)
-    model.add_argument("--ffn-hidden", type=_positive(int), default=None)
-    model.add_argument("--vocab", type=_positive(int), default=None, help="vocabulary size (default: the data's)")
-    model.add_argument("--norm", choices=("layernorm", "rmsnorm"), default=None)
-    model.add_argument("--activation", choices=("gelu", "gelu_tanh", "swiglu"), default=None)
-    model.add_argument("--position-embedding", choices=("learned", "rope"), default=None)
-    model.add_argument("--dropout", type=float, default=0.0)
+    model.add_argument("--model", default=None, metavar="PRESET", help=_PRESET_HELP)
+    model.add_argument("--layers", type=_positive(int), default=None, help="transformer layers (default: the preset's)")
+    model.add_argument("--hidden", type=_positive(int), default=None, help="hidden size (default: the preset's)")
+    model.add_argument("--heads", type=_positive(int), default=None,
+                       help="attention heads, divisible by --tp (default: the preset's)")
+    model.add_argument("--ffn-hidden", type=_positive(int), default=None,
+                       help="MLP width, divisible by --tp (default: 4 x hidden)")
+    model.add_argument("--vocab", type=_positive(int), default=None,
+                       help="vocabulary size, at least the data's (default: the data's)")
+    model.add_argument("--norm", choices=("layernorm", "rmsnorm"), default=None,
+                       help="normalization (default: the preset's)")
+    model.add_argument("--activation", choices=("gelu", "gelu_tanh", "swiglu"), default=None,
+                       help="MLP activation (default: the preset's)")
+    model.add_argument("--position-embedding", choices=("learned", "rope"), default=None,
+                       help="position encoding (default: the preset's)")
+    model.add_argument("--dropout", type=_number(float, low=0, high=1), default=0.0,
+                       help="dropout probability, in [0, 1)")
     model.add_argument("--sp", action="store_true", help="sequence parallelism")
     model.add_argument("--recompute", action="store_true", help="recompute each block in backward")
     model.add_argument("--grad-fusion", action="store_true",
                        help="linear layers accumulate weight grads straight into fp32 main_grad")
     model.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                        help="compute dtype (bf16: autocast, fp32 master weights)")
-    optim = parser.add_argument_group("optimizer")
-    optim.add_argument("--lr", type=_positive(float), default=3e-3, help="peak learning rate")
-    optim.add_argument("--min-lr", type=_non_negative(float), default=3e-4, help="learning rate at the end")
-    optim.add_argument("--warmup", type=_non_negative(int), default=30, help="linear warmup steps")
-    optim.add_argument("--weight-decay", type=_non_negative(float), default=0.1)
+    optim = parser.add_argument_group("optimizer (a resumed run keeps its learning-rate schedule unless given)")
+    optim.add_argument("--lr", type=_positive(float), default=None, help="peak learning rate (default: 3e-3)")
+    optim.add_argument("--min-lr", type=_non_negative(float), default=None,
+                       help="learning rate at the end of the decay (default: 3e-4)")
+    optim.add_argument("--warmup", type=_non_negative(int), default=None, help="linear warmup steps (default: 30)")
+    optim.add_argument("--lr-decay-steps", type=_positive(int), default=None,
+                       help="step at which the cosine decay reaches --min-lr (default: --steps of a new run)")
+    optim.add_argument("--weight-decay", type=_non_negative(float), default=0.1, help="AdamW weight decay")
     optim.add_argument("--clip-grad", type=_non_negative(float), default=1.0,
                        help="max global grad norm (0: no clipping)")
 
@@ -142,39 +175,47 @@ def _run_in_world(entry, args, nproc: int) -> dict:
 
 # --- train ---------------------------------------------------------------------------------
 
-def _check_out(out: Path) -> None:
+def _check_writable_dir(out: Path, flag: str) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".tensorpar-write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise UsageError(f"--out {out} is not a writable directory ({exc.strerror or exc})") from None
+        raise UsageError(f"{flag} {out} is not a writable directory ({exc.strerror or exc})") from None
 
 
-def _check_train_args(args) -> None:
+def _open_checkpoint(flag: str, path: str) -> tuple[Path, dict, dict]:
+    """(directory, config, meta) of a checkpoint the user named, verified; errors name the flag."""
+    from .checkpoint import CheckpointError, read_json, resolve, verify
+
+    try:
+        ckpt = resolve(path)
+        verify(ckpt)
+        return (ckpt, *read_json(ckpt))
+    except (CheckpointError, OSError, ValueError) as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+
+
+def _check_train_args(args, world: int) -> None:
     from ..models.gpt import GPTConfig
-    from .checkpoint import CheckpointError, read_json, resolve
-    from .data import check_data_path
+    from .data import inspect_data, train_token_count
+    from .loop import VAL_FRACTION, build_config, check_fits, settle_run
 
     if args.model is not None and args.model not in GPTConfig.PRESETS:
         raise UsageError(f"--model {args.model!r} is not a preset; choose from {list(GPTConfig.PRESETS)}")
-    heads = args.heads
+    saved = meta = None
     if args.resume is not None:
-        try:
-            ckpt = resolve(args.resume)
-            saved = read_json(ckpt)[0]
-        except (CheckpointError, OSError, ValueError) as exc:
-            raise UsageError(f"--resume {args.resume}: {exc}") from None
-        heads = heads or saved.get("num_heads")
+        ckpt, saved, meta = _open_checkpoint("--resume", args.resume)
         args.out = args.out or str(ckpt.parent)
-    heads = heads or GPTConfig.preset(args.model or "tiny").num_heads
-    if heads % args.tp:
-        raise UsageError(f"the model's {heads} attention heads are not divisible by --tp {args.tp}")
-    if args.data is not None:
-        check_data_path(args.data)
+    tokens, vocab_size, source = inspect_data(args.data)
+    config = build_config(args, vocab_size=vocab_size, saved=saved)
+    seq_len = args.seq_len or config.max_seq_len
+    check_fits(config, tp=args.tp, seq_len=seq_len)
+    train_token_count(tokens, val_fraction=VAL_FRACTION, seq_len=seq_len, source=source)
+    settle_run(args, meta=meta, dp_size=world // args.tp)
     args.out = args.out or DEFAULT_OUT
-    _check_out(Path(args.out))
+    _check_writable_dir(Path(args.out), "--out")
 
 
 def train_entry(args):
@@ -186,7 +227,7 @@ def train_entry(args):
 
 def _cmd_train(args) -> int:
     world = _resolve_world(args)
-    _check_train_args(args)
+    _check_train_args(args, world)
     started = datetime.datetime.now()
     results = _run_in_world(train_entry, args, world)
     result = results.get(0)
@@ -212,7 +253,14 @@ def generate_entry(args):
 
 
 def _cmd_generate(args) -> int:
+    from .inference import encode_prompt
+    from .loop import check_fits, config_from_json
+
     world = _resolve_world(args)
+    _, saved, meta = _open_checkpoint("--checkpoint", args.checkpoint)
+    config = config_from_json(saved)
+    check_fits(config, tp=args.tp, seq_len=1)
+    encode_prompt(args.prompt, tokenizer=meta.get("tokenizer"), vocab_size=config.vocab_size)
     results = _run_in_world(generate_entry, args, world)
     if 0 in results:
         print(results[0], flush=True)
@@ -226,6 +274,21 @@ def export_entry(args):
 
 
 def _cmd_export(args) -> int:
+    from ..models.hf import hf_config_of
+    from .loop import config_from_json
+
+    _, saved, _ = _open_checkpoint("--checkpoint", args.checkpoint)
+    try:
+        hf_config_of(config_from_json(saved))
+    except ValueError as exc:
+        raise UsageError(f"--checkpoint {args.checkpoint} cannot be exported: {exc}") from None
+    out = Path(args.to_hf)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--to-hf {out} is an existing file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise UsageError(f"--to-hf {out} is a directory that is not empty; pass --overwrite to write "
+                         "config.json and model.safetensors into it")
+    _check_writable_dir(out, "--to-hf")
     args.nproc, args.tp = 1, 1
     path = _run_in_world(export_entry, args, 1)[0]
     print(f"wrote a transformers model to {path}", flush=True)
@@ -234,22 +297,32 @@ def _cmd_export(args) -> int:
 
 def register(subparsers) -> None:
     train = subparsers.add_parser("train", help="train a TP x DP GPT (default: a small one on an embedded corpus)",
-                                  description=_cmd_train.__doc__ or "Train a GPT with tensor and data parallelism.")
+                                  description="Train a GPT with tensor and data parallelism.")
     add_train_flags(train)
     train.set_defaults(func=_cmd_train)
 
-    gen = subparsers.add_parser("generate", help="sample text from a checkpoint, at any TP size")
-    gen.add_argument("--checkpoint", required=True, help="a step_N directory or an output directory")
-    gen.add_argument("--prompt", default="def ", help="text to continue")
-    gen.add_argument("--max-new-tokens", type=_positive(int), default=200)
-    gen.add_argument("--temperature", type=_non_negative(float), default=0.8, help="0: greedy")
-    gen.add_argument("--top-k", type=_positive(int), default=40)
-    gen.add_argument("--seed", type=int, default=0)
+    gen = subparsers.add_parser("generate", help="sample text from a checkpoint, at any TP size",
+                                description="Continue a prompt with a trained checkpoint, at any TP size.")
+    gen.add_argument("--checkpoint", required=True, help="a step_N directory or an output directory (its latest)")
+    gen.add_argument("--prompt", default="def ",
+                     help="what to continue: text for runs on text data (byte tokens); for runs on a token "
+                          "file, token ids separated by spaces, e.g. \"464 2068 7586\" (default: 'def ')")
+    gen.add_argument("--max-new-tokens", type=_positive(int), default=200, help="tokens to add")
+    gen.add_argument("--temperature", type=_non_negative(float), default=0.8,
+                     help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-k", type=_positive(int), default=40, help="sample among the k likeliest tokens")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     _add_world_flags(gen)
     gen.set_defaults(func=_cmd_generate)
 
-    export = subparsers.add_parser("export", help="write a checkpoint as a transformers model directory")
-    export.add_argument("--checkpoint", required=True, help="a step_N directory or an output directory")
-    export.add_argument("--to-hf", required=True, metavar="OUT", help="directory for config.json + model.safetensors")
-    export.add_argument("--timeout", type=_positive(float), default=300.0)
+    export = subparsers.add_parser("export", help="write a checkpoint as a transformers model directory",
+                                   description="Write a checkpoint as a transformers model directory: GPT-2 "
+                                               "(layernorm, learned positions, GELU, biases), or Llama/Qwen2 "
+                                               "(rmsnorm, SwiGLU, rotary positions).")
+    export.add_argument("--checkpoint", required=True, help="a step_N directory or an output directory (its latest)")
+    export.add_argument("--to-hf", required=True, metavar="OUT",
+                        help="directory to create for config.json + model.safetensors")
+    export.add_argument("--overwrite", action="store_true", help="write into OUT even if it is not empty")
+    export.add_argument("--timeout", type=_positive(float), default=300.0,
+                        help="seconds before a collective that does not complete is an error")
     export.set_defaults(func=_cmd_export)

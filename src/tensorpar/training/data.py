@@ -45,6 +45,8 @@ class DataError(UsageError):
 def encode(text: str | bytes) -> torch.Tensor:
     """Byte-level tokens of ``text`` (UTF-8 bytes are the token ids), as int64."""
     data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    if not data:  # frombuffer refuses an empty buffer
+        return torch.zeros(0, dtype=torch.int64)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
 
 
@@ -65,13 +67,18 @@ class Corpus:
 
     def split(self, *, val_fraction: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(train, validation): the last ``val_fraction`` of the tokens is held out."""
-        total = self.tokens.numel()
-        n_val = max(int(total * val_fraction), seq_len + 2)
-        n_train = total - n_val
-        if n_train < seq_len + 2:
-            raise DataError(f"{self.source}: {total} tokens are too few for --seq-len {seq_len} "
-                            f"with a validation split (need at least {2 * (seq_len + 2)})")
+        n_train = train_token_count(self.tokens.numel(), val_fraction=val_fraction, seq_len=seq_len,
+                                    source=self.source)
         return self.tokens[:n_train], self.tokens[n_train:]
+
+
+def train_token_count(total: int, *, val_fraction: float, seq_len: int, source: str) -> int:
+    """Tokens left for training once the last ``val_fraction`` (at least one sample) is held out."""
+    n_val = max(int(total * val_fraction), seq_len + 2)
+    if total - n_val < seq_len + 2:
+        raise DataError(f"{source}: {total:,} tokens are too few for --seq-len {seq_len:,} with a "
+                        f"validation split (need at least {max(2 * (seq_len + 2), n_val + seq_len + 2):,})")
+    return total - n_val
 
 
 def stdlib_files() -> list[Path]:
@@ -125,18 +132,6 @@ def _load_token_file(path: Path, meta: dict) -> Corpus:
     return Corpus(tokens, vocab_size, meta.get("tokenizer"), str(path))
 
 
-def check_data_path(path: str | os.PathLike) -> None:
-    """Cheap checks of a ``--data`` path before any process starts: exists and is not empty."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"--data {path}: no such file or directory")
-    if path.is_dir():
-        if not any(p.is_file() and p.stat().st_size for p in path.rglob("*")):
-            raise DataError(f"--data {path}: the directory contains no non-empty files")
-    elif path.stat().st_size == 0:
-        raise DataError(f"--data {path}: the file is empty")
-
-
 def load_corpus(path: str | os.PathLike | None) -> Corpus:
     """The embedded corpus (``None``), a text file, a directory of text files, or a token file."""
     if path is None:
@@ -144,18 +139,59 @@ def load_corpus(path: str | os.PathLike | None) -> Corpus:
         source = f"Python {sysconfig.get_python_version()} standard library ({len(files)} files)"
         return Corpus(_files_to_tokens(files, source), BYTE_VOCAB_SIZE, "bytes", source)
     path = Path(path)
-    if not path.exists():
-        raise DataError(f"--data {path}: no such file or directory")
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*")
-                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
-        if not files:
-            raise DataError(f"--data {path}: the directory contains no files")
-        return Corpus(_files_to_tokens(files, f"--data {path}"), BYTE_VOCAB_SIZE, "bytes", str(path))
-    meta = _read_sidecar(path)
+    meta = _read_sidecar(path) if path.is_file() else None
     if meta is not None:
         return _load_token_file(path, meta)
-    return Corpus(_files_to_tokens([path], f"--data {path}"), BYTE_VOCAB_SIZE, "bytes", str(path))
+    return Corpus(_files_to_tokens(_text_files(path), f"--data {path}"), BYTE_VOCAB_SIZE, "bytes", str(path))
+
+
+def _text_files(path: Path) -> list[Path]:
+    """The files of a text ``--data`` path: itself, or a directory's files (hidden ones skipped)."""
+    if not path.exists():
+        raise DataError(f"--data {path}: no such file or directory")
+    if not path.is_dir():
+        return [path]
+    files = sorted(p for p in path.rglob("*")
+                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    if not files:
+        raise DataError(f"--data {path}: the directory contains no files")
+    return files
+
+
+def inspect_data(path: str | os.PathLike | None) -> tuple[int, int, str]:
+    """(token count, vocabulary size, source) of ``--data``, checked, without tokenizing text.
+
+    What :func:`load_corpus` would give, cheaply enough to run before any process starts: text
+    is sized from the files' lengths; a token file is memory-mapped and its ids are checked
+    against its vocabulary (one pass over the file).
+    """
+    if path is None:
+        files = stdlib_files()
+        source = f"Python {sysconfig.get_python_version()} standard library ({len(files)} files)"
+    else:
+        path = Path(path)
+        meta = _read_sidecar(path) if path.is_file() else None
+        if meta is not None:
+            corpus = _load_token_file(path, meta)
+            _check_token_ids(corpus)
+            return corpus.tokens.numel(), corpus.vocab_size, corpus.source
+        files, source = _text_files(path), f"--data {path}"
+    sizes = [size for size in (f.stat().st_size for f in files) if size]
+    if not sizes:
+        raise DataError(f"{source}: no text found (empty files)")
+    return sum(sizes) + len(sizes), BYTE_VOCAB_SIZE, source  # one EOT after each document
+
+
+def _check_token_ids(corpus: Corpus, chunk: int = 1 << 24) -> None:
+    tokens, largest = corpus.tokens, 0
+    for start in range(0, tokens.numel(), chunk):
+        part = tokens[start:start + chunk].to(torch.int64)  # no max() for uint16
+        largest = max(largest, int(part.max()))
+        if int(part.min()) < 0:
+            raise DataError(f"{corpus.source}: holds negative token ids (e.g. {int(part.min())})")
+    if largest >= corpus.vocab_size:
+        raise DataError(f"{corpus.source}: holds token id {largest}, outside its vocab_size "
+                        f"{corpus.vocab_size} (from {corpus.source}.json)")
 
 
 def write_token_file(path: str | os.PathLike, tokens: torch.Tensor, *, vocab_size: int,

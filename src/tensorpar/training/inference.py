@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state as ps
+from ..errors import UsageError
 from ..models.gpt import GPT
 from . import checkpoint
-from .data import decode, encode
+from .data import EOT, decode, encode
 from .loop import config_from_json
 
 
@@ -26,17 +27,31 @@ def load_model(path, *, tp_group) -> tuple[GPT, dict]:
     return model.eval(), meta
 
 
+def encode_prompt(prompt: str, *, tokenizer: str | None, vocab_size: int) -> torch.Tensor:
+    """``prompt`` as token ids: its UTF-8 bytes for byte-level runs, else ids separated by spaces."""
+    if tokenizer == "bytes":
+        tokens = encode(prompt)
+    else:
+        words = prompt.split()
+        bad = [word for word in words if not word.isdigit()]
+        if bad:
+            raise UsageError(f"--prompt {prompt!r}: this checkpoint was trained on a token file, so the prompt "
+                             f"is token ids separated by spaces (e.g. --prompt \"464 2068\"); {bad[0]!r} is not one")
+        tokens = torch.tensor([int(word) for word in words], dtype=torch.int64)
+        if tokens.numel() and int(tokens.max()) >= vocab_size:
+            raise UsageError(f"--prompt: token id {int(tokens.max())} is outside the model's vocabulary "
+                             f"of {vocab_size}")
+    if tokens.numel() == 0:
+        raise UsageError("--prompt is empty: give at least one token to continue")
+    return tokens
+
+
 def generate(args) -> str:
     """Continue ``args.prompt``; the same text on every rank (the sampling stream is shared)."""
     ps.initialize_model_parallel(args.tp, timeout=args.timeout)
     try:
         model, meta = load_model(args.checkpoint, tp_group=ps.get_tensor_model_parallel_group())
-        if meta.get("tokenizer") == "bytes":
-            prompt = encode(args.prompt)
-        else:
-            prompt = torch.tensor([int(t) for t in args.prompt.split()], dtype=torch.int64)
-        if prompt.numel() == 0:
-            raise ValueError("--prompt is empty")
+        prompt = encode_prompt(args.prompt, tokenizer=meta.get("tokenizer"), vocab_size=model.config.vocab_size)
         torch.manual_seed(args.seed)
         out = model.generate(prompt[None].to(ps.default_device()), args.max_new_tokens,
                              temperature=args.temperature, top_k=args.top_k)[0].cpu()
@@ -54,9 +69,14 @@ def export_hf(args) -> str:
 
     ps.initialize_model_parallel(1, timeout=args.timeout)
     try:
-        model, _ = load_model(args.checkpoint, tp_group=ps.get_tensor_model_parallel_group())
+        model, meta = load_model(args.checkpoint, tp_group=ps.get_tensor_model_parallel_group())
         out = Path(args.to_hf)
-        to_hf(model, out)
+        hf_model = to_hf(model)
+        # Byte-level runs end each document with EOT; a token file's tokenizer is not known here.
+        eos = EOT if meta.get("tokenizer") == "bytes" else None
+        for config in (hf_model.config, hf_model.generation_config):
+            config.bos_token_id = config.eos_token_id = eos
+        hf_model.save_pretrained(out)
         return str(out)
     finally:
         ps.destroy_model_parallel()

@@ -91,7 +91,7 @@ def build_config(args, *, vocab_size: int, saved: dict | None) -> GPTConfig:
         base["max_seq_len"] = args.seq_len or (preset.max_seq_len if args.model else DEFAULT_SEQ_LEN)
         if "ffn_hidden_size" not in requested and "hidden_size" in requested:
             base.pop("ffn_hidden_size")  # the default (4 x hidden) of the new width
-        return GPTConfig(**{**base, "vocab_size": vocab_size, **requested, **runtime})
+        return _config(**{**base, "vocab_size": vocab_size, **requested, **runtime})
     config = config_from_json(saved)
     if vocab_size > config.vocab_size:
         raise ConfigMismatch(f"the data has token ids up to {vocab_size - 1}, beyond the checkpoint's "
@@ -104,6 +104,66 @@ def build_config(args, *, vocab_size: int, saved: dict | None) -> GPTConfig:
     return dataclasses.replace(config, **runtime)
 
 
+def _config(**fields) -> GPTConfig:
+    """A fresh run's GPTConfig; its complaints name the flags."""
+    hidden, heads = fields["hidden_size"], fields["num_heads"]
+    if hidden % heads:
+        raise UsageError(f"the hidden size {hidden} (--hidden) is not divisible by the {heads} attention "
+                         "heads (--heads)")
+    try:
+        return GPTConfig(**fields)
+    except ValueError as exc:
+        raise UsageError(f"invalid model: {exc}") from exc
+
+
+DEFAULT_SCHEDULE = {"lr": 3e-3, "min_lr": 3e-4, "warmup": 30}
+DEFAULT_MICRO_BATCH = 16
+
+
+def settle_run(args, *, meta: dict | None, dp_size: int) -> None:
+    """Fill in the run's schedule and batch from the resumed run (``meta``) or the defaults; check them.
+
+    ``--steps`` is the run's total, so a resumed run must still have steps to go. The learning
+    rate schedule (``--lr``, ``--min-lr``, ``--warmup``, ``--lr-decay-steps``) is the resumed
+    run's unless given; a fresh run decays over ``--steps``. The global batch (sequences per
+    optimizer step) and the micro-batch are the resumed run's unless given, and gradient
+    accumulation is what makes the global batch at this DP size. Idempotent: the ranks settle
+    again what the command line settled.
+    """
+    start = meta["step"] if meta else 0
+    if args.steps <= start:
+        raise UsageError(f"--steps {args.steps} is the run's total, and the checkpoint is already at step "
+                         f"{start}: pass --steps above {start} to train further")
+    saved = (meta or {}).get("schedule", {})
+    for name, default in DEFAULT_SCHEDULE.items():
+        if getattr(args, name) is None:
+            setattr(args, name, saved.get(name, default))
+    if args.lr_decay_steps is None:
+        args.lr_decay_steps = saved.get("decay_steps", saved.get("steps", args.steps))
+    if args.min_lr > args.lr:
+        raise UsageError(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}")
+
+    micro = args.micro_batch or (meta or {}).get("micro_batch", DEFAULT_MICRO_BATCH)
+    batch = args.global_batch or (meta or {}).get("global_batch") or micro * (args.grad_accum or 1) * dp_size
+    what = "--global-batch" if args.global_batch else "the resumed run's global batch"
+    if batch % dp_size:
+        raise UsageError(f"{what} {batch} cannot be split evenly over {dp_size} data-parallel ranks: "
+                         f"choose --nproc/--tp so that the DP size divides {batch}")
+    per_rank = batch // dp_size
+    if args.micro_batch is None:  # the largest that fits, up to the default
+        args.micro_batch = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
+    elif per_rank % args.micro_batch:
+        raise UsageError(f"{what} {batch} over {dp_size} data-parallel ranks is {per_rank} sequences "
+                         f"per rank, not a multiple of --micro-batch {args.micro_batch}: choose a "
+                         f"--micro-batch dividing {per_rank}")
+    accum = batch // (dp_size * args.micro_batch)
+    if args.grad_accum is not None and args.grad_accum != accum:
+        raise UsageError(f"--grad-accum {args.grad_accum} x --micro-batch {args.micro_batch} x {dp_size} "
+                         f"data-parallel ranks is {args.grad_accum * args.micro_batch * dp_size} sequences per "
+                         f"step, not {what} {batch}: leave --grad-accum out to adapt it")
+    args.global_batch, args.grad_accum = batch, accum
+
+
 def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int) -> float:
     """Linear warmup to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr`` at ``total``."""
     if step < warmup:
@@ -112,6 +172,27 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int) -> fl
         return lr
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def check_fits(config: GPTConfig, *, tp: int, seq_len: int) -> None:
+    """What the TP layers need to divide, and a sequence the model's positions cover."""
+    if config.num_heads % tp:
+        raise UsageError(f"the model's {config.num_heads} attention heads are not divisible by --tp {tp}")
+    if config.ffn_hidden_size % tp:
+        raise UsageError(f"the model's FFN width {config.ffn_hidden_size} is not divisible by --tp {tp}")
+    if seq_len > config.max_seq_len:
+        raise UsageError(f"--seq-len {seq_len} is longer than the model's max_seq_len {config.max_seq_len}")
+    if config.sequence_parallel and seq_len % tp:
+        raise UsageError(f"--seq-len {seq_len} is not divisible by --tp {tp}, as sequence parallelism (--sp) needs")
+
+
+def count_parameters(model: GPT) -> int:
+    """Parameters of the unpadded TP=1 model: the same number at every TP size."""
+    tp = comm.group_size(model.tp_group)
+    total = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) for p in model.parameters())
+    padding = model.padded_vocab_size - model.config.vocab_size
+    heads = 1 if model.config.tie_word_embeddings else 2  # the embedding, and an untied LM head
+    return total - padding * model.config.hidden_size * heads
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -153,8 +234,10 @@ class RunResult:
 
 
 def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: int, sizes) -> str:
-    meta = {"step": step, "tokens_seen": tokens_seen,
-            "schedule": {"lr": args.lr, "min_lr": args.min_lr, "warmup": args.warmup, "steps": args.steps},
+    meta = {"step": step, "tokens_seen": tokens_seen, "steps": args.steps, "global_batch": args.global_batch,
+            "micro_batch": args.micro_batch,
+            "schedule": {"lr": args.lr, "min_lr": args.min_lr, "warmup": args.warmup,
+                         "decay_steps": args.lr_decay_steps},
             "data": {"position": step, "seed": args.seed, "source": args.data or "embedded"},
             "world": {"tp": sizes[0], "dp": sizes[1]}, "dtype": args.dtype,
             "tokenizer": args.tokenizer}
@@ -185,8 +268,8 @@ def _train(args) -> RunResult:
     resumed = checkpoint.open_checkpoint(args.resume) if args.resume else None
     config = build_config(args, vocab_size=corpus.vocab_size, saved=resumed[1] if resumed else None)
     seq_len = args.seq_len or config.max_seq_len
-    if seq_len > config.max_seq_len:
-        raise ConfigMismatch(f"--seq-len {seq_len} is longer than the model's max_seq_len {config.max_seq_len}")
+    check_fits(config, tp=tp_size, seq_len=seq_len)
+    settle_run(args, meta=resumed[2] if resumed else None, dp_size=dp_size)
     train_tokens, val_tokens = corpus.split(val_fraction=VAL_FRACTION, seq_len=seq_len)
 
     model_parallel_manual_seed(args.seed)
@@ -210,19 +293,20 @@ def _train(args) -> RunResult:
                            grad_accum=args.grad_accum, dp_rank=dp_rank, dp_size=dp_size, seed=args.seed)
     val_sampler = BatchSampler(val_tokens, seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=1,
                                dp_rank=dp_rank, dp_size=dp_size, seed=args.seed, stream=1)
-    tokens_per_step = args.micro_batch * args.grad_accum * dp_size * seq_len
+    tokens_per_step = args.global_batch * seq_len
+    if is_rank0:
+        print(f"tensorpar train: {count_parameters(model) / 1e6:.2f}M parameters, TP={tp_size} DP={dp_size}, "
+              f"global batch {args.global_batch} sequences ({args.micro_batch} per micro-batch x {dp_size} DP "
+              f"x {args.grad_accum} accumulation) = {tokens_per_step:,} tokens/step, data: {corpus.source}",
+              flush=True)
     progress = Progress(out=out, total_steps=args.steps, first_step=start, enabled=is_rank0,
                         bar=not args.no_progress)
     result = RunResult({}, {}, None, 0.0, config_to_json(config))
-    if is_rank0:
-        print(f"tensorpar train: {sum(p.numel() for p in params) * tp_size / 1e6:.2f}M parameters "
-              f"(approx.), TP={tp_size} DP={dp_size}, {tokens_per_step} tokens/step, data: {corpus.source}",
-              flush=True)
     measured_tokens, measured_time = 0, 0.0
     try:
         for step in range(start, args.steps):
             began = time.perf_counter()
-            lr = lr_at(step, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, total=args.steps)
+            lr = lr_at(step, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, total=args.lr_decay_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             reducer.zero_grad()

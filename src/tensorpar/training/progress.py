@@ -1,7 +1,9 @@
 """What a person watching a run sees: a progress bar, ``metrics.jsonl`` and ``loss.png``.
 
-Only rank 0 reports. tqdm and matplotlib are optional: without tqdm each logged step is a plain
-line on stderr, without matplotlib there is no plot; either absence is noted once.
+Only rank 0 reports. On a terminal a tqdm bar shows each step; when stderr is not a terminal
+(a log file, a pipe, a batch system) every ``log_every``-th step is one plain line, with no
+carriage-return redraws. tqdm and matplotlib are optional: without tqdm the plain lines are
+used, without matplotlib there is no plot; either absence is noted once.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ class Progress:
 
     def __init__(self, *, out: Path | None, total_steps: int, first_step: int, enabled: bool,
                  bar: bool = True) -> None:
-        self.out, self.enabled = out, enabled
+        """``bar``: a progress bar if stderr is a terminal (else plain lines at each logged step)."""
+        self.out, self.enabled, self.total_steps = out, enabled, total_steps
         self.rows: list[dict] = []
         self._bar = None
         self._started = time.perf_counter()
@@ -42,7 +45,7 @@ class Progress:
                 self.rows = [row for line in metrics.read_text().splitlines() if line.strip()
                              for row in [json.loads(line)] if row["step"] <= first_step]
             metrics.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
-        if bar:
+        if bar and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
             except ImportError:
@@ -69,7 +72,7 @@ class Progress:
             self._append({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s,
                           "grad_norm": grad_norm, "elapsed_s": round(time.perf_counter() - self._started, 3)})
             if self._bar is None:
-                _note(f"step {step} loss {loss:.4f} lr {lr:.2e} {tokens_per_s:,.0f} tokens/s")
+                _note(f"step {step}/{self.total_steps} loss {loss:.4f} lr {lr:.2e} {tokens_per_s:,.0f} tokens/s")
 
     def eval(self, *, step: int, val_loss: float) -> None:
         if not self.enabled:
