@@ -124,7 +124,7 @@ def test_resume_checks(capsys, files, tmp_path):
     assert _train_error(capsys, "--resume", str(run), "--model", "small") == (
         "the checkpoint's model config differs from the one requested: ffn_hidden_size: checkpoint 128, requested "
         "3072; hidden_size: checkpoint 32, requested 768; num_heads: checkpoint 4, requested 12; num_layers: "
-        "checkpoint 2, requested 12")
+        "checkpoint 2, requested 12; num_query_groups: checkpoint 4, requested 12")
     assert _train_error(capsys, "--resume", str(tmp_path / "nope")) == \
         f"--resume: checkpoint {tmp_path / 'nope'}: no such directory"
     assert _train_error(capsys, "--resume", str(tmp_path)) == (

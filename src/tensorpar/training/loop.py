@@ -59,16 +59,25 @@ def config_from_json(data: dict) -> GPTConfig:
     return GPTConfig(**data)
 
 
+# Preset fields whose GPTConfig default derives from another field: they follow an override of it.
+DERIVED_FIELDS = {"ffn_hidden_size": "hidden_size", "num_query_groups": "num_heads", "qkv_bias": "bias"}
+
+
+def _preset_fields(name: str, overridden) -> dict:
+    """A preset's GPTConfig fields, less those derived from a field in ``overridden``."""
+    fields = dataclasses.asdict(GPTConfig.preset(name))
+    return {k: v for k, v in fields.items() if DERIVED_FIELDS.get(k) not in overridden}
+
+
 def requested_fields(args) -> dict:
     """Shape fields of GPTConfig the command line asks for explicitly (preset fields included)."""
+    explicit = {MODEL_FLAGS[flag]: getattr(args, flag) for flag in MODEL_FLAGS
+                if getattr(args, flag, None) is not None}
     fields = {}
     if args.model is not None:
-        fields.update(dataclasses.asdict(GPTConfig.preset(args.model)))
+        fields.update(_preset_fields(args.model, explicit))
         fields.pop("vocab_size")
-        if args.hidden is not None and args.ffn_hidden is None:
-            fields.pop("ffn_hidden_size")  # the preset's is 4 x its own width
-    fields.update({MODEL_FLAGS[flag]: getattr(args, flag) for flag in MODEL_FLAGS
-                   if getattr(args, flag, None) is not None})
+    fields.update(explicit)
     # max_seq_len comes from --seq-len (fresh runs) and may exceed the length trained on.
     return {k: v for k, v in fields.items() if k not in RUNTIME_FIELDS and k != "max_seq_len"}
 
@@ -85,12 +94,9 @@ def build_config(args, *, vocab_size: int, saved: dict | None) -> GPTConfig:
     runtime = dict(sequence_parallel=args.sp, recompute=args.recompute, dropout=args.dropout,
                    gradient_accumulation_fusion=args.grad_fusion)
     if saved is None:
-        preset = GPTConfig.preset(args.model or "tiny")
-        base = {k: v for k, v in dataclasses.asdict(preset).items()
-                if k not in RUNTIME_FIELDS and k != "max_seq_len"}
-        base["max_seq_len"] = args.seq_len or (preset.max_seq_len if args.model else DEFAULT_SEQ_LEN)
-        if "ffn_hidden_size" not in requested and "hidden_size" in requested:
-            base.pop("ffn_hidden_size")  # the default (4 x hidden) of the new width
+        base = {k: v for k, v in _preset_fields(args.model or "tiny", requested).items()
+                if k not in RUNTIME_FIELDS}
+        base["max_seq_len"] = args.seq_len or (base["max_seq_len"] if args.model else DEFAULT_SEQ_LEN)
         return _config(**{**base, "vocab_size": vocab_size, **requested, **runtime})
     config = config_from_json(saved)
     if vocab_size > config.vocab_size:
@@ -178,6 +184,8 @@ def check_fits(config: GPTConfig, *, tp: int, seq_len: int) -> None:
     """What the TP layers need to divide, and a sequence the model's positions cover."""
     if config.num_heads % tp:
         raise UsageError(f"the model's {config.num_heads} attention heads are not divisible by --tp {tp}")
+    if config.num_query_groups % tp:
+        raise UsageError(f"the model's {config.num_query_groups} key/value heads are not divisible by --tp {tp}")
     if config.ffn_hidden_size % tp:
         raise UsageError(f"the model's FFN width {config.ffn_hidden_size} is not divisible by --tp {tp}")
     if seq_len > config.max_seq_len:
