@@ -121,6 +121,8 @@ EQUIVALENCE_CASES = [
     {"activation": "gelu_tanh", "tie_word_embeddings": False, "sequence_parallel": True},
     {"overlap": 3},
     {"sequence_parallel": True, "recompute": True, "overlap": 3},
+    {"interleave": 2},
+    {**LLAMA, "sequence_parallel": True, "interleave": 2, "overlap": 2},
 ]
 
 

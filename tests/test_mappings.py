@@ -61,6 +61,12 @@ def _mappings_body():
     y, gx = _grad_through(tp.reduce_scatter_to_sequence_parallel_region, mine, seq_chunks[r])
     torch.testing.assert_close(y, total.chunk(n, 0)[r])
     torch.testing.assert_close(gx, full)
+    # g and the SP reduce-scatter started without waiting: the same values and grads once waited.
+    for sp, expected, grad in ((False, total, full), (True, total.chunk(n, 0)[r], seq_chunks[r])):
+        y, gx = _grad_through(lambda x: tp.start_reduction_from_tensor_model_parallel_region(
+            x * 1, sequence_parallel=sp, then=lambda t: t * 2).wait(), mine, grad)
+        torch.testing.assert_close(y, 2 * expected)
+        torch.testing.assert_close(gx, 2 * (full if sp else grad))
     # last-dim all-gather (backward reduce-scatter) and reduce-scatter (backward all-gather).
     y, gx = _grad_through(tp.all_gather_last_dim_from_tensor_parallel_region, hid_chunks[r], mine)
     torch.testing.assert_close(y, full)

@@ -38,7 +38,9 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
+    start_reduction_from_tensor_model_parallel_region,
 )
+from .overlap import all_gather_matmul, interleave, matmul_reduce
 from .parallel_state import (
     destroy_model_parallel,
     get_data_parallel_group,

@@ -28,14 +28,16 @@ from .initialization import (
     init_weight_shard,
     set_tensor_model_parallel_attributes,
 )
-from .overlap import all_gather_matmul, matmul_reduce
 from .mappings import (
+    PendingReduction,
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
+    start_reduction_from_tensor_model_parallel_region,
 )
+from .overlap import all_gather_matmul, matmul_reduce
 from .parallel_state import default_device, resolve_tp_group
 
 def _compute_dtype(input_: torch.Tensor) -> torch.dtype:
@@ -581,19 +583,22 @@ class RowParallelLinear(_ParallelLinear):
         if self.bias is not None and self.sequence_parallel:
             self.bias.sequence_parallel = True
 
-    def forward(self, input_):
+    def _partial_output(self, input_, **overlap):
+        """This rank's partial ``X_i A_i`` (reduced inside with ``output_reduction``)."""
         if self.input_is_parallel:
             input_parallel = input_
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        return self._linear(input_parallel, self.weight, None, allreduce_dgrad=False, sequence_parallel=False,
+                            **overlap)
+
+    def forward(self, input_):
         if self.overlap_chunks > 1 and self.tp_size > 1 and not self.explicit_expert_comm:
             # g (or the SP reduce-scatter) inside, chunk by chunk against the GEMM.
-            output = self._linear(input_parallel, self.weight, None, allreduce_dgrad=False, sequence_parallel=False,
-                                  overlap_chunks=self.overlap_chunks,
-                                  output_reduction="reduce_scatter" if self.sequence_parallel else "all_reduce")
-            return self._add_bias(output)
-        output_parallel = self._linear(input_parallel, self.weight, None, allreduce_dgrad=False,
-                                       sequence_parallel=False)
+            return self._add_bias(self._partial_output(
+                input_, overlap_chunks=self.overlap_chunks,
+                output_reduction="reduce_scatter" if self.sequence_parallel else "all_reduce"))
+        output_parallel = self._partial_output(input_)
         if self.explicit_expert_comm:
             output = output_parallel
         elif self.sequence_parallel:
@@ -602,6 +607,23 @@ class RowParallelLinear(_ParallelLinear):
             # g, summing in place: the partial output is this layer's own fresh tensor.
             output = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group, inplace=True)
         return self._add_bias(output)
+
+    def start(self, input_):
+        """Forward with the exit reduction launched but not awaited; ``.wait()`` on the result
+        gives what :meth:`forward` returns. For interleaving other work (Domino-style, see
+        :func:`tensorpar.interleave`) while this layer's ``g`` is in flight.
+
+        Example::
+
+            pending = proj.start(hidden_a)
+            y_b, _ = proj(hidden_b)              # computes while hidden_a's sum travels
+            y_a, _ = pending.wait()
+        """
+        output_parallel = self._partial_output(input_)
+        if self.explicit_expert_comm:
+            return PendingReduction(output_parallel, [], self._add_bias)
+        return start_reduction_from_tensor_model_parallel_region(
+            output_parallel, self.tp_group, sequence_parallel=self.sequence_parallel, then=self._add_bias)
 
     def _add_bias(self, output):
         """Once, after the reduction; or handed back with ``skip_bias_add``."""

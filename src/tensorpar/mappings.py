@@ -106,6 +106,57 @@ class _ReduceScatterRegion(torch.autograd.Function):
         return comm.all_gather(grad_output, ctx.group, dim=ctx.dim), None, None
 
 
+class _StartReduction(torch.autograd.Function):
+    """g (all-reduce in place), or under SP the reduce-scatter, launched and not waited.
+
+    The output holds the result only after :class:`_FinishReduction`; backward is g's
+    (identity) or the reduce-scatter's (all-gather).
+    """
+
+    @staticmethod
+    def forward(ctx, input_, group, scatter, handles):
+        ctx.group, ctx.scatter = group, scatter
+        if scatter:
+            n = comm.group_size(group)
+            comm.check_divisible(input_.shape[0], n, f"reduce-scatter dimension 0 of shape {list(input_.shape)}")
+            out = input_.new_empty([input_.shape[0] // n, *input_.shape[1:]])
+            handles.append(comm.reduce_scatter(input_, group, async_op=True, out=out))
+            return out
+        ctx.mark_dirty(input_)
+        handles.append(comm.all_reduce(input_, group, async_op=True))
+        return input_
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = comm.all_gather(grad_output, ctx.group, dim=0) if ctx.scatter else grad_output
+        return grad, None, None, None
+
+
+class _FinishReduction(torch.autograd.Function):
+    """Wait for the reduction :class:`_StartReduction` launched; identity otherwise."""
+
+    @staticmethod
+    def forward(ctx, input_, handles):
+        for handle in handles:
+            handle.wait()
+        return input_.view_as(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None
+
+
+class PendingReduction:
+    """A reduction in flight: ``wait()`` returns the reduced tensor (passed through ``then``)."""
+
+    def __init__(self, tensor, handles, then=None) -> None:
+        self._tensor, self._handles, self._then = tensor, handles, then
+
+    def wait(self):
+        reduced = _FinishReduction.apply(self._tensor, self._handles) if self._handles else self._tensor
+        return reduced if self._then is None else self._then(reduced)
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_, group, output_split_sizes, input_split_sizes):
@@ -144,6 +195,27 @@ def reduce_from_tensor_model_parallel_region(input_, group=None, *, inplace=Fals
     """
     group = resolve_tp_group(group)
     return input_ if _single(group) else _ReduceFromRegion.apply(input_, group, inplace)
+
+
+def start_reduction_from_tensor_model_parallel_region(input_, group=None, *, sequence_parallel=False,
+                                                     then=None) -> PendingReduction:
+    """g (or under ``sequence_parallel`` the reduce-scatter of the sequence) without waiting.
+
+    Sums ``input_`` (a fresh partial result nothing else reads) in place; compute on other data
+    while it is in flight, then ``.wait()`` for the result (``then(result)`` if given).
+    For interleaving independent work, e.g. the two halves of a micro-batch (Domino).
+
+    Example::
+
+        pending = start_reduction_from_tensor_model_parallel_region(partial_a)
+        other = compute(b)                       # runs while partial_a is all-reduced
+        a = pending.wait()
+    """
+    group = resolve_tp_group(group)
+    if _single(group):
+        return PendingReduction(input_, [], then)
+    handles: list = []
+    return PendingReduction(_StartReduction.apply(input_, group, sequence_parallel, handles), handles, then)
 
 
 def scatter_to_tensor_model_parallel_region(input_, group=None):

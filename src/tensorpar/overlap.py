@@ -22,6 +22,10 @@ on the issuing stream, keeps their tensors alive until completion, and ``wait()`
 issuing stream wait for them; every handle here is waited before its buffer is read or handed
 back, and scratch buffers are named per pipeline, so no buffer is reused while in flight.
 
+:func:`interleave` works one level up (Domino, Wang et al. 2024): it splits a micro-batch into
+independent parts and interleaves them, so one part's collectives are in flight while another
+part computes.
+
 Example (the SP column forward, 4 chunks)::
 
     out = all_gather_matmul(x_shard, weight.t(), group, chunks=4, bias=bias)
@@ -147,3 +151,34 @@ def matmul_reduce(x: torch.Tensor, rhs: torch.Tensor, group, *, chunks: int, sca
             start += size
     pending = Pending(handles, out)
     return pending if async_op else pending.wait()
+
+
+def interleave(x: torch.Tensor, stages, *, parts: int = 2, dim: int = 1) -> torch.Tensor:
+    """Run ``stages`` on ``parts`` slices of ``x`` along ``dim`` (the batch of ``[s, b, h]``),
+    interleaved so that each slice's collectives are in flight while other slices compute.
+
+    Each stage is ``(start, finish)``: ``start(h)`` computes up to a collective and returns it in
+    flight (anything with ``wait()``, e.g. :meth:`tensorpar.RowParallelLinear.start`);
+    ``finish(h, result)`` is the slice's value after the stage. Slice ``j``'s stage ``k``
+    collective travels while slices ``j + 1, ...`` start stage ``k`` and slices ``..., j - 1``
+    run stage ``k + 1``. The slices are independent, so the result is the un-split one's (the
+    same numbers whenever nothing in the stages mixes the batch; dropout draws its masks per
+    slice).
+
+    Example (a pre-norm transformer block)::
+
+        def residual(h, result):
+            return h + result[0]
+        y = interleave(x, [(lambda h: attn_proj.start(attention(norm1(h))), residual),
+                           (lambda h: mlp_proj.start(mlp(norm2(h))), residual)])
+    """
+    slices = list(x.chunk(parts, dim=dim))
+    if not stages:
+        return x
+    pending = [stages[0][0](h) for h in slices]
+    for k, (_, finish) in enumerate(stages):
+        for j, h in enumerate(slices):
+            slices[j] = finish(h, pending[j].wait())
+            if k + 1 < len(stages):
+                pending[j] = stages[k + 1][0](slices[j])
+    return torch.cat(slices, dim=dim)

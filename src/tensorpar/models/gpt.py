@@ -57,6 +57,7 @@ from ..initialization import (
 )
 from ..linear import ColumnParallelLinear, RowParallelLinear
 from ..mappings import gather_from_tensor_model_parallel_region
+from ..overlap import interleave
 from ..parallel_state import default_device, resolve_tp_group
 from ..random import checkpoint, dropout, get_rng_tracker
 from . import layout
@@ -89,6 +90,8 @@ class GPTConfig:
     ``gelu_new``. ``distribute_saved_activations`` (recompute without SP only) keeps 1/TP of
     each block's saved input. ``overlap`` (``"off"`` or a number of chunks) is every TP
     linear's: its collectives chunked against its GEMMs (:mod:`tensorpar.overlap`).
+    ``interleave`` > 1 splits each block's micro-batch into that many parts and interleaves
+    them (Domino), so one part's row-layer reductions travel while another part computes.
 
     Llama-family options: ``num_query_groups`` is the number of K/V heads (grouped-query
     attention; default ``num_heads``); ``qkv_bias`` defaults to ``bias`` (Qwen2 has biases on
@@ -131,6 +134,7 @@ class GPTConfig:
     gradient_accumulation_fusion: bool = False
     params_dtype: torch.dtype = torch.float32
     overlap: int | str = "off"
+    interleave: int = 1
 
     PRESETS = tuple(_PRESETS)
 
@@ -167,6 +171,8 @@ class GPTConfig:
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        if isinstance(self.interleave, bool) or not isinstance(self.interleave, int) or self.interleave < 1:
+            raise ValueError(f"GPTConfig.interleave must be a positive int (1: off), got {self.interleave!r}")
         if self.distribute_saved_activations and (self.sequence_parallel or not self.recompute):
             raise ValueError("distribute_saved_activations needs recompute=True and sequence_parallel=False "
                              "(under SP the saved block inputs are already split over TP)")
@@ -346,6 +352,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        # g (or the SP reduce-scatter) happens inside the row layer.
+        return self.proj(self._heads(x, cos, sin, mask, kv_cache))[0]
+
+    def start(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
+        """:meth:`forward` with ``g`` left in flight: ``.wait()`` gives ``(output, None)``."""
+        return self.proj.start(self._heads(x, cos, sin))
+
+    def _heads(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+               mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Attention of this rank's heads, before the output projection."""
         # f (or the SP all-gather) happens inside the column layer.
         qkv, _ = self.qkv(x)                                        # [s, b, (p+2) groups/TP d]
         s, b = qkv.shape[:2]
@@ -366,9 +382,7 @@ class Attention(nn.Module):
         with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                  is_causal=mask is None)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)             # [s, b, heads/TP d]
-        # g (or the SP reduce-scatter) happens inside the row layer.
-        return self.proj(out)[0]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)            # [s, b, heads/TP d]
 
 
 class MLP(nn.Module):
@@ -389,13 +403,20 @@ class MLP(nn.Module):
                                       **parallel.linear_kwargs(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self._hidden(x))[0]                        # g inside
+
+    def start(self, x: torch.Tensor):
+        """:meth:`forward` with ``g`` left in flight: ``.wait()`` gives ``(output, None)``."""
+        return self.proj.start(self._hidden(x))
+
+    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
         hidden, _ = self.fc(x)                                      # f inside; [s, b, ffn/TP]
         if self.swiglu:
             gate, up = hidden.chunk(2, dim=-1)
             hidden = F.silu(gate) * up
         else:
             hidden = F.gelu(hidden, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return self.proj(hidden)[0]                                 # g inside
+        return hidden
 
 
 class Block(nn.Module):
@@ -414,7 +435,15 @@ class Block(nn.Module):
         return dropout(x, self.config.dropout, training=self.training,
                        sequence_parallel=self.parallel.sequence_parallel, tp_group=self.parallel.group)
 
+    def _residual(self, x: torch.Tensor, reduced) -> torch.Tensor:
+        return x + self._dropout(reduced[0])
+
     def forward(self, x, cos=None, sin=None, mask=None, kv_cache=None):
+        if self.config.interleave > 1 and mask is None and kv_cache is None:
+            # Domino: while one part's attention (MLP) output is summed over TP, the next part computes.
+            return interleave(x, [(lambda h: self.attention.start(self.norm1(h), cos, sin), self._residual),
+                                  (lambda h: self.mlp.start(self.norm2(h)), self._residual)],
+                              parts=self.config.interleave)
         x = x + self._dropout(self.attention(self.norm1(x), cos, sin, mask, kv_cache))
         return x + self._dropout(self.mlp(self.norm2(x)))
 
