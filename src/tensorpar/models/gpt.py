@@ -439,7 +439,8 @@ class Block(nn.Module):
         return x + self._dropout(reduced[0])
 
     def forward(self, x, cos=None, sin=None, mask=None, kv_cache=None):
-        if self.config.interleave > 1 and mask is None and kv_cache is None:
+        # Per-sequence masks, positions and caches (generation) are not split: no interleaving.
+        if self.config.interleave > 1 and mask is None and kv_cache is None and (cos is None or cos.dim() == 2):
             # Domino: while one part's attention (MLP) output is summed over TP, the next part computes.
             return interleave(x, [(lambda h: self.attention.start(self.norm1(h), cos, sin), self._residual),
                                   (lambda h: self.mlp.start(self.norm2(h)), self._residual)],
