@@ -18,9 +18,12 @@ class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
+        self.elements: collections.Counter = collections.Counter()  # of each op's first argument
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func] += 1
+        if args and isinstance(args[0], torch.Tensor):
+            self.elements[func] += args[0].numel()
         return func(*args, **(kwargs or {}))
 
     @property

@@ -1,5 +1,7 @@
 """RNG tracker, TP-aware dropout and activation recompute on CPU ranks."""
 
+import unittest.mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -79,16 +81,18 @@ def test_default_stream_shared_and_model_parallel_stream_per_rank(world_size):
 def _dropout_body():
     tp.initialize_model_parallel(dist.get_world_size())
     n, r = tp.get_tensor_model_parallel_world_size(), tp.get_tensor_model_parallel_rank()
-    s, b, h, p = 4 * n, 3, 16, 0.3
+    s, b, h, p = 8 * n, 3, 16, 0.3
     x = torch.randn(s, b, h)
     tp.model_parallel_manual_seed(9)
-    replicated = dropout(x, p)
-    # The mask TP=1 draws: any TP size, any rank, replicated or sequence-parallel, gets it.
-    torch.manual_seed(9)
-    keep = torch.empty(s, b, h, dtype=torch.bool).bernoulli_(1 - p)
-    torch.testing.assert_close(replicated, x * keep / (1 - p), rtol=0, atol=0)
-    tp.model_parallel_manual_seed(9)
-    sharded = dropout(x.chunk(n, 0)[r], p, sequence_parallel=True)
+    # Small blocks (3 rows), so that the ranks' edges cut blocks at every TP size.
+    with unittest.mock.patch.object(tp.random, "DROPOUT_BLOCK_ELEMENTS", 3 * b * h):
+        replicated = dropout(x, p)
+        # Replicated: every rank draws the same mask (the default stream is shared).
+        for other in _all(replicated):
+            assert torch.equal(other, replicated)
+        tp.model_parallel_manual_seed(9)
+        sharded = dropout(x.chunk(n, 0)[r], p, sequence_parallel=True)
+    # The TP=1 mask, whatever the TP size: each rank's rows of it.
     torch.testing.assert_close(sharded, replicated.chunk(n, 0)[r], rtol=0, atol=0)
     # ... and the default stream stays in step across ranks afterwards.
     after = torch.rand(8)
@@ -98,6 +102,53 @@ def _dropout_body():
     with pytest.raises(ValueError, match=r"dropout probability must be in \[0, 1\), got 1.0"):
         dropout(x, 1.0)
     return True
+
+
+def _dropout_mask_size_body():
+    """Item 7: under SP a rank draws (about) its own rows only and keeps only their mask."""
+    from tests.op_counter import OpCounter
+
+    tp.initialize_model_parallel(dist.get_world_size())
+    n = tp.get_tensor_model_parallel_world_size()
+    s, b, h = 16 * n, 2, 32
+    x = torch.randn(s // n, b, h, requires_grad=True)
+    tp.model_parallel_manual_seed(3)
+    saved = []
+
+    def pack(t):
+        saved.append(t.untyped_storage().nbytes() if t.dtype == torch.bool else 0)
+        return t
+
+    with unittest.mock.patch.object(tp.random, "DROPOUT_BLOCK_ELEMENTS", 3 * b * h), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), OpCounter() as ops:
+        y = dropout(x, 0.5, sequence_parallel=True)
+    drawn = ops.elements[torch.ops.aten.bernoulli_.float] // (b * h)   # rows drawn
+    assert max(saved) == x.numel()          # the mask kept for backward: this rank's rows only
+    keep_fraction = (y != 0).float().mean().item()
+    return drawn, keep_fraction
+
+
+def test_sequence_parallel_dropout_draws_and_keeps_only_this_ranks_rows():
+    # 16 local rows in blocks of 3: the edges' blocks are drawn whole, 16 + 2 * 2 rows at most,
+    # where drawing the whole sequence would be 16 * TP.
+    for world_size in (2, 4):
+        for drawn, keep_fraction in run_on_ranks(_dropout_mask_size_body, world_size):
+            assert 16 <= drawn <= 20
+            assert 0.35 < keep_fraction < 0.65
+
+
+def _seed_before_initialize_body():
+    with pytest.raises(RuntimeError, match="call tensorpar.initialize_model_parallel"):
+        tp.model_parallel_manual_seed(1)
+    tp.initialize_model_parallel(dist.get_world_size())
+    tp.model_parallel_manual_seed(1)
+    assert tp.get_cuda_rng_tracker() is tp.get_rng_tracker()
+    return tp.get_rng_tracker()._devices[tp.random.MODEL_PARALLEL_RNG] == tp.parallel_state.default_device()
+
+
+def test_seeding_before_initialize_is_a_clear_error():
+    """Item 4: no silent TP rank 0 (every rank's model-parallel stream alike)."""
+    assert run_on_ranks(_seed_before_initialize_body, 2) == [True, True]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

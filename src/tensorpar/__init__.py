@@ -55,6 +55,7 @@ from .parallel_state import (
 )
 from .random import (
     checkpoint,
+    get_cuda_rng_tracker,
     get_rng_tracker,
     model_parallel_cuda_manual_seed,
     model_parallel_manual_seed,

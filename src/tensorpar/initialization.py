@@ -81,7 +81,8 @@ def shard_rows(full_rows: int, tp_size: int, tp_rank: int, stride: int) -> list[
             for block in range(stride)]
 
 
-def _slab_seed(base: int, slab: int) -> int:
+def slab_seed(base: int, slab: int) -> int:
+    """The seed of slab (or block) ``slab`` under one ``base`` draw of the default stream."""
     return (base + slab * _SEED_MIX) % (1 << 63)
 
 
@@ -110,7 +111,7 @@ def init_weight_shard(weight: torch.Tensor, init_method: InitMethod, *, partitio
             slab_stop = min(slab_start + rows_per_slab, full_rows)
             values = shard.new_empty((slab_stop - slab_start,) + tuple(shard.shape[1:]))
             with torch.random.fork_rng(devices=devices, device_type=weight.device.type):
-                torch.manual_seed(_slab_seed(base, slab))
+                torch.manual_seed(slab_seed(base, slab))
                 init_method(values)
             lo, hi = max(start, slab_start), min(stop, slab_stop)
             shard[offset:offset + hi - lo].copy_(values[lo - slab_start:hi - slab_start])

@@ -22,15 +22,19 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
 from . import comm
+from .initialization import slab_seed
 from .parallel_state import default_device, model_parallel_is_initialized, resolve_tp_group
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 # Offset of the model-parallel seeds from the default seed, so the two never coincide.
 _MODEL_PARALLEL_SEED_OFFSET = 2718
+# Dropout draws its mask in blocks of about this many elements (whole rows of dim 0).
+DROPOUT_BLOCK_ELEMENTS = 1 << 20
 
 
 def _get_generator_state(device: torch.device) -> torch.Tensor:
@@ -107,20 +111,26 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _RNG_TRACKER
 
 
-def model_parallel_manual_seed(seed: int, *, tp_group=None) -> None:
+get_cuda_rng_tracker = get_rng_tracker
+
+
+def model_parallel_manual_seed(seed: int, *, tp_group=None, device=None) -> None:
     """Seed the default stream with ``seed`` and the model-parallel stream per TP rank.
 
-    Call it on every rank with the same ``seed``, after the groups exist. Every default
+    Call it on every rank with the same ``seed``, after ``initialize_model_parallel`` (or with
+    an explicit ``tp_group``): the stream's seed depends on the TP rank. Every default
     generator (CPU and accelerators) gets ``seed``, identical on all TP ranks; the tracker's
-    model-parallel stream gets ``seed + 2718 + tp_rank``.
+    model-parallel stream gets ``seed + 2718 + tp_rank``, on ``device`` (default: the
+    backend's device, e.g. the rank's GPU under NCCL; pass ``device="cuda"`` for CUDA tensors
+    over gloo).
     """
     if tp_group is None and not model_parallel_is_initialized():
-        tp_rank = 0
-    else:
-        tp_rank = comm.group_rank(resolve_tp_group(tp_group))
+        raise RuntimeError("model_parallel_manual_seed seeds the model-parallel stream per TP rank: call "
+                           "tensorpar.initialize_model_parallel(...) first, or pass tp_group=")
+    tp_rank = comm.group_rank(resolve_tp_group(tp_group))
     torch.manual_seed(seed)
     _RNG_TRACKER.reset()
-    _RNG_TRACKER.add(MODEL_PARALLEL_RNG, seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank)
+    _RNG_TRACKER.add(MODEL_PARALLEL_RNG, seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank, device=device)
 
 
 model_parallel_cuda_manual_seed = model_parallel_manual_seed
@@ -128,10 +138,14 @@ model_parallel_cuda_manual_seed = model_parallel_manual_seed
 
 def dropout(input_: torch.Tensor, p: float, *, training: bool = True,
             sequence_parallel: bool = False, tp_group=None) -> torch.Tensor:
-    """Dropout whose mask does not depend on the TP size, drawn from the default stream.
+    """Dropout whose mask does not depend on the TP size, seeded from the default stream.
 
     For an activation every TP rank holds whole, or (``sequence_parallel=True``) one split
-    along dim 0 across the TP group.
+    along dim 0 across the TP group. The mask is drawn in blocks of whole dim-0 rows (about
+    ``DROPOUT_BLOCK_ELEMENTS`` each, placed on the full tensor), block ``k`` from a generator
+    seeded by one draw of the default stream and ``k``: under SP a rank draws only the blocks
+    its rows fall in and keeps a mask of its rows only, and every row gets the mask TP=1 gives
+    it. The default stream advances by one draw on every rank alike.
 
     Example::
 
@@ -141,18 +155,36 @@ def dropout(input_: torch.Tensor, p: float, *, training: bool = True,
         return input_
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    shape = list(input_.shape)
-    group = resolve_tp_group(tp_group) if sequence_parallel else None
-    if group is not None:
-        shape[0] *= comm.group_size(group)
-    # Under SP every rank draws the mask of the whole sequence from the (identical) default
-    # stream and keeps its own tokens' rows: each token gets exactly the mask TP=1 gives it, and
-    # the default stream stays in step across TP ranks. The price, TP x the random numbers of
-    # the local slice, is elementwise work dwarfed by the layer's GEMMs.
-    keep = torch.empty(shape, dtype=torch.bool, device=input_.device).bernoulli_(1.0 - p)
-    if group is not None:
-        keep = keep.chunk(comm.group_size(group), dim=0)[comm.group_rank(group)]
+    rows = input_.shape[0] if input_.dim() else 1
+    first_row, full_rows = 0, rows
+    if sequence_parallel:
+        group = resolve_tp_group(tp_group)
+        first_row, full_rows = comm.group_rank(group) * rows, comm.group_size(group) * rows
+    keep = _keep_mask(input_.shape, 1.0 - p, input_.device, first_row, full_rows)
     return input_ * keep / (1.0 - p)
+
+
+def _keep_mask(shape, keep_prob: float, device, first_row: int, full_rows: int) -> torch.Tensor:
+    """Rows ``[first_row, first_row + shape[0])`` of the block-drawn mask of ``full_rows`` rows."""
+    keep = torch.empty(shape, dtype=torch.bool, device=device)
+    if keep.numel() == 0:
+        return keep
+    view = keep.view(shape[0], -1) if keep.dim() else keep.view(1, 1)
+    rows_per_block = max(1, DROPOUT_BLOCK_ELEMENTS // view.shape[1])
+    # One draw from the CPU default generator: no device synchronisation.
+    base = int(torch.randint(0, 1 << 62, (1,)))
+    generator = torch.Generator(device=device)
+    last_row = first_row + view.shape[0]
+    for block in range(first_row // rows_per_block, math.ceil(last_row / rows_per_block)):
+        start, stop = block * rows_per_block, min((block + 1) * rows_per_block, full_rows)
+        generator.manual_seed(slab_seed(base, block))
+        lo, hi = max(start, first_row), min(stop, last_row)
+        if (lo, hi) == (start, stop):
+            view[lo - first_row:hi - first_row].bernoulli_(keep_prob, generator=generator)
+        else:  # a block across this rank's edge: draw it whole, keep our rows
+            whole = view.new_empty((stop - start, view.shape[1])).bernoulli_(keep_prob, generator=generator)
+            view[lo - first_row:hi - first_row] = whole[lo - start:hi - start]
+    return keep
 
 
 def _device_states(devices) -> dict[torch.device, torch.Tensor]:
