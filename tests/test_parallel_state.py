@@ -1,6 +1,10 @@
 """Process groups: layout, getters, errors, and collectives that time out instead of hanging."""
 
+import contextlib
+import os
 import time
+import unittest.mock
+import warnings
 
 import pytest
 import torch
@@ -70,3 +74,63 @@ def test_collective_a_peer_never_joins_raises_within_timeout():
     assert result[1] == "skipped the collective"
     assert result[0].startswith("raised after"), result[0]
     assert float(result[0].split()[2][:-2]) < 20, result[0]
+
+
+def _fake_cuda(devices: int, current: int = 0):
+    """torch.cuda as a machine with ``devices`` GPUs would answer (the suite has none)."""
+    calls = []
+    patches = [unittest.mock.patch.object(torch.cuda, "device_count", lambda: devices),
+               unittest.mock.patch.object(torch.cuda, "current_device", lambda: current),
+               unittest.mock.patch.object(torch.cuda, "set_device", calls.append)]
+    return patches, calls
+
+
+def _select(devices, rank, *, local_rank=None, current=0):
+    patches, calls = _fake_cuda(devices, current)
+    env = {} if local_rank is None else {"LOCAL_RANK": str(local_rank)}
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        stack.enter_context(unittest.mock.patch.dict(os.environ, env))
+        if local_rank is None:
+            os.environ.pop("LOCAL_RANK", None)
+        device = tp.parallel_state.select_cuda_device(rank)
+    return device, calls
+
+
+def test_nccl_device_comes_from_local_rank_else_rank_modulo_devices():
+    """Item 5: the rank's GPU, never everyone on cuda:0."""
+    assert _select(8, 13, local_rank=5) == (torch.device("cuda", 5), [5])
+    assert _select(4, 6) == (torch.device("cuda", 2), [2])
+    assert _select(4, 6, local_rank=2, current=2) == (torch.device("cuda", 2), [2])
+    with pytest.raises(RuntimeError, match=r"torch.cuda.set_device chose cuda:3 but LOCAL_RANK=1 selects cuda:1"):
+        _select(4, 1, local_rank=1, current=3)
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=4 selects cuda:4, but only 2 CUDA devices are visible"):
+        _select(2, 4, local_rank=4)
+
+
+def _user_created_nccl_group_body(max_connections):
+    # The process group exists already (the user called init_process_group, as after torchrun);
+    # it claims to be NCCL while torch.cuda answers as a machine with 2 GPUs.
+    patches, calls = _fake_cuda(2)
+    env = {} if max_connections is None else {"CUDA_DEVICE_MAX_CONNECTIONS": max_connections}
+    with contextlib.ExitStack() as stack, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for p in patches:
+            stack.enter_context(p)
+        stack.enter_context(unittest.mock.patch.dict(os.environ, env))
+        if max_connections is None:
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        stack.enter_context(unittest.mock.patch.object(tp.parallel_state.dist, "get_backend", lambda *a: "nccl"))
+        tp.initialize_model_parallel(2)
+        device = tp.parallel_state.default_device()
+    warned = any("CUDA_DEVICE_MAX_CONNECTIONS" in str(w.message) for w in caught)
+    return calls, device, warned
+
+
+def test_initialize_selects_the_gpu_for_a_user_created_nccl_group_and_warns_about_connections():
+    """Items 5 and 6."""
+    results = run_on_ranks(_user_created_nccl_group_body, 2, None)
+    assert results == [([r], torch.device("cuda", r), True) for r in range(2)]
+    results = run_on_ranks(_user_created_nccl_group_body, 2, "1")
+    assert [warned for _, _, warned in results] == [False, False]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -47,11 +48,51 @@ def _init_default_group(backend: str | None, timeout: datetime.timedelta | None)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        select_cuda_device(int(os.environ["RANK"]))
     kwargs = {"backend": backend}
     if timeout is not None:
         kwargs["timeout"] = timeout
     dist.init_process_group(**kwargs)
+
+
+def select_cuda_device(rank: int) -> torch.device:
+    """This rank's GPU under NCCL: ``LOCAL_RANK`` (torchrun's), else ``rank`` modulo the devices.
+
+    Made current with ``torch.cuda.set_device``. A different device chosen before (a current
+    device other than 0, or the NCCL group's bound ``device_id``) is a clear error, not a
+    silent second GPU.
+    """
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise RuntimeError("the NCCL backend needs a CUDA device, and none is visible")
+    local_rank = os.environ.get("LOCAL_RANK")
+    index = int(local_rank) if local_rank is not None else rank % count
+    source = f"LOCAL_RANK={local_rank}" if local_rank is not None else f"rank {rank} modulo {count} devices"
+    if index >= count:
+        raise RuntimeError(f"{source} selects cuda:{index}, but only {count} CUDA devices are visible")
+    chosen = []
+    if dist.is_initialized():
+        bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+        if bound is not None:
+            chosen.append(("the process group's device_id", bound.index))
+    current = torch.cuda.current_device()
+    if current != 0:
+        chosen.append(("torch.cuda.set_device", current))
+    for what, other in chosen:
+        if other != index:
+            raise RuntimeError(f"{what} chose cuda:{other} but {source} selects cuda:{index}; make them agree "
+                               "(one GPU per local rank)")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _warn_if_overlap_unavailable() -> None:
+    """The dgrad all-reduce overlaps the wgrad GEMM only with one CUDA hardware queue."""
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        warnings.warn("CUDA_DEVICE_MAX_CONNECTIONS is not 1: the async TP gradient all-reduce / "
+                      "reduce-scatter may be scheduled after the wgrad GEMM instead of overlapping it. "
+                      "Set CUDA_DEVICE_MAX_CONNECTIONS=1 in the environment before the process starts "
+                      "(tensorpar --nproc does it for CUDA runs)", stacklevel=3)
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, *, backend: str | None = None,
@@ -60,7 +101,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, *, backend: s
 
     ``backend`` defaults to NCCL when CUDA is available and gloo otherwise; ``timeout``
     (seconds or ``timedelta``) bounds every collective, so a peer that never joins raises
-    instead of hanging.
+    instead of hanging. Under NCCL the rank's GPU is selected (:func:`select_cuda_device`)
+    whoever created the process group.
     """
     global _TP_GROUP, _DP_GROUP, _TP_GLOBAL_RANKS, _DP_GLOBAL_RANKS, _OWNS_DEFAULT_GROUP, _DEVICE
     if _TP_GROUP is not None:
@@ -78,6 +120,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, *, backend: s
         raise ValueError(f"world size {world_size} is not divisible by "
                          f"tensor_model_parallel_size {tensor_model_parallel_size}")
     rank = dist.get_rank()
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        # Before any group exists: NCCL communicators bind to the current device.
+        device = select_cuda_device(rank)
+        _warn_if_overlap_unavailable()
     tp = tensor_model_parallel_size
     kwargs = {} if timeout is None else {"timeout": timeout}
     # Every rank must create every group, in the same order.
@@ -91,10 +138,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, *, backend: s
         group = dist.new_group(ranks, **kwargs)
         if rank in ranks:
             _DP_GROUP, _DP_GLOBAL_RANKS = group, ranks
-    if dist.get_backend() == "nccl":
-        _DEVICE = torch.device("cuda", torch.cuda.current_device())
-    else:
-        _DEVICE = torch.device("cpu")
+    _DEVICE = device
 
 
 def model_parallel_is_initialized() -> bool:
