@@ -45,3 +45,22 @@ def test_one_line_keeps_our_messages_and_names_other_types():
     assert one_line(ValueError("bad\n  value\n")) == "ValueError: bad value"
     assert one_line(KeyError("step")) == "KeyError: 'step'"
     assert one_line(RuntimeError()) == "RuntimeError"
+
+
+def _max_connections():
+    return os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+
+
+@pytest.mark.parametrize("cuda, preset, expected", [(True, None, "1"), (True, "8", "8"), (False, None, None)])
+def test_cuda_runs_get_one_device_connection_before_any_rank_starts(monkeypatch, cuda, preset, expected):
+    """Item 6: set for CUDA children by the launcher (a user's own value wins); not on CPU."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    if preset is None:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", preset)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)   # launch_local(nproc=1) sets them here
+    assert launch_local(_max_connections, nproc=1) == {0: expected}

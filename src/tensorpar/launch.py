@@ -61,6 +61,10 @@ def launch_local(entry, *args, nproc: int) -> dict[int, object]:
     first rank to raise ends the others (SIGTERM, within a second) and its exception becomes a
     :class:`LaunchError` carrying its message, read from torch elastic's error files.
     """
+    if torch.cuda.is_available():
+        # Inherited by every rank, so it is set before any of them initialises CUDA: with one
+        # hardware queue the async dgrad communication is queued ahead of the wgrad GEMM.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if nproc == 1:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
