@@ -283,12 +283,13 @@ def _key(reader, name: str) -> str:
     raise ValueError(f"{reader.source}: tensor {name!r} is missing")
 
 
-def _read_rows(reader, piece: Piece, start: int, stop: int, dim: int, like: list[int], dtype) -> torch.Tensor:
-    """Rows ``[start, stop)`` of ``piece`` (piece coordinates) along ``dim``, GPT orientation."""
+def _read_rows(reader, piece: Piece, start: int, stop: int, dim: int, like: list[int]) -> torch.Tensor | None:
+    """Rows ``[start, stop)`` of ``piece`` (piece coordinates) along ``dim``, GPT orientation;
+    ``None`` for padding rows."""
+    if piece.name is None:
+        return None
     shape = list(like)
     shape[dim] = stop - start
-    if piece.name is None:
-        return torch.zeros(shape, dtype=dtype)
     key = _key(reader, piece.name)
     theirs = reader.shape(key)
     hf_dim = len(theirs) - 1 - dim if piece.transposed else dim
@@ -300,22 +301,28 @@ def _read_rows(reader, piece: Piece, start: int, stop: int, dim: int, like: list
     return rows.t() if piece.transposed else rows
 
 
-def _shard_from_pieces(reader, pieces: list[Piece], *, name: str, full_shape: list[int], dim: int,
-                       ranges: list[tuple[int, int]], dtype) -> torch.Tensor:
-    """The rows ``ranges`` of a parameter's full tensor along ``dim``, read piece by piece."""
+def _copy_shard(reader, pieces: list[Piece], layout, ranges: list[tuple[int, int]], dim: int) -> None:
+    """Fill ``layout.param`` with the rows ``ranges`` (along ``dim``) of its full tensor, read
+    piece by piece straight into the parameter: no full-size or shard-size temporary."""
+    full_shape = list(layout.full_shape)
     if sum(p.stop - p.start for p in pieces) != full_shape[dim]:
-        raise ValueError(f"{name}: the Hugging Face tensors give {sum(p.stop - p.start for p in pieces)} rows "
-                         f"along dim {dim}, the model has {full_shape[dim]}")
-    parts = []
+        raise ValueError(f"{layout.name}: the Hugging Face tensors give {sum(p.stop - p.start for p in pieces)} "
+                         f"rows along dim {dim}, the model has {full_shape[dim]}")
+    filled = 0
     for start, stop in ranges:  # in the order the shard holds them
         offset = 0
         for piece in pieces:
             length = piece.stop - piece.start
             lo, hi = max(start, offset), min(stop, offset + length)
             if lo < hi:
-                parts.append(_read_rows(reader, piece, lo - offset, hi - offset, dim, full_shape, dtype))
+                rows = _read_rows(reader, piece, lo - offset, hi - offset, dim, full_shape)
+                target = layout.param.narrow(dim, filled, hi - lo)
+                if rows is None:
+                    target.zero_()
+                else:
+                    target.copy_(rows)
+                filled += hi - lo
             offset += length
-    return torch.cat(parts, dim=dim)
 
 
 @torch.no_grad()
@@ -328,9 +335,7 @@ def load_hf_weights(model: GPT, reader) -> None:
         full_rows = layout.full_shape[dim]
         ranges = (shard_rows(full_rows, n, rank, layout.partition_stride) if layout.tensor_model_parallel
                   else [(0, full_rows)])
-        shard = _shard_from_pieces(reader, pieces[layout.name], name=layout.name, full_shape=list(layout.full_shape),
-                                   dim=dim, ranges=ranges, dtype=layout.param.dtype)
-        layout.param.copy_(shard)
+        _copy_shard(reader, pieces[layout.name], layout, ranges, dim)
 
 
 def from_hf(model_or_dir, *, tp_group=None, device=None, **config_overrides) -> GPT:
