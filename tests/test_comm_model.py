@@ -9,7 +9,8 @@ import torch
 
 import tensorpar as tp
 from tensorpar import cli
-from tensorpar.comm_model import CommConfig, activation_memory, collectives, summarize
+from tensorpar.comm_model import CommConfig, activation_memory, collectives, overlap_plan, summarize
+from tensorpar.overlap import LinkModel
 from tensorpar.comm_report import format_measured, measure_on_this_rank, record_key, scaled
 from tests.harness import run_on_ranks
 
@@ -131,12 +132,39 @@ def test_bad_config_is_a_clear_error(kwargs, message):
     (["--layer", "mlp", "--tp", "-2"], "argument --tp: expected a positive integer, got -2"),
     (["--layer", "mlp", "--dtype", "fp8"], "invalid choice: 'fp8'"),
     (["--layer", "mlp", "--bandwidth", "0"], "argument --bandwidth: expected a positive number, got 0"),
+    (["--layer", "mlp", "--overlap-chunks", "some"], "argument --overlap-chunks: expected a positive integer, got 'some'"),
+    (["--layer", "mlp", "--overlap-efficiency", "2"], "argument --overlap-efficiency: expected a number in [0, 1], got 2"),
+    (["--layer", "mlp", "--overlap-chunks", "auto", "--measure"], "--measure needs a fixed --overlap-chunks"),
 ])
 def test_bad_command_line_exits_2_naming_the_value(argv, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["comm", *argv])
-    assert exc.value.code == 2
+    assert cli.main(["comm", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+NVLINK = LinkModel(latency_s=10e-6, bytes_per_s=100e9, flops_per_s=100e12, overlap=1.0)
+
+
+def test_auto_overlap_chunks_where_the_link_model_says_it_pays():
+    big = CommConfig(layer="mlp", hidden=4096, seq_len=2048, tp=8, sp=True, overlap_chunks="auto")
+    plan = overlap_plan(big, NVLINK)
+    assert [(e["layer"], e["phase"], e["op"]) for e in plan] == [
+        ("mlp.fc", "forward", "all_gather"), ("mlp.fc", "backward", "reduce_scatter"),
+        ("mlp.proj", "forward", "reduce_scatter"), ("mlp.proj", "backward", "all_gather")]
+    assert all(e["chunks"] == 8 and e["exposed_s"] < e["unchunked_exposed_s"] / 4 for e in plan)
+    # The op list splits each collective into the chosen chunks.
+    assert len(collectives(big, link=NVLINK)) == 4 * 8 + 1  # + the unchunked input re-gather for wgrad
+    # Nothing overlaps: auto keeps every collective whole.
+    flat = LinkModel(latency_s=10e-6, bytes_per_s=100e9, flops_per_s=100e12, overlap=0.0)
+    assert all(e["chunks"] == 1 for e in overlap_plan(big, flat))
+    with pytest.raises(ValueError, match="needs a link model"):
+        collectives(big)
+
+
+def test_comm_prints_the_overlap_decision_and_exposed_time(capsys):
+    assert cli.main(["comm", "--layer", "mlp", "--tp", "8", "--sp", "--overlap-chunks", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "mlp.proj  forward   reduce_scatter  8" in out
+    assert "predicted exposed communication:" in out
 
 
 def test_compare_sp_prints_both_columns(capsys):

@@ -382,8 +382,8 @@ def _bad_input_body():
         row_sp(sp(torch.randn(6, 1, 8))[0][:6])
     with pytest.raises(ValueError, match="sequence_parallel=True needs input_is_parallel=True"):
         tp.RowParallelLinear(16, 8, sequence_parallel=True)
-    with pytest.raises(ValueError, match=r"RowParallelLinear: overlap must be 'off' or a positive number of chunks, "
-                                         r"got 0"):
+    with pytest.raises(ValueError, match=r"RowParallelLinear: overlap must be 'off', 'auto' or a positive number of "
+                                         r"chunks, got 0"):
         tp.RowParallelLinear(16, 8, overlap=0)
     with pytest.raises(ValueError, match="gather_output=True cannot be combined with sequence_parallel"):
         tp.ColumnParallelLinear(8, 16, sequence_parallel=True, gather_output=True)

@@ -1,11 +1,14 @@
 """The chunked pipelines against the plain collective-then-GEMM (or GEMM-then-collective)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import tensorpar as tp
 from tensorpar import comm
-from tensorpar.overlap import all_gather_matmul, chunk_sizes, matmul_reduce
+from tensorpar import overlap as calibration
+from tensorpar.overlap import LinkModel, all_gather_matmul, chunk_sizes, matmul_reduce
 from tests.harness import run_on_ranks
 
 
@@ -82,3 +85,47 @@ def _interleave_body():
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_interleaved_halves_equal_the_plain_block(world_size):
     assert all(run_on_ranks(_interleave_body, world_size))
+
+
+def test_link_model_chunks_only_where_overlap_pays():
+    # A GEMM and a collective of 1 ms each, 10 us latency.
+    flops, sent = 1e9, 1e8
+    gpu_like = LinkModel(latency_s=1e-5, bytes_per_s=1e11, flops_per_s=1e12, overlap=1.0)
+    assert gpu_like.best_chunks(flops, sent, rows=64) == 8
+    assert gpu_like.exposed_comm_time(flops, sent, 8) < gpu_like.exposed_comm_time(flops, sent, 1) / 4
+    assert gpu_like.best_chunks(flops, sent, rows=2) == 2  # no more chunks than rows
+    # Nothing hides (compute and communication share the cores): every chunk only adds latency.
+    assert dataclasses.replace(gpu_like, overlap=0.0).best_chunks(flops, sent, rows=64) == 1
+    # Latency-bound: a 1 us GEMM and a 10 us collective gain nothing from splitting.
+    assert gpu_like.best_chunks(1e6, 1e3, rows=64) == 1
+
+
+def _auto_body():
+    """overlap="auto": the same result as off, and the same decision (collectives) on every rank."""
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n = tp.get_tensor_model_parallel_world_size()
+    group = tp.get_tensor_model_parallel_group()
+    records, outputs = [], []
+    for overlap in ("off", "auto"):
+        tp.model_parallel_manual_seed(0)
+        fc1 = tp.ColumnParallelLinear(64, 256, sequence_parallel=n > 1, overlap=overlap)
+        fc2 = tp.RowParallelLinear(256, 64, input_is_parallel=True, sequence_parallel=n > 1, overlap=overlap)
+        torch.manual_seed(1)
+        x = torch.randn(64, 4, 64).chunk(n)[tp.get_tensor_model_parallel_rank()].clone().requires_grad_()
+        with tp.CommLedger() as ledger:
+            y, _ = fc2(torch.nn.functional.gelu(fc1(x)[0]))
+            y.sum().backward()
+        records.append([(r.op, r.shape) for r in ledger.records])
+        outputs.append([y.detach(), x.grad, fc1.weight.grad, fc2.weight.grad])
+    for got, expected in zip(*outputs):
+        torch.testing.assert_close(got, expected)
+    if n > 1:
+        assert len(calibration._CALIBRATIONS) == 1  # measured once, then reused by every layer
+        assert calibration.calibrated_link(group, x.device, x.dtype) is next(iter(calibration._CALIBRATIONS.values()))
+    return records[1]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_auto_overlap_decides_alike_on_every_rank_and_changes_no_result(world_size):
+    records = run_on_ranks(_auto_body, world_size)
+    assert all(r == records[0] for r in records)

@@ -55,7 +55,12 @@ class CommRecord:
     @property
     def bytes_sent_per_rank(self) -> float:
         """Bytes each rank sends under a ring algorithm."""
-        return self.bytes * _RING_SEND_FACTOR[self.op](self.group_size)
+        return bytes_sent_per_rank(self.op, self.bytes, self.group_size)
+
+
+def bytes_sent_per_rank(op: str, nbytes: int, group_size: int) -> float:
+    """Bytes each rank sends for collective ``op`` of a ``nbytes`` tensor under a ring algorithm."""
+    return nbytes * _RING_SEND_FACTOR[op](group_size)
 
 
 _ACTIVE_LEDGERS: list["CommLedger"] = []

@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from .overlap import chunk_sizes
+from .overlap import LinkModel, chunk_sizes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LAYERS = ("column", "row", "mlp", "attention", "embedding", "loss", "gpt-layer", "gpt-step")
@@ -63,7 +63,7 @@ class CommConfig:
     recompute: bool = False
     gather_output: bool = False
     input_is_parallel: bool = True
-    overlap_chunks: int = 1
+    overlap_chunks: int | str = 1
 
     def __post_init__(self) -> None:
         if self.ffn_hidden is None and isinstance(self.hidden, int):
@@ -72,7 +72,8 @@ class CommConfig:
             raise ValueError(f"unknown layer kind {self.layer!r}; choose one of {', '.join(LAYERS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        for name in ("hidden", "ffn_hidden", "heads", "seq_len", "batch", "vocab", "layers", "tp", "overlap_chunks"):
+        for name in ("hidden", "ffn_hidden", "heads", "seq_len", "batch", "vocab", "layers", "tp",
+                     *(("overlap_chunks",) if self.overlap_chunks != "auto" else ())):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -164,21 +165,32 @@ def _checkpointed(part: _Comm) -> _Comm:
 class _Builder:
     """Makes the ops of each TP layer for one config; methods mirror tensorpar's layers."""
 
-    def __init__(self, cfg: CommConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: CommConfig, link: LinkModel | None) -> None:
+        self.cfg, self.link = cfg, link
         self.s, self.b = cfg.seq_len, cfg.batch
+        self.plan: list[dict] = []  # per chunkable collective: the chunks and predicted exposed time
 
     def op(self, layer, phase, op, shape, what, *, dtype=None, reduce_op="sum") -> CommOp:
         return CommOp(layer, phase, op, tuple(shape), dtype or self.cfg.torch_dtype, self.cfg.tp, what,
                       None if op == "all_gather" else reduce_op)
 
-    def chunked(self, layer, phase, op, width, what) -> tuple[CommOp, ...]:
-        """A ``[s, b, width]`` collective split along the sequence as ``tensorpar.overlap``
-        splits it: an all-reduce's rows, or each rank's sequence slice under SP."""
+    def chunked(self, layer, phase, op, width, what, in_, out) -> tuple[CommOp, ...]:
+        """A ``[s, b, width]`` collective against the ``in_ -> out`` layer's GEMM, split along the
+        sequence as ``tensorpar.overlap`` splits it: an all-reduce's rows, or each rank's
+        sequence slice under SP; ``overlap_chunks="auto"`` chooses as the layers do."""
         k, n = self.cfg.overlap_chunks, self.cfg.tp
+        whole = self.op(layer, phase, op, (self.s, self.b, width), what)
+        available = self.s if op == "all_reduce" else self.s // n
+        if self.link is not None:
+            flops = 2 * self.s * self.b * in_ * out / n
+            k = min(self.link.best_chunks(flops, whole.bytes_sent_per_rank, available) if k == "auto" else k,
+                    max(available, 1))
+            self.plan.append(dict(layer=layer, phase=phase, op=op, chunks=k,
+                                  exposed_s=self.link.exposed_comm_time(flops, whole.bytes_sent_per_rank, k),
+                                  unchunked_exposed_s=self.link.exposed_comm_time(flops, whole.bytes_sent_per_rank, 1)))
         if k == 1:
-            return (self.op(layer, phase, op, (self.s, self.b, width), what),)
-        rows = chunk_sizes(self.s, k) if op == "all_reduce" else [n * c for c in chunk_sizes(self.s // n, k)]
+            return (whole,)
+        rows = chunk_sizes(self.s, k) if op == "all_reduce" else [n * c for c in chunk_sizes(available, k)]
         return tuple(self.op(layer, phase, op, (r, self.b, width), f"{what} (chunk {i + 1}/{len(rows)})")
                      for i, r in enumerate(rows))
 
@@ -188,23 +200,23 @@ class _Builder:
         With overlap chunks, the input gather and the dgrad reduction are chunked."""
         x = (self.s, self.b, in_)
         if self.cfg.sp:
-            return _Comm(forward=self.chunked(name, "forward", "all_gather", in_, "sequence gather of input"),
+            return _Comm(forward=self.chunked(name, "forward", "all_gather", in_, "sequence gather of input", in_, out),
                          backward=(self.op(name, "backward", "all_gather", x, WGRAD_REGATHER),
-                                   *self.chunked(name, "backward", "reduce_scatter", in_, "dgrad")))
+                                   *self.chunked(name, "backward", "reduce_scatter", in_, "dgrad", in_, out)))
         forward = ()
         if self.cfg.gather_output:
             forward = (self.op(name, "forward", "all_gather", (self.s, self.b, out), "output gather"),)
-        return _Comm(forward=forward, backward=self.chunked(name, "backward", "all_reduce", in_, "dgrad"))
+        return _Comm(forward=forward, backward=self.chunked(name, "backward", "all_reduce", in_, "dgrad", in_, out))
 
     def row(self, name: str, in_: int, out: int, *, input_is_parallel: bool = True) -> _Comm:
         """Exit all-reduce (SP: reduce-scatter, whose backward all-gathers the output grad);
         an unsplit input is scattered, so its grad is all-gathered on the last dim.
         With overlap chunks, the exit and the output-grad gather are chunked."""
         if self.cfg.sp:
-            exit_ = _Comm(forward=self.chunked(name, "forward", "reduce_scatter", out, "exit"),
-                          backward=self.chunked(name, "backward", "all_gather", out, "output-grad gather"))
+            exit_ = _Comm(forward=self.chunked(name, "forward", "reduce_scatter", out, "exit", in_, out),
+                          backward=self.chunked(name, "backward", "all_gather", out, "output-grad gather", in_, out))
         else:
-            exit_ = _Comm(forward=self.chunked(name, "forward", "all_reduce", out, "exit"))
+            exit_ = _Comm(forward=self.chunked(name, "forward", "all_reduce", out, "exit", in_, out))
         if input_is_parallel:
             return exit_
         scatter = _Comm(backward=(self.op(name, "backward", "all_gather", (self.s, self.b, in_),
@@ -265,17 +277,32 @@ class _Builder:
         return step, grads
 
 
-def collectives(cfg: CommConfig) -> list[CommOp]:
+def collectives(cfg: CommConfig, *, link: LinkModel | None = None) -> list[CommOp]:
     """Every collective of ``cfg.layer``'s forward and backward, in the order issued.
+
+    ``link`` decides ``overlap_chunks="auto"`` (as the layers' calibrated model does).
 
     Example::
 
         ops = collectives(CommConfig(layer="mlp", hidden=1024, tp=4))
         [op.op for op in ops]      # ['all_reduce', 'all_reduce']: exit forward, dgrad backward
     """
+    return _build(cfg, link)[0]
+
+
+def overlap_plan(cfg: CommConfig, link: LinkModel) -> list[dict]:
+    """Per collective that the layers can chunk against a GEMM: its layer, phase and op, the
+    chunks used (``cfg.overlap_chunks``, or what ``"auto"`` picks on ``link``), and the exposed
+    communication predicted with them and unchunked (seconds beyond the GEMM's own time)."""
+    return _build(cfg, link)[1]
+
+
+def _build(cfg: CommConfig, link: LinkModel | None) -> tuple[list[CommOp], list[dict]]:
+    if cfg.overlap_chunks == "auto" and link is None:
+        raise ValueError("overlap_chunks='auto' needs a link model to decide with")
     if cfg.tp == 1:
-        return []
-    build = _Builder(cfg)
+        return [], []
+    build = _Builder(cfg, link)
     grads: tuple[CommOp, ...] = ()
     h = cfg.hidden
     if cfg.layer == "gpt-step":
@@ -292,7 +319,7 @@ def collectives(cfg: CommConfig) -> list[CommOp]:
         }[cfg.layer]()
         if cfg.recompute:
             comm = _checkpointed(comm)
-    return [*comm.forward, *comm.backward, *grads]
+    return [*comm.forward, *comm.backward, *grads], build.plan
 
 
 def forward_flops_per_rank(cfg: CommConfig) -> float:

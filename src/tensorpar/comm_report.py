@@ -30,14 +30,17 @@ from .comm_model import (
     CommConfig,
     activation_memory,
     collectives,
+    overlap_plan,
     summarize,
 )
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
+from .errors import UsageError
 from .grads import allreduce_sequence_parallel_grads, get_grad_norm
 from .launch import launch_local
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .models.gpt import GPT, GPTConfig
+from .overlap import LinkModel
 from .parallel_state import destroy_model_parallel, initialize_model_parallel
 from .random import checkpoint, model_parallel_manual_seed
 
@@ -202,15 +205,46 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def _describe(cfg: CommConfig) -> str:
     modes = [m for m, on in (("sp", cfg.sp), ("recompute", cfg.recompute), ("gather_output", cfg.gather_output),
                              ("input not parallel", not cfg.input_is_parallel),
-                             (f"overlap in {cfg.overlap_chunks} chunks", cfg.overlap_chunks > 1)) if on]
+                             (f"overlap {cfg.overlap_chunks}", cfg.overlap_chunks != 1)) if on]
     sizes = (f"hidden={cfg.hidden} ffn={cfg.ffn_hidden} heads={cfg.heads} seq={cfg.seq_len} batch={cfg.batch} "
              f"vocab={cfg.vocab} layers={cfg.layers}")
     return f"{cfg.layer} at TP={cfg.tp}, {cfg.dtype}{', ' + ', '.join(modes) if modes else ''} ({sizes})"
 
 
+def _link(args) -> LinkModel:
+    return LinkModel(latency_s=args.latency * 1e-6, bytes_per_s=args.bandwidth * 1e9,
+                     flops_per_s=args.tflops * 1e12, overlap=args.overlap_efficiency)
+
+
+def format_overlap(cfg: CommConfig, args) -> list[str]:
+    """The chunks of each chunkable collective and the communication predicted to stay exposed."""
+    link = _link(args)
+    plan = overlap_plan(cfg, link)
+    if not plan:
+        return []
+    rows: dict[tuple, list] = {}
+    for entry in plan:
+        key = (re.sub(r"^blocks\.\d+\.", "blocks.*.", entry["layer"]), entry["phase"], entry["op"], entry["chunks"])
+        row = rows.setdefault(key, [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += entry["exposed_s"]
+        row[2] += entry["unchunked_exposed_s"]
+    table = _table(["layer", "phase", "op", "chunks", "exposed", "unchunked", "x"],
+                   [[layer, phase, op, chunks, _duration(exposed), _duration(unchunked), count]
+                    for (layer, phase, op, chunks), (count, exposed, unchunked) in rows.items()])
+    chunkable = {(e["layer"], e["phase"], e["op"]) for e in plan}
+    others = sum(op.time_s(bandwidth_gbps=args.bandwidth, latency_us=args.latency) for op in collectives(cfg, link=link)
+                 if (op.layer, op.phase, op.op) not in chunkable)
+    chosen, unchunked = (sum(e[k] for e in plan) for k in ("exposed_s", "unchunked_exposed_s"))
+    return ["", f"overlap ({cfg.overlap_chunks}; link overlap efficiency {args.overlap_efficiency:g}): each "
+                "collective chunked against its GEMM, time it adds beyond the GEMM", table,
+            f"predicted exposed communication: {_duration(chosen + others)} (unchunked: "
+            f"{_duration(unchunked + others)}), counting every other collective as exposed"]
+
+
 def format_report(cfg: CommConfig, args) -> str:
     """The op table (ops of every GPT layer folded into one row with a count) and totals."""
-    ops = collectives(cfg)
+    ops = collectives(cfg, link=_link(args))
     link = {"bandwidth_gbps": args.bandwidth, "latency_us": args.latency}
     rows: dict[tuple, list] = {}
     for op in ops:
@@ -234,11 +268,11 @@ def format_report(cfg: CommConfig, args) -> str:
     if memory:
         per = " per GPT layer" if cfg.layer == "gpt-step" else ""
         lines.append(f"activations kept for backward{per}: {_size(memory)} per rank")
-    return "\n".join(lines)
+    return "\n".join(lines + format_overlap(cfg, args))
 
 
 def report_json(cfg: CommConfig, args) -> dict:
-    ops = collectives(cfg)
+    ops = collectives(cfg, link=_link(args))
     link = {"bandwidth_gbps": args.bandwidth, "latency_us": args.latency}
     return {
         "config": dataclasses.asdict(cfg),
@@ -248,6 +282,7 @@ def report_json(cfg: CommConfig, args) -> dict:
         "totals": summarize(cfg, ops, **link, tflops=args.tflops),
         "link": link,
         "activation_bytes_per_rank": activation_memory(cfg),
+        "overlap_plan": overlap_plan(cfg, _link(args)),
     }
 
 
@@ -256,7 +291,7 @@ def format_compare(tp_cfg: CommConfig, sp_cfg: CommConfig, args) -> str:
     link = {"bandwidth_gbps": args.bandwidth, "latency_us": args.latency}
     columns = []
     for cfg in (tp_cfg, sp_cfg):
-        ops = collectives(cfg)
+        ops = collectives(cfg, link=_link(args))
         totals = summarize(cfg, ops, **link, tflops=args.tflops)
         column = {}
         for phase in ("forward", "recompute", "backward", "grads"):
@@ -323,6 +358,20 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _chunks(text: str) -> int | str:
+    return text if text == "auto" else _positive_int(text)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text}")
+    return value
+
+
 def register(subparsers) -> None:
     """Add ``tensorpar comm``."""
     p = subparsers.add_parser("comm", help="predict (and measure) the TP collectives of a layer or GPT step",
@@ -342,8 +391,11 @@ def register(subparsers) -> None:
     p.add_argument("--gather-output", action="store_true", help="column layer gathers its output")
     p.add_argument("--input-is-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="row layer input already split on the last dim (default: yes)")
-    p.add_argument("--overlap-chunks", type=_positive_int, default=1,
-                   help="split each TP collective into this many chunks overlapped with the GEMMs (default 1: off)")
+    p.add_argument("--overlap-chunks", type=_chunks, default=1,
+                   help="split each TP collective into this many chunks overlapped with its GEMM, or 'auto' "
+                        "to choose per collective from the link model (default 1: off)")
+    p.add_argument("--overlap-efficiency", type=_fraction, default=1.0,
+                   help="share of a GEMM and a concurrent collective that overlaps (default 1: NCCL on a GPU)")
     p.add_argument("--bandwidth", type=_positive_float, default=100.0, help="GB/s per rank (default 100)")
     p.add_argument("--latency", type=_positive_float, default=10.0, help="us per collective (default 10)")
     p.add_argument("--tflops", type=_positive_float, default=100.0, help="TFLOP/s per rank (default 100)")
@@ -353,7 +405,7 @@ def register(subparsers) -> None:
     output.add_argument("--measure", action="store_true", help="also run it on --tp local gloo ranks")
     p.add_argument("--scale", type=_positive_int, default=1,
                    help="with --measure: divide seq-len, hidden, ffn-hidden and vocab by this")
-    p.set_defaults(func=run, parser=p)
+    p.set_defaults(func=run)
 
 
 def _config(args, **overrides) -> CommConfig:
@@ -376,9 +428,12 @@ def run(args) -> int:
             print(json.dumps(report_json(cfg, args), indent=2))
             return 0
         if args.measure:
+            if cfg.overlap_chunks == "auto":
+                raise ValueError("--measure needs a fixed --overlap-chunks: the layers' 'auto' decides from "
+                                 "their own calibration, not from --bandwidth/--latency/--tflops")
             cfg = scaled(cfg, args.scale)
     except ValueError as exc:
-        args.parser.error(str(exc))
+        raise UsageError(str(exc)) from None
     print(format_report(cfg, args))
     if not args.measure:
         return 0

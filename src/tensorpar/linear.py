@@ -37,7 +37,7 @@ from .mappings import (
     scatter_to_tensor_model_parallel_region,
     start_reduction_from_tensor_model_parallel_region,
 )
-from .overlap import all_gather_matmul, matmul_reduce
+from .overlap import all_gather_matmul, calibrated_link, matmul_reduce
 from .parallel_state import default_device, resolve_tp_group
 
 def _compute_dtype(input_: torch.Tensor) -> torch.dtype:
@@ -368,12 +368,14 @@ def _check_overlap(overlap_chunks, output_reduction, bias, allreduce_dgrad, sequ
     return overlap_chunks, output_reduction
 
 
-def _resolve_overlap(overlap, name: str) -> int:
-    """``overlap``: ``"off"`` or a number of chunks (1 is off)."""
+def _resolve_overlap(overlap, name: str) -> int | str:
+    """``overlap``: ``"off"``, ``"auto"`` or a number of chunks (1 is off)."""
     if overlap == "off":
         return 1
+    if overlap == "auto":
+        return overlap
     if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 1:
-        raise ValueError(f"{name}: overlap must be 'off' or a positive number of chunks, got {overlap!r}")
+        raise ValueError(f"{name}: overlap must be 'off', 'auto' or a positive number of chunks, got {overlap!r}")
     return overlap
 
 
@@ -441,6 +443,18 @@ class _ParallelLinear(nn.Module):
             input_, weight, bias, self.gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
             grad_output_buffer, wgrad_deferral_limit, self.tp_group, **overlap)
 
+    def _chunks(self, input_, *, op: str, rows: int, tokens: int, comm_width: int, gemm_flops: float) -> int:
+        """This forward's chunk count: the fixed ``overlap``, or the one ``"auto"`` predicts fastest
+        for a collective ``op`` of ``[tokens, comm_width]`` against a GEMM of ``gemm_flops``."""
+        if self.overlap != "auto":
+            return self.overlap
+        if self.tp_size == 1:
+            return 1
+        dtype = _compute_dtype(input_)
+        link = calibrated_link(self.tp_group, input_.device, dtype)
+        nbytes = tokens * comm_width * torch.empty((), dtype=dtype).element_size()
+        return link.best_chunks(gemm_flops, comm.bytes_sent_per_rank(op, nbytes, self.tp_size), rows)
+
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, tp_size={self.tp_size}, "
                 f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
@@ -459,6 +473,9 @@ class ColumnParallelLinear(_ParallelLinear):
     at all (the MoE token dispatcher owns it). ``skip_weight_param_allocation`` allocates no
     weight: every forward passes one (an LM head tied to the embedding). ``defer_wgrad_compute`` keeps inputs and output grads so that
     :meth:`compute_deferred_wgrads` can run the wgrad GEMMs later (after the rest of backward).
+    ``overlap`` (``"off"``, a number of chunks, or ``"auto"``: chosen per forward from a link
+    model calibrated once per process) splits the SP input all-gather and the dgrad reduction
+    into chunks, each in flight while the next chunk's GEMM runs (:mod:`tensorpar.overlap`).
 
     Example::
 
@@ -490,7 +507,7 @@ class ColumnParallelLinear(_ParallelLinear):
                                 and not disable_grad_reduce and not self.explicit_expert_comm)
         self.defer_wgrad_compute = defer_wgrad_compute
         self.wgrad_deferral_limit = wgrad_deferral_limit
-        self.overlap_chunks = _resolve_overlap(overlap, "ColumnParallelLinear")
+        self.overlap = _resolve_overlap(overlap, "ColumnParallelLinear")
         self.activation_buffer: list[torch.Tensor] = []
         self.grad_output_buffer: list[torch.Tensor] = []
 
@@ -515,11 +532,17 @@ class ColumnParallelLinear(_ParallelLinear):
             if self.wgrad_deferral_limit == 0 or len(self.activation_buffer) < self.wgrad_deferral_limit:
                 self.activation_buffer.append(input_parallel.detach())
             grad_output_buffer = self.grad_output_buffer
+        chunks = 1
+        if sequence_parallel or self.allreduce_dgrad:
+            rows, in_ = input_.shape[0], input_.shape[-1]
+            tokens = input_.numel() // in_ * (self.tp_size if sequence_parallel else 1)
+            chunks = self._chunks(input_, op="all_gather" if sequence_parallel else "all_reduce", rows=rows,
+                                  tokens=tokens, comm_width=in_, gemm_flops=2 * tokens * in_ * weight.shape[0])
         output_parallel = self._linear(input_parallel, weight, bias, allreduce_dgrad=self.allreduce_dgrad,
                                        sequence_parallel=sequence_parallel,
                                        grad_output_buffer=grad_output_buffer,
                                        wgrad_deferral_limit=self.wgrad_deferral_limit,
-                                       overlap_chunks=self.overlap_chunks)
+                                       overlap_chunks=chunks)
         self._deferred_weight = weight if grad_output_buffer is not None else None
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
@@ -558,6 +581,9 @@ class RowParallelLinear(_ParallelLinear):
     under ``sequence_parallel``. The bias is added once, after the reduction; under SP its
     gradient is partial per rank, so it is marked ``sequence_parallel`` (see
     :func:`tensorpar.allreduce_sequence_parallel_grads`).
+    ``overlap`` (as for :class:`ColumnParallelLinear`) chunks the exit reduction against the GEMM
+    and, under SP, the backward all-gather of the output grad against the dgrad GEMM;
+    :meth:`start` leaves the exit reduction in flight for interleaving (Domino).
 
     Example::
 
@@ -579,7 +605,7 @@ class RowParallelLinear(_ParallelLinear):
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
         self.input_is_parallel = input_is_parallel
         self.explicit_expert_comm = is_expert and self.tp_size > 1
-        self.overlap_chunks = _resolve_overlap(overlap, "RowParallelLinear")
+        self.overlap = _resolve_overlap(overlap, "RowParallelLinear")
         if self.bias is not None and self.sequence_parallel:
             self.bias.sequence_parallel = True
 
@@ -593,10 +619,17 @@ class RowParallelLinear(_ParallelLinear):
                             **overlap)
 
     def forward(self, input_):
-        if self.overlap_chunks > 1 and self.tp_size > 1 and not self.explicit_expert_comm:
+        chunks = 1
+        if self.tp_size > 1 and not self.explicit_expert_comm:
+            tokens = input_.numel() // input_.shape[-1]
+            chunks = self._chunks(input_, op="reduce_scatter" if self.sequence_parallel else "all_reduce",
+                                  rows=input_.shape[0] // (self.tp_size if self.sequence_parallel else 1),
+                                  tokens=tokens, comm_width=self.output_size,
+                                  gemm_flops=2 * tokens * self.weight.shape[1] * self.output_size)
+        if chunks > 1:
             # g (or the SP reduce-scatter) inside, chunk by chunk against the GEMM.
             return self._add_bias(self._partial_output(
-                input_, overlap_chunks=self.overlap_chunks,
+                input_, overlap_chunks=chunks,
                 output_reduction="reduce_scatter" if self.sequence_parallel else "all_reduce"))
         output_parallel = self._partial_output(input_)
         if self.explicit_expert_comm:
