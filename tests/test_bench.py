@@ -21,6 +21,9 @@ def _check_structure(report: dict) -> None:
     assert set(report["fraction_of_ceiling"]) == tp_variants - {bench.COMPUTE_ONLY}
     assert set(report["gpt"]["median_ms"]) == set(bench.GPT_VARIANTS)
     assert set(report["gpt"]["scaling_efficiency"]) == set(bench.GPT_VARIANTS) - {bench.GPT_TP1}
+    assert set(report["cpu_ms_per_iteration"]) == set(bench.VARIANTS)
+    assert set(report["gpt"]["cpu_ms_per_iteration"]) == set(bench.GPT_VARIANTS)
+    assert 0 <= report["link_model"]["overlap"] <= 1 and report["link_model"]["bytes_per_s"] > 0
     assert len(report["rounds_ms"]) == 1 and set(report["rounds_ms"][0]) == set(bench.VARIANTS)
     values = [*report["median_ms"].values(), *report["scaling_efficiency"].values(),
               *report["speedup_vs_dtensor"].values(), report["overlap_speedup"],

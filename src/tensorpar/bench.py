@@ -23,7 +23,9 @@ checked against the unsharded block, so all variants do the same work.
 
 The GPT part (``--gpt-layers`` > 0) times a training step (forward, loss, backward, SP grad
 sum, SGD step) of a GPT of the same hidden size, sequence and batch: at TP=1 on rank 0 alone,
-and at TP with SP and overlap off / on; its losses are checked against TP=1's first.
+and at TP without / with SP, overlap off / chunked, and interleaved halves (Domino); its
+losses are checked against TP=1's first. Each variant's CPU time per iteration is split into
+the compute thread's and the other threads' (gloo's), from ``/proc``: where overlap is lost.
 
 Example::
 
@@ -39,6 +41,7 @@ import datetime
 import json
 import os
 import statistics
+import threading
 import time
 from typing import Callable
 
@@ -52,6 +55,7 @@ from .grads import allreduce_sequence_parallel_grads
 from .launch import launch_local
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .models.gpt import GPT, GPTConfig
+from .overlap import calibrated_link
 from .parallel_state import destroy_model_parallel, get_tensor_model_parallel_group, initialize_model_parallel
 from .random import model_parallel_manual_seed
 
@@ -80,9 +84,10 @@ LABELS = {
 DTENSOR_PEER = {"tensorpar": "dtensor", "tensorpar_sp": "dtensor_sp", "tensorpar_no_overlap": "dtensor",
                 "tensorpar_chunked": "dtensor", "tensorpar_sp_chunked": "dtensor_sp"}
 GPT_TP1 = "gpt_tp1"
-GPT_VARIANTS = (GPT_TP1, "gpt", "gpt_chunked", "gpt_sp", "gpt_sp_chunked")
+GPT_VARIANTS = (GPT_TP1, "gpt", "gpt_chunked", "gpt_interleaved", "gpt_sp", "gpt_sp_chunked")
 GPT_LABELS = {GPT_TP1: "GPT step, TP=1 (1 process)", "gpt": "GPT step, TP", "gpt_chunked": "GPT step, TP, chunked",
-              "gpt_sp": "GPT step, TP+SP", "gpt_sp_chunked": "GPT step, TP+SP, chunked"}
+              "gpt_interleaved": "GPT step, TP, interleave=2", "gpt_sp": "GPT step, TP+SP",
+              "gpt_sp_chunked": "GPT step, TP+SP, chunked"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,9 +323,10 @@ def _build_gpt_variants(cfg: BenchConfig) -> dict[str, _GPTStep]:
     tokens, labels = (torch.randint(0, cfg.gpt_vocab, (cfg.batch, cfg.seq), generator=generator) for _ in range(2))
     tp_group = get_tensor_model_parallel_group()
     variants = {GPT_TP1: _GPTStep(gpt(singles[0]) if dist.get_rank() == 0 else None, tokens, labels)}
-    for name, sp, overlap in (("gpt", False, "off"), ("gpt_chunked", False, cfg.chunks),
-                              ("gpt_sp", True, "off"), ("gpt_sp_chunked", True, cfg.chunks)):
-        variants[name] = _GPTStep(gpt(tp_group, sequence_parallel=sp, overlap=overlap), tokens, labels)
+    for name, options in (("gpt", {}), ("gpt_chunked", dict(overlap=cfg.chunks)), ("gpt_interleaved", dict(interleave=2)),
+                          ("gpt_sp", dict(sequence_parallel=True)),
+                          ("gpt_sp_chunked", dict(sequence_parallel=True, overlap=cfg.chunks))):
+        variants[name] = _GPTStep(gpt(tp_group, **options), tokens, labels)
     reference = variants[GPT_TP1].step()
     if reference is None:
         reference = torch.zeros((), dtype=torch.float32)
@@ -332,8 +338,25 @@ def _build_gpt_variants(cfg: BenchConfig) -> dict[str, _GPTStep]:
     return variants
 
 
-def _time_iterations(variant: _Variant, *, warmup: int, iters: int) -> list[float]:
-    """Seconds per iteration, each the slowest rank's.
+def _thread_cpu_seconds() -> dict[int, float]:
+    """CPU seconds each thread of this process has run (Linux ``/proc`` schedstat; else empty)."""
+    seconds = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return seconds
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                seconds[int(tid)] = int(f.read().split()[0]) / 1e9  # ns on the CPU
+        except (OSError, ValueError, IndexError):  # the thread ended, or no schedstat
+            continue
+    return seconds
+
+
+def _time_iterations(variant: _Variant, *, warmup: int, iters: int) -> tuple[list[float], list[float]]:
+    """Seconds per iteration, each the slowest rank's, and the CPU ms per iteration of this
+    process's compute (main) thread and of its other threads (gloo's), the busiest rank's.
 
     Iterations run back to back after one barrier, as in training: the collectives keep the
     ranks in step, while a barrier per iteration would add its exit skew to every iteration.
@@ -341,14 +364,21 @@ def _time_iterations(variant: _Variant, *, warmup: int, iters: int) -> list[floa
     for _ in range(warmup):
         variant.step()
     stamps = torch.zeros(iters + 1, dtype=torch.float64)
+    main = threading.get_native_id()
     dist.barrier()
+    cpu_before = _thread_cpu_seconds()
     stamps[0] = time.perf_counter()
     for i in range(iters):
         variant.step()
         stamps[i + 1] = time.perf_counter()
+    cpu_after = _thread_cpu_seconds()
+    spent = {tid: cpu_after[tid] - cpu_before.get(tid, 0.0) for tid in cpu_after}
+    cpu = torch.tensor([spent.get(main, 0.0), sum(v for t, v in spent.items() if t != main)],
+                       dtype=torch.float64) * 1e3 / iters
     times = stamps.diff()
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return times.tolist()
+    dist.all_reduce(cpu, op=dist.ReduceOp.MAX)
+    return times.tolist(), cpu.tolist()
 
 
 def _median_ratio(rounds: list[dict[str, float]], numerator: Callable[[dict], float],
@@ -356,17 +386,24 @@ def _median_ratio(rounds: list[dict[str, float]], numerator: Callable[[dict], fl
     return statistics.median(numerator(r) / denominator(r) for r in rounds)
 
 
-def _interleaved_rounds(cfg: BenchConfig, variants: dict, names: tuple[str, ...]) -> list[dict[str, float]]:
-    """Per round, each variant's median ms; the order rotates so no variant always runs first."""
-    rounds = []
+def _interleaved_rounds(cfg: BenchConfig, variants: dict, names: tuple[str, ...]):
+    """Per round, each variant's median ms and its CPU ms per iteration ``[compute thread, other
+    threads]``; the order rotates so no variant always runs first."""
+    rounds, cpu_rounds = [], []
     for index in range(cfg.rounds):
         shift = index % len(names)
-        result = {}
+        result, cpu = {}, {}
         for name in names[shift:] + names[:shift]:
-            times = _time_iterations(variants[name], warmup=cfg.warmup, iters=cfg.iters)
+            times, cpu[name] = _time_iterations(variants[name], warmup=cfg.warmup, iters=cfg.iters)
             result[name] = 1e3 * statistics.median(times)
         rounds.append({name: result[name] for name in names})
-    return rounds
+        cpu_rounds.append(cpu)
+    return rounds, cpu_rounds
+
+
+def _cpu_summary(names, cpu_rounds) -> dict:
+    return {v: {"compute_thread_ms": statistics.median(r[v][0] for r in cpu_rounds),
+                "other_threads_ms": statistics.median(r[v][1] for r in cpu_rounds)} for v in names}
 
 
 def _summarise_gpt(cfg: BenchConfig, rounds: list[dict[str, float]]) -> dict:
@@ -409,9 +446,15 @@ def measure(cfg: BenchConfig) -> dict:
                          f"got {dist.get_world_size()}")
     initialize_model_parallel(cfg.tp)
     try:
-        report = _summarise(cfg, _interleaved_rounds(cfg, _build_variants(cfg), VARIANTS))
+        rounds, cpu_rounds = _interleaved_rounds(cfg, _build_variants(cfg), VARIANTS)
+        report = _summarise(cfg, rounds)
+        report["cpu_ms_per_iteration"] = _cpu_summary(VARIANTS, cpu_rounds)
         if cfg.gpt_layers:
-            report["gpt"] = _summarise_gpt(cfg, _interleaved_rounds(cfg, _build_gpt_variants(cfg), GPT_VARIANTS))
+            rounds, cpu_rounds = _interleaved_rounds(cfg, _build_gpt_variants(cfg), GPT_VARIANTS)
+            report["gpt"] = _summarise_gpt(cfg, rounds)
+            report["gpt"]["cpu_ms_per_iteration"] = _cpu_summary(GPT_VARIANTS, cpu_rounds)
+        link = calibrated_link(get_tensor_model_parallel_group(), torch.device("cpu"), DTYPES[cfg.dtype])
+        report["link_model"] = dataclasses.asdict(link)
         return report
     finally:
         destroy_model_parallel()
@@ -441,7 +484,7 @@ def format_report(report: dict) -> str:
         f"{cfg['rounds']} interleaved rounds x {cfg['iters']} iterations ({cfg['warmup']} warmup)",
         "",
         f"{'variant':<29}{'median ms':>10}{'rounds min-max':>17}{'vs DTensor':>12}{'scaling eff.':>14}"
-        f"{'of ceiling':>12}",
+        f"{'of ceiling':>12}{'CPU ms: compute':>17}{'gloo':>7}",
     ]
 
     def number(value, suffix=""):
@@ -452,7 +495,7 @@ def format_report(report: dict) -> str:
         lines.append(f"{LABELS[name]:<29}{report['median_ms'][name]:>10.2f}{f'{low:.2f}-{high:.2f}':>17}"
                      f"{number(report['speedup_vs_dtensor'].get(name), 'x'):>12}"
                      f"{number(report['scaling_efficiency'].get(name)):>14}"
-                     f"{number(report['fraction_of_ceiling'].get(name)):>12}")
+                     f"{number(report['fraction_of_ceiling'].get(name)):>12}{_cpu(report, name)}")
     lines += [
         "",
         f"overlap on vs off (tensorpar TP): {report['overlap_speedup']:.3f}x; chunked: overlap={cfg['chunks']}",
@@ -465,12 +508,24 @@ def format_report(report: dict) -> str:
         lines += ["", f"GPT training step ({cfg['gpt_layers']} layers, {cfg['gpt_heads']} heads, vocab "
                       f"{cfg['gpt_vocab']}, same h/s/b; forward, loss, backward, SGD step); first-step losses "
                       "checked against TP=1",
-                  f"{'variant':<29}{'median ms':>10}{'rounds min-max':>17}{'scaling eff.':>14}"]
+                  f"{'variant':<29}{'median ms':>10}{'rounds min-max':>17}{'scaling eff.':>14}"
+                  f"{'CPU ms: compute':>17}{'gloo':>7}"]
         for name in GPT_VARIANTS:
             low, high = gpt["range_ms"][name]
             lines.append(f"{GPT_LABELS[name]:<29}{gpt['median_ms'][name]:>10.2f}{f'{low:.2f}-{high:.2f}':>17}"
-                         f"{number(gpt['scaling_efficiency'].get(name)):>14}")
+                         f"{number(gpt['scaling_efficiency'].get(name)):>14}{_cpu(gpt, name)}")
+    link = report["link_model"]
+    lines += ["", "CPU ms: per iteration on the busiest rank, of the compute thread and of all other threads "
+                  "(gloo's workers); compute + gloo near TP x wall / cores means the cores are saturated.",
+              f"calibrated link (overlap=\"auto\"'s model): latency {link['latency_s'] * 1e6:.0f} us, "
+              f"{link['bytes_per_s'] / 1e9:.2f} GB/s sent per rank, GEMM {link['flops_per_s'] / 1e9:.1f} GFLOP/s, "
+              f"measured overlap of a GEMM and an all-reduce {link['overlap']:.2f}"]
     return "\n".join(lines)
+
+
+def _cpu(report: dict, name: str) -> str:
+    cpu = report["cpu_ms_per_iteration"][name]
+    return f"{cpu['compute_thread_ms']:>17.2f}{cpu['other_threads_ms']:>7.2f}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
