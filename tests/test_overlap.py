@@ -129,3 +129,84 @@ def _auto_body():
 def test_auto_overlap_decides_alike_on_every_rank_and_changes_no_result(world_size):
     records = run_on_ranks(_auto_body, world_size)
     assert all(r == records[0] for r in records)
+
+
+class _Lazy:
+    """An async collective that happens only when waited for: what a slow link looks like."""
+
+    def __init__(self, finish, result):
+        self._finish, self._result = finish, result
+
+    def wait(self):
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        return self._result
+
+
+def _lazy_collectives(real):
+    """Async versions of the ``real`` collectives whose output is NaN until ``wait()``: reading
+    one early, or never waiting, shows up as NaN or a wrong result."""
+    def all_gather(tensor, group, *, dim=0, async_op=False, out=None):
+        if not async_op:
+            return real["all_gather"](tensor, group, dim=dim, out=out)
+        sent, out = tensor.clone(), out if out is not None else tensor.new_empty(
+            [tensor.shape[0] * comm.group_size(group), *tensor.shape[1:]])
+        out.fill_(float("nan"))
+        return _Lazy(lambda: real["all_gather"](sent, group, out=out), out)
+
+    def all_reduce(tensor, group, *, op="sum", async_op=False):
+        if not async_op:
+            return real["all_reduce"](tensor, group, op=op)
+        sent = tensor.clone()
+        tensor.fill_(float("nan"))
+        return _Lazy(lambda: real["all_reduce"](tensor.copy_(sent), group, op=op), tensor)
+
+    def reduce_scatter(tensor, group, *, dim=0, async_op=False, op="sum", out=None):
+        if not async_op:
+            return real["reduce_scatter"](tensor, group, dim=dim, op=op, out=out)
+        sent = tensor.clone()
+        out = out if out is not None else tensor.new_empty([tensor.shape[0] // comm.group_size(group),
+                                                            *tensor.shape[1:]])
+        out.fill_(float("nan"))
+        return _Lazy(lambda: real["reduce_scatter"](sent, group, op=op, out=out), out)
+
+    return dict(all_gather=all_gather, all_reduce=all_reduce, reduce_scatter=reduce_scatter)
+
+
+def _stream_order_body():
+    """Every chunked pipeline and the interleaved block wait for each collective before reading
+    its result, and leave nothing in flight: checked with collectives that complete only on wait."""
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n = tp.get_tensor_model_parallel_world_size()
+
+    def step(sp, overlap, interleaved):
+        tp.model_parallel_manual_seed(0)
+        fc1 = tp.ColumnParallelLinear(16, 32, sequence_parallel=sp, overlap=overlap)
+        fc2 = tp.RowParallelLinear(32, 16, input_is_parallel=True, sequence_parallel=sp, overlap=overlap)
+        torch.manual_seed(1)
+        x = torch.randn(8 * n, 4, 16).chunk(n)[tp.get_tensor_model_parallel_rank()] if sp else torch.randn(8, 4, 16)
+        x = x.clone().requires_grad_()
+        stage = (lambda h: fc2.start(torch.nn.functional.gelu(fc1(h)[0])), lambda h, reduced: h + reduced[0])
+        y = tp.interleave(x, [stage], parts=2) if interleaved else x + fc2(torch.nn.functional.gelu(fc1(x)[0]))[0]
+        y.sum().backward()
+        return [y.detach(), x.grad, fc1.weight.grad, fc2.weight.grad]
+
+    real = {name: getattr(comm, name) for name in ("all_gather", "all_reduce", "reduce_scatter")}
+    for sp in (False, True):
+        expected = step(sp, "off", False)
+        for overlap, interleaved in ((3, False), ("off", True)):
+            for name, fake in _lazy_collectives(real).items():
+                setattr(comm, name, fake)
+            try:
+                got = step(sp, overlap, interleaved)
+            finally:
+                for name, fn in real.items():
+                    setattr(comm, name, fn)
+            for g, e in zip(got, expected):
+                torch.testing.assert_close(g, e, msg=lambda m: f"sp={sp} overlap={overlap} interleaved={interleaved}: {m}")
+    return True
+
+
+def test_results_are_read_only_after_their_collective_completes():
+    assert all(run_on_ranks(_stream_order_body, 2))
