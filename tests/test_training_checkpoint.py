@@ -2,11 +2,14 @@
 metadata cannot run code, generate and export work from a checkpoint."""
 
 import errno
+import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,24 +29,29 @@ def _train_body(argv):
 
 
 def _failing_save_body(argv):
-    """Train 4 steps saving every 2, with the disk 'full' while step 4's DCP files are written."""
+    """Train 4 steps saving every 2, rank 1's disk 'full' while it writes step 4's DCP file."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
     from tensorpar.training import loop
 
-    real_save = checkpoint.dcp.save
+    real_write = FileSystemWriter.write_data
 
-    def disk_full(state, storage_writer):
-        if "step_4" in str(storage_writer.path):
-            (storage_writer.path / "__0_0.distcp").write_bytes(b"partial")
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(state, storage_writer=storage_writer)
+    def disk_full(self, plan, planner):
+        if "step_4" in str(self.path) and dist.get_rank() == 1:
+            partial = Path(self.path) / "__1_0.distcp"
+            partial.write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device", str(partial))
+        return real_write(self, plan, planner)
 
-    checkpoint.dcp.save = disk_full
+    FileSystemWriter.write_data = disk_full
     try:
-        with pytest.raises(checkpoint.CheckpointError, match=r"step 4 .*No space left.*step_2 is intact"):
-            loop.train(parse_train_args(argv))
+        loop.train(parse_train_args(argv))
+    except checkpoint.CheckpointError as exc:
+        return str(exc)
     finally:
-        checkpoint.dcp.save = real_save
-    return True
+        FileSystemWriter.write_data = real_write
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -58,37 +66,301 @@ def _open_body(path):
     return str(ckpt), meta["step"]
 
 
-def test_tampered_or_truncated_checkpoint_is_refused(ckpt_run, tmp_path):
-    for damage, message in (("flip", "fails its SHA-256 check"), ("truncate", "truncated or corrupt")):
-        copy = tmp_path / damage
-        shutil.copytree(ckpt_run / "step_2", copy)
-        data_file = sorted(copy.glob("*.distcp"))[0]
-        blob = bytearray(data_file.read_bytes())
-        if damage == "flip":
-            blob[len(blob) // 2] ^= 0xFF
-        else:
-            blob = blob[: len(blob) // 2]
-        data_file.write_bytes(bytes(blob))
-        with pytest.raises(AssertionError, match=message):
-            run_on_ranks(_open_body, 1, str(copy))
+def _copy(ckpt_run, tmp_path, name="copy"):
+    copy = tmp_path / name
+    shutil.copytree(ckpt_run / "step_2", copy)
+    return copy
+
+
+def _rewrite_manifest(step_dir):
+    """What an attacker who edits files also does: a manifest that matches them."""
+    files = {p.relative_to(step_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": checkpoint._sha256(p)}
+             for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+    (step_dir / "manifest.json").write_text(json.dumps({"format": "tensorpar-checkpoint", "files": files}))
+
+
+def _edit_manifest(step_dir, edit):
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    edit(manifest["files"])
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _flip(path):
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    path.write_bytes(bytes(blob))
+
+
+def _shard(step_dir):
+    return sorted(step_dir.glob("*.distcp"))[0]
+
+
+def _damage_cases():
+    """(name, damage(step_dir, outside_dir), the refusal's message) for every kind of bad file."""
+    def truncate(d, _):
+        shard = _shard(d)
+        shard.write_bytes(shard.read_bytes()[:100])
+
+    def missing(d, _):
+        _shard(d).unlink()
+
+    def unlisted_and_edited(d, _):  # a shard dropped from the manifest, then edited
+        _edit_manifest(d, lambda files: files.pop(_shard(d).name))
+        _flip(_shard(d))
+
+    def added_file(d, _):
+        (d / "extra.distcp").write_bytes(b"x")
+
+    def symlinked_shard(d, outside):
+        shard = _shard(d)
+        (outside / shard.name).write_bytes(shard.read_bytes())
+        shard.unlink()
+        shard.symlink_to(outside / shard.name)
+
+    def symlinked_dir(d, outside):
+        (d / "sub").symlink_to(outside, target_is_directory=True)
+
+    def absolute_path(d, _):
+        _edit_manifest(d, lambda files: files.update({"/etc/hostname": {"bytes": 1, "sha256": "0" * 64}}))
+
+    def dotdot_path(d, _):
+        _edit_manifest(d, lambda files: files.update({"../step_2/config.json": {"bytes": 1, "sha256": "0" * 64}}))
+
+    def unreferenced_manifest_gap(d, _):  # the data file DCP reads is gone from manifest and disk
+        name = _shard(d).name
+        _edit_manifest(d, lambda files: files.pop(name))
+        _shard(d).unlink()
+
+    def metadata_outside(d, _):
+        metadata = checkpoint.read_metadata(d, listed=set(json.loads((d / "manifest.json").read_text())["files"]))
+        for info in metadata.storage_data.values():
+            info.relative_path = "/etc/hostname"
+        (d / ".metadata").write_bytes(pickle.dumps(metadata))
+        _rewrite_manifest(d)
+
+    return [
+        ("flip", lambda d, _: _flip(_shard(d)), r"__0_0\.distcp fails its SHA-256 check"),
+        ("truncate", truncate, r"__0_0\.distcp is 100 bytes, the manifest says \d+ \(truncated"),
+        ("missing", missing, r"file __0_0\.distcp listed in the manifest is missing"),
+        ("unlisted", unlisted_and_edited, r"__0_0\.distcp is not listed in manifest\.json"),
+        ("added", added_file, r"extra\.distcp is not listed in manifest\.json"),
+        ("symlink", symlinked_shard, r"__0_0\.distcp is a symlink"),
+        ("symlinked-dir", symlinked_dir, r"sub is a symlink"),
+        ("absolute", absolute_path, r"manifest\.json names the path '/etc/hostname'; only plain paths"),
+        ("dotdot", dotdot_path, r"manifest\.json names the path '\.\./step_2/config\.json'"),
+        ("referenced-unlisted", unreferenced_manifest_gap,
+         r"\.metadata refers to __0_0\.distcp, which manifest\.json does not list"),
+        ("metadata-absolute", metadata_outside, r"\.metadata names the path '/etc/hostname'"),
+    ]
+
+
+@pytest.mark.parametrize("name, damage, message", _damage_cases(), ids=[c[0] for c in _damage_cases()])
+def test_damaged_checkpoint_is_refused_naming_the_file(ckpt_run, tmp_path, name, damage, message):
+    copy = _copy(ckpt_run, tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    damage(copy, outside)
+    with pytest.raises(checkpoint.CheckpointError, match=message):
+        checkpoint.verify(copy)
+
+
+def test_every_rank_hashes_a_share_and_all_refuse_together(ckpt_run, tmp_path):
+    files = json.loads((ckpt_run / "step_2" / "manifest.json").read_text())["files"]
+    shares = [checkpoint._share(files, rank, 2) for rank in range(2)]
+    assert sorted(shares[0] + shares[1]) == sorted(files) and shares[0] and shares[1]
+    assert not set(shares[0]) & set(shares[1])
+    copy = _copy(ckpt_run, tmp_path)
+    _flip(_shard(copy))  # hashed by one rank only; both must refuse
+    refusals = run_on_ranks(_open_or_refuse_body, 2, str(copy))
+    assert refusals == [f"checkpoint {copy}: __0_0.distcp fails its SHA-256 check (corrupt or modified)"] * 2
+
+
+def _open_or_refuse_body(path):
+    try:
+        checkpoint.open_checkpoint(path)
+    except checkpoint.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_intact_checkpoint_opens(ckpt_run):
     assert run_on_ranks(_open_body, 1, str(ckpt_run)) == [(str(ckpt_run / "step_2"), 2)]
 
 
-def test_checkpoint_metadata_cannot_run_code(tmp_path):
-    class Exploit:
-        def __reduce__(self):
-            return (os.system, ("echo pwned",))
-
-    (tmp_path / ".metadata").write_bytes(pickle.dumps(Exploit()))
-    with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
-        checkpoint.SafeFileSystemReader(tmp_path).read_metadata()
-
-
-def test_failed_save_removes_its_tmp_dir_and_keeps_the_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("pointer, message", [
+    ("../elsewhere/step_2", r"latest names '\.\./elsewhere/step_2', which is not a step_N directory beside it"),
+    ("step_9", r"latest names 'step_9', which is not a step_N directory beside it"),
+    ("/etc", r"latest names '/etc', which is not a step_N directory beside it"),
+])
+def test_latest_must_name_a_sibling_step_dir(ckpt_run, tmp_path, pointer, message):
     out = tmp_path / "run"
-    assert run_on_ranks(_failing_save_body, 1, TINY + ["--steps", "4", "--save-every", "2",
-                                                       "--out", str(out)]) == [True]
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_")) == ["step_2"]
+    shutil.copytree(ckpt_run, out)
+    (out / "latest").write_text(pointer + "\n")
+    with pytest.raises(checkpoint.CheckpointError, match=message):
+        checkpoint.resolve(out)
+
+
+def test_symlinked_latest_or_step_dir_is_refused(ckpt_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(ckpt_run, out)
+    (out / "latest").unlink()
+    (out / "latest").symlink_to(ckpt_run / "latest")
+    with pytest.raises(checkpoint.CheckpointError, match=r"latest is not a plain file"):
+        checkpoint.resolve(out)
+    (out / "latest").unlink()
+    (out / "latest").write_text("step_3\n")
+    (out / "step_3").symlink_to(ckpt_run / "step_2", target_is_directory=True)
+    with pytest.raises(checkpoint.CheckpointError, match=r"names 'step_3', which is not a step_N directory"):
+        checkpoint.resolve(out)
+    with pytest.raises(checkpoint.CheckpointError, match=r"step_3 is a symlink"):
+        checkpoint.verify(out / "step_3")
+
+
+class _Payload:
+    """Unpickling this creates ``marker``: proof that code from the file ran."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_code_in_metadata_is_never_run(ckpt_run, tmp_path):
+    copy = _copy(ckpt_run, tmp_path)
+    marker = tmp_path / "pwned"
+    (copy / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    _rewrite_manifest(copy)
+    with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata is refused: checkpoint metadata refers "
+                                                          r"to posix\.mkdir, which a checkpoint never contains"):
+        checkpoint.verify(copy)
+    assert run_on_ranks(_open_or_refuse_body, 1, str(copy))[0].endswith("refusing to load it")
+    assert not marker.exists()
+
+
+@pytest.fixture(scope="module")
+def dp2_run(tmp_path_factory):
+    """A checkpoint saved by two ranks (TP 1 x DP 2): RNG entries of rank 0 and rank 1."""
+    out = tmp_path_factory.mktemp("dp2") / "run"
+    run_on_ranks(_train_body, 2, TINY + ["--steps", "1", "--out", str(out)])
+    return out
+
+
+def _resume_refusal_body(argv):
+    from tensorpar.training.loop import train
+
+    try:
+        train(parse_train_args(argv))
+    except checkpoint.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def _craft(step_dir, edit):
+    """Rewrite DCP's metadata (and the manifest to match) with ``edit(metadata)``."""
+    listed = set(json.loads((step_dir / "manifest.json").read_text())["files"])
+    metadata = checkpoint.read_metadata(step_dir, listed=listed)
+    edit(metadata)
+    (step_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    _rewrite_manifest(step_dir)
+
+
+def _bytes_entry(step_dir, key, marker):
+    """``key`` turned into a DCP bytes entry whose data is a pickle creating ``marker``."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    payload = pickle.dumps(_Payload(marker))
+    (step_dir / "__1_1.distcp").write_bytes(payload)
+
+    def edit(metadata):
+        metadata.state_dict_metadata[key] = BytesStorageMetadata()
+        for index in [i for i in metadata.storage_data if i.fqn == key]:
+            del metadata.storage_data[index]
+        metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__1_1.distcp", 0, len(payload))
+    return edit
+
+
+def _retype(key, dtype=None, shape=None):
+    def edit(metadata):
+        entry = metadata.state_dict_metadata[key]
+        if dtype is not None:
+            entry.properties.dtype = dtype
+        if shape is not None:
+            entry.size = torch.Size(shape)
+            entry.chunks[0].sizes = torch.Size(shape)
+    return edit
+
+
+def _drop(key):
+    def edit(metadata):
+        del metadata.state_dict_metadata[key]
+        for index in [i for i in metadata.storage_data if i.fqn == key]:
+            del metadata.storage_data[index]
+    return edit
+
+
+@pytest.mark.parametrize("case", ["rank1-rng-bytes", "rank0-rng-bytes", "model-bytes", "dtype", "shape",
+                                  "missing-key"])
+def test_crafted_entries_of_every_rank_are_refused_before_any_data_is_read(dp2_run, tmp_path, case):
+    copy = tmp_path / "run"
+    shutil.copytree(dp2_run, copy)
+    step_dir, marker = copy / "step_1", tmp_path / "pwned"
+    edit, message = {
+        "rank1-rng-bytes": (_bytes_entry(step_dir, "rng.rank1.cpu", marker),
+                            "stores rng.rank1.cpu as BytesStorageMetadata, not as a tensor"),
+        "rank0-rng-bytes": (_bytes_entry(step_dir, "rng.rank0.tracker.model-parallel-rng", marker),
+                            "stores rng.rank0.tracker.model-parallel-rng as BytesStorageMetadata"),
+        "model-bytes": (_bytes_entry(step_dir, "model.embedding.word.weight", marker),
+                        "stores model.embedding.word.weight as BytesStorageMetadata"),
+        "dtype": (_retype("rng.rank1.cpu", dtype=torch.float64),
+                  "stores rng.rank1.cpu as torch.float64, expected torch.uint8"),
+        "shape": (_retype("rng.rank1.cpu", shape=[8]), r"stores rng.rank1.cpu with shape \[8\], expected \[5056\]"),
+        "missing-key": (_drop("rng.rank1.cpu"), "lacks the entry rng.rank1.cpu"),
+    }[case]
+    _craft(step_dir, edit)
+    argv = TINY + ["--steps", "2", "--out", str(copy), "--resume", str(copy)]
+    refusals = run_on_ranks(_resume_refusal_body, 2, argv)
+    for refusal in refusals:  # every rank refuses, also the one whose own keys are intact
+        assert refusal is not None and re.search(message, refusal), refusals
+        assert refusal.endswith("refusing to load it")
+    assert not marker.exists()
+    assert (copy / "latest").read_text().strip() == "step_1"  # nothing lost
+
+
+_FORBIDDEN_LOADS = {("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"), ("marshal", "loads"),
+                    ("torch", "load"), ("dill", "load"), ("dill", "loads")}
+
+
+def test_package_never_unpickles_with_plain_pickle_or_torch_load():
+    """No plain unpickling anywhere in tensorpar: only the restricted metadata unpickler."""
+    import ast
+
+    import tensorpar
+
+    offenders = []
+    for path in Path(tensorpar.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.keyword) and node.arg == "weights_only" and not (
+                    isinstance(node.value, ast.Constant) and node.value.value is True):
+                offenders.append(f"{path.name}:{node.value.lineno} weights_only not True")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(
+                    node.func.value, ast.Name) and (node.func.value.id, node.func.attr) in _FORBIDDEN_LOADS:
+                safe = node.func.attr == "load" and node.func.value.id == "torch" and any(
+                    k.arg == "weights_only" and getattr(k.value, "value", None) is True for k in node.keywords)
+                if not safe:
+                    offenders.append(f"{path.name}:{node.lineno} {node.func.value.id}.{node.func.attr}")
+    assert offenders == []
+
+
+def test_failed_save_says_why_removes_its_files_and_keeps_the_previous_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    argv = TINY + ["--steps", "4", "--save-every", "2", "--out", str(out)]
+    errors = run_on_ranks(_failing_save_body, 2, argv)
+    expected = (f"saving checkpoint step 4 to {out} failed: rank 1: OSError: [Errno 28] No space left on "
+                f"device: '{out}/step_4.tmp/__1_0.distcp'; the previous checkpoint {out}/step_2 is intact")
+    assert errors == [expected, expected]
+    assert sorted(p.name for p in out.iterdir()) == [".tensorpar.lock", "latest", "metrics.jsonl", "step_2"]
     assert (out / "latest").read_text().strip() == "step_2"
     assert run_on_ranks(_open_body, 1, str(out))[0][1] == 2
 

@@ -1,9 +1,10 @@
 """Checkpoints that survive a change of TP and DP size, written atomically and verified on load.
 
 Layout of ``OUT/step_N/``: ``torch.distributed.checkpoint`` (DCP) files holding the model, the
-optimizer state and per-rank RNG states; ``config.json`` (the model config), ``meta.json``
-(step, schedule, data position, parallel sizes) and ``manifest.json`` (size and SHA-256 of
-every other file). ``OUT/latest`` names the newest complete checkpoint.
+optimizer state and every rank's RNG states (all tensors); ``config.json`` (the model config),
+``meta.json`` (step, schedule, data position, parallel sizes, the RNG entries each rank saved)
+and ``manifest.json`` (size and SHA-256 of every other file). ``OUT/latest`` names the newest
+complete checkpoint.
 
 TP-independent layout: every TP-sharded tensor (a parameter and its optimizer moments) is
 saved as a DTensor over the TP group whose global shape is what the TP=1 model holds, so DCP
@@ -14,9 +15,21 @@ while keeping the TP=1 element order. Loading at another TP size asks DCP for th
 
 Atomicity: DCP writes into ``step_N.tmp``; rank 0 adds the JSON files, renames the directory
 to ``step_N`` and only then replaces ``latest`` (itself via rename). A save killed at any
-point leaves the previous checkpoint and ``latest`` untouched; a failed save removes its
-``.tmp`` directory. Loading verifies the manifest first, and reads DCP's metadata with an
-unpickler that only admits DCP's own metadata classes, so no code from the file runs.
+point leaves the previous checkpoint and ``latest`` untouched; a save that fails removes its
+``.tmp`` directory and says why.
+
+Trust: nothing read from a checkpoint is executed. Before a byte of tensor data is read, every
+rank checks that the files on disk are exactly those of the manifest (no symlinks, no paths
+outside the directory), the ranks hash their shares of the files against it, and every rank
+validates DCP's whole ``.metadata`` (read by an unpickler that admits only DCP's metadata
+classes) against the exact state dict expected, every rank's RNG entries included: key set,
+tensor kind, dtype and global shape. DCP's pickled "bytes" entries are refused outright.
+
+Example::
+
+    path = save("run", 100, model=model, optimizer=opt, config=cfg, meta=meta, tp_group=tp_group)
+    ckpt, config, meta = open_checkpoint("run")          # resolved through ``latest``, verified
+    load(ckpt, model=model, optimizer=opt, tp_group=tp_group, restore_rng=True)
 """
 
 from __future__ import annotations
@@ -27,12 +40,18 @@ import os
 import pickle
 import re
 import shutil
-from pathlib import Path
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -43,7 +62,10 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
 META = "meta.json"
+DCP_METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_RNG_NAME = re.compile(r"^(cpu|cuda|tracker\.[\w.-]+)$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -58,12 +80,33 @@ def _on_rank0(fn) -> object:
         try:
             outcome[0] = fn()
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
-            outcome[1] = f"{exc}" if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+            outcome[1] = _describe(exc)
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(outcome, src=0)
     if outcome[1] is not None:
         raise CheckpointError(outcome[1])
     return outcome[0]
+
+
+def _agree(error: str | None) -> None:
+    """Every rank's verdict combined: raise the first rank's error on every rank, if any."""
+    verdicts = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, error)
+    for verdict in verdicts:
+        if verdict is not None:
+            raise CheckpointError(verdict)
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for ``exc``; for DCP's CheckpointException, the first failing rank's own error."""
+    if isinstance(exc, CheckpointException):
+        rank, (cause, _) = min(exc.failures.items())
+        return f"rank {rank}: {_describe(cause)}"
+    if isinstance(exc, CheckpointError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -76,7 +119,7 @@ def _write_json(path: Path, data: dict) -> None:
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
 
@@ -149,6 +192,11 @@ def _set_rng_state(states: dict[str, torch.Tensor]) -> None:
     get_rng_tracker().set_states({k.removeprefix("tracker."): v for k, v in states.items()})
 
 
+def _rng_spec() -> dict[str, list[int]]:
+    """This rank's RNG entries and their shapes, as ``meta.json`` records them."""
+    return {name: list(state.shape) for name, state in _rng_state().items()}
+
+
 def build_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                      tp_group, with_rng: bool) -> dict:
     """The flat DCP state dict: ``model.*``, ``optim.*`` and (optionally) this rank's ``rng.*``."""
@@ -179,10 +227,16 @@ def _prepare_tmp(tmp: Path) -> None:
 def _finalize(tmp: Path, final: Path, config: dict, meta: dict) -> None:
     _write_json(tmp / CONFIG, config)
     _write_json(tmp / META, meta)
-    files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
              for p in sorted(tmp.rglob("*")) if p.is_file()}
     _write_json(tmp / MANIFEST, {"format": "tensorpar-checkpoint", "files": files})
     _fsync_dir(tmp)
+    # Everything that needs disk space is written before the first rename.
+    pointer = final.parent / (LATEST + ".tmp")
+    with open(pointer, "w") as f:
+        f.write(final.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     if final.exists():  # the same step saved again (after a resume): replace it
         old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -191,42 +245,59 @@ def _finalize(tmp: Path, final: Path, config: dict, meta: dict) -> None:
         shutil.rmtree(old)
     else:
         os.rename(tmp, final)
-    pointer = final.parent / (LATEST + ".tmp")
-    with open(pointer, "w") as f:
-        f.write(final.name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(pointer, final.parent / LATEST)
     _fsync_dir(final.parent)
 
 
+def _discard(tmp: Path) -> None:
+    """Remove what a failed save wrote: its ``.tmp`` directory and the ``latest.tmp`` pointer."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp.parent / (LATEST + ".tmp")).unlink(missing_ok=True)
+
+
 def save(out: str | os.PathLike, step: int, *, model, optimizer, config: dict, meta: dict,
          tp_group) -> Path:
-    """Write ``out/step_{step}`` on every rank collectively; returns its path."""
+    """Write ``out/step_{step}`` on every rank collectively; returns its path.
+
+    On failure (any rank, any error, DCP's own included) every rank raises
+    :class:`CheckpointError` naming the cause, and nothing of this save is left on disk.
+    """
     out = Path(out)
     final, tmp = out / f"step_{step}", out / f"step_{step}.tmp"
     _on_rank0(lambda: _prepare_tmp(tmp))
     state = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=True)
+    meta = {**meta, "ranks": dist.get_world_size(), "rng": _rng_spec()}
     try:
         dcp.save(state, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True))
         _on_rank0(lambda: _finalize(tmp, final, config, meta))
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        previous = latest_step_dir(out)
+            _discard(tmp)
+        try:
+            previous = latest_step_dir(out)
+        except CheckpointError:
+            previous = None
         kept = f"; the previous checkpoint {previous} is intact" if previous else ""
-        raise CheckpointError(f"saving checkpoint step {step} to {out} failed: {exc}{kept}") from exc
+        raise CheckpointError(f"saving checkpoint step {step} to {out} failed: "
+                              f"{_describe(exc)}{kept}") from exc
     return final
 
 
-# --- loading ------------------------------------------------------------------------------
+# --- finding and verifying ---------------------------------------------------------------
 
-def latest_step_dir(out: Path) -> Path | None:
+def latest_step_dir(out: str | os.PathLike) -> Path | None:
+    """The directory ``out/latest`` names; None without a pointer; refused if it names anything
+    but a ``step_N`` directory beside it."""
     pointer = Path(out) / LATEST
-    if not pointer.is_file():
+    if not os.path.lexists(pointer):
         return None
-    name = pointer.read_text().strip()
-    return Path(out) / name if _STEP_DIR.match(name) else None
+    if pointer.is_symlink() or not pointer.is_file():
+        raise CheckpointError(f"{pointer} is not a plain file (a symlink or a directory); refusing it")
+    name = pointer.read_text(errors="replace")[:256].strip()
+    step_dir = Path(out) / name
+    if not _STEP_DIR.match(name) or step_dir.is_symlink() or not step_dir.is_dir():
+        raise CheckpointError(f"{pointer} names {name!r}, which is not a step_N directory beside it")
+    return step_dir
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -243,48 +314,130 @@ def resolve(path: str | os.PathLike) -> Path:
     return latest
 
 
-def verify(ckpt: Path) -> None:
-    """Check every file against the manifest; raise :class:`CheckpointError` naming the first bad one."""
+def _check_relative(ckpt: Path, name: object, where: str) -> str:
+    """``name`` if it is a plain relative path inside the checkpoint, else refused."""
+    plain = (isinstance(name, str) and name and "\\" not in name and "\0" not in name
+             and not PurePosixPath(name).is_absolute() and PurePosixPath(name).as_posix() == name
+             and all(part not in ("", ".", "..") for part in name.split("/")))
+    if not plain:
+        raise CheckpointError(f"checkpoint {ckpt}: {where} names the path {name!r}; only plain paths "
+                              "inside the checkpoint are allowed (no absolute paths, no '..')")
+    return name
+
+
+def _manifest(ckpt: Path) -> dict[str, dict]:
+    """The manifest's files, checked against what is on disk (names, types; not contents)."""
+    if ckpt.is_symlink():
+        raise CheckpointError(f"checkpoint {ckpt} is a symlink; refusing it")
     manifest_path = ckpt / MANIFEST
-    if not manifest_path.is_file():
+    if manifest_path.is_symlink() or not manifest_path.is_file():
         raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} is missing (incomplete or not a "
                               "tensorpar checkpoint)")
     try:
         files = json.loads(manifest_path.read_text())["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not an object")
+        for entry in files.values():
+            if not (isinstance(entry["bytes"], int) and entry["bytes"] >= 0
+                    and isinstance(entry["sha256"], str) and _SHA256.match(entry["sha256"])):
+                raise TypeError(f"entry {entry!r} lacks an integer 'bytes' and a hex 'sha256'")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} is corrupt ({exc})") from exc
-    for name, expected in sorted(files.items()):
-        path = ckpt / name
-        if ".." in Path(name).parts or not path.is_file():
-            raise CheckpointError(f"checkpoint {ckpt}: file {name} listed in the manifest is missing")
-        size = path.stat().st_size
-        if size != expected["bytes"]:
-            raise CheckpointError(f"checkpoint {ckpt}: {name} is {size} bytes, the manifest says "
-                                  f"{expected['bytes']} (truncated or corrupt)")
-        if _sha256(path) != expected["sha256"]:
-            raise CheckpointError(f"checkpoint {ckpt}: {name} fails its SHA-256 check (corrupt or modified)")
+    for name in files:
+        _check_relative(ckpt, name, MANIFEST)
+    on_disk = set()
+    for root, dirs, names in os.walk(ckpt):
+        for entry in dirs + names:
+            path = Path(root) / entry
+            relative = path.relative_to(ckpt).as_posix()
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
+                raise CheckpointError(f"checkpoint {ckpt}: {relative} is a symlink; a checkpoint holds "
+                                      "regular files only")
+            if stat.S_ISREG(mode):
+                on_disk.add(relative)
+            elif not stat.S_ISDIR(mode):
+                raise CheckpointError(f"checkpoint {ckpt}: {relative} is not a regular file")
+    on_disk.discard(MANIFEST)
+    unlisted = sorted(on_disk - set(files))
+    if unlisted:
+        raise CheckpointError(f"checkpoint {ckpt}: {unlisted[0]} is not listed in {MANIFEST} "
+                              "(added or modified after the save); refusing to load it")
+    missing = sorted(set(files) - on_disk)
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt}: file {missing[0]} listed in the manifest is missing")
+    for name in (CONFIG, META, DCP_METADATA):
+        if name not in files:
+            raise CheckpointError(f"checkpoint {ckpt}: {name} is missing (incomplete or not a "
+                                  "tensorpar checkpoint)")
+    return files
+
+
+def _check_file(ckpt: Path, name: str, expected: dict) -> str | None:
+    path = ckpt / name
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        return (f"checkpoint {ckpt}: {name} is {size} bytes, the manifest says {expected['bytes']} "
+                "(truncated or corrupt)")
+    if _sha256(path) != expected["sha256"]:
+        return f"checkpoint {ckpt}: {name} fails its SHA-256 check (corrupt or modified)"
+    return None
+
+
+def _share(files: dict[str, dict], rank: int, world: int) -> list[str]:
+    """This rank's files to hash: the largest first, each to the least-loaded rank."""
+    loads, mine = [0] * world, []
+    for name in sorted(files, key=lambda n: (-files[n]["bytes"], n)):
+        owner = loads.index(min(loads))
+        loads[owner] += files[name]["bytes"] + 1
+        if owner == rank:
+            mine.append(name)
+    return mine
+
+
+def verify(ckpt: Path, *, rank: int = 0, world: int = 1) -> None:
+    """Check the checkpoint's files against its manifest; raise :class:`CheckpointError` naming
+    the first bad one. With ``world`` > 1, only this ``rank``'s share is hashed (the listing and
+    DCP's references are checked by every rank)."""
+    ckpt = Path(ckpt)
+    files = _manifest(ckpt)
+    share = _share(files, rank, world)
+    threads = max(1, min(len(share), torch.get_num_threads(), 8))
+    with ThreadPoolExecutor(threads) as pool:
+        for error in pool.map(lambda name: _check_file(ckpt, name, files[name]), share):
+            if error is not None:
+                raise CheckpointError(error)
+    read_metadata(ckpt, listed=set(files))
 
 
 def read_json(ckpt: Path) -> tuple[dict, dict]:
-    """(config, meta) of a verified checkpoint."""
+    """(config, meta) of a checkpoint."""
     return json.loads((ckpt / CONFIG).read_text()), json.loads((ckpt / META).read_text())
 
 
 def open_checkpoint(path: str | os.PathLike) -> tuple[Path, dict, dict]:
-    """Resolve and verify ``path`` (on rank 0, the verdict shared); returns (dir, config, meta)."""
+    """Resolve and verify ``path``, every rank hashing its share of the files and all agreeing
+    on the verdict; returns (dir, config, meta). Collective when a world is initialized."""
     ckpt = resolve(path)
-    _on_rank0(lambda: verify(ckpt))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    try:
+        verify(ckpt, rank=rank, world=world)
+        error = None
+    except (CheckpointError, OSError) as exc:
+        error = _describe(exc)
+    _agree(error)
     config, meta = read_json(ckpt)
     return ckpt, config, meta
 
+
+# --- DCP's metadata, read without running anything -----------------------------------------
 
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
         "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
 } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-     ("collections", "OrderedDict")}
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -299,43 +452,151 @@ class _MetadataUnpickler(pickle.Unpickler):
                                      "checkpoint never contains; refusing to load it")
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with the metadata read by :class:`_MetadataUnpickler`."""
+def _is_ints(value, *, length: int | None = None) -> bool:
+    return (isinstance(value, (tuple, list, torch.Size)) and (length is None or len(value) == length)
+            and all(type(v) is int and v >= 0 for v in value))
 
-    def read_metadata(self, *args, **kwargs):
-        rank = kwargs.get("rank")
-        path = self._get_metadata_path(rank)
-        with self.fs.create_stream(path, "rb") as f:
+
+def read_metadata(ckpt: Path, *, listed: set[str]) -> Metadata:
+    """DCP's ``.metadata`` of ``ckpt`` through :class:`_MetadataUnpickler`, its structure checked:
+    only tensor or bytes entries, chunks inside their tensors, and data files that are plain
+    paths listed in the manifest (``listed``)."""
+    try:
+        with open(ckpt / DCP_METADATA, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, ImportError,
+            IndexError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {ckpt}: {DCP_METADATA} is refused: {exc}") from exc
+
+    def refuse(why: str):
+        raise CheckpointError(f"checkpoint {ckpt}: {DCP_METADATA} {why}; refusing to load it")
+
+    if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
+            and isinstance(metadata.storage_data, dict)
+            and (metadata.storage_meta is None or isinstance(metadata.storage_meta, StorageMeta))):
+        refuse("is not DCP metadata")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(key, str):
+            refuse(f"has a non-string key {key!r}")
+        if isinstance(entry, TensorStorageMetadata):
+            if not (isinstance(entry.properties, TensorProperties)
+                    and isinstance(entry.properties.dtype, torch.dtype) and _is_ints(entry.size)
+                    and isinstance(entry.chunks, list)):
+                refuse(f"describes {key} malformed")
+            for chunk in entry.chunks:
+                if not (isinstance(chunk, ChunkStorageMetadata)
+                        and _is_ints(chunk.offsets, length=len(entry.size))
+                        and _is_ints(chunk.sizes, length=len(entry.size))
+                        and all(o + n <= s for o, n, s in zip(chunk.offsets, chunk.sizes, entry.size))):
+                    refuse(f"has a chunk of {key} outside its shape {list(entry.size)}")
+    for index, info in metadata.storage_data.items():
+        if not (isinstance(index, MetadataIndex) and index.fqn in metadata.state_dict_metadata
+                and isinstance(info, _StorageInfo) and type(info.offset) is int and info.offset >= 0
+                and type(info.length) is int and info.length >= 0 and not info.transform_descriptors):
+            refuse(f"has a malformed storage entry {index!r}")
+        name = _check_relative(ckpt, info.relative_path, DCP_METADATA)
+        if name not in listed:
+            refuse(f"refers to {name}, which {MANIFEST} does not list")
+    return metadata
 
 
-def _check_shapes(ckpt: Path, state: dict) -> None:
-    stored = SafeFileSystemReader(ckpt).read_metadata().state_dict_metadata
-    missing = sorted(k for k in state if k not in stored)
-    if missing:
-        raise CheckpointError(f"checkpoint {ckpt} lacks {len(missing)} entries this model needs, "
-                              f"e.g. {missing[:3]}")
-    wrong = [f"{k}: checkpoint {list(stored[k].size)}, model {list(v.shape)}"
-             for k, v in state.items() if list(stored[k].size) != list(v.shape)]
-    if wrong:
-        raise CheckpointError(f"checkpoint {ckpt} has tensors of other shapes: " + "; ".join(wrong[:4]))
+# --- loading ------------------------------------------------------------------------------
+
+def _spec(value: torch.Tensor) -> tuple[torch.dtype, list[int]]:
+    return value.dtype, list(value.shape)  # a DTensor's shape is its global shape
+
+
+def _expected_entries(model, meta: dict, ckpt: Path, tp_group) -> dict[str, tuple[torch.dtype, list[int]]]:
+    """Every entry the checkpoint must hold: model, optimizer and every saving rank's RNG states."""
+    model_state = build_state_dict(model, None, tp_group=tp_group, with_rng=False)
+    expected = {}
+    for key, value in model_state.items():
+        name = key.removeprefix("model.")
+        expected[key] = _spec(value)
+        expected[f"optim.{name}.step"] = (torch.float32, [])
+        for moment in _ADAM_MOMENTS:
+            expected[f"optim.{name}.{moment}"] = _spec(value)
+    ranks, rng = meta.get("ranks"), meta.get("rng")
+    if not (type(ranks) is int and ranks > 0 and isinstance(rng, dict)
+            and all(isinstance(k, str) and _RNG_NAME.match(k) and _is_ints(v) for k, v in rng.items())):
+        raise CheckpointError(f"checkpoint {ckpt}: {META} lacks a valid 'ranks' and 'rng' description")
+    for rank in range(ranks):
+        for name, shape in rng.items():
+            expected[f"rng.rank{rank}.{name}"] = (torch.uint8, list(shape))
+    return expected
+
+
+def _mismatch(stored: dict, expected: dict) -> str | None:
+    """The first difference between DCP's entries and the expected ones, named by key."""
+    for key in sorted(expected):
+        if key not in stored:
+            return f"lacks the entry {key} (a {len(stored)}-entry checkpoint of another model?)"
+    for key in sorted(stored):
+        entry = stored[key]
+        if key not in expected:
+            return f"has an entry {key} that this model's state does not have"
+        if not isinstance(entry, TensorStorageMetadata):
+            return f"stores {key} as {type(entry).__name__}, not as a tensor (a checkpoint holds tensors only)"
+        dtype, shape = expected[key]
+        if entry.properties.dtype != dtype:
+            return f"stores {key} as {entry.properties.dtype}, expected {dtype}"
+        if list(entry.size) != shape:
+            return f"stores {key} with shape {list(entry.size)}, expected {shape}"
+        covered = sum(torch.Size(chunk.sizes).numel() for chunk in entry.chunks)
+        if covered != torch.Size(shape).numel():
+            return f"has chunks of {key} covering {covered} of its {torch.Size(shape).numel()} elements"
+    return None
+
+
+class _ValidatedReader(FileSystemReader):
+    """DCP's file reader, handing DCP the metadata already read and validated (never the file)."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if self._metadata.storage_meta is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+class _TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's planner without its bytes path (which unpickles with ``weights_only=False``)."""
+
+    def load_bytes(self, read_item, value) -> None:
+        raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn} is not a tensor; refusing it")
 
 
 def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
     """Load a verified checkpoint into ``model``/``optimizer`` (any TP/DP size), collectively.
 
+    Every rank first validates the whole DCP metadata against the exact state dict expected
+    (every saving rank's entries included); only then does DCP read tensor data.
     ``restore_rng`` (only meaningful at the saving run's sizes) also restores this rank's RNG.
     """
     if optimizer is not None:
         _init_adam_state(optimizer)
     state = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=restore_rng)
-    _on_rank0(lambda: _check_shapes(ckpt, state))
+    metadata, error = None, None
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(ckpt))
-    except Exception as exc:
-        raise CheckpointError(f"loading checkpoint {ckpt} failed: {exc}") from exc
+        meta = read_json(ckpt)[1]
+        expected = _expected_entries(model, meta, ckpt, tp_group)
+        if restore_rng and meta["rng"] != _rng_spec():
+            raise CheckpointError(f"checkpoint {ckpt}: its RNG states {sorted(meta['rng'])} are not "
+                                  f"this process's {sorted(_rng_spec())}")
+        metadata = read_metadata(ckpt, listed=set(_manifest(ckpt)))
+        problem = _mismatch(metadata.state_dict_metadata, expected)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {ckpt} {problem}; refusing to load it")
+    except (CheckpointError, OSError, ValueError) as exc:
+        error = _describe(exc)
+    _agree(error)
+    try:
+        dcp.load(state, storage_reader=_ValidatedReader(ckpt, metadata), planner=_TensorsOnlyPlanner())
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise CheckpointError(f"loading checkpoint {ckpt} failed: {_describe(exc)}") from exc
     if restore_rng:
         prefix = f"rng.rank{dist.get_rank()}."
         _set_rng_state({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})

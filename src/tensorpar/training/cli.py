@@ -74,6 +74,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--resume", default=None, metavar="CKPT",
                      help="checkpoint to continue from: a step_N directory or an output directory "
                           "(its latest); any TP/DP size (default: start a new run)")
+    run.add_argument("--overwrite", action="store_true",
+                     help="start over in an --out that holds a run: its files are removed once this run's "
+                          "first checkpoint is written")
     run.add_argument("--save-every", type=_non_negative(int), default=0,
                      help="checkpoint every N steps (0: only at the end)")
     run.add_argument("--eval-every", type=_non_negative(int), default=100, help="validate every N steps (0: never)")
@@ -201,6 +204,7 @@ def _check_train_args(args, world: int) -> None:
     from ..models.gpt import GPTConfig
     from .data import inspect_data, train_token_count
     from .loop import VAL_FRACTION, build_config, check_fits, settle_run
+    from . import rundir
 
     if args.model is not None and args.model not in GPTConfig.PRESETS:
         raise UsageError(f"--model {args.model!r} is not a preset; choose from {list(GPTConfig.PRESETS)}")
@@ -216,6 +220,7 @@ def _check_train_args(args, world: int) -> None:
     settle_run(args, meta=meta, dp_size=world // args.tp)
     args.out = args.out or DEFAULT_OUT
     _check_writable_dir(Path(args.out), "--out")
+    rundir.check(args.out, resume=args.resume is not None, overwrite=args.overwrite)
 
 
 def train_entry(args):

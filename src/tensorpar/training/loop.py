@@ -13,6 +13,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +27,7 @@ from ..errors import UsageError
 from ..grads import DataParallelGradReducer, allreduce_sequence_parallel_grads, clip_grad_norm_, get_grad_norm
 from ..models.gpt import GPT, GPTConfig
 from ..random import model_parallel_manual_seed
-from . import checkpoint
+from . import checkpoint, rundir
 from .data import BatchSampler, load_corpus
 from .progress import Progress
 
@@ -239,6 +242,7 @@ class RunResult:
     checkpoint: str | None
     tokens_per_s: float
     config: dict
+    stopped_by: str | None = None  # "SIGTERM" when preempted (after a checkpoint)
 
 
 def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: int, sizes) -> str:
@@ -254,18 +258,107 @@ def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: 
     return str(path)
 
 
-def train(args) -> RunResult:
-    """Train on every rank of the current world (initializing tensorpar's groups), per ``args``."""
-    ps.initialize_model_parallel(args.tp, timeout=args.timeout)
+class _Signals:
+    """SIGTERM asks to stop after the current step, with a checkpoint; SIGINT stops at once.
+
+    Handlers are installed only in the main thread (Python's rule) and restored on exit.
+    """
+
+    def __init__(self) -> None:
+        self.term = self.interrupted = False
+        self._previous = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_term),
+                              signal.SIGINT: signal.signal(signal.SIGINT, self._on_int)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _on_term(self, signum, frame) -> None:
+        self.term = True
+
+    def _on_int(self, signum, frame) -> None:
+        if not self.interrupted:  # a launcher forwarding the same Ctrl-C must not interrupt the exit
+            self.interrupted = True
+            raise KeyboardInterrupt
+
+
+def _say(message: str) -> None:
+    print(f"tensorpar train: {message}", file=sys.stderr, flush=True)
+
+
+def _resume_hint(out: Path | None) -> str:
     try:
-        return _train(args)
+        last = checkpoint.latest_step_dir(out) if out is not None else None
+    except checkpoint.CheckpointError:
+        last = None
+    if last is None:
+        return "no checkpoint was written"
+    return f"the last checkpoint is {last} (continue with --resume {out})"
+
+
+def train(args) -> RunResult:
+    """Train on every rank of the current world (initializing tensorpar's groups), per ``args``.
+
+    Rank 0 holds the output directory's lock for the whole run. An error on any rank propagates
+    at once (peers fail fast on the broken connection; nothing here waits for them).
+    """
+    ps.initialize_model_parallel(args.tp, timeout=args.timeout)
+    lock, signals = None, _Signals()
+    try:
+        with signals:
+            lock = _claim_out(args)
+            result = _train(args, signals)
+        dist.barrier()  # success only: nobody tears down gloo while a peer still talks to it
+        return result
+    except BaseException:
+        if not signals.interrupted:
+            raise
+        if dist.get_rank() == 0:
+            _say(f"interrupted (SIGINT); {_resume_hint(Path(args.out) if args.out else None)}")
+        raise SystemExit(130) from None
     finally:
-        if dist.is_initialized():
-            dist.barrier()  # nobody tears down gloo while a peer still talks to it
+        # Local clean-up only: waiting on a peer here would hide this rank's error behind a timeout.
+        if lock is not None:
+            lock.release()
         ps.destroy_model_parallel()
 
 
-def _train(args) -> RunResult:
+def _claim_out(args) -> rundir.RunLock | None:
+    """Rank 0 locks ``args.out`` (refused on every rank if it cannot)."""
+    if not args.out:
+        return None
+    outcome = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = rundir.claim(args.out, resume=bool(args.resume),
+                                      overwrite=getattr(args, "overwrite", False))
+        except (rundir.RunDirError, OSError) as exc:
+            outcome[1] = str(exc)
+    if dist.get_world_size() > 1:
+        shared = [outcome[1]]
+        dist.broadcast_object_list(shared, src=0)
+        outcome[1] = shared[0]
+    if outcome[1] is not None:
+        raise rundir.RunDirError(outcome[1])
+    if outcome[0] is not None and outcome[0].set_aside is not None:
+        _say(f"--overwrite: the previous run is kept in {outcome[0].set_aside} until this run's first "
+             "checkpoint is written")
+    return outcome[0]
+
+
+def _stop_requested(signals: _Signals, device) -> bool:
+    """Whether any rank got SIGTERM: all ranks then stop after the same step."""
+    flag = torch.tensor([1.0 if signals.term else 0.0], device=device)
+    comm.all_reduce(flag, None, op="max")
+    return bool(flag.item())
+
+
+def _train(args, signals: _Signals) -> RunResult:
     tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
     tp_size, dp_size, dp_rank = (comm.group_size(tp_group), comm.group_size(dp_group),
                                  comm.group_rank(dp_group))
@@ -350,10 +443,22 @@ def _train(args) -> RunResult:
                                device=device, dp_group=dp_group)
                 result.val_losses[done] = val
                 progress.eval(step=done, val_loss=val)
-            if out is not None and ((args.save_every and done % args.save_every == 0) or done == args.steps):
+            stop = _stop_requested(signals, device)
+            if out is not None and (stop or (args.save_every and done % args.save_every == 0)
+                                    or done == args.steps):
                 result.checkpoint = _save(out, done, model=model, optimizer=optimizer, config=config,
                                           args=args, tokens_seen=done * tokens_per_step,
                                           sizes=(tp_size, dp_size))
+                if getattr(args, "overwrite", False) and is_rank0:
+                    rundir.remove_set_aside(out)  # the new run's first checkpoint is safely written
+            if stop:
+                result.stopped_by = "SIGTERM"
+                if is_rank0:
+                    where = f"checkpoint {result.checkpoint}" if result.checkpoint else "no --out, no checkpoint"
+                    _say(f"stopped by SIGTERM after step {done}; {where}"
+                         + (f" (continue with --resume {out})" if result.checkpoint else ""))
+                break
+        progress.plot()
     finally:
         progress.close()
         reducer.remove_hooks()

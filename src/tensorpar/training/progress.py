@@ -4,12 +4,17 @@ Only rank 0 reports. On a terminal a tqdm bar shows each step; when stderr is no
 (a log file, a pipe, a batch system) every ``log_every``-th step is one plain line, with no
 carriage-return redraws. tqdm and matplotlib are optional: without tqdm the plain lines are
 used, without matplotlib there is no plot; either absence is noted once.
+
+Crash safety: a ``metrics.jsonl`` row is appended with one ``write`` and cut back off if the
+write fails (disk full), so the file only ever holds whole rows; ``loss.png`` and a rewritten
+``metrics.jsonl`` are written to a temporary file and renamed over the old one.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +25,41 @@ PLOT = "loss.png"
 
 def _note(message: str) -> None:
     print(f"tensorpar: {message}", file=sys.stderr, flush=True)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` (one whole row) to ``path``; on failure the file is left as it was."""
+    data = line.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            written = 0
+            while written < len(data):
+                written += os.write(fd, data[written:])
+        except BaseException:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def replace_file(path: Path, write) -> None:
+    """Write ``path`` through ``write(tmp_path)`` and rename it into place; no partial file remains."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The whole rows of a ``metrics.jsonl`` (a last line cut off by a power loss is dropped)."""
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    return [json.loads(line) for line in lines if line.endswith("\n") and line.strip()]
 
 
 class Progress:
@@ -42,9 +82,9 @@ class Progress:
             out.mkdir(parents=True, exist_ok=True)
             metrics = out / METRICS
             if first_step > 0 and metrics.is_file():
-                self.rows = [row for line in metrics.read_text().splitlines() if line.strip()
-                             for row in [json.loads(line)] if row["step"] <= first_step]
-            metrics.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+                self.rows = [row for row in read_rows(metrics) if row["step"] <= first_step]
+            text = "".join(json.dumps(row) + "\n" for row in self.rows)
+            replace_file(metrics, lambda tmp: tmp.write_text(text))
         if bar and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
@@ -57,8 +97,7 @@ class Progress:
     def _append(self, row: dict) -> None:
         self.rows.append(row)
         if self.out is not None:
-            with open(self.out / METRICS, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_line(self.out / METRICS, json.dumps(row) + "\n")
 
     def step(self, *, step: int, loss: float, lr: float, tokens_per_s: float, grad_norm: float,
              log: bool) -> None:
@@ -109,14 +148,15 @@ class Progress:
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if train or val:
+            ax.legend()
         fig.tight_layout()
-        tmp = self.out / (PLOT + ".tmp.png")
-        fig.savefig(tmp, dpi=100)
-        plt.close(fig)
-        tmp.replace(self.out / PLOT)
+        try:
+            replace_file(self.out / PLOT, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+        finally:
+            plt.close(fig)
 
     def close(self) -> None:
+        """Close the bar (the final plot is the caller's, on success: see :meth:`plot`)."""
         if self._bar is not None:
             self._bar.close()
-        self.plot()

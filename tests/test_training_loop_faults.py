@@ -1,0 +1,182 @@
+"""A fault ends the job fast with its cause and loses nothing; preemption (SIGTERM) saves and
+resumes bit-identically; Ctrl-C (SIGINT) stops without a traceback, naming the last checkpoint."""
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tensorpar.training import checkpoint
+from tensorpar.training.cli import parse_train_args
+from tests.harness import run_on_ranks
+
+TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
+        "--warmup", "1", "--eval-every", "0", "--no-progress", "--tp", "1", "--seed", "3"]
+FAULTS = Path(__file__).parent / "faults"
+
+
+def _cli(*argv, fault=None, stamp=None):
+    env = dict(os.environ)
+    if fault:
+        env.update(TENSORPAR_FAULT=fault, TENSORPAR_FAULT_STAMP=str(stamp),
+                   PYTHONPATH=os.pathsep.join([str(FAULTS), env.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-m", "tensorpar.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+
+def _finish(proc, timeout=180):
+    """Wait for the command; returns (stdout, stderr, when its last process was gone)."""
+    out, err = proc.communicate(timeout=timeout)
+    deadline = time.monotonic() + 5  # multiprocessing's resource tracker exits just after
+    while True:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return out, err, time.time()
+        assert time.monotonic() < deadline, "a process of the job outlived the command"
+        time.sleep(0.05)
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("fault, cause", [
+    ("batch:1:3", "bad batch at step 3"),
+    ("metrics-enospc:0:3", "No space left on device: '{out}/metrics.jsonl'"),
+])
+def test_a_rank_that_raises_mid_step_ends_every_rank_within_10s_with_the_cause(tmp_path, fault, cause):
+    out, stamp = tmp_path / "run", tmp_path / "fault-time"
+    proc = _cli("train", "--nproc", "2", *TINY, "--steps", "6", "--save-every", "2", "--log-every", "1",
+                "--out", str(out), fault=fault, stamp=stamp)
+    _, err, ended = _finish(proc)
+    assert proc.returncode != 0
+    assert cause.format(out=out) in err, err
+    assert ended - float(stamp.read_text()) < 10, err  # not the 300 s collective timeout
+    assert (out / "latest").read_text() == "step_2\n"  # nothing lost
+    assert [row["step"] for row in _rows(out)] == [1, 2]  # whole rows only
+    assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A 1.2 MB filesystem: room for one tiny checkpoint, not two."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("this machine cannot mount a tmpfs (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_disk_full_on_a_small_tmpfs(tmpfs):
+    out = tmpfs / "run"
+    began = time.time()
+    proc = _cli("train", "--nproc", "2", *TINY, "--steps", "8", "--save-every", "2", "--out", str(out))
+    _, err, ended = _finish(proc)
+    assert proc.returncode != 0
+    assert "No space left on device" in err and "saving checkpoint step 4" in err, err
+    assert ended - began < 100, err  # a 300 s collective timeout would show
+    assert sorted(p.name for p in out.iterdir()) == [".tensorpar.lock", "latest", "metrics.jsonl", "step_2"]
+    checkpoint.verify(out / "step_2")
+
+
+def _signal_body(argv, signum, at_step, ranks):
+    """Train, sending ``signum`` to this process at ``at_step`` on ``ranks``; returns
+    (losses, checkpoint, stopped_by, exit code, what rank 0 printed)."""
+    import torch.distributed as dist
+
+    from tensorpar.training import loop, progress
+
+    real_step = progress.Progress.step
+
+    def step(self, **kwargs):
+        real_step(self, **kwargs)
+        if kwargs["step"] == at_step and dist.get_rank() in ranks:
+            os.kill(os.getpid(), signum)
+
+    progress.Progress.step = step
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            result = loop.train(parse_train_args(argv))
+        return result.losses, result.checkpoint, result.stopped_by, None, said.getvalue()
+    except SystemExit as exc:
+        return None, None, None, exc.code, said.getvalue()
+    finally:
+        progress.Progress.step = real_step
+
+
+def _full(tmp_path, world, *extra):
+    argv = TINY + ["--steps", "8", "--out", str(tmp_path / "full"), *extra]
+    return run_on_ranks(_signal_body, world, argv, signal.SIGTERM, -1, ())[0][0]
+
+
+def test_sigterm_on_one_rank_saves_after_the_step_and_resume_is_bit_identical(tmp_path):
+    full = _full(tmp_path, 2, "--tp", "2")
+    out = tmp_path / "run"
+    argv = TINY + ["--tp", "2", "--steps", "8", "--save-every", "5", "--out", str(out)]
+    results = run_on_ranks(_signal_body, 2, argv, signal.SIGTERM, 3, (1,))
+    losses, ckpt, stopped_by, code, said = results[0]
+    assert [r[:4] for r in results] == [(losses, ckpt, "SIGTERM", None)] * 2  # the ranks agree
+    assert list(losses) == [1, 2, 3] and ckpt == str(out / "step_3")
+    assert (f"tensorpar train: stopped by SIGTERM after step 3; checkpoint {out}/step_3 (continue with "
+            f"--resume {out})") in said.splitlines()
+    resumed = run_on_ranks(_signal_body, 2, argv + ["--resume", str(out)], signal.SIGTERM, -1, ())[0][0]
+    assert {**losses, **resumed} == full  # bit-identical, not approximately
+
+
+def test_sigint_stops_at_once_naming_the_last_checkpoint_and_resume_is_bit_identical(tmp_path):
+    full = _full(tmp_path, 2)
+    out = tmp_path / "run"
+    argv = TINY + ["--steps", "8", "--save-every", "2", "--out", str(out)]
+    results = run_on_ranks(_signal_body, 2, argv, signal.SIGINT, 5, (0, 1))
+    assert [r[3] for r in results] == [130, 130]
+    assert (f"tensorpar train: interrupted (SIGINT); the last checkpoint is {out}/step_4 (continue with "
+            f"--resume {out})") in results[0][4].splitlines()
+    assert results[1][4] == ""
+    resumed = run_on_ranks(_signal_body, 2, argv + ["--resume", str(out)], signal.SIGINT, -1, ())[0][0]
+    assert list(resumed) == [5, 6, 7, 8]
+    assert resumed == {step: full[step] for step in resumed}
+
+
+def _wait_for_step(proc, out, step, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not ((out / "metrics.jsonl").is_file() and len(_rows(out)) >= step):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+
+
+def test_ctrl_c_on_the_command_prints_one_line_and_no_traceback(tmp_path):
+    out = tmp_path / "run"
+    proc = _cli("train", "--nproc", "1", *TINY, "--steps", "100000", "--save-every", "2", "--log-every", "1",
+                "--out", str(out))
+    _wait_for_step(proc, out, 3)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err, _ = _finish(proc)
+    assert proc.returncode == 130
+    assert "Traceback" not in err
+    last = (out / "latest").read_text().strip()
+    assert err.strip().splitlines()[-1] == (f"tensorpar train: interrupted (SIGINT); the last checkpoint is "
+                                            f"{out}/{last} (continue with --resume {out})")
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_says_where(tmp_path):
+    out = tmp_path / "run"
+    proc = _cli("train", "--nproc", "2", *TINY, "--steps", "100000", "--log-every", "1", "--out", str(out))
+    _wait_for_step(proc, out, 3)
+    os.kill(proc.pid, signal.SIGTERM)  # what a scheduler or torchrun's own parent sends
+    _, err, _ = _finish(proc)
+    step = int((out / "latest").read_text().strip().removeprefix("step_"))
+    assert step >= 3
+    assert (f"tensorpar train: stopped by SIGTERM after step {step}; checkpoint {out}/step_{step} "
+            f"(continue with --resume {out})") in err.splitlines(), err
+    checkpoint.verify(out / f"step_{step}")

@@ -1,0 +1,163 @@
+"""One run per output directory: the OS lock (refusals name the holder's PID, released on
+kill -9), no fresh run into a directory holding one, ``--overwrite`` loses nothing early."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tensorpar.training import rundir
+from tensorpar.training.cli import parse_train_args
+from tests.harness import run_on_ranks
+
+TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
+        "--warmup", "1", "--eval-every", "0", "--no-progress", "--tp", "1"]
+
+_HOLD = """
+import sys, time
+from tensorpar.training.rundir import RunLock
+RunLock(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """A process holding the lock on ``tmp_path / 'run'``."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    yield out, proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_locked_directory_is_refused_naming_the_pid_and_freed_by_kill_9(holder):
+    out, proc = holder
+    with pytest.raises(rundir.RunDirError, match=rf"^--out {out} is in use by another tensorpar run "
+                                                 rf"\(PID {proc.pid}\); wait for it to finish"):
+        rundir.RunLock(out).acquire()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    rundir.RunLock(out).acquire().release()
+
+
+def _train_or_refuse_body(argv):
+    from tensorpar.training.loop import train
+
+    try:
+        return sorted(train(parse_train_args(argv)).losses)
+    except rundir.RunDirError as exc:
+        return str(exc)
+
+
+def test_every_rank_refuses_a_locked_directory(holder):
+    out, proc = holder
+    refusals = run_on_ranks(_train_or_refuse_body, 2, TINY + ["--steps", "2", "--out", str(out)])
+    assert refusals == [f"--out {out} is in use by another tensorpar run (PID {proc.pid}); wait for it to "
+                        "finish or choose another --out"] * 2
+    assert sorted(p.name for p in out.iterdir()) == [".tensorpar.lock"]
+
+
+def _cli(*argv, env=None, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "tensorpar.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, **kwargs)
+
+
+def test_two_concurrent_runs_on_one_directory(tmp_path):
+    out = tmp_path / "run"
+    first = _cli("train", "--nproc", "1", *TINY, "--steps", "100000", "--log-every", "1", "--out", str(out))
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.2)
+        began = time.monotonic()
+        second = _cli("train", "--nproc", "1", *TINY, "--steps", "2", "--out", str(out))
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 2
+        assert err.strip().splitlines()[-1] == (f"tensorpar train: error: --out {out} is in use by another "
+                                                f"tensorpar run (PID {first.pid}); wait for it to finish or "
+                                                "choose another --out")
+        assert time.monotonic() - began < 60  # refused before any training starts
+        assert first.poll() is None  # the first run goes on, untouched
+    finally:
+        first.kill()
+        first.communicate()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, len(rows) + 1))  # one run's rows only
+    rundir.check(out, resume=True, overwrite=False)  # kill -9 released the lock
+
+
+@pytest.fixture
+def finished_run(tmp_path):
+    out = tmp_path / "run"
+    run_on_ranks(_train_or_refuse_body, 1, TINY + ["--steps", "2", "--out", str(out)])
+    return out
+
+
+def test_a_fresh_run_into_a_directory_holding_a_run_is_refused(finished_run):
+    out = finished_run
+    message = (f"--out {out} already holds a run (latest, loss.png, metrics.jsonl, step_2); continue it "
+               f"with --resume {out} or start over with --overwrite")
+    with pytest.raises(rundir.RunDirError) as refused:
+        rundir.check(out, resume=False, overwrite=False)
+    assert str(refused.value) == message
+    assert run_on_ranks(_train_or_refuse_body, 1, TINY + ["--steps", "4", "--out", str(out)]) == [message]
+    assert (out / "latest").read_text() == "step_2\n"
+    with pytest.raises(rundir.RunDirError, match="give one of them"):
+        rundir.check(out, resume=True, overwrite=True)
+
+
+def _overwrite_body(argv, fail_at_step):
+    """Train with --overwrite, recording what is on disk when the first checkpoint is saved."""
+    from tensorpar.training import checkpoint, loop
+
+    real_save, seen = checkpoint.save, []
+
+    def save(out, step, **kwargs):
+        seen.append(sorted(p.name for p in out.iterdir()))
+        return real_save(out, step, **kwargs)
+
+    def boom(*args, **kwargs):
+        raise ValueError("bad batch")
+
+    checkpoint.save = save
+    if fail_at_step:
+        loop.BatchSampler.micro_batches, real_batches = boom, loop.BatchSampler.micro_batches
+    try:
+        loop.train(parse_train_args(argv))
+    except ValueError as exc:
+        return str(exc), seen
+    finally:
+        checkpoint.save = real_save
+        if fail_at_step:
+            loop.BatchSampler.micro_batches = real_batches
+    return None, seen
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(finished_run):
+    out = finished_run
+    old_step = (out / "step_2" / "manifest.json").read_text()
+    argv = TINY + ["--steps", "4", "--save-every", "4", "--seed", "5", "--out", str(out), "--overwrite"]
+    # A new run that fails before its first checkpoint loses nothing: the old run is set aside.
+    assert run_on_ranks(_overwrite_body, 1, argv, True) == [("bad batch", [])]
+    aside = out / ".previous-run-0"
+    assert (aside / "step_2" / "manifest.json").read_text() == old_step
+    assert (aside / "latest").read_text() == "step_2\n"
+    # A new run that writes its first checkpoint: the old one existed until then, and is gone after.
+    error, seen = run_on_ranks(_overwrite_body, 1, argv, False)[0]
+    assert error is None and seen == [[".previous-run-0", ".previous-run-1", ".tensorpar.lock", "metrics.jsonl"]]
+    assert sorted(p.name for p in out.iterdir()) == [".tensorpar.lock", "latest", "loss.png", "metrics.jsonl",
+                                                     "step_4"]
+    assert (out / "latest").read_text() == "step_4\n"
+
+
+def test_a_run_that_holds_the_lock_releases_it_when_it_ends(finished_run):
+    rundir.RunLock(finished_run).acquire().release()
+    assert os.path.isfile(finished_run / rundir.LOCK)
