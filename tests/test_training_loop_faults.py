@@ -169,14 +169,25 @@ def test_ctrl_c_on_the_command_prints_one_line_and_no_traceback(tmp_path):
                                             f"{out}/{last} (continue with --resume {out})")
 
 
-def test_sigterm_to_the_launcher_checkpoints_and_says_where(tmp_path):
+def _workers(pid):
+    """The rank processes a ``--nproc`` launcher started (not multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def test_sigterm_to_the_ranks_checkpoints_says_where_and_exits_0(tmp_path):
+    """What torchrun does when it is told to stop: it sends SIGTERM to every rank."""
     out = tmp_path / "run"
     proc = _cli("train", "--nproc", "2", *TINY, "--steps", "100000", "--log-every", "1", "--out", str(out))
     _wait_for_step(proc, out, 3)
-    os.kill(proc.pid, signal.SIGTERM)  # what a scheduler or torchrun's own parent sends
+    workers = _workers(proc.pid)
+    assert len(workers) == 2
+    for pid in workers:
+        os.kill(pid, signal.SIGTERM)
     _, err, _ = _finish(proc)
+    assert proc.returncode == 0, err
     step = int((out / "latest").read_text().strip().removeprefix("step_"))
-    assert step >= 3
+    assert step >= 3 and "Traceback" not in err
     assert (f"tensorpar train: stopped by SIGTERM after step {step}; checkpoint {out}/step_{step} "
             f"(continue with --resume {out})") in err.splitlines(), err
     checkpoint.verify(out / f"step_{step}")

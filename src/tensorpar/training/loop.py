@@ -305,7 +305,7 @@ def train(args) -> RunResult:
     """Train on every rank of the current world (initializing tensorpar's groups), per ``args``.
 
     Rank 0 holds the output directory's lock for the whole run. An error on any rank propagates
-    at once (peers fail fast on the broken connection; nothing here waits for them).
+    at once, nothing on that path waits for a peer; the peers fail fast once this process exits.
     """
     ps.initialize_model_parallel(args.tp, timeout=args.timeout)
     lock, signals = None, _Signals()
@@ -313,19 +313,20 @@ def train(args) -> RunResult:
         with signals:
             lock = _claim_out(args)
             result = _train(args, signals)
-        dist.barrier()  # success only: nobody tears down gloo while a peer still talks to it
-        return result
     except BaseException:
+        # The groups stay up: tearing them down here would break the peers' pending collectives
+        # at once, and their errors could be reported before this one. Exiting frees them.
         if not signals.interrupted:
             raise
         if dist.get_rank() == 0:
             _say(f"interrupted (SIGINT); {_resume_hint(Path(args.out) if args.out else None)}")
         raise SystemExit(130) from None
     finally:
-        # Local clean-up only: waiting on a peer here would hide this rank's error behind a timeout.
         if lock is not None:
             lock.release()
-        ps.destroy_model_parallel()
+    dist.barrier()  # nobody tears down gloo while a peer still talks to it
+    ps.destroy_model_parallel()
+    return result
 
 
 def _claim_out(args) -> rundir.RunLock | None:

@@ -1,0 +1,63 @@
+"""metrics.jsonl and loss.png are never left half-written: a failed append leaves the file as it
+was, a failed plot leaves the previous loss.png and no temporary file."""
+
+import errno
+import json
+import os
+
+import pytest
+
+from tensorpar.training import progress
+
+
+def _full_disk_after(nbytes, monkeypatch):
+    """``os.write`` writes ``nbytes`` of the next buffer, then fails with ENOSPC."""
+    real_write = os.write
+
+    def write(fd, data):
+        real_write(fd, data[:nbytes])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(progress.os, "write", write)
+
+
+def test_a_failed_append_leaves_only_whole_rows(tmp_path, monkeypatch):
+    metrics = tmp_path / "metrics.jsonl"
+    progress.append_line(metrics, json.dumps({"step": 1}) + "\n")
+    before = metrics.read_bytes()
+    _full_disk_after(5, monkeypatch)
+    with pytest.raises(OSError, match="No space left on device"):
+        progress.append_line(metrics, json.dumps({"step": 2, "loss": 1.0}) + "\n")
+    assert metrics.read_bytes() == before
+    assert progress.read_rows(metrics) == [{"step": 1}]
+
+
+def test_a_row_cut_off_by_a_power_loss_is_dropped_on_resume(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert progress.read_rows(metrics) == [{"step": 1, "loss": 2.0}]
+    report = progress.Progress(out=tmp_path, total_steps=4, first_step=1, enabled=True, bar=False)
+    assert report.rows == [{"step": 1, "loss": 2.0}]
+    assert metrics.read_text() == '{"step": 1, "loss": 2.0}\n'
+
+
+def test_a_failed_plot_keeps_the_previous_one_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    report = progress.Progress(out=tmp_path, total_steps=4, first_step=0, enabled=True, bar=False)
+    report.step(step=1, loss=3.0, lr=1e-3, tokens_per_s=1.0, grad_norm=1.0, log=True)
+    report.plot()
+    previous = (tmp_path / "loss.png").read_bytes()
+
+    def savefig(self, path, **kwargs):
+        with open(path, "wb") as f:
+            f.write(b"\x89PNG partial")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    report.step(step=2, loss=2.0, lr=1e-3, tokens_per_s=1.0, grad_norm=1.0, log=True)
+    with pytest.raises(OSError, match="No space left on device"):
+        report.plot()
+    assert (tmp_path / "loss.png").read_bytes() == previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "metrics.jsonl"]
