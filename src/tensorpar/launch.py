@@ -142,5 +142,8 @@ def _elastic_entry(entry, *args):
     try:
         return record(entry, error_handler=OneLineErrorHandler())(*args)
     except Exception as exc:  # noqa: BLE001 - recorded above, for the launcher to report
-        # Exit without a traceback on the console; torch's own wrapper would print one.
-        sys.exit(exit_code(exc))
+        # Exit at once and without a traceback (torch's own wrapper would print one): finalizing
+        # torch and gloo objects takes seconds, and the launcher and peers wait on this exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code(exc))

@@ -148,8 +148,7 @@ class Progress:
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
-        if train or val:
-            ax.legend()
+        ax.legend()
         fig.tight_layout()
         try:
             replace_file(self.out / PLOT, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
