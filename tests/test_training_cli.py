@@ -64,6 +64,8 @@ def _train_error(capsys, *argv):
     (["--nproc", "4", "--tp", "4", "--heads", "6", "--hidden", "48"],
      "the model's 6 attention heads are not divisible by --tp 4"),
     (["--nproc", "4", "--tp", "4", "--ffn-hidden", "130"], "the model's FFN width 130 is not divisible by --tp 4"),
+    (["--overlap", "some"], "argument --overlap: expected off, auto or a positive number of chunks, got 'some'"),
+    (["--interleave", "0"], "argument --interleave: must be a finite number > 0, got 0"),
     (["--sp", "--seq-len", "33"], "--seq-len 33 is not divisible by --tp 2, as sequence parallelism (--sp) needs"),
     (["--vocab", "10"], "--vocab 10 is smaller than the data's vocabulary (257 token ids)"),
     (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1 is above --lr 0.1"),

@@ -124,8 +124,9 @@ def test_tp_ranks_share_a_batch_and_dp_ranks_split_the_global_batch():
 
 
 def test_sp_recompute_fusion_and_accumulation_keep_tp2_dp2_equal_to_tp1_dp1(tmp_path):
-    """The fp32 main_grad path (fusion + bucketed DP) with SP grads and recompute, 2 micro-batches."""
-    extra = ("--sp", "--recompute", "--grad-fusion", "--grad-accum", "2")
+    """The fp32 main_grad path (fusion + bucketed DP) with SP grads and recompute, 2 micro-batches,
+    collectives chunked against their GEMMs and interleaved micro-batch halves."""
+    extra = ("--sp", "--recompute", "--grad-fusion", "--grad-accum", "2", "--overlap", "2", "--interleave", "2")
     a, _ = _train(1, 1, 2, tmp_path / "a", *extra)
     b, _ = _train(4, 2, 1, tmp_path / "b", *extra)
     for step in a:

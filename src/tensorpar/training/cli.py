@@ -39,6 +39,15 @@ def _number(kind, *, low: float, low_inclusive: bool = True, high: float | None 
     return parse
 
 
+def _overlap(text: str):
+    if text in ("off", "auto"):
+        return text
+    try:
+        return _positive(int)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected off, auto or a positive number of chunks, got {text!r}") from None
+
+
 def _positive(kind):
     return _number(kind, low=0, low_inclusive=False)
 
@@ -119,6 +128,10 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                        help="dropout probability, in [0, 1)")
     model.add_argument("--sp", action="store_true", help="sequence parallelism")
     model.add_argument("--recompute", action="store_true", help="recompute each block in backward")
+    model.add_argument("--overlap", type=_overlap, default="off",
+                       help="chunk each TP collective against its GEMM: off, auto or a number of chunks")
+    model.add_argument("--interleave", type=_positive(int), default=1,
+                       help="split each block's micro-batch into this many interleaved parts (2: Domino)")
     model.add_argument("--grad-fusion", action="store_true",
                        help="linear layers accumulate weight grads straight into fp32 main_grad")
     model.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
