@@ -15,16 +15,21 @@ HOST_SYNC = torch.ops.aten._local_scalar_dense.default
 
 
 class OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
+    def __init__(self, *, big: int | None = None) -> None:
         super().__init__()
+        self.big = big
         self.counts: collections.Counter = collections.Counter()
         self.elements: collections.Counter = collections.Counter()  # of each op's first argument
+        self.big_results: collections.Counter = collections.Counter()  # results of ``big`` elements
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func] += 1
         if args and isinstance(args[0], torch.Tensor):
             self.elements[func] += args[0].numel()
-        return func(*args, **(kwargs or {}))
+        result = func(*args, **(kwargs or {}))
+        if isinstance(result, torch.Tensor) and result.numel() == self.big:
+            self.big_results[func] += 1
+        return result
 
     @property
     def host_syncs(self) -> int:

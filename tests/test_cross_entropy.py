@@ -146,3 +146,38 @@ def test_cross_entropy_collectives_at_tp2():
             ("all_reduce", "forward", "max", (4, 3), torch.float32, 4 * tokens),
             ("all_reduce", "forward", "sum", (stats, 4, 3), torch.float32, 4 * stats * tokens),
         ]
+
+
+def _fresh_vocab_tensors(ops):
+    """Out-of-place ops whose result has the logits' size: the [..., V/TP] temporaries."""
+    return sum(n for func, n in ops.big_results.items() if not func._schema.name.endswith("_"))
+
+
+def _hot_path_body(read_back: bool):
+    """Items 8 and 9: no host sync (the range check is asynchronous off CPU) and one fp32 copy
+    of the logits, worked on in place."""
+    import unittest.mock
+
+    from tests.op_counter import OpCounter
+
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    torch.manual_seed(0)
+    logits = torch.randn(4, 2, 5, dtype=torch.bfloat16, requires_grad=True)
+    original = logits.detach().clone()
+    target = torch.randint(0, 9, (4, 2))
+    target[0, 0] = -100
+    with unittest.mock.patch("tensorpar.errors._reads_back", lambda t: read_back):
+        with OpCounter(big=logits.numel()) as ops:
+            loss = tp.vocab_parallel_cross_entropy(logits, target, label_smoothing=0.1, vocab_size=9)
+        assert torch.equal(logits.detach(), original)        # the caller's logits untouched
+        bad = target.clone()
+        bad[1, 1] = 10
+        with pytest.raises((ValueError, RuntimeError), match="out of range for vocab_size 9"):
+            tp.vocab_parallel_cross_entropy(logits, bad, vocab_size=9)
+    return ops.host_syncs, _fresh_vocab_tensors(ops)
+
+
+def test_cross_entropy_forward_makes_one_vocab_sized_copy_and_no_host_sync_off_cpu():
+    assert run_on_ranks(_hot_path_body, 2, False) == [(0, 1)] * 2
+    # On CPU (or with TENSORPAR_DEBUG=1) the check reads the range back to name the bad value.
+    assert run_on_ranks(_hot_path_body, 2, True) == [(2, 1)] * 2

@@ -156,3 +156,29 @@ def test_embedding_collectives_at_tp2():
 def test_embedding_before_initialize_is_a_clear_error():
     with pytest.raises(RuntimeError, match="initialize_model_parallel"):
         tp.VocabParallelEmbedding(VOCAB, HIDDEN)
+
+
+def _hot_path_body(read_back: bool):
+    """Items 8 and 9: no host sync off CPU (asynchronous range check), and the lookup's own
+    output is masked and summed in place: no other [b, s, h] tensor is made."""
+    import unittest.mock
+
+    from tests.op_counter import OpCounter
+
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    layer = _layer(0)
+    ids = torch.randint(0, layer.num_embeddings, (2, 5))
+    with unittest.mock.patch("tensorpar.errors._reads_back", lambda t: read_back):
+        with OpCounter(big=ids.numel() * layer.embedding_dim) as ops:
+            out = layer(ids)
+        with pytest.raises((ValueError, RuntimeError), match="token id .*out of range for an embedding"):
+            layer(torch.full((2, 5), layer.num_embeddings))
+    full = _full_weight(0)
+    torch.testing.assert_close(out, full[ids])
+    fresh = sum(n for func, n in ops.big_results.items() if not func._schema.name.endswith("_"))
+    return ops.host_syncs, fresh
+
+
+def test_embedding_forward_sums_its_lookup_in_place_and_does_not_sync_off_cpu():
+    assert run_on_ranks(_hot_path_body, 2, False) == [(0, 1)] * 2
+    assert run_on_ranks(_hot_path_body, 2, True) == [(2, 1)] * 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
+from .errors import check_index_range
 from .parallel_state import resolve_tp_group
 
 
@@ -38,21 +39,27 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_vocab = logits.shape[-1]
         vocab_start = comm.group_rank(group) * local_vocab
         pad = _padding_mask(local_vocab, vocab_start, vocab_size, logits.device)
-        # Out of place: the caller's logits stay untouched (they may feed other losses).
-        x = logits.float()
+        # One fp32 copy, worked on in place: the caller's logits stay untouched (they may feed
+        # other losses), and no other [..., V/TP] temporary is made.
+        x = logits.to(torch.float32, copy=True)
         if pad is not None:
-            x = x.masked_fill(pad, float("-inf"))
+            x.masked_fill_(pad, float("-inf"))
 
         row_max = x.amax(dim=-1)
         comm.all_reduce(row_max, group, op="max")
 
-        shifted = x - row_max.unsqueeze(-1)
+        shifted = x.sub_(row_max.unsqueeze(-1))
         local_t, owned = _local_target(target, vocab_start, local_vocab, ignore_index)
         target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
-        stats = [shifted.exp().sum(dim=-1), target_logit]
+        stats = [None, target_logit]
         if label_smoothing > 0:
-            real = shifted if pad is None else shifted.masked_fill(pad, 0.0)
-            stats.append(real.sum(dim=-1))
+            if pad is not None:
+                shifted.masked_fill_(pad, 0.0)
+            stats.append(shifted.sum(dim=-1))
+        exp = shifted.exp_()
+        if label_smoothing > 0 and pad is not None:
+            exp.masked_fill_(pad, 0.0)      # exp(0) of the padding zeroed above
+        stats[0] = exp.sum(dim=-1)
         stats = comm.all_reduce(torch.stack(stats), group)
 
         log_z = stats[0].log()
@@ -136,11 +143,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
 
 
 def _check_targets(target: torch.Tensor, ignore_index: int, vocab_size: int) -> None:
-    if target.numel() == 0:
-        return
-    # A bad id would otherwise give a finite, wrong loss; one host sync.
-    low, high = (int(v) for v in target.masked_fill(target == ignore_index, 0).aminmax())
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise ValueError(f"target value {bad} is out of range for vocab_size {vocab_size} "
-                         f"(valid: 0..{vocab_size - 1}, or ignore_index={ignore_index})")
+    # A bad id would otherwise give a finite, wrong loss.
+    check_index_range(target, vocab_size, "target value",
+                      f"out of range for vocab_size {vocab_size} (valid: 0..{vocab_size - 1}, "
+                      f"or ignore_index={ignore_index})", ignore=ignore_index)

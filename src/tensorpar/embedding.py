@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from .errors import check_index_range
 from .initialization import (
     init_method_normal,
     init_weight_shard,
@@ -115,11 +116,12 @@ class VocabParallelEmbedding(nn.Module):
         else:
             output = F.embedding(local_ids, self.weight)
         if tp_size > 1:
-            output = output.masked_fill(outside.unsqueeze(-1), 0.0)
+            # In place: the lookup's output is ours, and its backward does not read it.
+            output.masked_fill_(outside.unsqueeze(-1), 0.0)
         if self.reduce_scatter_embeddings:
             output = output.transpose(0, 1).contiguous()
             return reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
-        return reduce_from_tensor_model_parallel_region(output, self.tp_group)
+        return reduce_from_tensor_model_parallel_region(output, self.tp_group, inplace=True)
 
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
@@ -127,14 +129,10 @@ class VocabParallelEmbedding(nn.Module):
         if self.reduce_scatter_embeddings and input_ids.dim() != 2:
             raise ValueError("reduce_scatter_embeddings expects token ids of shape [b, s], got "
                              f"{list(input_ids.shape)}")
-        if input_ids.numel() == 0:
-            return
-        # Out-of-range ids would silently read zeros (every rank masks them); one host sync.
-        low, high = (int(v) for v in input_ids.aminmax())
-        if low < 0 or high >= self.num_embeddings:
-            bad = low if low < 0 else high
-            raise ValueError(f"token id {bad} is out of range for an embedding with "
-                             f"num_embeddings={self.num_embeddings} (valid ids: 0..{self.num_embeddings - 1})")
+        # Out-of-range ids would silently read zeros (every rank masks them).
+        check_index_range(input_ids, self.num_embeddings, "token id",
+                          f"out of range for an embedding with num_embeddings={self.num_embeddings} "
+                          f"(valid ids: 0..{self.num_embeddings - 1})")
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, "

@@ -39,6 +39,34 @@ def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
+def _reads_back(tensor) -> bool:
+    """Whether a range check may read its tensor back: free on CPU, a device sync elsewhere."""
+    return tensor.device.type == "cpu" or debug_enabled()
+
+
+def check_index_range(index, size: int, what: str, where: str, *, ignore: int | None = None) -> None:
+    """Raise ``ValueError("<what> <value> is <where>")`` if an entry of ``index`` is outside ``[0, size)``.
+
+    ``ignore``: a value that is allowed too (an ``ignore_index``). On CPU, and anywhere with
+    ``TENSORPAR_DEBUG=1``, the offending value is read back and named. On an accelerator the
+    check is ``torch._assert_async``: the host never waits for the device (kernels keep being
+    queued ahead), and a bad index stops the run when the device reaches the check.
+    """
+    import torch
+
+    if index.numel() == 0:
+        return
+    if ignore is not None:
+        index = index.masked_fill(index == ignore, 0)
+    if _reads_back(index):
+        low, high = (int(v) for v in index.aminmax())
+        if low < 0 or high >= size:
+            raise ValueError(f"{what} {low if low < 0 else high} is {where}")
+    else:
+        torch._assert_async(((index >= 0) & (index < size)).all(),
+                            f"a {what} is {where} (TENSORPAR_DEBUG=1 names it)")
+
+
 def exit_code(exc: BaseException) -> int:
     """2 for bad input (argparse's convention), 1 for any other failure."""
     return getattr(exc, "exit_code", 1)
