@@ -347,3 +347,71 @@ def test_config_validation_and_presets():
     assert {small.padded_vocab_size(t) for t in (1, 2, 4, 8)} == {50304}
     assert GPTConfig.preset("tiny", vocab_size=100, make_vocab_size_divisible_by=1).padded_vocab_size(3) == 102
     assert GPTConfig.preset("llama-tiny").activation == "swiglu"
+
+
+def _tied_fused_head_body():
+    """Items 2 and 10: the tied head allocates no weight, uses fp32 wgrad fusion, and the
+    embedding weight's main_grad holds both uses' gradients (DP reducer, zero_out_wgrad)."""
+    tp.initialize_model_parallel(dist.get_world_size())
+    group = tp.get_tensor_model_parallel_group()
+    tokens, labels = _data()
+    fused = _build(GPTConfig(**BASE, gradient_accumulation_fusion=True), group)
+    plain = _build(GPTConfig(**BASE), group)
+    assert fused.lm_head.weight is None and fused.lm_head.gradient_accumulation_fusion
+    assert "lm_head.weight" not in fused.state_dict()
+    reducer = tp.DataParallelGradReducer(fused.parameters(), dp_group=tp.get_data_parallel_group())
+    reducer.zero_grad()
+    fused(tokens, labels).backward()
+    reducer.finish()
+    plain(tokens, labels).backward()
+    weight = fused.embedding.word.weight
+    assert weight.zero_out_wgrad
+    torch.testing.assert_close(weight.main_grad, plain.embedding.word.weight.grad, rtol=RTOL, atol=ATOL)
+    reducer.remove_hooks()
+    return True
+
+
+def test_tied_head_allocates_no_weight_and_fuses_its_wgrad():
+    assert run_on_ranks(_tied_fused_head_body, 2) == [True, True]
+
+
+def _host_sync_body(config_overrides):
+    """Item 8: a training micro-batch (forward, loss, backward) queues everything without
+    waiting for the device (range checks asynchronous, as off CPU)."""
+    import unittest.mock
+
+    from tests.op_counter import OpCounter
+
+    tp.initialize_model_parallel(dist.get_world_size())
+    model = _build(GPTConfig(**{**BASE, **config_overrides}), tp.get_tensor_model_parallel_group())
+    tokens, labels = _data()
+    with unittest.mock.patch("tensorpar.errors._reads_back", lambda t: False), OpCounter() as ops:
+        model(tokens, labels).backward()
+    return ops.host_syncs
+
+
+def test_gpt_micro_batch_never_syncs_the_host_off_cpu():
+    assert run_on_ranks(_host_sync_body, 2, {}) == [0, 0]
+    assert run_on_ranks(_host_sync_body, 2, dict(LLAMA, sequence_parallel=True)) == [0, 0]
+
+
+def _rotary_cache_body():
+    """Item 9: rotary tables built once per device and compute dtype, bf16 under autocast."""
+    tp.initialize_model_parallel(dist.get_world_size())
+    model = _build(GPTConfig(**{**BASE, **LLAMA}), tp.get_tensor_model_parallel_group())
+    tokens, _ = _data()
+    cpu = torch.device("cpu")
+    cos, _ = model._rotary(None, 8, cpu)
+    assert cos.dtype == torch.float32 and model._rotary(None, 8, cpu)[0].data_ptr() == cos.data_ptr()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cos16, _ = model._rotary(None, 8, cpu)
+        model(tokens)
+    assert cos16.dtype == torch.bfloat16 and len(model._rotary_tables) == 2
+    torch.testing.assert_close(cos16, cos.to(torch.bfloat16), rtol=0, atol=0)
+    positions = torch.tensor([[3, 4], [0, 1]])
+    torch.testing.assert_close(model._rotary(positions, 2, cpu)[0], cos[positions])
+    return True
+
+
+def test_rotary_tables_are_cached_in_the_compute_dtype():
+    assert run_on_ranks(_rotary_cache_body, 1) == [True]

@@ -49,6 +49,7 @@ from torch import nn
 from .. import comm
 from ..cross_entropy import vocab_parallel_cross_entropy
 from ..embedding import VocabParallelEmbedding
+from ..errors import check_index_range
 from ..initialization import (
     init_method_normal,
     init_weight_shard,
@@ -488,15 +489,15 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config, parallel, i) for i in range(config.num_layers))
         self.final_norm = _norm(config, parallel.device, parallel.sequence_parallel)
         tied = config.tie_word_embeddings
+        # Tied: the head allocates no weight; forward hands it the embedding's.
         self.lm_head = ColumnParallelLinear(
-            config.hidden_size, self.padded_vocab_size, bias=False,
-            init_method=init_method_normal(config.init_std), perform_initialization=not tied,
-            **{**parallel.linear_kwargs(config),
-               # A tied weight also gets the embedding's grad in .grad: keep the head's there too.
-               "gradient_accumulation_fusion": config.gradient_accumulation_fusion and not tied})
-        if tied:
-            # One Parameter, registered in both modules (listed once by parameters()).
-            self.lm_head.weight = self.embedding.word.weight
+            config.hidden_size, self.padded_vocab_size, bias=False, skip_weight_param_allocation=tied,
+            init_method=init_method_normal(config.init_std), **parallel.linear_kwargs(config))
+        if tied and config.gradient_accumulation_fusion:
+            # The fused head writes main_grad and hands autograd zeros, to which the embedding's
+            # gradient is added: the DP reducer adds that .grad to main_grad too.
+            self.embedding.word.weight.zero_out_wgrad = True
+        self._rotary_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         for param in self.parameters():
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)
 
@@ -509,14 +510,13 @@ class GPT(nn.Module):
         ``attn_mask`` (boolean ``[b, 1, s, keys]``, True = attend; default causal) and ``kv_cache``
         serve generation (see :meth:`generate`)."""
         self._check_input(tokens, labels)
-        if position_ids is None:
-            position_ids = torch.arange(tokens.shape[1], device=tokens.device)
         rotary = (None, None)
         if self.config.position_embedding == "rope":
-            cos, sin = rotary_tables(position_ids, rotary_frequencies(self.config),
-                                     dtype=self.embedding.word.weight.dtype)
+            cos, sin = self._rotary(position_ids, tokens.shape[1], tokens.device)
             # Per-sequence positions broadcast over the heads.
             rotary = (cos.unsqueeze(1), sin.unsqueeze(1)) if cos.dim() == 3 else (cos, sin)
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.embedding(tokens, position_ids)                    # [s(/TP), b, h]
         for block in self.blocks:
             if self.config.recompute and torch.is_grad_enabled():
@@ -537,6 +537,21 @@ class GPT(nn.Module):
                                               vocab_size=self.config.vocab_size)
         return losses.sum() / (labels != -100).sum()
 
+    def _rotary(self, position_ids: torch.Tensor | None, seq_len: int, device: torch.device):
+        """``cos``/``sin`` at the positions, from tables built once per device and compute dtype
+        (the autocast dtype when on: q and k are not promoted to fp32)."""
+        dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
+                 else self.embedding.word.weight.dtype)
+        tables = self._rotary_tables.get((device, dtype))
+        if tables is None:
+            # Generation under SP pads up to TP - 1 positions past the window.
+            positions = torch.arange(self.config.max_seq_len + self.parallel.size, device=device)
+            tables = rotary_tables(positions, rotary_frequencies(self.config), dtype=dtype)
+            self._rotary_tables[(device, dtype)] = tables
+        if position_ids is None:
+            return tuple(t[:seq_len] for t in tables)
+        return tuple(t[position_ids] for t in tables)
+
     def _check_input(self, tokens: torch.Tensor, labels: torch.Tensor | None) -> None:
         if tokens.dim() != 2 or tokens.is_floating_point() or tokens.dtype == torch.bool:
             raise ValueError(f"tokens must be an integer tensor [batch, seq], got {tokens.dtype} "
@@ -547,11 +562,8 @@ class GPT(nn.Module):
         if self.parallel.sequence_parallel and seq_len % self.parallel.size != 0:
             raise ValueError(f"sequence length {seq_len} is not divisible by the tensor-parallel size "
                              f"{self.parallel.size} (needed by sequence parallelism)")
-        if tokens.numel():
-            low, high = (int(v) for v in tokens.aminmax())
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(f"token id {low if low < 0 else high} is outside the vocabulary "
-                                 f"[0, {self.config.vocab_size})")
+        check_index_range(tokens, self.config.vocab_size, "token id",
+                          f"outside the vocabulary [0, {self.config.vocab_size})")
         if labels is not None and labels.shape != tokens.shape:
             raise ValueError(f"labels of shape {list(labels.shape)} must match tokens of shape {list(tokens.shape)}")
 
