@@ -132,3 +132,33 @@ def test_sp_recompute_fusion_and_accumulation_keep_tp2_dp2_equal_to_tp1_dp1(tmp_
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=2e-5)
     assert a[6] < a[1] - 0.5
+
+
+def _host_sync_body(argv):
+    """Item 8: no step waits for the device to read its loss or grad norm back: they are read
+    at log lines only, all pending steps in one transfer (``tolist``, not a dispatched read).
+
+    The loss accumulates in float64; the grad norm is made float64 here, so that the reads the
+    loop does are the float64 ones (the optimizer reads its CPU step counters, which are no
+    device sync on a GPU either)."""
+    import unittest.mock
+
+    from tensorpar.training import loop
+    from tests.op_counter import HOST_SYNC, OpCounter
+
+    class Float64Reads(OpCounter):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is HOST_SYNC and args[0].dtype == torch.float64:
+                self.counts["float64"] += 1
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    norm = loop.get_grad_norm
+    with unittest.mock.patch.object(loop, "get_grad_norm", lambda *a, **k: norm(*a, **k).double()), \
+            unittest.mock.patch("tensorpar.errors._reads_back", lambda t: False), Float64Reads() as ops:
+        result = loop.train(parse_train_args(argv))
+    return ops.counts["float64"], sorted(result.losses)
+
+
+def test_training_reads_losses_back_only_when_logging():
+    argv = TINY + ["--tp", "1", "--micro-batch", "2", "--log-every", "4", "--global-batch", "2", "--steps", "5"]
+    assert run_on_ranks(_host_sync_body, 1, argv)[0] == (0, [1, 2, 3, 4, 5])

@@ -221,6 +221,17 @@ def _autocast(dtype: str, device: torch.device):
 
 
 @torch.no_grad()
+def _read_back(pending, result: RunResult, progress: Progress, *, tokens_per_s: float, log: bool) -> None:
+    """Read the pending steps' losses and grad norms back in one transfer; record and report them."""
+    values = torch.stack([torch.stack([loss, norm.double()]) for _, _, loss, norm in pending]).tolist()
+    for i, ((step, lr, _, _), (loss, grad_norm)) in enumerate(zip(pending, values)):
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr or set --clip-grad")
+        result.losses[step] = loss
+        progress.step(step=step, loss=loss, lr=lr, tokens_per_s=tokens_per_s, grad_norm=grad_norm,
+                      log=log and i == len(pending) - 1)
+
+
 def evaluate(model, sampler: BatchSampler, *, iters: int, dtype: str, device, dp_group) -> float:
     """Mean validation loss over ``iters`` fixed batches, averaged over DP."""
     model.eval()
@@ -406,9 +417,12 @@ def _train(args, signals: _Signals) -> RunResult:
                         bar=not args.no_progress)
     result = RunResult({}, {}, None, 0.0, config_to_json(config))
     measured_tokens, measured_time = 0, 0.0
+    # Steps whose loss and grad norm stay on the device until the next log line: reading them
+    # back every step would make the CPU wait for each step before queueing the next.
+    pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
+    interval_began = time.perf_counter()
     try:
         for step in range(start, args.steps):
-            began = time.perf_counter()
             lr = lr_at(step, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, total=args.lr_decay_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -428,26 +442,28 @@ def _train(args, signals: _Signals) -> RunResult:
                          else get_grad_norm(params))
             optimizer.step()
             comm.all_reduce(loss_sum, dp_group)
-            loss_value = float(loss_sum) / (len(batches) * dp_size)
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(f"loss became {loss_value} at step {step + 1}; lower --lr or "
-                                         "set --clip-grad")
-            elapsed = time.perf_counter() - began
-            if step > start:  # the first step includes one-off warm-up costs
-                measured_tokens, measured_time = measured_tokens + tokens_per_step, measured_time + elapsed
             done = step + 1
-            result.losses[done] = loss_value
-            progress.step(step=done, loss=loss_value, lr=lr, tokens_per_s=tokens_per_step / elapsed,
-                          grad_norm=float(grad_norm),
-                          log=done % args.log_every == 0 or done == args.steps)
-            if args.eval_every and (done % args.eval_every == 0 or done == args.steps):
+            pending.append((done, lr, loss_sum / (len(batches) * dp_size), grad_norm))
+            log = done % args.log_every == 0 or done == args.steps
+            evaluating = bool(args.eval_every) and (done % args.eval_every == 0 or done == args.steps)
+            stop = _stop_requested(signals, device)
+            saving = out is not None and bool(stop or (args.save_every and done % args.save_every == 0)
+                                              or done == args.steps)
+            # Also after the first step, whose one-off warm-up costs stay out of the measured rate.
+            if log or evaluating or saving or stop or done == start + 1:
+                elapsed = time.perf_counter() - interval_began
+                _read_back(pending, result, progress, tokens_per_s=tokens_per_step * len(pending) / elapsed, log=log)
+                if done > start + 1:
+                    measured_tokens, measured_time = measured_tokens + tokens_per_step * len(pending), \
+                        measured_time + elapsed
+                pending.clear()
+                interval_began = time.perf_counter()
+            if evaluating:
                 val = evaluate(model, val_sampler, iters=args.eval_iters, dtype=args.dtype,
                                device=device, dp_group=dp_group)
                 result.val_losses[done] = val
                 progress.eval(step=done, val_loss=val)
-            stop = _stop_requested(signals, device)
-            if out is not None and (stop or (args.save_every and done % args.save_every == 0)
-                                    or done == args.steps):
+            if saving:
                 result.checkpoint = _save(out, done, model=model, optimizer=optimizer, config=config,
                                           args=args, tokens_seen=done * tokens_per_step,
                                           sizes=(tp_size, dp_size))
