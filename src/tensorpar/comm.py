@@ -173,6 +173,21 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum
     return Handle(work, tensor) if async_op else tensor
 
 
+# gloo runs these on CUDA tensors (several ranks sharing one GPU); the rest go through host memory.
+_GLOO_CUDA_COLLECTIVES = ("all_reduce", "broadcast")
+
+
+def _staged_on_host(op: str, tensor: torch.Tensor, group) -> bool:
+    return tensor.is_cuda and op not in _GLOO_CUDA_COLLECTIVES and dist.get_backend(group) == "gloo"
+
+
+def _on_host(collective, tensor: torch.Tensor, out: torch.Tensor | None, async_op: bool):
+    """``collective`` on a host copy of ``tensor``, its result copied back (synchronously)."""
+    result = collective(tensor.cpu())
+    result = result.to(tensor.device) if out is None else out.copy_(result)
+    return _done(result, async_op)
+
+
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
                async_op: bool = False, out: torch.Tensor | None = None):
     """Concatenate every rank's ``tensor`` along ``dim``.
@@ -182,6 +197,8 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
     n = group_size(group)
     if n == 1:
         return _done(tensor if out is None else out.copy_(tensor), async_op)
+    if _staged_on_host("all_gather", tensor, group):
+        return _on_host(lambda t: all_gather(t, group, dim=dim), tensor, out, async_op)
     dim = dim % tensor.dim()
     shape = list(tensor.shape)
     shape[dim] *= n
@@ -216,6 +233,8 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int =
     n = group_size(group)
     if n == 1:
         return _done(tensor if out is None else out.copy_(tensor), async_op)
+    if _staged_on_host("reduce_scatter", tensor, group):
+        return _on_host(lambda t: reduce_scatter(t, group, dim=dim, op=op), tensor, out, async_op)
     dim = dim % tensor.dim()
     check_divisible(tensor.shape[dim], n, f"reduce-scatter dimension {dim} of shape {list(tensor.shape)}")
     _record("reduce_scatter", tensor.shape, tensor.dtype, n, async_op, op)
@@ -238,6 +257,9 @@ def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup, *,
     n = group_size(group)
     if n == 1:
         return tensor
+    if _staged_on_host("all_to_all", tensor, group):
+        return _on_host(lambda t: all_to_all(t, group, output_split_sizes=output_split_sizes,
+                                             input_split_sizes=input_split_sizes), tensor, None, False)
     _record("all_to_all", tensor.shape, tensor.dtype, n, False)
     tensor = tensor.contiguous()
     if output_split_sizes is None:

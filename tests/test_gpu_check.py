@@ -1,0 +1,101 @@
+"""The GPU check's parts on CPU (every CI run), and on CUDA where there is one (marked ``gpu``).
+
+``python -m tensorpar.gpu_check`` runs the same functions on a GPU machine; here they run on
+the harness's gloo worlds with CPU tensors, so everything in it that can run on CPU does.
+"""
+
+import contextlib
+import unittest.mock
+
+import pytest
+import torch
+
+import tensorpar as tp
+from tensorpar import comm, gpu_check
+from tests.harness import run_on_ranks
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _checks_body(device_type, staged):
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    device = torch.device(device_type)
+    staging, staged_calls = [], []
+    on_host = comm._on_host
+
+    def on_host_once(collective, tensor, out, async_op):
+        staging.append(collective)      # the collective inside runs on the host copy, unstaged
+        staged_calls.append(tensor.shape)
+        try:
+            return on_host(collective, tensor, out, async_op)
+        finally:
+            staging.pop()
+
+    with contextlib.ExitStack() as stack:
+        if staged:
+            stack.enter_context(unittest.mock.patch.object(comm, "_on_host", on_host_once))
+            stack.enter_context(unittest.mock.patch.object(
+                comm, "_staged_on_host",
+                lambda op, t, g: not staging and op not in comm._GLOO_CUDA_COLLECTIVES))
+        with tp.CommLedger() as ledger:
+            results = {"layers": gpu_check.check_layers(device)}
+        if tp.get_tensor_model_parallel_world_size() > 1:
+            results["rng"] = gpu_check.check_rng(device)
+            results["gpt_loss"] = gpu_check.check_gpt(device)
+            results["profile"] = gpu_check.profile_overlap(device, None)
+    results["gathers"] = ledger.count("all_gather")
+    results["staged"] = bool(staged_calls)
+    return results
+
+
+def test_gpu_check_layers_at_tp1():
+    assert run_on_ranks(_checks_body, 1, "cpu", False) == [{"layers": 5, "gathers": 0, "staged": False}]
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["native", "staged_through_host"])
+def test_gpu_check_layers_rng_gpt_and_overlap_at_tp2(staged):
+    """TP=2 as the shared-GPU stage runs it; ``staged`` forces the host staging gloo needs
+    for CUDA tensors (all-gather, reduce-scatter) onto these CPU tensors."""
+    for result in run_on_ranks(_checks_body, 2, "cpu", staged):
+        assert result["layers"] == 10 and result["rng"] is True and result["gathers"] > 0
+        assert result["staged"] == staged
+        # The dgrad all-reduce is launched before the wgrad GEMM; whether gloo's thread is
+        # still busy when the GEMM starts is up to the CPU scheduler (the GPU run asserts it).
+        assert result["profile"]["allreduce_events"] and result["profile"]["gemms_after_launch"], result["profile"]
+
+
+def _throughput_body():
+    tp.initialize_model_parallel(1)
+    return gpu_check.measure_throughput(torch.device("cpu"), preset="tiny", seq=32, batch=2, steps=1,
+                                        peak_flops=1e12)
+
+
+def test_gpu_check_throughput_reports_tokens_per_second_and_mfu():
+    (result,) = run_on_ranks(_throughput_body, 1)
+    assert result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_check_command_on_this_gpu(tmp_path):
+    """The whole command on the GPU (NCCL at TP=1, two ranks sharing it over gloo, ...)."""
+    assert gpu_check.main(["--out", str(tmp_path)]) == 0
+    assert list(tmp_path.glob("trace_rank*.json"))
+
+
+@pytest.mark.gpu
+@cuda
+def test_fused_wgrad_accumulation_on_this_gpu_matches_the_upcast_path(monkeypatch):
+    """Whatever the probe finds on this GPU and torch, main_grad is the exact fp32 sum."""
+    from tensorpar import linear
+
+    torch.manual_seed(0)
+    x, grad = torch.randn(64, 2, 32, device="cuda").bfloat16(), torch.randn(64, 2, 48, device="cuda").bfloat16()
+    main_grads = []
+    for forced in (None, False):
+        monkeypatch.setattr(linear, "_FUSED_ADDMM_SUPPORTED", {} if forced is None else {"cuda": forced})
+        weight = torch.nn.Parameter(torch.randn(48, 32, device="cuda"))
+        weight.main_grad = torch.full((48, 32), 1.0 + 2.0 ** -12, device="cuda")
+        linear.compute_weight_grad(weight, x, grad, gradient_accumulation_fusion=True)
+        main_grads.append(weight.main_grad)
+    torch.testing.assert_close(main_grads[0], main_grads[1], rtol=1e-6, atol=1e-5)
