@@ -3,7 +3,9 @@
 import json
 
 import pytest
+import torch
 
+import tensorpar as tp
 from tensorpar import bench
 from tensorpar.cli import main
 from tests.harness import run_on_ranks
@@ -52,3 +54,18 @@ def test_cli_spawns_ranks_and_prints_json(capsys):
 def test_config_rejects_unusable_sizes(bad):
     with pytest.raises(ValueError):
         bench.BenchConfig(**{**TINY, **bad})
+
+
+def _overlap_variants_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    return bench.measure_overlap_variants(torch.device("cpu"), hidden=16, seq=8, batch=2, dtype=torch.float32,
+                                          iters=1)
+
+
+def test_overlap_variants_on_any_device_check_results_and_report_the_ceiling():
+    """What the GPU check runs, here on CPU: every variant agrees with overlap off (checked inside)."""
+    report = run_on_ranks(_overlap_variants_body, 2)[0]
+    names = {f"{v}{s}" for v in ("overlap_off", "overlap_2", "overlap_4", "overlap_auto", "interleave2")
+             for s in ("", "_sp")}
+    assert set(report["ms"]) == names | {"ceiling"} and set(report["of_ceiling"]) == names
+    assert all(v > 0 for v in report["ms"].values())

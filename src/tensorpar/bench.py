@@ -55,8 +55,14 @@ from .grads import allreduce_sequence_parallel_grads
 from .launch import launch_local
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .models.gpt import GPT, GPTConfig
-from .overlap import calibrated_link
-from .parallel_state import destroy_model_parallel, get_tensor_model_parallel_group, initialize_model_parallel
+from .overlap import calibrated_link, interleave
+from .parallel_state import (
+    destroy_model_parallel,
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    initialize_model_parallel,
+)
 from .random import model_parallel_manual_seed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -571,3 +577,68 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return _run_command(parser.parse_args(argv))
+
+
+def measure_overlap_variants(device: torch.device, *, hidden: int, seq: int, batch: int, dtype: torch.dtype,
+                             iters: int = 10) -> dict:
+    """ms per MLP block forward + backward on this device at the current TP size: overlap off,
+    2 and 4 chunks and ``"auto"``, without and with SP, and interleaved halves, next to the same
+    shards' GEMMs with no communication (the ceiling). Each variant's output and input grad are
+    checked against overlap off first. Needs ``initialize_model_parallel``; for the GPU check.
+    """
+    n = get_tensor_model_parallel_world_size()
+    rank = get_tensor_model_parallel_rank()
+
+    def sync():
+        if device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def tensorpar_block(sp, overlap, interleaved):
+        model_parallel_manual_seed(0, device=device)
+        fc1 = ColumnParallelLinear(hidden, 4 * hidden, sequence_parallel=sp, overlap=overlap, params_dtype=dtype,
+                                   device=device)
+        fc2 = RowParallelLinear(4 * hidden, hidden, input_is_parallel=True, sequence_parallel=sp, overlap=overlap,
+                                params_dtype=dtype, device=device)
+        if interleaved:
+            stage = (lambda h: fc2.start(F.gelu(fc1(h)[0])), lambda h, reduced: reduced[0])
+            return lambda x: interleave(x, [stage], parts=2)
+        return lambda x: fc2(F.gelu(fc1(x)[0]))[0]
+
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    x_full = torch.randn(seq, batch, hidden, generator=generator).to(device=device, dtype=dtype)
+    variants = {"ceiling": (MLP(hidden, 4 * hidden // n).to(device=device, dtype=dtype), False)}
+    for sp in (False, True):
+        suffix = "_sp" if sp else ""
+        for overlap in ("off", 2, 4, "auto"):
+            variants[f"overlap_{overlap}{suffix}"] = (tensorpar_block(sp, overlap, False), sp)
+        variants[f"interleave2{suffix}"] = (tensorpar_block(sp, "off", True), sp)
+    results, reference = {}, {}
+    for name, (block, sp) in variants.items():
+        x = (x_full.chunk(n)[rank] if sp else x_full).clone().requires_grad_()
+
+        def step():
+            x.grad = None
+            y = block(x)
+            y.backward(torch.ones_like(y))
+            return y
+
+        y = step()
+        key = "sp" if sp else "tp"
+        if name != "ceiling":
+            if key not in reference:
+                reference[key] = (y.detach(), x.grad)
+            tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+            torch.testing.assert_close(y.detach(), reference[key][0], **tol, msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(x.grad, reference[key][1], **tol, msg=lambda m, name=name: f"{name}: {m}")
+        times = []
+        for _ in range(iters):
+            sync()
+            begin = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - begin)
+        elapsed = torch.tensor(statistics.median(times) * 1e3, dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        results[name] = elapsed.item()
+    return {"ms": results, "of_ceiling": {k: results["ceiling"] / v for k, v in results.items() if k != "ceiling"},
+            "shape": [seq, batch, hidden], "dtype": str(dtype), "tp": n}
