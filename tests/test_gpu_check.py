@@ -43,6 +43,8 @@ def _checks_body(device_type, staged):
             results["rng"] = gpu_check.check_rng(device)
             results["gpt_loss"] = gpu_check.check_gpt(device)
             results["profile"] = gpu_check.profile_overlap(device, None)
+            results["overlap_variants"] = gpu_check.measure_overlap_variants(
+                device, hidden=16, seq=8, batch=2, dtype=torch.float32, iters=1)
     results["gathers"] = ledger.count("all_gather")
     results["staged"] = bool(staged_calls)
     return results
@@ -62,6 +64,8 @@ def test_gpu_check_layers_rng_gpt_and_overlap_at_tp2(staged):
         # The dgrad all-reduce is launched before the wgrad GEMM; whether gloo's thread is
         # still busy when the GEMM starts is up to the CPU scheduler (the GPU run asserts it).
         assert result["profile"]["allreduce_events"] and result["profile"]["gemms_after_launch"], result["profile"]
+        # Chunked and interleaved variants agree with overlap off (checked inside), staged or not.
+        assert len(result["overlap_variants"]["of_ceiling"]) == 10
 
 
 def _throughput_body():

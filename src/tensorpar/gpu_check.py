@@ -11,7 +11,10 @@ On a machine with one GPU it runs, in well under 5 minutes:
    against TP=1;
 3. a ``torch.profiler`` trace of a column layer's backward: the dgrad all-reduce in flight
    while the wgrad GEMM runs (``CUDA_DEVICE_MAX_CONNECTIONS=1``); saved to ``--out``;
-4. the GPT-2-small training step's tokens/s and model FLOPs utilisation at TP=1.
+4. the GPT-2-small training step's tokens/s and model FLOPs utilisation at TP=1;
+5. at TP=2 (and over NCCL), the MLP block with its collectives chunked against the GEMMs
+   (overlap 2, 4, auto), interleaved halves, with and without SP, next to the same shards' GEMMs
+   with no communication (``tensorpar.bench.measure_overlap_variants``; results checked first).
 
 With two or more GPUs, step 2 runs again over NCCL, one GPU per rank. ``--cpu`` runs the same
 checks on CPU/gloo at small sizes (the test suite does, so all of it runs in CI). Prints one
@@ -35,6 +38,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from .bench import measure_overlap_variants
 
 # Dense bf16 peak of the GPU (FLOP/s) by name, for the utilisation; --peak-tflops overrides.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
@@ -241,6 +246,7 @@ def _stage(kind: str, tp_size: int, device_type: str, options: dict) -> dict:
             results["rng"] = check_rng(device)
             results["gpt_loss"] = check_gpt(device)
             results["profile"] = profile_overlap(device, options["out"])
+            results["overlap_variants"] = measure_overlap_variants(device, **options["overlap"])
         if kind == "tp1":
             results["throughput"] = measure_throughput(device, **options["throughput"])
         return results
@@ -266,7 +272,9 @@ def main(argv=None) -> int:
         (flops for key, flops in _PEAK_BF16.items() if key in name), None)
     throughput = (dict(preset="tiny", seq=64, batch=2, steps=2, peak_flops=None) if args.cpu else
                   dict(preset="small", seq=1024, batch=8, steps=10, peak_flops=peak))
-    options = {"out": args.out, "throughput": throughput,
+    overlap = (dict(hidden=64, seq=32, batch=2, dtype=torch.float32, iters=2) if args.cpu else
+               dict(hidden=4096, seq=4096, batch=1, dtype=torch.bfloat16, iters=10))
+    options = {"out": args.out, "throughput": throughput, "overlap": overlap,
                "backends": {"tp1": "gloo" if args.cpu else "nccl", "shared": "gloo", "nccl": "nccl"}}
     stages = [("tp1", 1), ("shared", 2)] + ([("nccl", min(gpus, 4))] if gpus >= 2 else [])
     failed = False
