@@ -36,3 +36,55 @@ def test_unexpected_exceptions_are_one_line_with_their_type(capsys, monkeypatch)
     monkeypatch.setattr(training_cli, "_resolve_world", broken)
     assert main(["train"]) == 1
     assert capsys.readouterr().err == "tensorpar train: error: KeyError: 'step'\n"
+
+
+def _subcommands():
+    import argparse
+
+    from tensorpar.cli import build_parser
+
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return parser, action.choices
+
+
+def test_every_flag_has_help_that_shows_its_default_and_no_markup():
+    import argparse
+
+    parser, commands = _subcommands()
+    assert set(commands) == {"train", "generate", "export", "comm", "bench"}
+    for name, sub in commands.items():
+        text = sub.format_help()
+        for marker in ("``", ":class:", ":func:", ":mod:", "::", "seed 0", "DESIGN"):
+            assert marker not in text, (name, marker)
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, (name, action.option_strings)
+            shown = formatter._get_help_string(action) % {"default": action.default}
+            flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+            assert flag or action.required or "default" in shown, (name, action.option_strings, shown)
+
+
+def test_presets_are_described_honestly(capsys):
+    _, commands = _subcommands()
+    text = " ".join(commands["train"].format_help().split())
+    assert "default: tiny" in text and "smaller than GPT-2's 124M" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["comm", "--layer", "mlp", "--hidden", "4095", "--measure"],
+     "tensorpar comm: error: --measure runs --layer mlp as part of a GPT block: --hidden 4095 is not divisible "
+     "by --heads 32"),
+    (["comm", "--layer", "mlp", "--tp", "4", "--heads", "6", "--hidden", "48", "--measure"],
+     "tensorpar comm: error: --measure runs --layer mlp as part of a GPT block: --heads 6 is not divisible by --tp 4"),
+    (["comm", "--layer", "mlp", "--hidden", "64", "--seq-len", "32", "--heads", "4", "--measure", "--scale", "3"],
+     "tensorpar comm: error: --scale 3 does not divide seq_len (32)"),
+    (["bench", "--tp", "3", "--hidden", "100"],
+     "tensorpar bench: error: --hidden 100 must be divisible by --gpt-heads 8, and --gpt-heads by --tp 3"),
+])
+def test_comm_and_bench_sizes_that_do_not_divide(capsys, argv, message):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == message + "\n" and captured.out == ""

@@ -138,7 +138,8 @@ def test_bad_config_is_a_clear_error(kwargs, message):
 ])
 def test_bad_command_line_exits_2_naming_the_value(argv, message, capsys):
     assert cli.main(["comm", *argv]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
 
 
 NVLINK = LinkModel(latency_s=10e-6, bytes_per_s=100e9, flops_per_s=100e12, overlap=1.0)

@@ -162,3 +162,20 @@ def _host_sync_body(argv):
 def test_training_reads_losses_back_only_when_logging():
     argv = TINY + ["--tp", "1", "--micro-batch", "2", "--log-every", "4", "--global-batch", "2", "--steps", "5"]
     assert run_on_ranks(_host_sync_body, 1, argv)[0] == (0, [1, 2, 3, 4, 5])
+
+
+def _count_body(tp):
+    import tensorpar
+    from tensorpar.models.gpt import GPT, GPTConfig
+    from tensorpar.training.loop import count_parameters
+
+    tensorpar.initialize_model_parallel(tp)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=257))
+    return count_parameters(model), sum(p.numel() for p in model.parameters()), model.padded_vocab_size
+
+
+def test_parameter_count_is_the_unpadded_models_at_every_tp_size():
+    (tp1, numel, padded), = run_on_ranks(_count_body, 1, 1)
+    assert tp1 == numel - (padded - 257) * 128  # the tied embedding's padding rows are not parameters
+    assert [r[0] for r in run_on_ranks(_count_body, 2, 2)] == [tp1, tp1]
+    assert [r[0] for r in run_on_ranks(_count_body, 4, 4)] == [tp1] * 4

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from .errors import UsageError
 from .grads import allreduce_sequence_parallel_grads
 from .launch import launch_local
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -544,7 +545,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=defaults.rounds, help="interleaved rounds")
     parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed iterations per variant and round")
     parser.add_argument("--iters", type=int, default=defaults.iters, help="timed iterations per variant and round")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype, help="parameter and activation dtype")
     parser.add_argument("--chunks", type=int, default=defaults.chunks,
                         help="overlap chunks of the chunked variants")
     parser.add_argument("--gpt-layers", type=int, default=defaults.gpt_layers,
@@ -559,15 +560,20 @@ def _run_command(args: argparse.Namespace) -> int:
     try:
         cfg = BenchConfig(**{k: v for k, v in vars(args).items() if k in fields})
     except ValueError as exc:
-        raise SystemExit(f"tensorpar bench: {exc}")
+        raise UsageError(str(exc)) from None
     report = run(cfg)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("bench", help="MLP block tensorpar vs DTensor TP on gloo/CPU",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(
+        "bench", help="MLP block tensorpar vs DTensor TP on gloo/CPU",
+        description="Time an MLP block (column -> GELU -> row) forward and backward: unsharded, tensorpar "
+                    "with and without sequence parallelism and overlap, and PyTorch DTensor TP, in "
+                    "interleaved rounds on --tp local gloo ranks, each checked against the unsharded block; "
+                    "then a GPT training step at TP=1 and at --tp. Reports ratios (medians over rounds)."
+                    "\n\nexample:\n  tensorpar bench --tp 2 --seq 256 --batch 4 --hidden 512 --rounds 7")
     add_arguments(parser)
     parser.set_defaults(func=_run_command)
 

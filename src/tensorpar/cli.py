@@ -11,6 +11,7 @@ import argparse
 import importlib
 import os
 import sys
+import textwrap
 
 from . import __version__
 from .errors import DEBUG_ENV, OneLineErrorHandler, report
@@ -19,8 +20,19 @@ from .errors import DEBUG_ENV, OneLineErrorHandler, report
 _COMMAND_MODULES = ("tensorpar.training.cli", "tensorpar.comm_report", "tensorpar.bench")
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written; every option's help ends with its default, unless it says it."""
+class HelpFormatter(argparse.HelpFormatter):
+    """Description paragraphs wrapped (indented lines kept as written); every option's help ends
+    with its default, unless it says it."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = []
+        for paragraph in text.split("\n\n"):
+            if any(line.startswith("  ") for line in paragraph.splitlines()):
+                paragraphs.append("\n".join(indent + line for line in paragraph.splitlines()))
+            else:
+                paragraphs.append(textwrap.fill(" ".join(paragraph.split()), width, initial_indent=indent,
+                                                subsequent_indent=indent))
+        return "\n\n".join(paragraphs)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

@@ -110,10 +110,7 @@ def _workload(cfg: CommConfig):
     if cfg.layer == "loss":
         logits = torch.randn(s, b, cfg.vocab // n, dtype=dtype, requires_grad=True)
         return _Loss(), (logits, torch.randint(0, cfg.vocab, (s, b)))
-    gpt = GPT(GPTConfig(vocab_size=cfg.vocab, max_seq_len=s, num_layers=cfg.layers, num_heads=cfg.heads,
-                        hidden_size=h, ffn_hidden_size=cfg.ffn_hidden, sequence_parallel=cfg.sp,
-                        recompute=cfg.recompute, make_vocab_size_divisible_by=1, params_dtype=dtype,
-                        overlap=cfg.overlap_chunks))
+    gpt = GPT(_gpt_config(cfg))
     if cfg.layer == "gpt-step":
         tokens = torch.randint(0, cfg.vocab, (b, s))
         return gpt, (tokens, torch.randint(0, cfg.vocab, (b, s)))
@@ -122,6 +119,26 @@ def _workload(cfg: CommConfig):
     if cfg.layer == "attention":
         return block.attention, (x, None, None)  # no rotary tables: learned positions
     return {"mlp": block.mlp, "gpt-layer": block}[cfg.layer], (x,)
+
+
+def _gpt_config(cfg: CommConfig) -> GPTConfig:
+    """The GPT whose blocks the mlp, attention, gpt-layer and gpt-step workloads are."""
+    return GPTConfig(vocab_size=cfg.vocab, max_seq_len=cfg.seq_len, num_layers=cfg.layers, num_heads=cfg.heads,
+                     hidden_size=cfg.hidden, ffn_hidden_size=cfg.ffn_hidden, sequence_parallel=cfg.sp,
+                     recompute=cfg.recompute, make_vocab_size_divisible_by=1, params_dtype=cfg.torch_dtype,
+                     overlap=cfg.overlap_chunks)
+
+
+def check_measurable(cfg: CommConfig) -> None:
+    """Raise ``ValueError`` (naming the sizes) if ``cfg``'s workload cannot be built on ``cfg.tp`` ranks."""
+    if cfg.layer not in ("mlp", "attention", "gpt-layer", "gpt-step"):
+        return
+    what = f"--measure runs --layer {cfg.layer} as part of a GPT block"
+    if cfg.hidden % cfg.heads:
+        raise ValueError(f"{what}: --hidden {cfg.hidden} is not divisible by --heads {cfg.heads}")
+    if cfg.heads % cfg.tp:
+        raise ValueError(f"{what}: --heads {cfg.heads} is not divisible by --tp {cfg.tp}")
+    _gpt_config(cfg)
 
 
 class _Loss(nn.Module):
@@ -374,18 +391,22 @@ def _fraction(text: str) -> float:
 
 def register(subparsers) -> None:
     """Add ``tensorpar comm``."""
-    p = subparsers.add_parser("comm", help="predict (and measure) the TP collectives of a layer or GPT step",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layer", choices=LAYERS, required=True)
-    p.add_argument("--hidden", type=_positive_int, default=4096)
-    p.add_argument("--ffn-hidden", type=_positive_int, default=None, help="default: 4 x hidden")
-    p.add_argument("--heads", type=_positive_int, default=32)
-    p.add_argument("--seq-len", type=_positive_int, default=2048)
-    p.add_argument("--batch", type=_positive_int, default=1)
+    p = subparsers.add_parser(
+        "comm", help="predict (and measure) the TP collectives of a layer or GPT step",
+        description="Predict the tensor-parallel collectives (count, bytes, time) of one layer or one GPT "
+                    "training step, with or without sequence parallelism; --measure also runs it on --tp "
+                    "local gloo ranks and compares.\n\nexample:\n  tensorpar comm --layer column "
+                    "--gather-output --hidden 4096 --seq-len 2048 --batch 1 --tp 2 --dtype bf16")
+    p.add_argument("--layer", choices=LAYERS, required=True, help="what to predict")
+    p.add_argument("--hidden", type=_positive_int, default=4096, help="hidden size")
+    p.add_argument("--ffn-hidden", type=_positive_int, default=None, help="MLP width (default: 4 x hidden)")
+    p.add_argument("--heads", type=_positive_int, default=32, help="attention heads")
+    p.add_argument("--seq-len", type=_positive_int, default=2048, help="sequence length")
+    p.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size")
     p.add_argument("--vocab", type=_positive_int, default=50304, help="padded vocabulary size")
     p.add_argument("--layers", type=_positive_int, default=24, help="transformer layers (gpt-step)")
-    p.add_argument("--tp", type=_positive_int, default=2)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--tp", type=_positive_int, default=2, help="tensor-parallel size")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
     p.add_argument("--recompute", action="store_true", help="activation recompute of each layer")
     p.add_argument("--gather-output", action="store_true", help="column layer gathers its output")
@@ -432,6 +453,7 @@ def run(args) -> int:
                 raise ValueError("--measure needs a fixed --overlap-chunks: the layers' 'auto' decides from "
                                  "their own calibration, not from --bandwidth/--latency/--tflops")
             cfg = scaled(cfg, args.scale)
+            check_measurable(cfg)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     print(format_report(cfg, args))
