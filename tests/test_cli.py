@@ -88,3 +88,17 @@ def test_comm_and_bench_sizes_that_do_not_divide(capsys, argv, message):
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.err == message + "\n" and captured.out == ""
+
+
+def test_a_signal_to_the_launcher_is_one_line_and_128_plus_the_signal(capsys, monkeypatch):
+    import signal
+
+    import tensorpar.training.cli as training_cli
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def interrupted(args):
+        raise SignalException("Process 1 got signal: 2", sigval=signal.SIGINT)
+
+    monkeypatch.setattr(training_cli, "_resolve_world", interrupted)
+    assert main(["train"]) == 130
+    assert capsys.readouterr().err == "tensorpar train: stopped by SIGINT\n"

@@ -64,3 +64,16 @@ def test_cuda_runs_get_one_device_connection_before_any_rank_starts(monkeypatch,
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)   # launch_local(nproc=1) sets them here
     assert launch_local(_max_connections, nproc=1) == {0: expected}
+
+
+def _world_env():
+    return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def test_one_process_runs_here_and_leaves_no_world_behind(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    inside = launch_local(_world_env, nproc=1)[0]
+    assert inside["RANK"] == "0" and inside["WORLD_SIZE"] == "1"
+    # A later command in this process must not think it runs under torchrun.
+    assert set(_world_env().values()) == {None}

@@ -5,6 +5,7 @@ once, on the harness's persistent one-rank world).
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -208,3 +209,28 @@ def test_two_torchrun_nodes_on_localhost_train_together(tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], outputs
     assert "TP=2 DP=1" in "".join(outputs)
     assert (tmp_path / "run" / "latest").read_text().strip() == "step_3"
+
+
+def test_an_exception_inside_a_rank_reaches_the_user_as_one_line(tmp_path):
+    """Two real ranks; the loss diverges inside them (nothing a preflight can see)."""
+    done = subprocess.run([sys.executable, "-m", "tensorpar", "train", "--nproc", "2", "--lr", "1e30", "--steps", "5",
+                           "--warmup", "1", "--log-every", "100", *TINY, "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 1, done
+    assert "Traceback" not in done.stderr + done.stdout
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and re.fullmatch(
+        r"tensorpar train: error: the loss became nan at step \d \(learning rate 1e\+30\): try a lower --lr "
+        r"\(rank [01]\)", errors[0]), done.stderr
+
+
+def test_under_torchrun_each_rank_prints_its_message_once(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "tensorpar", "train", "--tp", "4", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0
+    ours = [line for line in done.stderr.splitlines() if line.startswith("tensorpar train: error:")]
+    assert ours == ["tensorpar train: error: --tp 4 does not divide the torchrun world size 2"] * 2, done.stderr
+    # torchrun's own failure summary shows the line too; no traceback passes through tensorpar's code.
+    assert "traceback : --tp 4 does not divide the torchrun world size 2" in done.stderr
+    assert not re.search(r'File "[^"]*tensorpar[/\\]', done.stderr), done.stderr

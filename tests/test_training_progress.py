@@ -1,9 +1,12 @@
-"""metrics.jsonl and loss.png are never left half-written: a failed append leaves the file as it
-was, a failed plot leaves the previous loss.png and no temporary file."""
+"""What a run shows. metrics.jsonl and loss.png are never left half-written: a failed append
+leaves the file as it was, a failed plot leaves the previous loss.png and no temporary file. On a
+terminal a tqdm bar, elsewhere plain log lines (no carriage returns)."""
 
 import errno
+import io
 import json
 import os
+import sys
 
 import pytest
 
@@ -61,3 +64,32 @@ def test_a_failed_plot_keeps_the_previous_one_and_leaves_no_temporary_file(tmp_p
         report.plot()
     assert (tmp_path / "loss.png").read_bytes() == previous
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "metrics.jsonl"]
+
+
+def _run(out, steps=6, log_every=2):
+    report = progress.Progress(out=out, total_steps=steps, first_step=0, enabled=True, bar=True)
+    for step in range(1, steps + 1):
+        report.step(step=step, loss=1.0 / step, lr=1e-3, tokens_per_s=1000.0, grad_norm=0.5,
+                    log=step % log_every == 0)
+    report.close()
+
+
+def test_not_a_terminal_gets_one_plain_line_per_logged_step(tmp_path, capsys):
+    _run(tmp_path)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    assert [line.split(" loss")[0] for line in err.splitlines()] == \
+        ["tensorpar: step 2/6", "tensorpar: step 4/6", "tensorpar: step 6/6"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_terminal_gets_a_progress_bar(tmp_path, monkeypatch):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    _run(tmp_path)
+    shown = terminal.getvalue()
+    assert "\r" in shown and "6/6" in shown and "tensorpar: step" not in shown

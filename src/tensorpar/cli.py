@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``tensorpar`` with ``argv``; returns the exit status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import record
 
     try:
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Under torchrun, record() leaves the one-line message in the launcher's error file.
         return int(record(args.func, error_handler=OneLineErrorHandler())(args) or 0)
+    except SignalException as exc:  # the launcher was sent SIGINT/SIGTERM: it has ended the ranks
+        print(f"tensorpar {args.command}: stopped by {exc.sigval.name}", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one line
         return report(args.command, exc)
 

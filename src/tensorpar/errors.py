@@ -83,9 +83,10 @@ def one_line(exc: BaseException) -> str:
 class OneLineErrorHandler(ErrorHandler):
     """torch elastic's error file, with :func:`one_line` as the message.
 
-    The layout is the one torch's own handler writes (``message`` with ``extraInfo``), so
-    ``torchrun``'s failure summary shows the line too; ``time`` (sub-second) orders failures of
-    ranks that died within the same second, ``exit_code`` is :func:`exit_code`.
+    ``message`` is a string (a layout torch's launchers read), so ``torchrun``'s failure summary
+    shows that line rather than a traceback. Under ``tensorpar``: ``time`` (sub-second) orders
+    failures of ranks that died within the same second, ``exit_code`` is :func:`exit_code`,
+    ``traceback`` is for ``--debug``.
     """
 
     def initialize(self) -> None:
@@ -98,9 +99,9 @@ class OneLineErrorHandler(ErrorHandler):
         if not path:
             return
         now = time.time()
-        data = {"message": {"message": one_line(e), "extraInfo": {
-            "py_callstack": "".join(traceback.format_exception(e)), "timestamp": str(int(now)),
-            "time": now, "exit_code": exit_code(e)}}}
+        data = {"message": one_line(e), "timestamp": int(now),
+                "tensorpar": {"time": now, "exit_code": exit_code(e),
+                              "traceback": "".join(traceback.format_exception(e))}}
         try:
             with open(path, "w") as f:
                 json.dump(data, f)

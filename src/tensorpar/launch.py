@@ -18,12 +18,16 @@ import logging
 import os
 import socket
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import torch
 
 from .errors import OneLineErrorHandler, debug_enabled, exit_code
+
+
+PEER_FAILURE_GRACE_S = 2.0
 
 
 class LaunchError(RuntimeError):
@@ -66,10 +70,10 @@ def launch_local(entry, *args, nproc: int) -> dict[int, object]:
         # hardware queue the async dgrad communication is queued ahead of the wgrad GEMM.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if nproc == 1:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        set_threads()
-        return {0: entry(*args)}
+        with _environment(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())):
+            set_threads()
+            return {0: entry(*args)}
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -81,6 +85,21 @@ def launch_local(entry, *args, nproc: int) -> dict[int, object]:
             return elastic_launch(config, _elastic_entry)(entry, *args)
         except ChildFailedError as exc:
             raise _first_failure(exc) from None
+
+
+@contextlib.contextmanager
+def _environment(**variables: str):
+    """Set environment variables for the block; afterwards this process is no rank of a world."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -101,14 +120,14 @@ def _quiet_launcher():
 
 
 def _read_error_file(path: Path) -> dict | None:
-    """The ``message`` record of an error file written by :class:`OneLineErrorHandler`, if any."""
+    """An error file written by :class:`OneLineErrorHandler`, if ``path`` is one."""
     try:
-        record = json.loads(path.read_text())["message"]
-    except (OSError, ValueError, KeyError, TypeError):
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or not isinstance(record.get("extraInfo"), dict):
+    if not isinstance(data, dict) or not isinstance(data.get("tensorpar"), dict):
         return None
-    return record
+    return data
 
 
 def _first_failure(exc) -> LaunchError:
@@ -126,13 +145,13 @@ def _first_failure(exc) -> LaunchError:
         return LaunchError(f"exited with code {failure.exitcode} without an error message", rank=rank,
                            exit_code=failure.exitcode or 1)
     # One node: each local rank's error file is <attempt dir>/<local rank>/error.json.
-    recorded = [(float(record["extraInfo"].get("time", 0)), int(other.parent.name), record)
+    recorded = [(float(data["tensorpar"].get("time", 0)), int(other.parent.name), data)
                 for other in path.parent.parent.glob("*/error.json") if other.parent.name.isdigit()
-                for record in [_read_error_file(other)] if record is not None]
-    _, rank, record = min(recorded, key=lambda entry: entry[:2])
-    info = record["extraInfo"]
-    return LaunchError(str(record["message"]), rank=rank, exit_code=int(info.get("exit_code", 1)),
-                       traceback=info.get("py_callstack"))
+                for data in [_read_error_file(other)] if data is not None]
+    _, rank, data = min(recorded, key=lambda entry: entry[:2])
+    info = data["tensorpar"]
+    return LaunchError(str(data["message"]), rank=rank, exit_code=int(info.get("exit_code", 1)),
+                       traceback=info.get("traceback"))
 
 
 def _elastic_entry(entry, *args):
@@ -142,8 +161,22 @@ def _elastic_entry(entry, *args):
     try:
         return record(entry, error_handler=OneLineErrorHandler())(*args)
     except Exception as exc:  # noqa: BLE001 - recorded above, for the launcher to report
-        # Exit at once and without a traceback (torch's own wrapper would print one): finalizing
-        # torch and gloo objects takes seconds, and the launcher and peers wait on this exit.
+        if _lost_a_peer(exc):
+            # Most likely a peer died first without recording anything (a signal, the OOM
+            # killer): give the launcher time to see that death, the cause, before this one.
+            time.sleep(PEER_FAILURE_GRACE_S)
+        # Leave at once, without a traceback on the console (torch's own wrapper would print
+        # one): finalizing torch and gloo objects takes seconds under load, and the launcher
+        # only ends the other ranks once this process is gone.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code(exc))
+
+
+def _lost_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank went away."""
+    if isinstance(exc, torch.distributed.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("Connection reset", "Connection closed", "Broken pipe", "gloo", "NCCL"))

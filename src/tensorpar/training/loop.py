@@ -43,6 +43,10 @@ MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_he
                "activation": "activation", "position_embedding": "position_embedding"}
 
 
+class TrainingDiverged(FloatingPointError):
+    """The loss stopped being a finite number."""
+
+
 class ConfigMismatch(UsageError):
     """The requested model differs from a checkpoint's; the message names the fields."""
 
@@ -226,7 +230,8 @@ def _read_back(pending, result: RunResult, progress: Progress, *, tokens_per_s: 
     values = torch.stack([torch.stack([loss, norm.double()]) for _, _, loss, norm in pending]).tolist()
     for i, ((step, lr, _, _), (loss, grad_norm)) in enumerate(zip(pending, values)):
         if not math.isfinite(loss):
-            raise FloatingPointError(f"loss became {loss} at step {step}; lower --lr or set --clip-grad")
+            raise TrainingDiverged(f"the loss became {loss} at step {step} (learning rate {lr:.3g}): "
+                                   "try a lower --lr")
         result.losses[step] = loss
         progress.step(step=step, loss=loss, lr=lr, tokens_per_s=tokens_per_s, grad_norm=grad_norm,
                       log=log and i == len(pending) - 1)

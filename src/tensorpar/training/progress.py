@@ -105,8 +105,8 @@ class Progress:
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self._bar.update(1)
         if log:
             self._append({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s,
                           "grad_norm": grad_norm, "elapsed_s": round(time.perf_counter() - self._started, 3)})
@@ -140,6 +140,8 @@ class Progress:
 
         train = [(r["step"], r["loss"]) for r in self.rows if "loss" in r and math.isfinite(r["loss"])]
         val = [(r["step"], r["val_loss"]) for r in self.rows if "val_loss" in r]
+        if not train and not val:
+            return
         fig, ax = plt.subplots(figsize=(7, 4))
         if train:
             ax.plot(*zip(*train), label="train", linewidth=1)
