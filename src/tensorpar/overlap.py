@@ -22,6 +22,10 @@ on the issuing stream, keeps their tensors alive until completion, and ``wait()`
 issuing stream wait for them; every handle here is waited before its buffer is read or handed
 back, and scratch buffers are named per pipeline, so no buffer is reused while in flight.
 
+``overlap="auto"`` picks the chunk count per layer from :class:`LinkModel` (latency, bandwidth,
+GEMM rate and how much a GEMM and a collective really overlap), measured once per process by
+:func:`calibrated_link`.
+
 :func:`interleave` works one level up (Domino, Wang et al. 2024): it splits a micro-batch into
 independent parts and interleaves them, so one part's collectives are in flight while another
 part computes.
@@ -42,7 +46,6 @@ import torch.distributed as dist
 
 from . import comm
 from .buffers import get_global_memory_buffer
-
 
 CHUNK_CHOICES = (1, 2, 4, 8)
 
