@@ -7,9 +7,9 @@ same load)::
     PYTHONPATH=OLD/src python benchmarks/gpt_step.py --tp 2 --sp --dtype bf16
     PYTHONPATH=NEW/src python benchmarks/gpt_step.py --tp 2 --sp --dtype bf16
 
-Peak memory is the resident set's high-water mark (``VmHWM``, reset after the model and the
-optimizer exist, so it measures the step: activations, gradients, temporaries) on CPU, and
-``torch.cuda.max_memory_allocated`` on a GPU. Linux only on CPU.
+Peak memory is what one step allocates above what is in use before it (model, optimizer state,
+buffers): from the profiler's memory events on CPU, from the caching allocator's statistics on
+a GPU.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,22 +27,30 @@ import torch.distributed as dist
 MIB = 1 << 20
 
 
-def _peak_rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+def _step_peak(step, device: torch.device) -> int:
+    """Bytes one step allocates above what is in use before it, at its peak.
 
-
-def _reset_peak(device: torch.device) -> None:
+    GPU: the caching allocator's statistics. CPU: the profiler's memory events (every tensor
+    allocation and free, with the running total).
+    """
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    else:
-        Path("/proc/self/clear_refs").write_text("5")
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    from torch.profiler import ProfilerActivity, profile
 
-
-def _peak(device: torch.device) -> int:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = [e["args"] for e in json.loads(trace.read_text())["traceEvents"]
+                  if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == 0]
+    start = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return max(e["Total Allocated"] for e in events) - start
 
 
 def run(args) -> dict:
@@ -77,7 +86,7 @@ def run(args) -> dict:
         step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    _reset_peak(device)
+    peak = _step_peak(step, device)
     times = []
     for _ in range(args.steps):
         began = time.perf_counter()
@@ -88,7 +97,7 @@ def run(args) -> dict:
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
     median = statistics.median(worst.tolist())
     return {"tokens_per_s": args.batch * args.seq / median, "step_s": median,
-            "peak_mib": _peak(device) / MIB}
+            "peak_mib": peak / MIB}
 
 
 def main() -> None:
