@@ -326,7 +326,7 @@ def _copy_shard(reader, pieces: list[Piece], layout, ranges: list[tuple[int, int
 
 
 @torch.no_grad()
-def load_hf_weights(model: GPT, reader) -> None:
+def _load_shards(model: GPT, reader) -> None:
     """Copy this rank's shard of every parameter from ``reader``'s Hugging Face tensors."""
     pieces = hf_pieces(model.config, model.padded_vocab_size)
     n, rank = comm.group_size(model.tp_group), comm.group_rank(model.tp_group)
@@ -350,20 +350,30 @@ def from_hf(model_or_dir, *, tp_group=None, device=None, **config_overrides) -> 
         model = from_hf(transformers.LlamaForCausalLM(config), tp_group=group)
         model = from_hf("path/to/qwen2", sequence_parallel=True)
     """
+    reader = _reader(model_or_dir)
     if isinstance(model_or_dir, (str, os.PathLike)):
         from transformers import AutoConfig
 
-        directory = Path(model_or_dir)
-        if not (directory / "config.json").is_file():
-            raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
-        hf_config = AutoConfig.from_pretrained(directory)
-        reader = _SafetensorsReader(directory)
+        hf_config = AutoConfig.from_pretrained(model_or_dir)
     else:
         hf_config = model_or_dir.config
-        reader = _StateDictReader(model_or_dir.state_dict(), type(model_or_dir).__name__)
     model = GPT(config_from_hf(hf_config, **config_overrides), tp_group=tp_group, device=device)
-    load_hf_weights(model, reader)
+    _load_shards(model, reader)
     return model
+
+
+def _reader(model_or_dir):
+    if not isinstance(model_or_dir, (str, os.PathLike)):
+        return _StateDictReader(model_or_dir.state_dict(), type(model_or_dir).__name__)
+    directory = Path(model_or_dir)
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
+    return _SafetensorsReader(directory)
+
+
+def load_weights(model: GPT, model_or_dir) -> None:
+    """Overwrite ``model``'s shards with a Hugging Face model's weights (an object or a directory)."""
+    _load_shards(model, _reader(model_or_dir))
 
 
 # --------------------------------------------------------------------------------- writing

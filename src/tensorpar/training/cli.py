@@ -95,12 +95,18 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", type=int, default=1234, help="seed of the weights, dropout and batches")
     run.add_argument("--no-progress", action="store_true",
                      help="log lines instead of a progress bar, also on a terminal")
+    run.add_argument("--tensorboard", action="store_true",
+                     help="also write the metrics as TensorBoard scalars to OUT/tensorboard (needs tensorboard)")
     data = parser.add_argument_group("data")
     data.add_argument("--data", default=None, metavar="PATH",
                       help="text file, directory of text files, or token file with a .json sidecar "
                            "(default: this Python's standard library source)")
+    data.add_argument("--tokenizer", default=None, metavar="DIR",
+                      help="Hugging Face tokenizer directory to tokenize text --data with (default: the resumed "
+                           "run's, else --init-from-hf's when it has one, else byte tokens)")
     data.add_argument("--seq-len", type=_positive(int), default=None,
-                      help="tokens per sample (default: the model's max_seq_len; 128 with the default model)")
+                      help="tokens per sample (default: the model's max_seq_len, at most 128 with --init-from-hf; "
+                           "128 with the default model)")
     data.add_argument("--micro-batch", type=_positive(int), default=None,
                       help="sequences per DP rank per micro-batch (default: the resumed run's, else 16)")
     data.add_argument("--global-batch", type=_positive(int), default=None,
@@ -110,6 +116,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                       help="micro-batches per step (default: what --global-batch needs, else 1)")
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, metavar="PRESET", help=_PRESET_HELP)
+    model.add_argument("--init-from-hf", default=None, metavar="DIR",
+                       help="start from a local Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2; "
+                            "config.json + safetensors): its shape and weights, and its tokenizer if it has one")
     model.add_argument("--layers", type=_positive(int), default=None, help="transformer layers (default: the preset's)")
     model.add_argument("--hidden", type=_positive(int), default=None, help="hidden size (default: the preset's)")
     model.add_argument("--heads", type=_positive(int), default=None,
@@ -216,18 +225,26 @@ def _open_checkpoint(flag: str, path: str) -> tuple[Path, dict, dict]:
 def _check_train_args(args, world: int) -> None:
     from ..models.gpt import GPTConfig
     from .data import inspect_data, train_token_count
-    from .loop import VAL_FRACTION, build_config, check_fits, settle_run
+    from .loop import (VAL_FRACTION, build_config, check_fits, default_seq_len, hf_init_config, resolve_tokenizer,
+                       settle_run)
     from . import rundir
 
     if args.model is not None and args.model not in GPTConfig.PRESETS:
         raise UsageError(f"--model {args.model!r} is not a preset; choose from {list(GPTConfig.PRESETS)}")
     saved = meta = None
+    origin = "the checkpoint"
     if args.resume is not None:
+        if args.init_from_hf is not None:
+            raise UsageError("--init-from-hf starts a new run from a Hugging Face model and --resume continues "
+                             "a checkpoint: give one of them")
         ckpt, saved, meta = _open_checkpoint("--resume", args.resume)
         args.out = args.out or str(ckpt.parent)
-    tokens, vocab_size, source = inspect_data(args.data)
-    config = build_config(args, vocab_size=vocab_size, saved=saved)
-    seq_len = args.seq_len or config.max_seq_len
+    if args.init_from_hf is not None:
+        saved, origin = hf_init_config(args.init_from_hf), f"--init-from-hf {args.init_from_hf}"
+    resolve_tokenizer(args, meta)
+    tokens, vocab_size, source = inspect_data(args.data, tokenizer=args.tokenizer)
+    config = build_config(args, vocab_size=vocab_size, saved=saved, origin=origin)
+    seq_len = default_seq_len(args, config)
     check_fits(config, tp=args.tp, seq_len=seq_len)
     train_token_count(tokens, val_fraction=VAL_FRACTION, seq_len=seq_len, source=source)
     settle_run(args, meta=meta, dp_size=world // args.tp)
@@ -313,11 +330,41 @@ def _cmd_export(args) -> int:
     return 0
 
 
+# --- prepare -------------------------------------------------------------------------------
+
+def _cmd_prepare(args) -> int:
+    from .data import prepare
+
+    out = Path(args.out)
+    existing = [p for p in (out, Path(f"{out}.json"), Path(f"{out}.tokenizer")) if p.exists()]
+    if existing and not args.overwrite:
+        raise UsageError(f"--out {out}: {existing[0]} already exists; pass --overwrite to replace it")
+    if not out.parent.is_dir():
+        raise UsageError(f"--out {out}: the directory {out.parent} does not exist")
+    corpus = prepare(args.data, out, tokenizer=args.tokenizer, bpe_vocab=args.bpe_vocab)
+    print(f"wrote {corpus.tokens.numel():,} tokens (vocabulary {corpus.vocab_size:,}, tokenizer "
+          f"{corpus.tokenizer}) to {out} and {out}.json; train with --data {out}", flush=True)
+    return 0
+
+
 def register(subparsers) -> None:
     train = subparsers.add_parser("train", help="train a TP x DP GPT (default: a small one on an embedded corpus)",
                                   description="Train a GPT with tensor and data parallelism.")
     add_train_flags(train)
     train.set_defaults(func=_cmd_train)
+
+    prep = subparsers.add_parser("prepare", help="tokenize text into the token file --data reads",
+                                 description="Tokenize a text file or a directory of text files into a "
+                                             "memory-mapped token file (+ .json sidecar) for train --data.")
+    prep.add_argument("data", metavar="DATA", help="a text file or a directory of text files")
+    prep.add_argument("--out", required=True, metavar="FILE", help="the token file to write (FILE.json beside it)")
+    tokens = prep.add_mutually_exclusive_group()
+    tokens.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="a Hugging Face tokenizer directory (default: byte tokens)")
+    tokens.add_argument("--bpe-vocab", type=_number(int, low=257), default=None, metavar="N",
+                        help="train a byte-level BPE of N tokens on DATA, saved as FILE.tokenizer/")
+    prep.add_argument("--overwrite", action="store_true", help="replace FILE, FILE.json and FILE.tokenizer/")
+    prep.set_defaults(func=_cmd_prepare)
 
     gen = subparsers.add_parser("generate", help="sample text from a checkpoint, at any TP size",
                                 description="Continue a prompt with a trained checkpoint, at any TP size.")

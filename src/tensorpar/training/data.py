@@ -132,17 +132,29 @@ def _load_token_file(path: Path, meta: dict) -> Corpus:
     return Corpus(tokens, vocab_size, meta.get("tokenizer"), str(path))
 
 
-def load_corpus(path: str | os.PathLike | None) -> Corpus:
-    """The embedded corpus (``None``), a text file, a directory of text files, or a token file."""
+def load_corpus(path: str | os.PathLike | None, *, tokenizer: str | None = None) -> Corpus:
+    """The embedded corpus (``None``), a text file, a directory of text files, or a token file.
+
+    Text is byte tokens, or the tokens of the Hugging Face ``tokenizer`` directory if given.
+    """
     if path is None:
         files = stdlib_files()
         source = f"Python {sysconfig.get_python_version()} standard library ({len(files)} files)"
+    else:
+        path = Path(path)
+        meta = _read_sidecar(path) if path.is_file() else None
+        if meta is not None:
+            return _load_token_file(path, meta)
+        files, source = _text_files(path), f"--data {path}"
+    if tokenizer is None:
         return Corpus(_files_to_tokens(files, source), BYTE_VOCAB_SIZE, "bytes", source)
-    path = Path(path)
-    meta = _read_sidecar(path) if path.is_file() else None
-    if meta is not None:
-        return _load_token_file(path, meta)
-    return Corpus(_files_to_tokens(_text_files(path), f"--data {path}"), BYTE_VOCAB_SIZE, "bytes", str(path))
+    from .tokenizer import load_tokenizer, tokenize_files
+
+    hf_tokenizer = load_tokenizer(tokenizer)
+    tokens = tokenize_files(files, hf_tokenizer)
+    if not tokens.numel():
+        raise DataError(f"{source}: no text found (empty files)")
+    return Corpus(tokens, len(hf_tokenizer), tokenizer, source)
 
 
 def _text_files(path: Path) -> list[Path]:
@@ -158,12 +170,13 @@ def _text_files(path: Path) -> list[Path]:
     return files
 
 
-def inspect_data(path: str | os.PathLike | None) -> tuple[int, int, str]:
+def inspect_data(path: str | os.PathLike | None, *, tokenizer: str | None = None) -> tuple[int, int, str]:
     """(token count, vocabulary size, source) of ``--data``, checked, without tokenizing text.
 
     What :func:`load_corpus` would give, cheaply enough to run before any process starts: text
-    is sized from the files' lengths; a token file is memory-mapped and its ids are checked
-    against its vocabulary (one pass over the file).
+    is sized from the files' lengths (an upper bound with a ``tokenizer``, whose vocabulary is
+    read); a token file is memory-mapped and its ids are checked against its vocabulary (one
+    pass over the file).
     """
     if path is None:
         files = stdlib_files()
@@ -179,7 +192,12 @@ def inspect_data(path: str | os.PathLike | None) -> tuple[int, int, str]:
     sizes = [size for size in (f.stat().st_size for f in files) if size]
     if not sizes:
         raise DataError(f"{source}: no text found (empty files)")
-    return sum(sizes) + len(sizes), BYTE_VOCAB_SIZE, source  # one EOT after each document
+    vocab_size = BYTE_VOCAB_SIZE
+    if tokenizer is not None:
+        from .tokenizer import load_tokenizer
+
+        vocab_size = len(load_tokenizer(tokenizer))
+    return sum(sizes) + len(sizes), vocab_size, source  # one EOT after each document
 
 
 def _check_token_ids(corpus: Corpus, chunk: int = 1 << 24) -> None:
@@ -207,6 +225,24 @@ def write_token_file(path: str | os.PathLike, tokens: torch.Tensor, *, vocab_siz
         torch.from_file(str(path), shared=True, size=data.numel(), dtype=data.dtype).copy_(data)
     Path(f"{path}.json").write_text(json.dumps(
         {"format": TOKEN_FILE_FORMAT, "dtype": dtype_name, "vocab_size": vocab_size, "tokenizer": tokenizer}))
+
+
+def prepare(data: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str | None = None,
+            bpe_vocab: int | None = None) -> Corpus:
+    """Tokenize the text ``data`` into the token file ``out`` (what ``--data`` reads).
+
+    Byte tokens by default; or the Hugging Face ``tokenizer`` directory's; or, with
+    ``bpe_vocab``, a byte-level BPE trained on ``data`` and saved as ``<out>.tokenizer/``.
+    """
+    files = _text_files(Path(data))
+    if bpe_vocab is not None:
+        from .tokenizer import train_byte_level_bpe
+
+        tokenizer = str(Path(f"{out}.tokenizer").resolve())
+        train_byte_level_bpe(files, bpe_vocab, Path(tokenizer))
+    corpus = load_corpus(data, tokenizer=tokenizer)
+    write_token_file(out, corpus.tokens, vocab_size=corpus.vocab_size, tokenizer=corpus.tokenizer)
+    return corpus
 
 
 def _generator(seed: int, stream: int, step: int) -> torch.Generator:

@@ -27,10 +27,23 @@ def load_model(path, *, tp_group) -> tuple[GPT, dict]:
     return model.eval(), meta
 
 
+def run_tokenizer(meta: dict):
+    """The run's Hugging Face tokenizer, or None for byte tokens and token files without one."""
+    if meta.get("tokenizer") in (None, "bytes"):
+        return None
+    from .tokenizer import load_tokenizer
+
+    return load_tokenizer(meta["tokenizer"], flag="the run's tokenizer")
+
+
 def encode_prompt(prompt: str, *, tokenizer: str | None, vocab_size: int) -> torch.Tensor:
-    """``prompt`` as token ids: its UTF-8 bytes for byte-level runs, else ids separated by spaces."""
+    """``prompt`` as token ids: its UTF-8 bytes for byte-level runs, the run's Hugging Face
+    tokenizer's ids, else ids separated by spaces."""
+    hf_tokenizer = run_tokenizer({"tokenizer": tokenizer})
     if tokenizer == "bytes":
         tokens = encode(prompt)
+    elif hf_tokenizer is not None:
+        tokens = torch.tensor(hf_tokenizer(prompt)["input_ids"], dtype=torch.int64)
     else:
         words = prompt.split()
         bad = [word for word in words if not word.isdigit()]
@@ -38,9 +51,9 @@ def encode_prompt(prompt: str, *, tokenizer: str | None, vocab_size: int) -> tor
             raise UsageError(f"--prompt {prompt!r}: this checkpoint was trained on a token file, so the prompt "
                              f"is token ids separated by spaces (e.g. --prompt \"464 2068\"); {bad[0]!r} is not one")
         tokens = torch.tensor([int(word) for word in words], dtype=torch.int64)
-        if tokens.numel() and int(tokens.max()) >= vocab_size:
-            raise UsageError(f"--prompt: token id {int(tokens.max())} is outside the model's vocabulary "
-                             f"of {vocab_size}")
+    if tokens.numel() and int(tokens.max()) >= vocab_size:
+        raise UsageError(f"--prompt: token id {int(tokens.max())} is outside the model's vocabulary "
+                         f"of {vocab_size}")
     if tokens.numel() == 0:
         raise UsageError("--prompt is empty: give at least one token to continue")
     return tokens
@@ -52,11 +65,15 @@ def generate(args) -> str:
     try:
         model, meta = load_model(args.checkpoint, tp_group=ps.get_tensor_model_parallel_group())
         prompt = encode_prompt(args.prompt, tokenizer=meta.get("tokenizer"), vocab_size=model.config.vocab_size)
+        hf_tokenizer = run_tokenizer(meta)
         torch.manual_seed(args.seed)
         out = model.generate(prompt[None].to(ps.default_device()), args.max_new_tokens,
-                             temperature=args.temperature, top_k=args.top_k)[0].cpu()
+                             temperature=args.temperature, top_k=args.top_k,
+                             eos_token_id=hf_tokenizer.eos_token_id if hf_tokenizer is not None else None)[0].cpu()
         if meta.get("tokenizer") == "bytes":
             return decode(out)
+        if hf_tokenizer is not None:
+            return hf_tokenizer.decode(out.tolist(), skip_special_tokens=True)
         return " ".join(str(int(t)) for t in out)
     finally:
         dist.barrier()
@@ -72,11 +89,16 @@ def export_hf(args) -> str:
         model, meta = load_model(args.checkpoint, tp_group=ps.get_tensor_model_parallel_group())
         out = Path(args.to_hf)
         hf_model = to_hf(model)
-        # Byte-level runs end each document with EOT; a token file's tokenizer is not known here.
-        eos = EOT if meta.get("tokenizer") == "bytes" else None
+        hf_tokenizer = run_tokenizer(meta)
+        # Byte-level runs end each document with EOT; a Hugging Face tokenizer has its own ids.
+        bos = eos = EOT if meta.get("tokenizer") == "bytes" else None
+        if hf_tokenizer is not None:
+            bos, eos = hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id
         for config in (hf_model.config, hf_model.generation_config):
-            config.bos_token_id = config.eos_token_id = eos
+            config.bos_token_id, config.eos_token_id = bos, eos
         hf_model.save_pretrained(out)
+        if hf_tokenizer is not None:  # pipeline("text-generation", model=out) finds it there
+            hf_tokenizer.save_pretrained(out)
         return str(out)
     finally:
         ps.destroy_model_parallel()

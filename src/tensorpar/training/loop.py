@@ -90,10 +90,11 @@ def requested_fields(args) -> dict:
     return {k: v for k, v in fields.items() if k not in RUNTIME_FIELDS and k != "max_seq_len"}
 
 
-def build_config(args, *, vocab_size: int, saved: dict | None) -> GPTConfig:
-    """The model config: the checkpoint's (``saved``) when resuming, else preset + overrides.
+def build_config(args, *, vocab_size: int, saved: dict | None, origin: str = "the checkpoint") -> GPTConfig:
+    """The model config: ``saved`` (the resumed checkpoint's, or the ``--init-from-hf``
+    model's, named by ``origin``) if given, else preset + overrides.
 
-    When resuming, every explicitly requested shape field must match the checkpoint.
+    With ``saved``, every explicitly requested shape field must match it.
     """
     requested = requested_fields(args)
     if requested.get("vocab_size", vocab_size) < vocab_size:
@@ -108,12 +109,12 @@ def build_config(args, *, vocab_size: int, saved: dict | None) -> GPTConfig:
         return _config(**{**base, "vocab_size": vocab_size, **requested, **runtime})
     config = config_from_json(saved)
     if vocab_size > config.vocab_size:
-        raise ConfigMismatch(f"the data has token ids up to {vocab_size - 1}, beyond the checkpoint's "
+        raise ConfigMismatch(f"the data has token ids up to {vocab_size - 1}, beyond {origin}'s "
                              f"vocab_size {config.vocab_size}")
     mismatched = [f"{name}: checkpoint {getattr(config, name)!r}, requested {value!r}"
                   for name, value in sorted(requested.items()) if getattr(config, name) != value]
     if mismatched:
-        raise ConfigMismatch("the checkpoint's model config differs from the one requested: "
+        raise ConfigMismatch(f"{origin}'s model config differs from the one requested: "
                              + "; ".join(mismatched))
     return dataclasses.replace(config, **runtime)
 
@@ -186,6 +187,40 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int) -> fl
         return lr
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def hf_init_config(directory: str) -> dict:
+    """The GPT config (as JSON) of the Hugging Face model directory ``--init-from-hf`` names."""
+    from ..models.hf import config_from_hf
+
+    try:
+        from transformers import AutoConfig
+
+        return config_to_json(config_from_hf(AutoConfig.from_pretrained(directory)))
+    except ImportError:
+        raise UsageError("--init-from-hf needs transformers: pip install 'tensorpar[hf]'") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--init-from-hf {directory}: {exc}") from None
+
+
+def resolve_tokenizer(args, meta: dict | None) -> None:
+    """``args.tokenizer``: ``--tokenizer``, else the resumed run's, else the ``--init-from-hf``
+    directory's when it has one (as an absolute path), else None (byte tokens for text)."""
+    from .tokenizer import has_tokenizer
+
+    if args.tokenizer is None and meta is not None and meta.get("tokenizer") not in (None, "bytes"):
+        args.tokenizer = meta["tokenizer"]
+    if args.tokenizer is None and args.init_from_hf is not None and has_tokenizer(args.init_from_hf):
+        args.tokenizer = args.init_from_hf
+    if args.tokenizer is not None:
+        args.tokenizer = str(Path(args.tokenizer).resolve())
+
+
+def default_seq_len(args, config: GPTConfig) -> int:
+    """``--seq-len``, else the model's max_seq_len (a Hugging Face model's, capped at 128)."""
+    if args.seq_len is not None:
+        return args.seq_len
+    return min(config.max_seq_len, DEFAULT_SEQ_LEN) if args.init_from_hf else config.max_seq_len
 
 
 def check_fits(config: GPTConfig, *, tp: int, seq_len: int) -> None:
@@ -382,17 +417,26 @@ def _train(args, signals: _Signals) -> RunResult:
                                  comm.group_rank(dp_group))
     device = ps.default_device()
     is_rank0 = dist.get_rank() == 0
-    corpus = load_corpus(args.data)
-    args.tokenizer = corpus.tokenizer
     resumed = checkpoint.open_checkpoint(args.resume) if args.resume else None
-    config = build_config(args, vocab_size=corpus.vocab_size, saved=resumed[1] if resumed else None)
-    seq_len = args.seq_len or config.max_seq_len
+    resolve_tokenizer(args, resumed[2] if resumed else None)
+    corpus = load_corpus(args.data, tokenizer=args.tokenizer)
+    args.tokenizer = corpus.tokenizer
+    if args.init_from_hf:
+        config = build_config(args, vocab_size=corpus.vocab_size, saved=hf_init_config(args.init_from_hf),
+                              origin=f"--init-from-hf {args.init_from_hf}")
+    else:
+        config = build_config(args, vocab_size=corpus.vocab_size, saved=resumed[1] if resumed else None)
+    seq_len = default_seq_len(args, config)
     check_fits(config, tp=tp_size, seq_len=seq_len)
     settle_run(args, meta=resumed[2] if resumed else None, dp_size=dp_size)
     train_tokens, val_tokens = corpus.split(val_fraction=VAL_FRACTION, seq_len=seq_len)
 
     model_parallel_manual_seed(args.seed)
     model = GPT(config, device=device)
+    if args.init_from_hf:
+        from ..models.hf import load_weights
+
+        load_weights(model, args.init_from_hf)
     optimizer = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(0.9, 0.95), eps=1e-8)
     reducer = DataParallelGradReducer(model.parameters(), dp_group=dp_group)
@@ -419,7 +463,7 @@ def _train(args, signals: _Signals) -> RunResult:
               f"x {args.grad_accum} accumulation) = {tokens_per_step:,} tokens/step, data: {corpus.source}",
               flush=True)
     progress = Progress(out=out, total_steps=args.steps, first_step=start, enabled=is_rank0,
-                        bar=not args.no_progress)
+                        bar=not args.no_progress, tensorboard=args.tensorboard)
     result = RunResult({}, {}, None, 0.0, config_to_json(config))
     measured_tokens, measured_time = 0, 0.0
     # Steps whose loss and grad norm stay on the device until the next log line: reading them

@@ -1,4 +1,5 @@
-"""What a person watching a run sees: a progress bar, ``metrics.jsonl`` and ``loss.png``.
+"""What a person watching a run sees: a progress bar, ``metrics.jsonl`` and ``loss.png``, and
+with ``tensorboard=True`` the same metrics as TensorBoard scalars in ``<out>/tensorboard``.
 
 Only rank 0 reports. On a terminal a tqdm bar shows each step; when stderr is not a terminal
 (a log file, a pipe, a batch system) every ``log_every``-th step is one plain line, with no
@@ -21,6 +22,7 @@ from pathlib import Path
 
 METRICS = "metrics.jsonl"
 PLOT = "loss.png"
+TENSORBOARD = "tensorboard"
 
 
 def _note(message: str) -> None:
@@ -70,11 +72,12 @@ class Progress:
     """
 
     def __init__(self, *, out: Path | None, total_steps: int, first_step: int, enabled: bool,
-                 bar: bool = True) -> None:
-        """``bar``: a progress bar if stderr is a terminal (else plain lines at each logged step)."""
+                 bar: bool = True, tensorboard: bool = False) -> None:
+        """``bar``: a progress bar if stderr is a terminal (else plain lines at each logged step);
+        ``tensorboard``: also write every metrics row through ``torch.utils.tensorboard``."""
         self.out, self.enabled, self.total_steps = out, enabled, total_steps
         self.rows: list[dict] = []
-        self._bar = None
+        self._bar = self._writer = None
         self._started = time.perf_counter()
         if not enabled:
             return
@@ -85,6 +88,10 @@ class Progress:
                 self.rows = [row for row in read_rows(metrics) if row["step"] <= first_step]
             text = "".join(json.dumps(row) + "\n" for row in self.rows)
             replace_file(metrics, lambda tmp: tmp.write_text(text))
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._writer = SummaryWriter(str(out / TENSORBOARD), purge_step=first_step + 1 if first_step else None)
         if bar and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
@@ -98,6 +105,10 @@ class Progress:
         self.rows.append(row)
         if self.out is not None:
             append_line(self.out / METRICS, json.dumps(row) + "\n")
+        if self._writer is not None:
+            for name, value in row.items():
+                if name != "step":
+                    self._writer.add_scalar(name, value, row["step"])
 
     def step(self, *, step: int, loss: float, lr: float, tokens_per_s: float, grad_norm: float,
              log: bool) -> None:
@@ -161,3 +172,5 @@ class Progress:
         """Close the bar (the final plot is the caller's, on success: see :meth:`plot`)."""
         if self._bar is not None:
             self._bar.close()
+        if self._writer is not None:
+            self._writer.close()

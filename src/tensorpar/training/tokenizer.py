@@ -1,0 +1,72 @@
+"""Hugging Face tokenizers for training data, prompts and exports (needs ``transformers``).
+
+A run tokenized by a Hugging Face tokenizer records the tokenizer's directory; ``generate``
+encodes prompts and decodes text with it, and ``export`` saves it beside the model, so
+``transformers.pipeline("text-generation", model=EXPORTED)`` works as is. ``--bpe-vocab N``
+trains a byte-level BPE on the data with ``tokenizers`` and saves it as such a directory.
+
+Example::
+
+    tokenizer = load_tokenizer("llama-dir/")
+    tokens = tokenize_files([Path("book.txt")], tokenizer)     # documents end with EOS
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import UsageError
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+def has_tokenizer(directory) -> bool:
+    """Whether ``directory`` holds Hugging Face tokenizer files."""
+    return any((Path(directory) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def load_tokenizer(directory, *, flag: str = "--tokenizer"):
+    """The ``transformers`` tokenizer saved in ``directory`` (never code from it)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UsageError(f"{flag} needs transformers: pip install 'tensorpar[hf]'") from None
+    if not has_tokenizer(directory):
+        raise UsageError(f"{flag} {directory}: no tokenizer.json or tokenizer_config.json there")
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{flag} {directory}: cannot load the tokenizer ({exc})") from None
+
+
+def tokenize_files(files: list[Path], tokenizer) -> torch.Tensor:
+    """Every file's tokens (no special tokens added), each document followed by EOS if the
+    tokenizer has one, as one int64 tensor."""
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    ids: list[int] = []
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text:
+            ids += tokenizer(text, add_special_tokens=False)["input_ids"] + eos
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def train_byte_level_bpe(files: list[Path], vocab_size: int, directory: Path):
+    """A byte-level BPE of ``vocab_size`` tokens trained on ``files``, saved in ``directory``."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        raise UsageError("--bpe-vocab needs tokenizers and transformers: pip install 'tensorpar[hf]'") from None
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train([str(f) for f in files], trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT,
+                                        unk_token=END_OF_TEXT)
+    tokenizer.save_pretrained(str(directory))
+    return tokenizer
