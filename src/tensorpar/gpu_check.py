@@ -28,9 +28,7 @@ Example::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
