@@ -4,7 +4,7 @@ per rank).
 
 Prefill tokens/s = ``batch * prompt_len / T(generate 1 token)``; decode tokens/s =
 ``batch * (new_tokens - 1) / (T(generate new_tokens) - T(generate 1 token))``; each time the
-median of ``--rounds`` rounds. The generated tokens are checked equal across all variants.
+median of ``--rounds`` rounds, in which the variants of one world take turns. The generated tokens are checked equal across all variants.
 ``transformers`` at TP=2 uses its own ``tp_plan="auto"``, where it runs on this machine.
 
     python benchmarks/generate_vs_transformers.py [--hidden 512] [--layers 4] [--batch 4]
@@ -30,21 +30,28 @@ def _hf_config(args):
         max_position_embeddings=args.prompt_len + args.new_tokens, tie_word_embeddings=False)
 
 
-def _rates(generate, args) -> tuple[float, float, list]:
-    """(prefill tokens/s, decode tokens/s, the tokens) of ``generate(n)``, medians over rounds."""
+def _rates(generators: dict, args) -> dict:
+    """{name: (prefill tokens/s, decode tokens/s, the tokens)} of each ``generate(n)``: medians
+    over rounds, the variants taking turns within each round so they share the machine's noise."""
     import torch.distributed as dist
 
-    first, full, out = [], [], None
-    generate(2)  # warm-up
+    times = {name: ([], []) for name in generators}
+    out = {}
+    for generate in generators.values():
+        generate(2)  # warm-up
     for _ in range(args.rounds):
-        for n, times in ((1, first), (args.new_tokens, full)):
-            dist.barrier()
-            start = time.perf_counter()
-            out = generate(n)
-            times.append(time.perf_counter() - start)
-    t1, tn = statistics.median(first), statistics.median(full)
-    return (args.batch * args.prompt_len / t1, args.batch * (args.new_tokens - 1) / (tn - t1),
-            out.tolist())
+        for name, generate in generators.items():
+            for n, series in zip((1, args.new_tokens), times[name]):
+                dist.barrier()
+                start = time.perf_counter()
+                out[name] = generate(n)
+                series.append(time.perf_counter() - start)
+    rates = {}
+    for name, (first, full) in times.items():
+        t1, tn = statistics.median(first), statistics.median(full)
+        rates[name] = (args.batch * args.prompt_len / t1, args.batch * (args.new_tokens - 1) / (tn - t1),
+                       out[name].tolist())
+    return rates
 
 
 def _rank(args, directory: str) -> dict:
@@ -58,25 +65,21 @@ def _rank(args, directory: str) -> dict:
     tp.initialize_model_parallel(int(os.environ["WORLD_SIZE"]))
     world = dist.get_world_size()
     prompt = torch.randint(0, args.vocab, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
-    results = {}
     with torch.no_grad():
         model = from_hf(directory).eval()
-        results[f"tensorpar TP={world}"] = _rates(lambda n: model.generate(prompt, n, temperature=0), args)
-        del model
-
-        def hf_generate(hf):
-            return lambda n: hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                         pad_token_id=0)
-
-        if world == 1:
-            hf = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-            results["transformers"] = _rates(hf_generate(hf), args)
-        else:
-            try:
+        generators = {f"tensorpar TP={world}": lambda n: model.generate(prompt, n, temperature=0)}
+        failed = {}
+        try:
+            if world == 1:
+                hf = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+            else:
                 hf = transformers.AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto").eval()
-                results[f"transformers tp_plan=auto TP={world}"] = _rates(hf_generate(hf), args)
-            except Exception as exc:  # noqa: BLE001 - reported, not hidden
-                results[f"transformers tp_plan=auto TP={world}"] = f"did not run: {type(exc).__name__}: {exc}"
+            name = "transformers" if world == 1 else f"transformers tp_plan=auto TP={world}"
+            generators[name] = lambda n: hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                                     pad_token_id=0)
+        except Exception as exc:  # noqa: BLE001 - reported, not hidden
+            failed[f"transformers tp_plan=auto TP={world}"] = f"did not run: {type(exc).__name__}: {exc}"
+        results = {**_rates(generators, args), **failed}
     tp.destroy_model_parallel()
     return results
 

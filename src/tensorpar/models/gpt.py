@@ -505,10 +505,11 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, *,
                 position_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+                kv_cache: KVCache | None = None, last_position_only: bool = False) -> torch.Tensor:
         """Loss, or this rank's logits; ``position_ids`` (``[b, s]``, default ``0..s-1``),
-        ``attn_mask`` (boolean ``[b, 1, s, keys]``, True = attend; default causal) and ``kv_cache``
-        serve generation (see :meth:`generate`)."""
+        ``attn_mask`` (boolean ``[b, 1, s, keys]``, True = attend; default causal), ``kv_cache``
+        and ``last_position_only`` (the logits of the last position alone, except under SP,
+        whose sequence is split) serve generation (see :meth:`generate`)."""
         self._check_input(tokens, labels)
         rotary = (None, None)
         if self.config.position_embedding == "rope":
@@ -526,6 +527,8 @@ class GPT(nn.Module):
                 x = block(x, *rotary, attn_mask, kv_cache)
         if kv_cache is not None:
             kv_cache.length += tokens.shape[1]
+        if last_position_only and not self.parallel.sequence_parallel:
+            x = x[-1:]
         x = self.final_norm(x)
         # The LM head: a column layer over the vocab with the embedding's weight (when tied);
         # f (or the SP all-gather) inside. Logits stay split over the vocab: never gathered.
@@ -643,7 +646,8 @@ class GPT(nn.Module):
         # A token sees the real tokens up to itself, and itself (so a padding row stays finite).
         mask = (queries >= slots) & (keys_real[:, None, :] | (queries == slots))
         local = self(F.pad(new, (0, pad)), position_ids=positions, attn_mask=mask.unsqueeze(1),
-                     kv_cache=cache)[:, n - 1]
+                     kv_cache=cache, last_position_only=True)
+        local = local[:, min(n - 1, local.shape[1] - 1)]           # the last real token's
         if cache is not None:
             cache.length -= pad  # the SP padding at the end is overwritten by the next step
         logits = gather_from_tensor_model_parallel_region(local.contiguous(), group=self.tp_group)
