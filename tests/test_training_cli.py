@@ -106,10 +106,10 @@ def test_token_file_ids_beyond_its_vocab_or_odd_size(capsys, tmp_path):
     write_token_file(path, torch.arange(1000) % 700, vocab_size=700)
     (tmp_path / "tokens.bin.json").write_text('{"format": "tensorpar-tokens", "dtype": "uint16", "vocab_size": 500}')
     assert _train_error(capsys, "--data", str(path)) == \
-        f"{path}: holds token id 699, outside its vocab_size 500 (from {path}.json)"
+        f"--data {path}: holds token id 699, outside its vocab_size 500 (from {path}.json)"
     with open(path, "ab") as f:
         f.write(b"\0")
-    assert _train_error(capsys, "--data", str(path)) == f"{path}: size 2001 bytes is not a multiple of uint16 (2 bytes)"
+    assert _train_error(capsys, "--data", str(path)) == f"--data {path}: size 2001 bytes is not a multiple of uint16 (2 bytes)"
 
 
 def test_unwritable_out(capsys, tmp_path):

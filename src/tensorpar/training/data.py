@@ -124,9 +124,9 @@ def _load_token_file(path: Path, meta: dict) -> Corpus:
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = path.stat().st_size
     if nbytes == 0:
-        raise DataError(f"{path}: empty token file")
+        raise DataError(f"--data {path}: empty token file")
     if nbytes % itemsize:
-        raise DataError(f"{path}: size {nbytes} bytes is not a multiple of {dtype_name} ({itemsize} bytes)")
+        raise DataError(f"--data {path}: size {nbytes} bytes is not a multiple of {dtype_name} ({itemsize} bytes)")
     # shared=False maps the file copy-on-write: pages load lazily and the file is never modified.
     tokens = torch.from_file(str(path), shared=False, size=nbytes // itemsize, dtype=dtype)
     return Corpus(tokens, vocab_size, meta.get("tokenizer"), str(path))
@@ -206,9 +206,9 @@ def _check_token_ids(corpus: Corpus, chunk: int = 1 << 24) -> None:
         part = tokens[start:start + chunk].to(torch.int64)  # no max() for uint16
         largest = max(largest, int(part.max()))
         if int(part.min()) < 0:
-            raise DataError(f"{corpus.source}: holds negative token ids (e.g. {int(part.min())})")
+            raise DataError(f"--data {corpus.source}: holds negative token ids (e.g. {int(part.min())})")
     if largest >= corpus.vocab_size:
-        raise DataError(f"{corpus.source}: holds token id {largest}, outside its vocab_size "
+        raise DataError(f"--data {corpus.source}: holds token id {largest}, outside its vocab_size "
                         f"{corpus.vocab_size} (from {corpus.source}.json)")
 
 
