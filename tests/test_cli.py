@@ -52,7 +52,7 @@ def test_every_flag_has_help_that_shows_its_default_and_no_markup():
     import argparse
 
     parser, commands = _subcommands()
-    assert set(commands) == {"train", "generate", "export", "comm", "bench"}
+    assert {"train", "generate", "export", "comm", "bench"} <= set(commands)
     for name, sub in commands.items():
         text = sub.format_help()
         for marker in ("``", ":class:", ":func:", ":mod:", "::", "seed 0", "DESIGN"):

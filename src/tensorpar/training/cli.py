@@ -118,7 +118,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", default=None, metavar="PRESET", help=_PRESET_HELP)
     model.add_argument("--init-from-hf", default=None, metavar="DIR",
                        help="start from a local Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2; "
-                            "config.json + safetensors): its shape and weights, and its tokenizer if it has one")
+                            "config.json + safetensors): its shape and weights, and its tokenizer if it has one "
+                            "(default: random initialization)")
     model.add_argument("--layers", type=_positive(int), default=None, help="transformer layers (default: the preset's)")
     model.add_argument("--hidden", type=_positive(int), default=None, help="hidden size (default: the preset's)")
     model.add_argument("--heads", type=_positive(int), default=None,
@@ -362,7 +363,8 @@ def register(subparsers) -> None:
     tokens.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="a Hugging Face tokenizer directory (default: byte tokens)")
     tokens.add_argument("--bpe-vocab", type=_number(int, low=257), default=None, metavar="N",
-                        help="train a byte-level BPE of N tokens on DATA, saved as FILE.tokenizer/")
+                        help="train a byte-level BPE of N tokens on DATA, saved as FILE.tokenizer/ "
+                             "(default: none, byte tokens)")
     prep.add_argument("--overwrite", action="store_true", help="replace FILE, FILE.json and FILE.tokenizer/")
     prep.set_defaults(func=_cmd_prepare)
 
