@@ -372,8 +372,9 @@ def register(subparsers) -> None:
                                 description="Continue a prompt with a trained checkpoint, at any TP size.")
     gen.add_argument("--checkpoint", required=True, help="a step_N directory or an output directory (its latest)")
     gen.add_argument("--prompt", default="def ",
-                     help="what to continue: text for runs on text data (byte tokens); for runs on a token "
-                          "file, token ids separated by spaces, e.g. \"464 2068 7586\" (default: 'def ')")
+                     help="what to continue: text, for runs whose tokenizer is known (byte tokens, or a Hugging "
+                          "Face tokenizer saved with the run); for runs on a token file without one, token ids "
+                          "separated by spaces, e.g. \"464 2068 7586\" (default: 'def ')")
     gen.add_argument("--max-new-tokens", type=_positive(int), default=200, help="tokens to add")
     gen.add_argument("--temperature", type=_non_negative(float), default=0.8,
                      help="sampling temperature (0: greedy)")
