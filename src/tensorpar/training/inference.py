@@ -62,22 +62,24 @@ def encode_prompt(prompt: str, *, tokenizer: str | None, vocab_size: int) -> tor
 def generate(args) -> str:
     """Continue ``args.prompt``; the same text on every rank (the sampling stream is shared)."""
     ps.initialize_model_parallel(args.tp, timeout=args.timeout)
-    try:
-        model, meta = load_model(args.checkpoint, tp_group=ps.get_tensor_model_parallel_group())
-        prompt = encode_prompt(args.prompt, tokenizer=meta.get("tokenizer"), vocab_size=model.config.vocab_size)
-        hf_tokenizer = run_tokenizer(meta)
-        torch.manual_seed(args.seed)
-        out = model.generate(prompt[None].to(ps.default_device()), args.max_new_tokens,
-                             temperature=args.temperature, top_k=args.top_k,
-                             eos_token_id=hf_tokenizer.eos_token_id if hf_tokenizer is not None else None)[0].cpu()
-        if meta.get("tokenizer") == "bytes":
-            return decode(out)
-        if hf_tokenizer is not None:
-            return hf_tokenizer.decode(out.tolist(), skip_special_tokens=True)
-        return " ".join(str(int(t)) for t in out)
-    finally:
-        dist.barrier()
-        ps.destroy_model_parallel()
+    # An error propagates as it is, the groups left up: waiting on a peer or tearing the groups
+    # down here would hide it behind a timeout or a peer's broken-connection error.
+    model, meta = load_model(args.checkpoint, tp_group=ps.get_tensor_model_parallel_group())
+    prompt = encode_prompt(args.prompt, tokenizer=meta.get("tokenizer"), vocab_size=model.config.vocab_size)
+    hf_tokenizer = run_tokenizer(meta)
+    torch.manual_seed(args.seed)
+    out = model.generate(prompt[None].to(ps.default_device()), args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k,
+                         eos_token_id=hf_tokenizer.eos_token_id if hf_tokenizer is not None else None)[0].cpu()
+    if meta.get("tokenizer") == "bytes":
+        text = decode(out)
+    elif hf_tokenizer is not None:
+        text = hf_tokenizer.decode(out.tolist(), skip_special_tokens=True)
+    else:
+        text = " ".join(str(int(t)) for t in out)
+    dist.barrier()  # nobody tears down gloo while a peer still talks to it
+    ps.destroy_model_parallel()
+    return text
 
 
 def export_hf(args) -> str:
