@@ -96,20 +96,21 @@ def test_disk_full_on_a_small_tmpfs(tmpfs):
 
 
 def _signal_body(argv, signum, at_step, ranks):
-    """Train, sending ``signum`` to this process at ``at_step`` on ``ranks``; returns
-    (losses, checkpoint, stopped_by, exit code, what rank 0 printed)."""
+    """Train, sending ``signum`` to this process while it runs step ``at_step`` on ``ranks``;
+    returns (losses, checkpoint, stopped_by, exit code, what this rank printed)."""
     import torch.distributed as dist
 
-    from tensorpar.training import loop, progress
+    from tensorpar.training import loop
+    from tensorpar.training.data import BatchSampler
 
-    real_step = progress.Progress.step
+    real_batches = BatchSampler.micro_batches
 
-    def step(self, **kwargs):
-        real_step(self, **kwargs)
-        if kwargs["step"] == at_step and dist.get_rank() in ranks:
+    def micro_batches(self, index):
+        if index == at_step - 1 and dist.get_rank() in ranks and self.stream == 0:
             os.kill(os.getpid(), signum)
+        return real_batches(self, index)
 
-    progress.Progress.step = step
+    BatchSampler.micro_batches = micro_batches
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
@@ -118,7 +119,7 @@ def _signal_body(argv, signum, at_step, ranks):
     except SystemExit as exc:
         return None, None, None, exc.code, said.getvalue()
     finally:
-        progress.Progress.step = real_step
+        BatchSampler.micro_batches = real_batches
 
 
 def _full(tmp_path, world, *extra):

@@ -404,10 +404,15 @@ def _claim_out(args) -> rundir.RunLock | None:
     return outcome[0]
 
 
-def _stop_requested(signals: _Signals, device) -> bool:
+def _control_group():
+    """The world as a CPU (gloo) group, so agreeing on a flag never waits for the device."""
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+def _stop_requested(signals: _Signals, control_group) -> bool:
     """Whether any rank got SIGTERM: all ranks then stop after the same step."""
-    flag = torch.tensor([1.0 if signals.term else 0.0], device=device)
-    comm.all_reduce(flag, None, op="max")
+    flag = torch.tensor([1 if signals.term else 0], dtype=torch.int32)
+    comm.all_reduce(flag, control_group, op="max")
     return bool(flag.item())
 
 
@@ -470,6 +475,7 @@ def _train(args, signals: _Signals) -> RunResult:
     # back every step would make the CPU wait for each step before queueing the next.
     pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
     interval_began = time.perf_counter()
+    control_group = _control_group()
     try:
         for step in range(start, args.steps):
             lr = lr_at(step, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, total=args.lr_decay_steps)
@@ -495,7 +501,7 @@ def _train(args, signals: _Signals) -> RunResult:
             pending.append((done, lr, loss_sum / (len(batches) * dp_size), grad_norm))
             log = done % args.log_every == 0 or done == args.steps
             evaluating = bool(args.eval_every) and (done % args.eval_every == 0 or done == args.steps)
-            stop = _stop_requested(signals, device)
+            stop = _stop_requested(signals, control_group)
             saving = out is not None and bool(stop or (args.save_every and done % args.save_every == 0)
                                               or done == args.steps)
             # Also after the first step, whose one-off warm-up costs stay out of the measured rate.
@@ -526,6 +532,8 @@ def _train(args, signals: _Signals) -> RunResult:
                          + (f" (continue with --resume {out})" if result.checkpoint else ""))
                 break
         progress.plot()
+        if control_group is not None:
+            dist.destroy_process_group(control_group)
     finally:
         progress.close()
         reducer.remove_hooks()
