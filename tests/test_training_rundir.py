@@ -64,6 +64,25 @@ def test_every_rank_refuses_a_locked_directory(holder):
     assert sorted(p.name for p in out.iterdir()) == [".tensorpar.lock"]
 
 
+def test_torchrun_ranks_leave_the_directory_check_to_rank_0s_lock(tmp_path, monkeypatch):
+    """Under torchrun (two nodes sharing --out) every rank checks its flags while rank 0 already
+    holds the lock and writes the run: that must not refuse the run on the other ranks."""
+    from tensorpar.training.cli import _check_train_args
+
+    out = tmp_path / "run"
+    lock = rundir.RunLock(out).acquire()          # rank 0, already training
+    (out / "metrics.jsonl").write_text("")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    try:
+        args = parse_train_args(TINY + ["--tp", "2", "--out", str(out)])
+        _check_train_args(args, world=2)
+    finally:
+        lock.release()
+
+
 def _cli(*argv, env=None, **kwargs):
     return subprocess.Popen([sys.executable, "-m", "tensorpar.cli", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, **kwargs)

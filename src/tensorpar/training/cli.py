@@ -251,7 +251,10 @@ def _check_train_args(args, world: int) -> None:
     settle_run(args, meta=meta, dp_size=world // args.tp)
     args.out = args.out or DEFAULT_OUT
     _check_writable_dir(Path(args.out), "--out")
-    rundir.check(args.out, resume=args.resume is not None, overwrite=args.overwrite)
+    if not _under_torchrun():
+        # Under torchrun every rank runs this check while rank 0 may already hold the lock and
+        # write the run's files; train() makes the same checks on rank 0 for every rank.
+        rundir.check(args.out, resume=args.resume is not None, overwrite=args.overwrite)
 
 
 def train_entry(args):
