@@ -137,15 +137,9 @@ def load_corpus(path: str | os.PathLike | None, *, tokenizer: str | None = None)
 
     Text is byte tokens, or the tokens of the Hugging Face ``tokenizer`` directory if given.
     """
-    if path is None:
-        files = stdlib_files()
-        source = f"Python {sysconfig.get_python_version()} standard library ({len(files)} files)"
-    else:
-        path = Path(path)
-        meta = _read_sidecar(path) if path.is_file() else None
-        if meta is not None:
-            return _load_token_file(path, meta)
-        files, source = _text_files(path), f"--data {path}"
+    files, source = _resolve(path)
+    if isinstance(files, Corpus):
+        return files
     if tokenizer is None:
         return Corpus(_files_to_tokens(files, source), BYTE_VOCAB_SIZE, "bytes", source)
     from .tokenizer import load_tokenizer, tokenize_files
@@ -155,6 +149,20 @@ def load_corpus(path: str | os.PathLike | None, *, tokenizer: str | None = None)
     if not tokens.numel():
         raise DataError(f"{source}: no text found (empty files)")
     return Corpus(tokens, len(hf_tokenizer), tokenizer, source)
+
+
+def _resolve(path: str | os.PathLike | None) -> tuple[list[Path] | Corpus, str]:
+    """(text files, source) of ``--data`` (``None``: the embedded corpus), or (a token file's
+    memory-mapped :class:`Corpus`, source)."""
+    if path is None:
+        files = stdlib_files()
+        return files, f"Python {sysconfig.get_python_version()} standard library ({len(files)} files)"
+    path = Path(path)
+    meta = _read_sidecar(path) if path.is_file() else None
+    if meta is not None:
+        corpus = _load_token_file(path, meta)
+        return corpus, corpus.source
+    return _text_files(path), f"--data {path}"
 
 
 def _text_files(path: Path) -> list[Path]:
@@ -178,17 +186,10 @@ def inspect_data(path: str | os.PathLike | None, *, tokenizer: str | None = None
     read); a token file is memory-mapped and its ids are checked against its vocabulary (one
     pass over the file).
     """
-    if path is None:
-        files = stdlib_files()
-        source = f"Python {sysconfig.get_python_version()} standard library ({len(files)} files)"
-    else:
-        path = Path(path)
-        meta = _read_sidecar(path) if path.is_file() else None
-        if meta is not None:
-            corpus = _load_token_file(path, meta)
-            _check_token_ids(corpus)
-            return corpus.tokens.numel(), corpus.vocab_size, corpus.source
-        files, source = _text_files(path), f"--data {path}"
+    files, source = _resolve(path)
+    if isinstance(files, Corpus):
+        _check_token_ids(files)
+        return files.tokens.numel(), files.vocab_size, files.source
     sizes = [size for size in (f.stat().st_size for f in files) if size]
     if not sizes:
         raise DataError(f"{source}: no text found (empty files)")
