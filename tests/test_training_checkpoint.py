@@ -328,6 +328,20 @@ def test_crafted_entries_of_every_rank_are_refused_before_any_data_is_read(dp2_r
     assert (copy / "latest").read_text().strip() == "step_1"  # nothing lost
 
 
+def test_a_checkpoint_of_tensorpar_0_1_is_refused_naming_the_version(dp2_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(dp2_run, copy)
+    meta_path = copy / "step_1" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["ranks"], meta["rng"]  # what tensorpar 0.1 wrote
+    meta_path.write_text(json.dumps(meta))
+    _rewrite_manifest(copy / "step_1")
+    argv = TINY + ["--steps", "2", "--out", str(copy), "--resume", str(copy)]
+    for refusal in run_on_ranks(_resume_refusal_body, 2, argv):
+        assert refusal.endswith("was written by tensorpar 0.1, which stored RNG states as pickled entries; "
+                                "this version loads only checkpoints written by tensorpar 0.2 or later"), refusal
+
+
 _FORBIDDEN_LOADS = {("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"), ("marshal", "loads"),
                     ("torch", "load"), ("dill", "load"), ("dill", "loads")}
 

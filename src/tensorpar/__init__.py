@@ -62,4 +62,4 @@ from .random import (
 )
 from .models import GPT, GPTConfig
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

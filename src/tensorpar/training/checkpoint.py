@@ -517,6 +517,10 @@ def _expected_entries(model, meta: dict, ckpt: Path, tp_group) -> dict[str, tupl
         for moment in _ADAM_MOMENTS:
             expected[f"optim.{name}.{moment}"] = _spec(value)
     ranks, rng = meta.get("ranks"), meta.get("rng")
+    if ranks is None and rng is None:
+        raise CheckpointError(f"checkpoint {ckpt} was written by tensorpar 0.1, which stored RNG states as "
+                              "pickled entries; this version loads only checkpoints written by tensorpar 0.2 "
+                              "or later")
     if not (type(ranks) is int and ranks > 0 and isinstance(rng, dict)
             and all(isinstance(k, str) and _RNG_NAME.match(k) and _is_ints(v) for k, v in rng.items())):
         raise CheckpointError(f"checkpoint {ckpt}: {META} lacks a valid 'ranks' and 'rng' description")
