@@ -12,7 +12,6 @@ import argparse
 import datetime
 import math
 import os
-import sys
 from pathlib import Path
 
 from ..errors import UsageError
