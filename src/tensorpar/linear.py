@@ -201,13 +201,16 @@ def _weight_grad_from_row_blocks(weight: torch.Tensor, input_: torch.Tensor, gat
     for chunk in gathered:
         size = chunk.shape[1]
         for rank in range(n):
-            x, g = input_by_rank[rank, start:start + size], chunk[rank]
-            if grad_weight is None or gradient_accumulation_fusion:
-                grad_weight = compute_weight_grad(weight, x, g, gradient_accumulation_fusion=gradient_accumulation_fusion)
+            g, x = _flatten(chunk[rank]), _flatten(input_by_rank[rank, start:start + size])
+            if gradient_accumulation_fusion:
+                _accumulate_wgrad_into_main_grad(weight, g, x)
+            elif grad_weight is None:
+                grad_weight = g.t().matmul(x)
             else:
-                grad_weight.addmm_(_flatten(g).t(), _flatten(x))
+                grad_weight.addmm_(g.t(), x)
         start += size
-    return grad_weight
+    # One placeholder for the whole sum (Megatron's protocol), not one per block.
+    return _weight_grad_placeholder(weight) if gradient_accumulation_fusion else grad_weight
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
