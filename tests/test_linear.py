@@ -569,6 +569,13 @@ def _functional_positional_body():
     _close(out, ref_out.chunk(n, -1)[r], "async allreduce positional", "output")
     _close(x_local.grad, ref_dx, "async allreduce positional", "input grad")
     _close(w.grad, ref_dw.chunk(n, 0)[r], "async allreduce positional", "weight grad")
+    # tensorpar 0.2's order (tp_group ninth) still reaches the group, with a warning.
+    x_local = x.clone().requires_grad_(True)
+    with pytest.warns(DeprecationWarning, match="ninth positional argument is async_grad_allreduce"):
+        out = tp.linear_with_grad_accumulation_and_async_allreduce(x_local, w_local, b_local, False, True, False,
+                                                                   None, 0, group)
+    out.backward(grad_local)
+    _close(x_local.grad, ref_dx, "0.2 positional", "input grad")
     return True
 
 

@@ -313,7 +313,8 @@ def linear_with_grad_accumulation_and_async_allreduce(
         grad_output_buffer=None, wgrad_deferral_limit=0, async_grad_allreduce=None, tp_group=None, *,
         overlap_chunks=1, output_reduction=None):
     """Functional form of :class:`LinearWithGradAccumulationAndAsyncCommunication`, in
-    megatron-core 0.16.1's positional order (``async_grad_allreduce``: deprecated there, ignored).
+    megatron-core 0.16.1's positional order (``async_grad_allreduce``: deprecated there, ignored;
+    a process group in its place, tensorpar 0.2's order, is taken as ``tp_group`` with a warning).
 
     ``input``: ``[s, b, h]`` (``[s/TP, b, h]`` with ``sequence_parallel``). With
     ``gradient_accumulation_fusion`` the weight must carry an fp32 ``main_grad``. With a
@@ -323,6 +324,11 @@ def linear_with_grad_accumulation_and_async_allreduce(
     (``"all_reduce"`` / ``"reduce_scatter"``) sums the output over TP inside, as the row
     layer's ``g``; ``overlap_chunks > 1`` chunks every collective against its GEMM.
     """
+    if isinstance(async_grad_allreduce, torch.distributed.ProcessGroup):
+        warnings.warn("linear_with_grad_accumulation_and_async_allreduce(..., wgrad_deferral_limit, tp_group) is "
+                      "deprecated: the ninth positional argument is async_grad_allreduce (megatron-core 0.16.1's "
+                      "order); pass tp_group=", DeprecationWarning, stacklevel=2)
+        async_grad_allreduce, tp_group = None, async_grad_allreduce
     _warn_async_grad_allreduce(async_grad_allreduce)
     if gradient_accumulation_fusion and not hasattr(weight, "main_grad"):
         raise ValueError("gradient_accumulation_fusion=True needs weight.main_grad (an fp32 gradient "
