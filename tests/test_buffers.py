@@ -1,7 +1,11 @@
 """GlobalMemoryBuffer: one reused allocation per (name, dtype, device), on any device."""
 
+import contextlib
+
+import pytest
 import torch
 
+import tensorpar as tp
 from tensorpar.buffers import GlobalMemoryBuffer
 
 
@@ -17,7 +21,22 @@ def test_buffer_is_reused_and_grows_on_demand():
 
 def test_buffers_are_keyed_by_name_dtype_and_device():
     buffers = GlobalMemoryBuffer()
-    a = buffers.get_tensor([4], torch.float32, "x", "cpu")
+    a = buffers.get_tensor([4], torch.float32, "x", device="cpu")
     assert buffers.get_tensor([4], torch.float32, "y").data_ptr() != a.data_ptr()
     assert buffers.get_tensor([4], torch.bfloat16, "x").dtype == torch.bfloat16
-    assert buffers.get_tensor([4], torch.float32, "x", torch.device("cpu")).data_ptr() == a.data_ptr()
+    assert buffers.get_tensor([4], torch.float32, "x", device=torch.device("cpu")).data_ptr() == a.data_ptr()
+
+
+def test_get_tensor_takes_megatrons_fourth_positional_mem_alloc_context():
+    buffers, entered = GlobalMemoryBuffer(), []
+
+    @contextlib.contextmanager
+    def allocation():
+        entered.append(True)
+        yield
+
+    a = buffers.get_tensor([4], torch.float32, "x", allocation)  # wraps the one allocation
+    buffers.get_tensor([2], torch.float32, "x", allocation)
+    assert entered == [True] and a.device == tp.parallel_state.default_device()
+    with pytest.warns(DeprecationWarning, match="fourth positional argument is Megatron's mem_alloc_context"):
+        assert buffers.get_tensor([4], torch.float32, "x", "cpu").data_ptr() == a.data_ptr()

@@ -1,5 +1,7 @@
 """VocabParallelEmbedding against F.embedding on the full table, at TP = 1, 2, 4."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -151,6 +153,27 @@ def test_embedding_collectives_at_tp2():
         ("reduce_scatter", "forward", "sum", (SEQ, BATCH, HIDDEN), torch.float32, nbytes),
         ("all_gather", "backward", None, (SEQ, BATCH, HIDDEN), torch.float32, nbytes),
     ]
+
+
+def _megatron_config_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n, r = tp.get_tensor_model_parallel_world_size(), tp.get_tensor_model_parallel_rank()
+    # A ModelParallelConfig's fields, plus one tensorpar does not read.
+    config = SimpleNamespace(params_dtype=torch.float64, deterministic_mode=True, perform_initialization=True,
+                             use_cpu_initialization=True, sequence_parallel=True)
+    torch.manual_seed(7)
+    layer = tp.VocabParallelEmbedding(VOCAB, HIDDEN, init_method=init_method_normal(0.02),
+                                      reduce_scatter_embeddings=False, config=config, tp_group=None)
+    assert layer.deterministic and layer.weight.dtype == torch.float64 and layer.weight.device.type == "cpu"
+    assert torch.equal(layer.weight, _full_weight(7, torch.float64).chunk(n, 0)[r])
+    with pytest.raises(ValueError, match=r"VocabParallelEmbedding: deterministic=True contradicts "
+                                         r"config.deterministic_mode=False"):
+        tp.VocabParallelEmbedding(VOCAB, HIDDEN, config=SimpleNamespace(deterministic_mode=False), deterministic=True)
+    return True
+
+
+def test_embedding_takes_megatron_config():
+    assert run_on_ranks(_megatron_config_body, 2) == [True, True]
 
 
 def test_embedding_before_initialize_is_a_clear_error():

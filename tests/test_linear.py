@@ -8,6 +8,7 @@ corresponding slice of the unsharded result.
 
 import itertools
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -542,26 +543,108 @@ def test_weight_is_cast_once_per_micro_batch_under_autocast():
 
 # ------------------------------------------------------------------- what Megatron ports use
 
-def _frozen_positional_body():
-    tp.initialize_model_parallel(torch.distributed.get_world_size())
-    n, r = tp.get_tensor_model_parallel_world_size(), tp.get_tensor_model_parallel_rank()
+def _functional_positional_body():
+    # TP is 1, so only the group passed positionally spans both ranks: ignoring it shows.
+    tp.initialize_model_parallel(1)
+    group = torch.distributed.group.WORLD
+    n, r = torch.distributed.get_world_size(), torch.distributed.get_rank()
     weight, bias, x, grad = _full_problem(5, torch.float32)
+    ref_out, ref_dx, ref_dw, _ = _reference(weight, bias, x, grad)
+    w_local, b_local, grad_local = weight.chunk(n, 0)[r], bias.chunk(n)[r], grad.chunk(n, -1)[r]
+    # megatron-core 0.16.1: (input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+    # sequence_parallel, tp_group, grad_output_buffer, wgrad_deferral_limit, async_grad_allreduce).
     x_local = x.clone().requires_grad_(True)
-    # Megatron's order: (input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
-    # sequence_parallel, grad_output_buffer, wgrad_deferral_limit).
-    out = tp.linear_with_frozen_weight(x_local, weight.chunk(n, 0)[r], bias.chunk(n)[r], False, True, False,
-                                       None, None)
-    out.backward(grad.chunk(n, -1)[r])
-    ref_out, ref_dx, _, _ = _reference(weight, bias, x, grad)
+    out = tp.linear_with_frozen_weight(x_local, w_local, b_local, False, True, False, group, None, None, None)
+    out.backward(grad_local)
     _close(out, ref_out.chunk(n, -1)[r], "frozen positional", "output")
-    _close(x_local.grad, ref_dx, "frozen positional", "input grad")  # dgrad all-reduced
+    _close(x_local.grad, ref_dx, "frozen positional", "input grad")  # dgrad all-reduced over the group
     with pytest.raises(ValueError, match="frozen weight has no wgrad to defer"):
-        tp.linear_with_frozen_weight(x_local, weight.chunk(n, 0)[r], None, False, True, False, [])
+        tp.linear_with_frozen_weight(x_local, w_local, None, False, True, False, group, [])
+    # (..., sequence_parallel, grad_output_buffer, wgrad_deferral_limit, async_grad_allreduce, tp_group)
+    x_local, w = x.clone().requires_grad_(True), w_local.clone().requires_grad_(True)
+    with pytest.warns(DeprecationWarning, match="async_grad_allreduce is deprecated"):
+        out = tp.linear_with_grad_accumulation_and_async_allreduce(x_local, w, b_local, False, True, False,
+                                                                   None, 0, True, group)
+    out.backward(grad_local)
+    _close(out, ref_out.chunk(n, -1)[r], "async allreduce positional", "output")
+    _close(x_local.grad, ref_dx, "async allreduce positional", "input grad")
+    _close(w.grad, ref_dw.chunk(n, 0)[r], "async allreduce positional", "weight grad")
+    # tensorpar 0.2's order (tp_group ninth) still reaches the group, with a warning.
+    x_local = x.clone().requires_grad_(True)
+    with pytest.warns(DeprecationWarning, match="ninth positional argument is async_grad_allreduce"):
+        out = tp.linear_with_grad_accumulation_and_async_allreduce(x_local, w_local, b_local, False, True, False,
+                                                                   None, 0, group)
+    out.backward(grad_local)
+    _close(x_local.grad, ref_dx, "0.2 positional", "input grad")
     return True
 
 
-def test_linear_with_frozen_weight_takes_megatron_positional_arguments():
-    assert all(run_on_ranks(_frozen_positional_body, 2))
+def test_functional_forms_take_megatron_0_16_positional_arguments():
+    assert all(run_on_ranks(_functional_positional_body, 2))
+
+
+def _megatron_constructor_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n, r = tp.get_tensor_model_parallel_world_size(), tp.get_tensor_model_parallel_rank()
+    # A ModelParallelConfig's fields, plus ones tensorpar does not read.
+    config = SimpleNamespace(params_dtype=torch.float64, sequence_parallel=True, gradient_accumulation_fusion=False,
+                             perform_initialization=True, use_cpu_initialization=True, hidden_dropout=0.1,
+                             expert_model_parallel_size=1, defer_embedding_wgrad_compute=False)
+    init = tp.init_method_normal(0.5)
+    torch.manual_seed(3)
+    fc1 = tp.ColumnParallelLinear(IN, OUT, config=config, init_method=init, bias=True, gather_output=False,
+                                  stride=1, keep_master_weight_for_test=True, skip_bias_add=False,
+                                  skip_weight_param_allocation=False, embedding_activation_buffer=None,
+                                  grad_output_buffer=None, is_expert=False, tp_comm_buffer_name="fc1",
+                                  disable_grad_reduce=False, tp_group=None)
+    fc2 = tp.RowParallelLinear(OUT, IN, config=config, init_method=init, bias=True, input_is_parallel=True,
+                               skip_bias_add=False, stride=1, keep_master_weight_for_test=True, is_expert=False,
+                               tp_comm_buffer_name="fc2", tp_group=None)
+    for layer, dim in ((fc1, 0), (fc2, 1)):
+        assert layer.sequence_parallel and layer.weight.dtype == torch.float64, layer
+        assert layer.weight.device.type == "cpu" and layer.master_weight.shape == (layer.output_size, layer.input_size)
+        assert torch.equal(layer.weight, layer.master_weight.chunk(n, dim)[r]), layer
+    # The pair under SP against the unsharded computation from the master weights.
+    torch.manual_seed(4)
+    x, grad, b1, b2 = (torch.randn(shape, dtype=torch.float64) for shape in ((S, B, IN), (S, B, IN), OUT, IN))
+    with torch.no_grad():
+        fc1.bias.copy_(b1.chunk(n)[r])
+        fc2.bias.copy_(b2)
+    full = [t.clone().requires_grad_(True) for t in (x, fc1.master_weight, b1, fc2.master_weight, b2)]
+    torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(full[0], full[1], full[2])),
+                               full[3], full[4]).backward(grad)
+    x_local = x.chunk(n, 0)[r].clone().requires_grad_(True)
+    out, _ = fc2(torch.nn.functional.gelu(fc1(x_local)[0]))
+    out.backward(grad.chunk(n, 0)[r])
+    tp.allreduce_sequence_parallel_grads(torch.nn.ModuleList([fc1, fc2]))
+    for what, actual, expected in (("input grad", x_local.grad, full[0].grad.chunk(n, 0)[r]),
+                                   ("fc1 weight grad", fc1.weight.grad, full[1].grad.chunk(n, 0)[r]),
+                                   ("fc1 bias grad", fc1.bias.grad, full[2].grad.chunk(n)[r]),
+                                   ("fc2 weight grad", fc2.weight.grad, full[3].grad.chunk(n, 1)[r]),
+                                   ("fc2 bias grad", fc2.bias.grad, full[4].grad)):
+        _close(actual, expected, "Megatron config", what)
+    # runtime_gather_output (forward's third positional) overrides gather_output for one call.
+    fc = tp.ColumnParallelLinear(IN, OUT, config=SimpleNamespace(params_dtype=torch.float64), init_method=init,
+                                 keep_master_weight_for_test=True)
+    with torch.no_grad():
+        gathered, _ = fc(x, None, True)
+        _close(gathered, torch.nn.functional.linear(x, fc.master_weight), "runtime_gather_output", "output")
+        assert fc(x)[0].shape == (S, B, OUT // n)
+    # Megatron's deferred-wgrad lists are the ones the layer fills.
+    activations, grads = [], []
+    fc = tp.ColumnParallelLinear(IN, OUT, embedding_activation_buffer=activations, grad_output_buffer=grads)
+    assert fc.activation_buffer is activations and fc.grad_output_buffer is grads
+    with pytest.raises(ValueError, match=r"ColumnParallelLinear: params_dtype=torch.float16 contradicts "
+                                         r"config.params_dtype=torch.float64"):
+        tp.ColumnParallelLinear(IN, OUT, config=config, params_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"RowParallelLinear: device='meta' contradicts "
+                                         r"config.use_cpu_initialization=True"):
+        tp.RowParallelLinear(OUT, IN, config=config, input_is_parallel=True, device="meta")
+    return True
+
+
+def test_layers_take_megatron_config_and_constructor_arguments():
+    assert all(run_on_ranks(_megatron_constructor_body, 2))
 
 
 def _allreduce_attribute_body():

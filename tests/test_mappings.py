@@ -116,6 +116,15 @@ def _megatron_order_body():
     with pytest.warns(FutureWarning, match="tensor_parallel_output_grad"):
         y, gx = _grad_through(lambda x: tp.gather_from_sequence_parallel_region(x, group), shard, grad)
     torch.testing.assert_close(gx, summed)
+    # all_to_all(group, input_, output_split_sizes_, input_split_sizes): rank s sends (s+1)(d+1)
+    # rows to rank d, each row holding (s, d); the backward returns every row's grad to its sender.
+    sends = [[(s + 1) * (d + 1) for d in range(n)] for s in range(n)]
+    rows = torch.cat([torch.tensor([[r, d]] * sends[r][d], dtype=torch.float32) for d in range(n)])
+    expected = torch.cat([torch.tensor([[s, r]] * sends[s][r], dtype=torch.float32) for s in range(n)])
+    y, gx = _grad_through(lambda x: tp.all_to_all(group, x, output_split_sizes_=[sends[s][r] for s in range(n)],
+                                                  input_split_sizes=sends[r]), rows, 10 * expected)
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(gx, 10 * rows)
     return True
 
 

@@ -42,6 +42,12 @@ def test_getter_before_initialize_is_a_clear_error():
     assert not tp.model_parallel_is_initialized()
 
 
+def test_tp_group_getter_takes_megatrons_check_initialized():
+    assert tp.get_tensor_model_parallel_group(check_initialized=False) is None
+    with pytest.raises(RuntimeError, match=r"initialize_model_parallel"):
+        tp.get_tensor_model_parallel_group(check_initialized=True)
+
+
 def _reinitialize_body():
     tp.initialize_model_parallel(2)
     with pytest.raises(RuntimeError, match="already initialized"):

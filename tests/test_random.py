@@ -146,6 +146,15 @@ def _seed_before_initialize_body():
     return tp.get_rng_tracker()._devices[tp.random.MODEL_PARALLEL_RNG] == tp.parallel_state.default_device()
 
 
+def test_get_cuda_rng_tracker_takes_megatrons_arguments():
+    assert tp.get_cuda_rng_tracker(use_te_rng_tracker=True, inference_rng_tracker=False,
+                                   use_cudagraphable_rng=False) is tp.get_rng_tracker()
+    assert tp.get_cuda_rng_tracker(False, False, False) is tp.get_rng_tracker()
+    for flags in (dict(inference_rng_tracker=True), dict(use_cudagraphable_rng=True)):
+        with pytest.raises(ValueError, match="tensorpar has only the training tracker"):
+            tp.get_cuda_rng_tracker(**flags)
+
+
 def test_seeding_before_initialize_is_a_clear_error():
     """Item 4: no silent TP rank 0 (every rank's model-parallel stream alike)."""
     assert run_on_ranks(_seed_before_initialize_body, 2) == [True, True]

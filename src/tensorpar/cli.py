@@ -14,7 +14,8 @@ import sys
 import textwrap
 
 from . import __version__
-from .errors import DEBUG_ENV, OneLineErrorHandler, report
+from .errors import DEBUG_ENV, report
+from .launch import OneLineErrorHandler
 
 # Each module defines ``register(subparsers)``, which adds its subcommands and sets ``func``.
 _COMMAND_MODULES = ("tensorpar.training.cli", "tensorpar.comm_report", "tensorpar.bench")

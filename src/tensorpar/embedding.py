@@ -26,6 +26,7 @@ from .initialization import (
 )
 from .mappings import reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region
 from .parallel_state import default_device, resolve_tp_group
+from .porting import resolve_config
 
 # Caps the one-hot block of the deterministic backward at 64 Mi elements (tokens x local vocab).
 _ONE_HOT_BLOCK_ELEMENTS = 1 << 26
@@ -66,7 +67,9 @@ class VocabParallelEmbedding(nn.Module):
     ``reduce_scatter_embeddings=True`` it is ``[s/TP, b, h]`` instead: sequence first and
     split over TP, ready for sequence-parallel layers. ``num_embeddings`` must be divisible by
     the TP size (pad the vocabulary). ``deterministic=True`` makes the weight gradient bitwise
-    reproducible on GPU at the cost of a GEMM in backward.
+    reproducible on GPU at the cost of a GEMM in backward. Megatron's ``config=`` fills
+    ``params_dtype``, ``deterministic`` (its ``deterministic_mode``), ``perform_initialization``
+    and, with ``use_cpu_initialization``, ``device`` (:mod:`tensorpar.porting`).
 
     Collectives per call (``TP > 1``): forward one all-reduce (sum) of the ``[b, s, h]`` output
     in ``params_dtype`` and backward none; with ``reduce_scatter_embeddings`` forward one
@@ -81,8 +84,12 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method=None,
                  reduce_scatter_embeddings: bool = False, params_dtype: torch.dtype = torch.float32,
                  device=None, tp_group=None, deterministic: bool = False,
-                 perform_initialization: bool = True) -> None:
+                 perform_initialization: bool = True, config=None) -> None:
         super().__init__()
+        settings = resolve_config(config, "VocabParallelEmbedding", params_dtype=params_dtype, device=device,
+                                  deterministic=deterministic, perform_initialization=perform_initialization)
+        params_dtype, device, deterministic, perform_initialization = (
+            settings[k] for k in ("params_dtype", "device", "deterministic", "perform_initialization"))
         self.tp_group = resolve_tp_group(tp_group)
         tp_size, tp_rank = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
         if num_embeddings % tp_size != 0:

@@ -1,30 +1,23 @@
 """How a failure reaches the user: one line naming the cause, a traceback only on request.
 
-A rank records the exception it dies of in torch elastic's error file (``TORCHELASTIC_ERROR_FILE``,
-set by ``torchrun`` and by :func:`tensorpar.launch.launch_local`) through torch's ``record``
-with :class:`OneLineErrorHandler`: that one line plus the traceback. The launcher reads the file
-back, so the command the user ran prints the line. ``--debug`` (or ``TENSORPAR_DEBUG=1``)
-prints the tracebacks too.
+The library's layers raise :class:`UsageError` (and :func:`check_index_range`'s ``ValueError``);
+the command the user ran prints :func:`one_line` of it with :func:`report`. ``--debug`` (or
+``TENSORPAR_DEBUG=1``) prints the tracebacks too. Nothing here imports torch's launcher: the
+elastic error-file handler of the ranks lives in :mod:`tensorpar.launch`.
 
 Example::
 
     try:
-        record(run, error_handler=OneLineErrorHandler())()
+        run()
     except Exception as exc:
         sys.exit(report("train", exc))            # "tensorpar train: error: ..." on stderr
 """
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
-import json
 import os
 import sys
-import time
 import traceback
-
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 DEBUG_ENV = "TENSORPAR_DEBUG"
 
@@ -78,35 +71,6 @@ def one_line(exc: BaseException) -> str:
     if type(exc).__module__.startswith("tensorpar") and message:
         return message
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-
-
-class OneLineErrorHandler(ErrorHandler):
-    """torch elastic's error file, with :func:`one_line` as the message.
-
-    ``message`` is a string (a layout torch's launchers read), so ``torchrun``'s failure summary
-    shows that line rather than a traceback. Under ``tensorpar``: ``time`` (sub-second) orders
-    failures of ranks that died within the same second, ``exit_code`` is :func:`exit_code`,
-    ``traceback`` is for ``--debug``.
-    """
-
-    def initialize(self) -> None:
-        # torch's enables faulthandler and warns where stderr is no file (a captured stream).
-        with contextlib.suppress(Exception):
-            faulthandler.enable(all_threads=True)
-
-    def record_exception(self, e: BaseException) -> None:
-        path = self._get_error_file_path()
-        if not path:
-            return
-        now = time.time()
-        data = {"message": one_line(e), "timestamp": int(now),
-                "tensorpar": {"time": now, "exit_code": exit_code(e),
-                              "traceback": "".join(traceback.format_exception(e))}}
-        try:
-            with open(path, "w") as f:
-                json.dump(data, f)
-        except OSError:
-            pass  # the message still reaches stderr
 
 
 def report(command: str, exc: BaseException) -> int:

@@ -13,18 +13,21 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import os
 import socket
 import sys
 import time
+import traceback
 import uuid
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from .errors import OneLineErrorHandler, debug_enabled, exit_code
+from .errors import debug_enabled, exit_code, one_line
 
 
 PEER_FAILURE_GRACE_S = 2.0
@@ -40,6 +43,38 @@ class LaunchError(RuntimeError):
     def __init__(self, message: str, *, rank: int, exit_code: int = 1, traceback: str | None = None):
         super().__init__(f"{message} (rank {rank})")
         self.rank, self.exit_code, self.traceback = rank, exit_code, traceback
+
+
+class OneLineErrorHandler(ErrorHandler):
+    """torch elastic's error file, with :func:`tensorpar.errors.one_line` as the message.
+
+    A rank records the exception it dies of in the file ``TORCHELASTIC_ERROR_FILE`` names (set by
+    ``torchrun`` and by :func:`launch_local`) through torch's ``record`` with this handler; the
+    launcher reads it back, so the command the user ran prints the line. ``message`` is a string
+    (a layout torch's launchers read), so ``torchrun``'s failure summary shows that line rather
+    than a traceback. Under ``tensorpar``: ``time`` (sub-second) orders failures of ranks that
+    died within the same second, ``exit_code`` is :func:`tensorpar.errors.exit_code`,
+    ``traceback`` is for ``--debug``.
+    """
+
+    def initialize(self) -> None:
+        # torch's enables faulthandler and warns where stderr is no file (a captured stream).
+        with contextlib.suppress(Exception):
+            faulthandler.enable(all_threads=True)
+
+    def record_exception(self, e: BaseException) -> None:
+        path = self._get_error_file_path()
+        if not path:
+            return
+        now = time.time()
+        data = {"message": one_line(e), "timestamp": int(now),
+                "tensorpar": {"time": now, "exit_code": exit_code(e),
+                              "traceback": "".join(traceback.format_exception(e))}}
+        try:
+            with open(path, "w") as f:
+                json.dump(data, f)
+        except OSError:
+            pass  # the message still reaches stderr
 
 
 def free_port() -> int:

@@ -39,6 +39,7 @@ from .mappings import (
 )
 from .overlap import all_gather_matmul, calibrated_link, matmul_reduce
 from .parallel_state import default_device, resolve_tp_group
+from .porting import resolve_config
 
 def _compute_dtype(input_: torch.Tensor) -> torch.dtype:
     device_type = input_.device.type
@@ -51,7 +52,7 @@ def _gather_sequence(input_: torch.Tensor, group, *, async_op: bool):
     """All-gather the sequence-sharded input into the shared scratch buffer."""
     shape = list(input_.shape)
     shape[0] *= comm.group_size(group)
-    buffer = get_global_memory_buffer().get_tensor(shape, input_.dtype, "tp_input", input_.device)
+    buffer = get_global_memory_buffer().get_tensor(shape, input_.dtype, "tp_input", device=input_.device)
     return comm.all_gather(input_, group, dim=0, async_op=async_op, out=buffer)
 
 
@@ -309,9 +310,11 @@ def _check_input(input_: torch.Tensor, weight: torch.Tensor, name: str) -> None:
 
 def linear_with_grad_accumulation_and_async_allreduce(
         input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-        grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=None, *, overlap_chunks=1,
-        output_reduction=None):
-    """Functional form of :class:`LinearWithGradAccumulationAndAsyncCommunication`.
+        grad_output_buffer=None, wgrad_deferral_limit=0, async_grad_allreduce=None, tp_group=None, *,
+        overlap_chunks=1, output_reduction=None):
+    """Functional form of :class:`LinearWithGradAccumulationAndAsyncCommunication`, in
+    megatron-core 0.16.1's positional order (``async_grad_allreduce``: deprecated there, ignored;
+    a process group in its place, tensorpar 0.2's order, is taken as ``tp_group`` with a warning).
 
     ``input``: ``[s, b, h]`` (``[s/TP, b, h]`` with ``sequence_parallel``). With
     ``gradient_accumulation_fusion`` the weight must carry an fp32 ``main_grad``. With a
@@ -321,6 +324,12 @@ def linear_with_grad_accumulation_and_async_allreduce(
     (``"all_reduce"`` / ``"reduce_scatter"``) sums the output over TP inside, as the row
     layer's ``g``; ``overlap_chunks > 1`` chunks every collective against its GEMM.
     """
+    if isinstance(async_grad_allreduce, torch.distributed.ProcessGroup):
+        warnings.warn("linear_with_grad_accumulation_and_async_allreduce(..., wgrad_deferral_limit, tp_group) is "
+                      "deprecated: the ninth positional argument is async_grad_allreduce (megatron-core 0.16.1's "
+                      "order); pass tp_group=", DeprecationWarning, stacklevel=2)
+        async_grad_allreduce, tp_group = None, async_grad_allreduce
+    _warn_async_grad_allreduce(async_grad_allreduce)
     if gradient_accumulation_fusion and not hasattr(weight, "main_grad"):
         raise ValueError("gradient_accumulation_fusion=True needs weight.main_grad (an fp32 gradient "
                          "buffer of the weight's shape), which is not set on this weight")
@@ -336,13 +345,15 @@ def linear_with_grad_accumulation_and_async_allreduce(
 
 
 def linear_with_frozen_weight(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
-                              sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=None, *,
-                              tp_group=None, overlap_chunks=1, output_reduction=None):
-    """Functional form of :class:`LinearWithFrozenWeight`, in Megatron's positional order.
+                              sequence_parallel, tp_group=None, grad_output_buffer=None, wgrad_deferral_limit=None,
+                              async_grad_allreduce=None, *, overlap_chunks=1, output_reduction=None):
+    """Functional form of :class:`LinearWithFrozenWeight`, in megatron-core 0.16.1's positional order.
 
     ``gradient_accumulation_fusion`` is accepted for ported calls and ignored (there is no
     wgrad); a frozen weight has nothing to defer, so ``grad_output_buffer`` must be None.
+    ``async_grad_allreduce`` is deprecated in Megatron and ignored.
     """
+    _warn_async_grad_allreduce(async_grad_allreduce)
     if grad_output_buffer is not None or wgrad_deferral_limit:
         raise ValueError("linear_with_frozen_weight: a frozen weight has no wgrad to defer; pass "
                          f"grad_output_buffer=None (got {type(grad_output_buffer).__name__}) and no "
@@ -352,6 +363,12 @@ def linear_with_frozen_weight(input, weight, bias, gradient_accumulation_fusion,
                                                       sequence_parallel, group)
     return LinearWithFrozenWeight.apply(input, weight, bias, allreduce_dgrad and comm.group_size(group) > 1,
                                         sequence_parallel, group, overlap_chunks, output_reduction)
+
+
+def _warn_async_grad_allreduce(async_grad_allreduce) -> None:
+    if async_grad_allreduce is not None:
+        warnings.warn("async_grad_allreduce is deprecated (as in Megatron) and ignored; allreduce_dgrad "
+                      "decides the dgrad all-reduce", DeprecationWarning, stacklevel=3)
 
 
 _OUTPUT_REDUCTIONS = (None, "all_reduce", "reduce_scatter")
@@ -395,9 +412,16 @@ class _ParallelLinear(nn.Module):
 
     def __init__(self, input_size, output_size, *, partition_dim, bias, bias_is_parallel, init_method,
                  stride, skip_bias_add, sequence_parallel, gradient_accumulation_fusion, is_expert,
-                 params_dtype, device, tp_group, perform_initialization, skip_weight_param_allocation=False):
+                 params_dtype, device, tp_group, perform_initialization, config, keep_master_weight_for_test,
+                 skip_weight_param_allocation=False):
         super().__init__()
         name = type(self).__name__
+        settings = resolve_config(config, name, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
+                                  gradient_accumulation_fusion=gradient_accumulation_fusion,
+                                  perform_initialization=perform_initialization, device=device)
+        params_dtype, device, sequence_parallel, gradient_accumulation_fusion, perform_initialization = (
+            settings[k] for k in ("params_dtype", "device", "sequence_parallel", "gradient_accumulation_fusion",
+                                  "perform_initialization"))
         for arg, value in (("input_size", input_size), ("output_size", output_size), ("stride", stride)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
@@ -424,9 +448,16 @@ class _ParallelLinear(nn.Module):
             set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=partition_dim, stride=stride)
             # Megatron's marker for the DP grad reduction: expert weights are reduced elsewhere.
             self.weight.allreduce = not is_expert
+            init_method = init_method or init_method_normal(0.02)
+            if perform_initialization and keep_master_weight_for_test:
+                # Megatron's test hook: the TP=1 weight this shard is cut from. The CPU generator
+                # is restored after it, so the shard below draws the same seed.
+                self.master_weight = torch.empty([output_size, input_size], dtype=params_dtype, device=device)
+                with torch.random.fork_rng(devices=[]):
+                    init_weight_shard(self.master_weight, init_method, partition_dim=partition_dim, stride=stride)
             if perform_initialization:
-                init_weight_shard(self.weight, init_method or init_method_normal(0.02),
-                                  partition_dim=partition_dim, stride=stride, tp_group=self.tp_group)
+                init_weight_shard(self.weight, init_method, partition_dim=partition_dim, stride=stride,
+                                  tp_group=self.tp_group)
         if bias:
             bias_size = shape[0]
             self.bias = nn.Parameter(torch.zeros(bias_size, dtype=params_dtype, device=device))
@@ -444,7 +475,7 @@ class _ParallelLinear(nn.Module):
                                              tp_group=self.tp_group, **overlap)
         return linear_with_grad_accumulation_and_async_allreduce(
             input_, weight, bias, self.gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-            grad_output_buffer, wgrad_deferral_limit, self.tp_group, **overlap)
+            grad_output_buffer, wgrad_deferral_limit, tp_group=self.tp_group, **overlap)
 
     def _chunks(self, input_, *, op: str, rows: int, tokens: int, comm_width: int, gemm_flops: float) -> int:
         """This forward's chunk count: the fixed ``overlap``, or the one ``"auto"`` predicts fastest
@@ -480,6 +511,14 @@ class ColumnParallelLinear(_ParallelLinear):
     model calibrated once per process) splits the SP input all-gather and the dgrad reduction
     into chunks, each in flight while the next chunk's GEMM runs (:mod:`tensorpar.overlap`).
 
+    Megatron's arguments: ``config=`` fills ``params_dtype``, ``sequence_parallel``,
+    ``gradient_accumulation_fusion``, ``perform_initialization`` and, with
+    ``use_cpu_initialization``, ``device`` (:mod:`tensorpar.porting`);
+    ``keep_master_weight_for_test`` keeps the TP=1 weight as ``master_weight``;
+    ``embedding_activation_buffer`` and ``grad_output_buffer`` are the lists
+    ``defer_wgrad_compute`` fills; ``tp_comm_buffer_name`` is unused (as in Megatron without
+    Transformer Engine).
+
     Example::
 
         qkv = tp.ColumnParallelLinear(h, 3 * h, stride=3)   # heads split across TP ranks
@@ -491,13 +530,16 @@ class ColumnParallelLinear(_ParallelLinear):
                  allreduce_dgrad=True, is_expert=False, disable_grad_reduce=False,
                  skip_weight_param_allocation=False, params_dtype=torch.float32, device=None, tp_group=None,
                  perform_initialization=True,
-                 defer_wgrad_compute=False, wgrad_deferral_limit=0, overlap="off"):
+                 defer_wgrad_compute=False, wgrad_deferral_limit=0, overlap="off", config=None,
+                 keep_master_weight_for_test=False, embedding_activation_buffer=None, grad_output_buffer=None,
+                 tp_comm_buffer_name=None):
         super().__init__(input_size, output_size, partition_dim=0, bias=bias, bias_is_parallel=True,
                          init_method=init_method, stride=stride, skip_bias_add=skip_bias_add,
                          sequence_parallel=sequence_parallel,
                          gradient_accumulation_fusion=gradient_accumulation_fusion, is_expert=is_expert,
                          params_dtype=params_dtype, device=device, tp_group=tp_group,
-                         perform_initialization=perform_initialization,
+                         perform_initialization=perform_initialization, config=config,
+                         keep_master_weight_for_test=keep_master_weight_for_test,
                          skip_weight_param_allocation=skip_weight_param_allocation)
         if gather_output and self.sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
@@ -511,10 +553,13 @@ class ColumnParallelLinear(_ParallelLinear):
         self.defer_wgrad_compute = defer_wgrad_compute
         self.wgrad_deferral_limit = wgrad_deferral_limit
         self.overlap = _resolve_overlap(overlap, "ColumnParallelLinear")
-        self.activation_buffer: list[torch.Tensor] = []
-        self.grad_output_buffer: list[torch.Tensor] = []
+        # Megatron's caller-owned lists (embedding_activation_buffer, grad_output_buffer) are used as given.
+        self.activation_buffer: list[torch.Tensor] = [] if embedding_activation_buffer is None \
+            else embedding_activation_buffer
+        self.grad_output_buffer: list[torch.Tensor] = [] if grad_output_buffer is None else grad_output_buffer
 
-    def forward(self, input_, weight=None):
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        """``(output, bias_or_None)``; ``runtime_gather_output`` overrides ``gather_output`` for this call."""
         if weight is None:
             if self.weight is None:
                 raise ValueError("ColumnParallelLinear: built with skip_weight_param_allocation=True, so "
@@ -547,7 +592,7 @@ class ColumnParallelLinear(_ParallelLinear):
                                        wgrad_deferral_limit=self.wgrad_deferral_limit,
                                        overlap_chunks=chunks)
         self._deferred_weight = weight if grad_output_buffer is not None else None
-        if self.gather_output:
+        if self.gather_output if runtime_gather_output is None else runtime_gather_output:
             output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
         else:
             output = output_parallel
@@ -586,7 +631,9 @@ class RowParallelLinear(_ParallelLinear):
     :func:`tensorpar.allreduce_sequence_parallel_grads`).
     ``overlap`` (as for :class:`ColumnParallelLinear`) chunks the exit reduction against the GEMM
     and, under SP, the backward all-gather of the output grad against the dgrad GEMM;
-    :meth:`start` leaves the exit reduction in flight for interleaving (Domino).
+    :meth:`start` leaves the exit reduction in flight for interleaving (Domino). Megatron's
+    ``config=``, ``keep_master_weight_for_test`` and ``tp_comm_buffer_name`` as for
+    :class:`ColumnParallelLinear`.
 
     Example::
 
@@ -597,13 +644,15 @@ class RowParallelLinear(_ParallelLinear):
     def __init__(self, input_size, output_size, *, bias=True, input_is_parallel=False, init_method=None,
                  stride=1, skip_bias_add=False, sequence_parallel=False, gradient_accumulation_fusion=False,
                  is_expert=False, params_dtype=torch.float32, device=None, tp_group=None,
-                 perform_initialization=True, overlap="off"):
+                 perform_initialization=True, overlap="off", config=None, keep_master_weight_for_test=False,
+                 tp_comm_buffer_name=None):
         super().__init__(input_size, output_size, partition_dim=1, bias=bias, bias_is_parallel=False,
                          init_method=init_method, stride=stride, skip_bias_add=skip_bias_add,
                          sequence_parallel=sequence_parallel,
                          gradient_accumulation_fusion=gradient_accumulation_fusion, is_expert=is_expert,
                          params_dtype=params_dtype, device=device, tp_group=tp_group,
-                         perform_initialization=perform_initialization)
+                         perform_initialization=perform_initialization, config=config,
+                         keep_master_weight_for_test=keep_master_weight_for_test)
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
         self.input_is_parallel = input_is_parallel

@@ -271,12 +271,19 @@ def reduce_scatter_last_dim_to_tensor_parallel_region(input_, group=None):
     return input_ if _single(group) else _ReduceScatterRegion.apply(input_, group, -1)
 
 
-def all_to_all(group, input_, output_split_sizes=None, input_split_sizes=None):
-    """All-to-all over dim 0 (Megatron's argument order); backward is the reverse exchange."""
+def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None, *, output_split_sizes=None):
+    """All-to-all over dim 0 (Megatron's arguments and spelling); backward is the reverse exchange.
+
+    ``output_split_sizes=`` is tensorpar 0.2's spelling, deprecated.
+    """
+    if output_split_sizes is not None:
+        warnings.warn("all_to_all(output_split_sizes=) is deprecated: Megatron's spelling is "
+                      "output_split_sizes_", DeprecationWarning, stacklevel=2)
+        output_split_sizes_ = output_split_sizes
     group = resolve_tp_group(group)
     if _single(group):
         return input_
-    return _AllToAll.apply(input_, group, output_split_sizes, input_split_sizes)
+    return _AllToAll.apply(input_, group, output_split_sizes_, input_split_sizes)
 
 
 def all_to_all_sp2hp(input_, group=None):

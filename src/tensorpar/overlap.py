@@ -172,7 +172,7 @@ def _gemm_into(out: torch.Tensor, x: torch.Tensor, rhs: torch.Tensor, bias: torc
 
 
 def _scratch(shape, dtype, device, name: str) -> torch.Tensor:
-    return get_global_memory_buffer().get_tensor(shape, dtype, name, device)
+    return get_global_memory_buffer().get_tensor(shape, dtype, name, device=device)
 
 
 def all_gather_matmul(shard: torch.Tensor, rhs: torch.Tensor, group, *, chunks: int,

@@ -163,8 +163,10 @@ def _require_initialized(what: str) -> None:
                            "tensorpar.initialize_model_parallel(...) first, or pass tp_group=")
 
 
-def get_tensor_model_parallel_group() -> dist.ProcessGroup:
-    _require_initialized("get_tensor_model_parallel_group()")
+def get_tensor_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
+    """This rank's TP group; with ``check_initialized=False``, ``None`` before initialisation (as Megatron)."""
+    if check_initialized:
+        _require_initialized("get_tensor_model_parallel_group()")
     return _TP_GROUP
 
 

@@ -111,7 +111,18 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _RNG_TRACKER
 
 
-get_cuda_rng_tracker = get_rng_tracker
+def get_cuda_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
+                         use_cudagraphable_rng: bool = False) -> RNGStatesTracker:
+    """:func:`get_rng_tracker` under Megatron's name and arguments.
+
+    ``use_te_rng_tracker`` is ignored (Megatron falls back to its own tracker without
+    Transformer Engine too); an inference or CUDA-graph-safe tracker does not exist here.
+    """
+    if inference_rng_tracker or use_cudagraphable_rng:
+        raise ValueError(f"get_cuda_rng_tracker: inference_rng_tracker={inference_rng_tracker} and "
+                         f"use_cudagraphable_rng={use_cudagraphable_rng}: tensorpar has only the training "
+                         "tracker (it swaps generator states, which a CUDA graph cannot capture)")
+    return _RNG_TRACKER
 
 
 def model_parallel_manual_seed(seed: int, *, tp_group=None, device=None) -> None:

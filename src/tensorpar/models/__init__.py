@@ -1,7 +1,7 @@
 """Models built from tensorpar layers: a GPT with Llama-family options, and Hugging Face interop."""
 
 from .gpt import GPT, GPTConfig, KVCache
-from .hf import from_hf, to_hf
+from .hf import from_hf, hf_state_dict, to_hf
 from .layout import (
     ParamLayout,
     full_state_dict,
@@ -12,4 +12,4 @@ from .layout import (
 )
 
 __all__ = ["GPT", "GPTConfig", "KVCache", "ParamLayout", "from_hf", "full_state_dict", "gather_full_tensor",
-           "load_full_state_dict", "parameter_layouts", "shard_full_tensor", "to_hf"]
+           "hf_state_dict", "load_full_state_dict", "parameter_layouts", "shard_full_tensor", "to_hf"]

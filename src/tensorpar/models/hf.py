@@ -428,11 +428,3 @@ def to_hf(model: GPT, path=None):
         hf_model.save_pretrained(path)
     return hf_model
 
-
-def _from_hf_gpt2(cls, hf_model, *, tp_group=None, device=None, **overrides) -> GPT:
-    """This rank's shard of a ``transformers`` ``GPT2LMHeadModel``: :func:`from_hf`, kept by its old name."""
-    return from_hf(hf_model, tp_group=tp_group, device=device, **overrides)
-
-
-# The model never imports its conversions: its former constructor is attached from here.
-GPT.from_hf_gpt2 = classmethod(_from_hf_gpt2)
