@@ -281,6 +281,19 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return state
 
 
+def save_pretrained(hf_model, path) -> None:
+    """``hf_model.save_pretrained(path)``, its safetensors files given the mode the umask gives
+    any new file (safetensors writes them 0600, unreadable to the rest of a team)."""
+    hf_model.save_pretrained(path)
+    directory = Path(path)
+    index = directory / INDEX
+    files = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {"model.safetensors"}
+    umask = os.umask(0)  # setting the umask is the only way to read it
+    os.umask(umask)
+    for name in files:
+        os.chmod(directory / name, 0o666 & ~umask)
+
+
 def to_hf(model: GPT, path=None):
     """The ``transformers`` model holding ``model``'s weights, on TP rank 0 (``None`` elsewhere).
 
@@ -306,19 +319,6 @@ def to_hf(model: GPT, path=None):
     if path is not None:
         save_pretrained(hf_model, path)
     return hf_model
-
-
-def save_pretrained(hf_model, path) -> None:
-    """``hf_model.save_pretrained(path)``, its safetensors files given the mode the umask gives
-    any new file (safetensors writes them 0600, unreadable to the rest of a team)."""
-    hf_model.save_pretrained(path)
-    directory = Path(path)
-    index = directory / INDEX
-    files = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {"model.safetensors"}
-    umask = os.umask(0)
-    os.umask(umask)
-    for name in files:
-        os.chmod(directory / name, 0o666 & ~umask)
 
 
 def _from_hf_gpt2(cls, hf_model, *, tp_group=None, device=None, **overrides) -> GPT:
