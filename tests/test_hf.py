@@ -312,6 +312,19 @@ def test_weights_that_disagree_with_config_json_are_refused(saved, tmp_path):
         from_hf(directory)
 
 
+def test_a_safetensors_header_is_checked_against_its_file(saved, tmp_path):
+    directory = _copy(saved, "llama", tmp_path)
+    data = (directory / "model.safetensors").read_bytes()
+    (directory / "model.safetensors").write_bytes(data[:len(data) // 2])  # a truncated download
+    with pytest.raises(ValueError, match=r"model.safetensors: the header's entry for '[a-z0-9_.]+' is not a tensor "
+                                         r"inside the file$"):
+        from_hf(directory)
+    (directory / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match=r"model.safetensors: not a safetensors file \(header length "
+                                         r"18,446,744,073,709,551,615 in a 64-byte file\)$"):
+        from_hf(directory)
+
+
 def _stale_copy(saved, tmp_path):
     """The saved Llama beside a stale file holding its embedding (all 7.0)."""
     from safetensors.torch import save_file
