@@ -3,7 +3,9 @@
 :func:`from_hf` builds this rank's shard of a :class:`~tensorpar.models.gpt.GPT` from a
 ``transformers`` model object or a local directory (``config.json`` and safetensors files).
 From a directory each rank reads only the bytes of its own shard (safetensors slices), so its
-peak memory is one shard, not the model. :func:`to_hf` gathers the weights into the
+peak memory is one shard, not the model, once :mod:`~tensorpar.models.hf_files` has checked
+the directory (config.json read as JSON, the safetensors headers against it); a NaN or
+infinite value is refused as it is read. :func:`to_hf` gathers the weights into the
 ``transformers`` model on rank 0.
 
 How weights map: along its TP partition dimension, every GPT parameter is a sequence of row
