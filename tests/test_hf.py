@@ -3,6 +3,8 @@
 Each TP world also builds the TP=1 model in every rank (a group of that rank alone).
 """
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -210,3 +212,182 @@ def test_unsupported_configs_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="no \\*.safetensors files"):
         from_hf(tmp_path)
 
+
+
+# ------------------------------------------------------------------ directories handed to us
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The random GPT-2 and Llama of hf_model, saved once: {family: directory}."""
+    root = tmp_path_factory.mktemp("saved")
+    for family in ("gpt2", "llama"):
+        hf_model(family).save_pretrained(root / family)
+    return root
+
+
+def _copy(saved, family, tmp_path, **changes):
+    """A copy of the saved ``family`` directory with config.json fields changed (None: removed)."""
+    import json
+    import shutil
+
+    directory = tmp_path / family
+    shutil.copytree(saved / family, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    config = {k: v for k, v in config.items() if v is not None}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_a_model_directory_is_read_as_data_never_run(tmp_path, monkeypatch):
+    """An unknown model_type with an auto_map: transformers would offer to run the directory's
+    code (answered yes here); tensorpar names the model_type and runs nothing."""
+    import builtins
+    import json
+
+    from safetensors.torch import save_file
+
+    marker = tmp_path / "ran"
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "evil", "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.Evil"}}))
+    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    save_file({"x": torch.zeros(1)}, tmp_path / "model.safetensors")
+    monkeypatch.setattr(builtins, "input", lambda *args: "y")
+    with pytest.raises(ValueError) as caught:
+        from_hf(tmp_path)
+    assert str(caught.value) == (f"{tmp_path / 'config.json'}: unsupported model_type 'evil'; supported: gpt2, llama, "
+                                 "mistral, qwen2 (a model directory's own code is never run)")
+    assert not marker.exists()
+    with pytest.raises(ValueError, match=r"^org/name: no such local directory \(models are read from local "
+                                         r"directories only, never downloaded: fetch it first"):
+        from_hf("org/name")
+
+
+@pytest.mark.parametrize("family, changes, message", [
+    ("gpt2", {"n_layer": 1e6}, "n_layer must be a positive integer, got 1000000.0"),
+    ("gpt2", {"n_embd": "32"}, "n_embd must be a positive integer, got '32'"),
+    ("gpt2", {"n_head": None}, "has no field 'n_head'"),
+    ("gpt2", {"layer_norm_epsilon": float("nan")}, "layer_norm_epsilon must be a positive number, got nan"),
+    ("gpt2", {"resid_pdrop": 1.5}, r"resid_pdrop must be a number in \[0, 1\), got 1.5"),
+    ("llama", {"num_hidden_layers": True}, "num_hidden_layers must be a positive integer, got True"),
+    ("llama", {"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false, got 'no'"),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": "8"}},
+     "rope_parameters: factor must be a positive number, got '8'"),
+    ("llama", {"quantization_config": {"quant_method": "fp8"}},
+     r"quantized weights \(quantization_config, quant_method 'fp8'\) are not supported"),
+])
+def test_config_json_fields_are_checked(saved, tmp_path, family, changes, message):
+    directory = _copy(saved, family, tmp_path, **changes)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(directory / 'config.json'))}: {message}"):
+        from_hf(directory)
+
+
+def test_config_json_must_be_a_json_object(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="config.json: expected a JSON object, got list"):
+        from_hf(tmp_path)
+    (tmp_path / "config.json").write_text("{'model_type': 'gpt2'}")
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        from_hf(tmp_path)
+
+
+def test_absurd_sizes_fail_at_the_first_missing_tensor_building_nothing(saved, tmp_path):
+    from tensorpar.models.hf_files import config_from_hf_dir
+
+    directory = _copy(saved, "llama", tmp_path, num_hidden_layers=1_000_000, vocab_size=10**9)
+    assert config_from_hf_dir(directory).num_layers == 1_000_000  # a config only: nothing built
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor 'model.embed_tokens.weight' has shape "
+                                         r"\[101, 64\]; config.json gives \[1000000000, 64\] \(vocab_size "
+                                         r"1000000000, hidden_size 64\)$"):
+        from_hf(directory)
+    directory = _copy(saved, "gpt2", tmp_path / "more", n_layer=1_000_000)
+    with pytest.raises(ValueError, match=r"no safetensors file holds tensor 'transformer.h.2.attn.c_attn.weight', "
+                                         r"which layer 2 of config.json's n_layer 1000000 needs$"):
+        from_hf(directory)
+
+
+def test_weights_that_disagree_with_config_json_are_refused(saved, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    directory = _copy(saved, "llama", tmp_path, intermediate_size=80)
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape "
+                                         r"\[96, 64\]; config.json gives \[80, 64\] \(intermediate_size 80, "
+                                         r"hidden_size 64\)$"):
+        from_hf(directory)
+    directory = _copy(saved, "llama", tmp_path / "fewer", num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"holds tensor 'model.layers.1.[a-z_.]+' of layer 1, beyond config.json's "
+                                         r"num_hidden_layers 1$"):
+        from_hf(directory)
+    directory = _copy(saved, "llama", tmp_path / "fp8")
+    state = load_file(directory / "model.safetensors")
+    state["model.layers.0.self_attn.q_proj.weight"] = state["model.layers.0.self_attn.q_proj.weight"].to(
+        torch.float8_e4m3fn)
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.self_attn.q_proj.weight' is F8_E4M3: only F16, "
+                                         r"BF16, F32 and F64 weights are read"):
+        from_hf(directory)
+
+
+def test_a_safetensors_header_is_checked_against_its_file(saved, tmp_path):
+    directory = _copy(saved, "llama", tmp_path)
+    data = (directory / "model.safetensors").read_bytes()
+    (directory / "model.safetensors").write_bytes(data[:len(data) // 2])  # a truncated download
+    with pytest.raises(ValueError, match=r"model.safetensors: the header's entry for '[a-z0-9_.]+' is not a tensor "
+                                         r"inside the file$"):
+        from_hf(directory)
+    (directory / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match=r"model.safetensors: not a safetensors file \(header length "
+                                         r"18,446,744,073,709,551,615 in a 64-byte file\)$"):
+        from_hf(directory)
+
+
+def _stale_copy(saved, tmp_path):
+    """The saved Llama beside a stale file holding its embedding (all 7.0)."""
+    from safetensors.torch import save_file
+
+    directory = _copy(saved, "llama", tmp_path)
+    save_file({"model.embed_tokens.weight": torch.full((VOCAB, 64), 7.0)}, directory / "zz-old.safetensors")
+    return directory
+
+
+def test_a_tensor_in_two_files_is_read_from_the_one_the_index_names(saved, tmp_path):
+    import json
+
+    from tensorpar.models.hf_files import INDEX, weight_map
+
+    directory = _stale_copy(saved, tmp_path)
+    with pytest.raises(ValueError, match=r"tensor 'model.embed_tokens.weight' is in both model.safetensors and "
+                                         r"zz-old.safetensors, and no model.safetensors.index.json says which to "
+                                         r"read: remove the stale file$"):
+        from_hf(directory)
+    names = {name: "model.safetensors" for name in weight_map(saved / "llama")}
+    (directory / INDEX).write_text(json.dumps({"weight_map": {**names, "lm_head.weight": "gone.safetensors"}}))
+    with pytest.raises(ValueError, match=r"names 'gone.safetensors' as the file of tensor 'lm_head.weight', and .* "
+                                         r"has no such file$"):
+        from_hf(directory)
+    (directory / INDEX).write_text(json.dumps({"weight_map": {**names, "model.extra": "zz-old.safetensors"}}))
+    with pytest.raises(ValueError, match=r"names zz-old.safetensors as the file of tensor 'model.extra', which it "
+                                         r"does not hold$"):
+        from_hf(directory)
+    (directory / INDEX).write_text(json.dumps({"weight_map": names}))
+    assert run_on_ranks(_indexed_and_nan_body, 2, str(directory), str(_nan_copy(saved, tmp_path / "nan"))) == [True] * 2
+
+
+def _nan_copy(saved, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    directory = _copy(saved, "llama", tmp_path)
+    state = load_file(directory / "model.safetensors")
+    state["model.norm.weight"][5] = float("nan")
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def _indexed_and_nan_body(indexed, damaged):
+    tp.initialize_model_parallel(dist.get_world_size())
+    for a, b in zip(from_hf(indexed).parameters(), from_hf(hf_model("llama")).parameters()):
+        assert torch.equal(a, b)  # the index's file, not the stale one
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor 'model.norm.weight' holds NaN or infinite "
+                                         r"values \(in rows 0:64 of dim 0\): the weights are damaged$"):
+        from_hf(damaged)
+    return True

@@ -174,12 +174,17 @@ def _export_body(checkpoint, out):
     return main(["export", "--checkpoint", checkpoint, "--to-hf", out])
 
 
-def test_export_writes_eos_inside_the_vocabulary(files, tmp_path):
+def test_export_writes_eos_inside_the_vocabulary_and_files_the_umask_allows(files, tmp_path):
     import json
+    import stat
 
     assert run_on_ranks(_export_body, 1, str(files / "run"), str(tmp_path / "hf")) == [0]
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["vocab_size"] == 257 and config["bos_token_id"] == config["eos_token_id"] == 256
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("config.json", "model.safetensors"):  # safetensors alone would write 0600
+        assert stat.S_IMODE((tmp_path / "hf" / name).stat().st_mode) == 0o666 & ~umask, name
 
 
 def test_unknown_flag_is_one_line(capsys):
@@ -234,3 +239,113 @@ def test_under_torchrun_each_rank_prints_its_message_once(tmp_path):
     # torchrun's own failure summary shows the line too; no traceback passes through tensorpar's code.
     assert "traceback : --tp 4 does not divide the torchrun world size 2" in done.stderr
     assert not re.search(r'File "[^"]*tensorpar[/\\]', done.stderr), done.stderr
+
+
+# ------------------------------------------------------------------ --init-from-hf, --init-from
+
+def _main_body(argv):
+    """``tensorpar ARGV`` in a rank: (exit status, what it printed on stderr)."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny random Llama over the byte vocabulary, saved with safetensors."""
+    transformers = pytest.importorskip("transformers")
+    directory = tmp_path_factory.mktemp("hf") / "llama"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(directory)
+    return directory
+
+
+def test_init_from_hf_reads_local_directories_as_data(capsys, files, hf_dir, tmp_path, monkeypatch):
+    import builtins
+    import json
+    import shutil
+
+    assert _train_error(capsys, "--init-from-hf", "org/name") == (
+        "--init-from-hf: org/name: no such local directory (models are read from local directories only, never "
+        "downloaded: fetch it first, e.g. hf download org/name --local-dir DIR)")
+    evil, marker = tmp_path / "evil", tmp_path / "ran"
+    shutil.copytree(hf_dir, evil)
+    (evil / "config.json").write_text(json.dumps({"model_type": "evil", "auto_map": {"AutoConfig": "evil.Config"}}))
+    (evil / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.setattr(builtins, "input", lambda *args: "y")  # as if the user said yes
+    assert _train_error(capsys, "--init-from-hf", str(evil)) == (
+        f"--init-from-hf: {evil / 'config.json'}: unsupported model_type 'evil'; supported: gpt2, llama, mistral, "
+        "qwen2 (a model directory's own code is never run)")
+    assert not marker.exists()
+    config = json.loads((hf_dir / "config.json").read_text())
+    shutil.rmtree(evil)
+    shutil.copytree(hf_dir, evil)
+    (evil / "config.json").write_text(json.dumps({**config, "intermediate_size": 40}))
+    assert _train_error(capsys, "--init-from-hf", str(evil)) == (
+        f"--init-from-hf: {evil / 'model.safetensors'}: tensor 'model.layers.0.mlp.gate_proj.weight' has shape "
+        "[48, 32]; config.json gives [40, 32] (intermediate_size 40, hidden_size 32)")
+    for run in (files / "run", files / "run" / "step_2"):
+        assert _train_error(capsys, "--init-from-hf", str(run)) == (
+            f"--init-from-hf {run} is a tensorpar run, not a Hugging Face model: use --resume {run} to continue it, "
+            f"or --init-from {run} for its weights only")
+
+
+def test_nan_weights_are_named(hf_dir, tmp_path):
+    """Headers cannot tell: the rank that reads the values names the tensor, in one line, exit 2."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(hf_dir, damaged)
+    state = load_file(damaged / "model.safetensors")
+    state["model.layers.0.input_layernorm.weight"][3] = float("inf")
+    save_file(state, damaged / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x\n" * 100)
+    [(code, err)] = run_on_ranks(_main_body, 1, ["train", "--init-from-hf", str(damaged), *TINY[6:], "--tp", "1",
+                                                 "--steps", "1", "--data", str(tmp_path / "text.txt"),
+                                                 "--out", str(tmp_path / "run")])
+    assert (code, err) == (2, f"tensorpar train: error: --init-from-hf: {damaged / 'model.safetensors'}: tensor "
+                              "'model.layers.0.input_layernorm.weight' holds NaN or infinite values (in rows 0:32 of "
+                              "dim 0): the weights are damaged\n")
+
+
+def test_init_from_checks(capsys, files, tmp_path):
+    run = files / "run"
+    assert _train_error(capsys, "--init-from", str(run), "--resume", str(run)) == (
+        "--resume and --init-from both say where the run starts: give one of them (--resume continues a run; "
+        "--init-from and --init-from-hf start a new one from weights)")
+    assert _train_error(capsys, "--init-from", str(tmp_path / "nope")) == \
+        f"--init-from: checkpoint {tmp_path / 'nope'}: no such directory"
+    assert _train_error(capsys, "--init-from", str(run), "--hidden", "64") == (
+        f"--init-from {run}'s model config differs from the one requested: hidden_size: checkpoint 32, requested 64")
+
+
+def _init_from_body(argv, run):
+    from tensorpar import parallel_state as ps
+    from tensorpar.training.inference import load_model
+    from tensorpar.training.loop import train
+
+    result = train(parse_train_args(argv))
+    ps.initialize_model_parallel(2)
+    group = ps.get_tensor_model_parallel_group()
+    (ours, meta), (theirs, _) = load_model(result.checkpoint, tp_group=group), load_model(run, tp_group=group)
+    moved = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+    return result.checkpoint, meta["step"], meta["schedule"]["lr"], moved
+
+
+def test_init_from_takes_the_weights_at_another_tp_size_and_starts_afresh(files, tmp_path):
+    """The TP=1 run's weights at TP=2; a fresh optimizer and schedule from step 0 (one step at
+    lr 1e-9 moves no weight by more than ~1e-9, while any re-initialized weight would differ)."""
+    argv = [*TINY, "--init-from", str(files / "run"), "--tp", "2", "--steps", "1", "--lr", "1e-9", "--min-lr", "0",
+            "--warmup", "0", "--data", str(files / "text.txt"), "--out", str(tmp_path / "tuned")]
+    results = run_on_ranks(_init_from_body, 2, argv, str(files / "run"))
+    for checkpoint, step, lr, moved in results:
+        assert checkpoint == str(tmp_path / "tuned" / "step_1") and step == 1 and lr == 1e-9
+        assert moved < 1e-6, moved

@@ -3,7 +3,9 @@
 :func:`from_hf` builds this rank's shard of a :class:`~tensorpar.models.gpt.GPT` from a
 ``transformers`` model object or a local directory (``config.json`` and safetensors files).
 From a directory each rank reads only the bytes of its own shard (safetensors slices), so its
-peak memory is one shard, not the model. :func:`to_hf` gathers the weights into the
+peak memory is one shard, not the model, once :mod:`~tensorpar.models.hf_files` has checked
+the directory (config.json read as JSON, the safetensors headers against it); a NaN or
+infinite value is refused as it is read. :func:`to_hf` gathers the weights into the
 ``transformers`` model on rank 0.
 
 How weights map: along its TP partition dimension, every GPT parameter is a sequence of row
@@ -32,9 +34,8 @@ import torch
 from .. import comm
 from ..initialization import shard_rows
 from .gpt import GPT, GPTConfig
-
-GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+from .hf_files import (INDEX, SafetensorsReader, check_weights, config_from_hf, config_from_hf_dir, family_of,
+                       model_dir, tensor_key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,103 +105,18 @@ def _llama_pieces(config: GPTConfig, padded_vocab: int) -> dict[str, list[Piece]
     return pieces
 
 
-def _family(config: GPTConfig) -> str:
-    """``gpt2`` or ``llama``: the Hugging Face layout a GPT's weights map to."""
-    if (config.norm, config.position_embedding, config.bias, config.qkv_bias) == ("layernorm", "learned", True, True) \
-            and config.activation != "swiglu" and config.num_query_groups == config.num_heads:
-        return "gpt2"
-    if (config.norm, config.activation, config.position_embedding, config.bias) == ("rmsnorm", "swiglu", "rope", False):
-        return "llama"
-    raise ValueError("no transformers family has this GPT's shape: GPT-2 needs layernorm, learned positions, "
-                     "biases, GELU and no grouped-query attention; Llama/Qwen2 need rmsnorm, swiglu, rope and "
-                     f"no biases besides QKV; got norm={config.norm!r}, activation={config.activation!r}, "
-                     f"position_embedding={config.position_embedding!r}, bias={config.bias}, "
-                     f"qkv_bias={config.qkv_bias}, num_query_groups={config.num_query_groups}")
-
-
 def hf_pieces(config: GPTConfig, padded_vocab: int) -> dict[str, list[Piece]]:
     """Every GPT parameter name -> its :class:`Piece` list along the TP partition dimension."""
-    return (_gpt2_pieces if _family(config) == "gpt2" else _llama_pieces)(config, padded_vocab)
+    return (_gpt2_pieces if family_of(config) == "gpt2" else _llama_pieces)(config, padded_vocab)
 
 
 # --------------------------------------------------------------------------------- configs
-
-def _rope(hf_config) -> tuple[float, dict | None]:
-    """(rope_theta, Llama 3 rope_scaling or None) from transformers 5's ``rope_parameters``
-    or the older ``rope_theta`` / ``rope_scaling``."""
-    params = dict(getattr(hf_config, "rope_parameters", None)
-                  or {"rope_theta": getattr(hf_config, "rope_theta", 10000.0),
-                      **(getattr(hf_config, "rope_scaling", None) or {})})
-    rope_type = params.pop("rope_type", params.pop("type", "default"))
-    theta = float(params.pop("rope_theta"))
-    if params.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
-    if rope_type == "default":
-        return theta, None
-    if rope_type == "llama3":
-        return theta, {"rope_type": "llama3", **params}
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: 'default', 'llama3'")
-
-
-def _gpt2_fields(hf_config) -> dict:
-    activation = GPT2_ACTIVATIONS.get(hf_config.activation_function)
-    if activation is None:
-        raise ValueError(f"unsupported GPT-2 activation_function {hf_config.activation_function!r}; "
-                         f"supported: {sorted(GPT2_ACTIVATIONS)}")
-    if not getattr(hf_config, "scale_attn_weights", True) or getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
-        raise ValueError("only GPT-2's standard 1/sqrt(head_dim) attention scaling is supported "
-                         "(scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False)")
-    return dict(vocab_size=hf_config.vocab_size, max_seq_len=hf_config.n_positions,
-                num_layers=hf_config.n_layer, num_heads=hf_config.n_head, hidden_size=hf_config.n_embd,
-                ffn_hidden_size=hf_config.n_inner, activation=activation,
-                dropout=hf_config.resid_pdrop, attention_dropout=hf_config.attn_pdrop,
-                layernorm_epsilon=hf_config.layer_norm_epsilon, init_std=hf_config.initializer_range,
-                tie_word_embeddings=getattr(hf_config, "tie_word_embeddings", True))
-
-
-def _llama_fields(hf_config) -> dict:
-    heads, hidden = hf_config.num_attention_heads, hf_config.hidden_size
-    if hf_config.hidden_act != "silu":
-        raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; the Llama family uses 'silu'")
-    head_dim = getattr(hf_config, "head_dim", None)
-    if head_dim not in (None, hidden // heads):
-        raise ValueError(f"head_dim {head_dim} differs from hidden_size / num_attention_heads = {hidden // heads}")
-    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-        raise ValueError("Llama's attention_bias (which includes o_proj) and mlp_bias are not supported")
-    theta, scaling = _rope(hf_config)
-    max_seq_len = hf_config.max_position_embeddings
-    sliding = getattr(hf_config, "sliding_window", None)
-    if sliding and (hf_config.model_type == "mistral" or getattr(hf_config, "use_sliding_window", False)):
-        # Within the window, sliding-window attention is full causal attention.
-        max_seq_len = min(max_seq_len, sliding)
-    return dict(vocab_size=hf_config.vocab_size, max_seq_len=max_seq_len,
-                num_layers=hf_config.num_hidden_layers, num_heads=heads, hidden_size=hidden,
-                ffn_hidden_size=hf_config.intermediate_size,
-                num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
-                norm="rmsnorm", activation="swiglu", position_embedding="rope", rope_theta=theta,
-                rope_scaling=scaling, bias=False, qkv_bias=hf_config.model_type == "qwen2",
-                attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
-                layernorm_epsilon=hf_config.rms_norm_eps, init_std=hf_config.initializer_range,
-                tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
-
-
-def config_from_hf(hf_config, **overrides) -> GPTConfig:
-    """The :class:`GPTConfig` of a ``transformers`` config (``overrides``: any GPTConfig field)."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type == "gpt2":
-        fields = _gpt2_fields(hf_config)
-    elif model_type in LLAMA_FAMILY:
-        fields = _llama_fields(hf_config)
-    else:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: gpt2, {', '.join(LLAMA_FAMILY)}")
-    return GPTConfig(**{**fields, **overrides})
-
 
 def hf_config_of(config: GPTConfig):
     """The ``transformers`` config of a GPT: GPT-2, Qwen2 (QKV biases) or Llama."""
     import transformers
 
-    if _family(config) == "gpt2":
+    if family_of(config) == "gpt2":
         return transformers.GPT2Config(
             vocab_size=config.vocab_size, n_positions=config.max_seq_len, n_embd=config.hidden_size,
             n_layer=config.num_layers, n_head=config.num_heads, n_inner=config.ffn_hidden_size,
@@ -234,6 +150,9 @@ class _StateDictReader:
     def names(self):
         return self.state.keys()
 
+    def where(self, key: str) -> str:
+        return self.source
+
     def shape(self, key: str) -> list[int]:
         return list(self.state[key].shape)
 
@@ -241,63 +160,27 @@ class _StateDictReader:
         return self.state[key].narrow(dim, start, stop - start)
 
 
-class _SafetensorsReader:
-    """Tensors of a directory's safetensors files; a read loads only the bytes of its slice."""
-
-    def __init__(self, directory: Path) -> None:
-        from safetensors import safe_open
-
-        index = directory / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = sorted(p.name for p in directory.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"{directory}: no *.safetensors files (pickled .bin weights are never read: "
-                             "loading them can execute code)")
-        self.source, self.handles, self.file_of = str(directory), [], {}
-        for name in files:
-            if Path(name).name != name:
-                raise ValueError(f"{index}: weight file {name!r} is not a plain file name in {directory}")
-            handle = safe_open(str(directory / name), framework="pt")
-            self.handles.append(handle)
-            self.file_of |= {key: handle for key in handle.keys()}
-
-    def names(self):
-        return self.file_of.keys()
-
-    def shape(self, key: str) -> list[int]:
-        return list(self.file_of[key].get_slice(key).get_shape())
-
-    def read(self, key: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        index = [slice(None)] * len(self.shape(key))
-        index[dim] = slice(start, stop)
-        return self.file_of[key].get_slice(key)[tuple(index)]
-
-
-def _key(reader, name: str) -> str:
-    # Older GPT-2 files (the hub's "gpt2") name the transformer's tensors without its prefix.
-    for key in (name, name.removeprefix("transformer.")):
-        if key in reader.names():
-            return key
-    raise ValueError(f"{reader.source}: tensor {name!r} is missing")
-
-
 def _read_rows(reader, piece: Piece, start: int, stop: int, dim: int, like: list[int]) -> torch.Tensor | None:
     """Rows ``[start, stop)`` of ``piece`` (piece coordinates) along ``dim``, GPT orientation;
-    ``None`` for padding rows."""
+    ``None`` for padding rows. Refused unless finite."""
     if piece.name is None:
         return None
     shape = list(like)
     shape[dim] = stop - start
-    key = _key(reader, piece.name)
+    key = tensor_key(reader.names(), piece.name)
+    if key is None:
+        raise ValueError(f"{reader.source}: tensor {piece.name!r} is missing")
     theirs = reader.shape(key)
     hf_dim = len(theirs) - 1 - dim if piece.transposed else dim
     expected = shape[::-1] if piece.transposed else shape
-    rows = reader.read(key, hf_dim, piece.start + start, piece.start + stop)
+    first, last = piece.start + start, piece.start + stop
+    rows = reader.read(key, hf_dim, first, last)
     if list(rows.shape) != expected:
         raise ValueError(f"{reader.source}: tensor {piece.name!r} of shape {theirs} does not fit this "
-                         f"model (expected {expected} at rows {piece.start + start}:{piece.start + stop})")
+                         f"model (expected {expected} at rows {first}:{last})")
+    if not torch.isfinite(rows).all():
+        raise ValueError(f"{reader.where(key)}: tensor {key!r} holds NaN or infinite values (in rows "
+                         f"{first}:{last} of dim {hf_dim}): the weights are damaged")
     return rows.t() if piece.transposed else rows
 
 
@@ -342,38 +225,36 @@ def from_hf(model_or_dir, *, tp_group=None, device=None, **config_overrides) -> 
     """This rank's shard of a Hugging Face GPT-2, Llama, Mistral or Qwen2 model.
 
     ``model_or_dir``: a ``transformers`` model object, or a local directory with
-    ``config.json`` and safetensors weights (each rank reads only its shard's bytes).
-    ``config_overrides``: GPTConfig fields such as ``sequence_parallel=True``.
+    ``config.json`` and safetensors weights (each rank reads only its shard's bytes; nothing in
+    the directory is run, nothing is downloaded). ``config_overrides``: GPTConfig fields such
+    as ``sequence_parallel=True``.
 
     Example::
 
         model = from_hf(transformers.LlamaForCausalLM(config), tp_group=group)
         model = from_hf("path/to/qwen2", sequence_parallel=True)
     """
-    reader = _reader(model_or_dir)
     if isinstance(model_or_dir, (str, os.PathLike)):
-        from transformers import AutoConfig
-
-        hf_config = AutoConfig.from_pretrained(model_or_dir)
+        config = config_from_hf_dir(model_or_dir, **config_overrides)
     else:
-        hf_config = model_or_dir.config
-    model = GPT(config_from_hf(hf_config, **config_overrides), tp_group=tp_group, device=device)
+        config = config_from_hf(model_or_dir.config, **config_overrides)
+    reader = _reader(model_or_dir, config)  # checked before the model is built
+    model = GPT(config, tp_group=tp_group, device=device)
     _load_shards(model, reader)
     return model
 
 
-def _reader(model_or_dir):
+def _reader(model_or_dir, config: GPTConfig):
     if not isinstance(model_or_dir, (str, os.PathLike)):
         return _StateDictReader(model_or_dir.state_dict(), type(model_or_dir).__name__)
-    directory = Path(model_or_dir)
-    if not (directory / "config.json").is_file():
-        raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
-    return _SafetensorsReader(directory)
+    reader = SafetensorsReader(model_dir(model_or_dir))
+    check_weights(reader.tensors, config, source=reader.source)
+    return reader
 
 
 def load_weights(model: GPT, model_or_dir) -> None:
     """Overwrite ``model``'s shards with a Hugging Face model's weights (an object or a directory)."""
-    _load_shards(model, _reader(model_or_dir))
+    _load_shards(model, _reader(model_or_dir, model.config))
 
 
 # --------------------------------------------------------------------------------- writing
@@ -402,6 +283,19 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return state
 
 
+def save_pretrained(hf_model, path) -> None:
+    """``hf_model.save_pretrained(path)``, its safetensors files given the mode the umask gives
+    any new file (safetensors writes them 0600, unreadable to the rest of a team)."""
+    hf_model.save_pretrained(path)
+    directory = Path(path)
+    index = directory / INDEX
+    files = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {"model.safetensors"}
+    umask = os.umask(0)  # setting the umask is the only way to read it
+    os.umask(umask)
+    for name in files:
+        os.chmod(directory / name, 0o666 & ~umask)
+
+
 def to_hf(model: GPT, path=None):
     """The ``transformers`` model holding ``model``'s weights, on TP rank 0 (``None`` elsewhere).
 
@@ -425,6 +319,6 @@ def to_hf(model: GPT, path=None):
     hf_model = classes[hf_config.model_type](hf_config)
     hf_model.load_state_dict(state, strict=True)
     if path is not None:
-        hf_model.save_pretrained(path)
+        save_pretrained(hf_model, path)
     return hf_model
 

@@ -119,6 +119,10 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                        help="start from a local Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2; "
                             "config.json + safetensors): its shape and weights, and its tokenizer if it has one "
                             "(default: random initialization)")
+    model.add_argument("--init-from", default=None, metavar="CKPT",
+                       help="start a new run from a tensorpar checkpoint's weights (a step_N directory or an output "
+                            "directory: its latest), at any TP size: its model and tokenizer, with a fresh optimizer "
+                            "and schedule from step 0 (to continue that run instead: --resume)")
     model.add_argument("--layers", type=_positive(int), default=None, help="transformer layers (default: the preset's)")
     model.add_argument("--hidden", type=_positive(int), default=None, help="hidden size (default: the preset's)")
     model.add_argument("--heads", type=_positive(int), default=None,
@@ -231,17 +235,22 @@ def _check_train_args(args, world: int) -> None:
 
     if args.model is not None and args.model not in GPTConfig.PRESETS:
         raise UsageError(f"--model {args.model!r} is not a preset; choose from {list(GPTConfig.PRESETS)}")
-    saved = meta = None
+    starts = [flag for flag, value in (("--resume", args.resume), ("--init-from", args.init_from),
+                                       ("--init-from-hf", args.init_from_hf)) if value is not None]
+    if len(starts) > 1:
+        raise UsageError(f"{starts[0]} and {starts[1]} both say where the run starts: give one of them (--resume "
+                         "continues a run; --init-from and --init-from-hf start a new one from weights)")
+    saved = meta = init_meta = None
     origin = "the checkpoint"
     if args.resume is not None:
-        if args.init_from_hf is not None:
-            raise UsageError("--init-from-hf starts a new run from a Hugging Face model and --resume continues "
-                             "a checkpoint: give one of them")
         ckpt, saved, meta = _open_checkpoint("--resume", args.resume)
         args.out = args.out or str(ckpt.parent)
+    if args.init_from is not None:
+        _, saved, init_meta = _open_checkpoint("--init-from", args.init_from)
+        origin = f"--init-from {args.init_from}"
     if args.init_from_hf is not None:
         saved, origin = hf_init_config(args.init_from_hf), f"--init-from-hf {args.init_from_hf}"
-    resolve_tokenizer(args, meta)
+    resolve_tokenizer(args, meta or init_meta)
     tokens, vocab_size, source = inspect_data(args.data, tokenizer=args.tokenizer)
     config = build_config(args, vocab_size=vocab_size, saved=saved, origin=origin)
     seq_len = default_seq_len(args, config)

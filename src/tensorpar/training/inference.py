@@ -84,7 +84,7 @@ def generate(args) -> str:
 
 def export_hf(args) -> str:
     """Write ``args.checkpoint`` as a ``transformers`` directory (GPT-2, Llama or Qwen2) at ``args.to_hf``."""
-    from ..models.hf import to_hf
+    from ..models.hf import save_pretrained, to_hf
 
     ps.initialize_model_parallel(1, timeout=args.timeout)
     try:
@@ -98,7 +98,7 @@ def export_hf(args) -> str:
             bos, eos = hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id
         for config in (hf_model.config, hf_model.generation_config):
             config.bos_token_id, config.eos_token_id = bos, eos
-        hf_model.save_pretrained(out)
+        save_pretrained(hf_model, out)
         if hf_tokenizer is not None:  # pipeline("text-generation", model=out) finds it there
             hf_tokenizer.save_pretrained(out)
         return str(out)

@@ -190,22 +190,28 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int) -> fl
 
 
 def hf_init_config(directory: str) -> dict:
-    """The GPT config (as JSON) of the Hugging Face model directory ``--init-from-hf`` names."""
-    from ..models.hf import config_from_hf
+    """The GPT config (as JSON) of the Hugging Face model directory ``--init-from-hf`` names,
+    once its config.json and safetensors headers agree (nothing built, nothing run or fetched)."""
+    import importlib.util
 
+    from ..models.hf_files import check_hf_dir
+
+    path = Path(directory)
+    if (path / checkpoint.LATEST).is_file() or (path / checkpoint.MANIFEST).is_file():
+        raise UsageError(f"--init-from-hf {directory} is a tensorpar run, not a Hugging Face model: use --resume "
+                         f"{directory} to continue it, or --init-from {directory} for its weights only")
+    if importlib.util.find_spec("safetensors") is None:
+        raise UsageError("--init-from-hf needs safetensors: pip install 'tensorpar[hf]'")
     try:
-        from transformers import AutoConfig
-
-        return config_to_json(config_from_hf(AutoConfig.from_pretrained(directory)))
-    except ImportError:
-        raise UsageError("--init-from-hf needs transformers: pip install 'tensorpar[hf]'") from None
+        return config_to_json(check_hf_dir(directory))
     except (OSError, ValueError) as exc:
-        raise UsageError(f"--init-from-hf {directory}: {exc}") from None
+        raise UsageError(f"--init-from-hf: {exc}") from None
 
 
 def resolve_tokenizer(args, meta: dict | None) -> None:
-    """``args.tokenizer``: ``--tokenizer``, else the resumed run's, else the ``--init-from-hf``
-    directory's when it has one (as an absolute path), else None (byte tokens for text)."""
+    """``args.tokenizer``: ``--tokenizer``, else that of the run ``meta`` describes (resumed or
+    ``--init-from``), else the ``--init-from-hf`` directory's when it has one (as an absolute
+    path), else None (byte tokens for text)."""
     from .tokenizer import has_tokenizer
 
     if args.tokenizer is None and meta is not None and meta.get("tokenizer") not in (None, "bytes"):
@@ -423,12 +429,16 @@ def _train(args, signals: _Signals) -> RunResult:
     device = ps.default_device()
     is_rank0 = dist.get_rank() == 0
     resumed = checkpoint.open_checkpoint(args.resume) if args.resume else None
-    resolve_tokenizer(args, resumed[2] if resumed else None)
+    init = checkpoint.open_checkpoint(args.init_from) if args.init_from else None
+    started_from = resumed or init
+    resolve_tokenizer(args, started_from[2] if started_from else None)
     corpus = load_corpus(args.data, tokenizer=args.tokenizer)
     args.tokenizer = corpus.tokenizer
     if args.init_from_hf:
         config = build_config(args, vocab_size=corpus.vocab_size, saved=hf_init_config(args.init_from_hf),
                               origin=f"--init-from-hf {args.init_from_hf}")
+    elif init:
+        config = build_config(args, vocab_size=corpus.vocab_size, saved=init[1], origin=f"--init-from {args.init_from}")
     else:
         config = build_config(args, vocab_size=corpus.vocab_size, saved=resumed[1] if resumed else None)
     seq_len = default_seq_len(args, config)
@@ -441,7 +451,12 @@ def _train(args, signals: _Signals) -> RunResult:
     if args.init_from_hf:
         from ..models.hf import load_weights
 
-        load_weights(model, args.init_from_hf)
+        try:
+            load_weights(model, args.init_from_hf)
+        except ValueError as exc:  # NaN/inf weights: only reading them can tell
+            raise UsageError(f"--init-from-hf: {exc}") from None
+    elif init:
+        checkpoint.load(init[0], model=model, optimizer=None, tp_group=tp_group, restore_rng=False)
     optimizer = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(0.9, 0.95), eps=1e-8)
     reducer = DataParallelGradReducer(model.parameters(), dp_group=dp_group)
