@@ -56,7 +56,9 @@ class DataParallelGradReducer:
     embedding tied to the LM head, carries ``zero_out_wgrad = True``: its fused layer hands
     autograd zeros and the other uses' ``.grad`` is added); when the last parameter of a bucket arrives, the
     bucket's all-reduce is launched asynchronously, while backward continues. Only the last
-    micro-batch of a gradient-accumulation step reduces (``sync=False`` for the others).
+    micro-batch of a gradient-accumulation step reduces (``sync=False`` for the others). From a
+    bucket's launch until :meth:`zero_grad`, its parameters carry ``main_grad_reduced = True``:
+    deferred weight gradients (``defer_wgrad_compute``) must be added before that.
 
     One optimizer step::
 
@@ -94,14 +96,17 @@ class DataParallelGradReducer:
         offset = 0
         for p in params:
             p.main_grad = buffer[offset:offset + p.numel()].view(p.shape)
-            p.grad_added_to_main_grad = False
+            p.grad_added_to_main_grad = p.main_grad_reduced = False
             offset += p.numel()
             self._bucket_of[id(p)] = bucket
         self.buckets.append(bucket)
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        if param.grad is not None and (not param.grad_added_to_main_grad
-                                       or getattr(param, "zero_out_wgrad", False)):
+        if param.grad is None:
+            # A layer returned no gradient: its wgrad is deferred (defer_wgrad_compute) and reaches
+            # main_grad later, so the bucket waits for finish().
+            return
+        if not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False):
             param.main_grad.add_(param.grad)
         param.grad = None
         param.grad_added_to_main_grad = False
@@ -116,6 +121,9 @@ class DataParallelGradReducer:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
+        for p in bucket.params:
+            # Read by ColumnParallelLinear.compute_deferred_wgrads: too late to add to main_grad.
+            p.main_grad_reduced = True
         if self.dp_size > 1:
             bucket.buffer.div_(self.dp_size)
         bucket.handle = comm.all_reduce(bucket.buffer, self.group, async_op=True)
@@ -138,6 +146,7 @@ class DataParallelGradReducer:
             bucket.buffer.zero_()
         for p in self.params:
             p.grad = None
+            p.main_grad_reduced = False
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
