@@ -209,6 +209,59 @@ def test_bf16_parameters_with_fp32_main_grad_and_master_weights_track_fp32():
     assert run_on_ranks(_bf16_master_body, 2, True) == [True, True]
 
 
+def _master_reload_body(tmp):
+    import torch.distributed.checkpoint as dcp
+
+    tp.initialize_model_parallel(1)
+
+    def make(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(*[tp.ColumnParallelLinear(8, 8, params_dtype=torch.bfloat16) for _ in range(2)])
+
+    model = make(0)
+    reducer = DataParallelGradReducer(model.parameters(), dp_group=tp.get_data_parallel_group())
+    master = tp.MasterWeights(model.parameters())
+    optimizer = torch.optim.SGD(master.params, lr=0.5)
+
+    def step():
+        reducer.zero_grad()
+        h = torch.ones(2, 1, 8, dtype=torch.bfloat16)
+        for layer in model:
+            h = layer(h)[0]
+        h.float().square().mean().backward()
+        reducer.finish()
+        master.step(optimizer)
+
+    step()
+    for load in ("load_state_dict", "dcp", "data"):
+        other = make(1 + len(load))
+        other[0].weight.data[0, 0] = 7.0  # a value no step of this model's would produce
+        if load == "load_state_dict":
+            model.load_state_dict(other.state_dict())
+        elif load == "dcp":
+            dcp.save(other.state_dict(), checkpoint_id=f"{tmp}/ckpt")
+            dcp.load(model.state_dict(), checkpoint_id=f"{tmp}/ckpt")
+        else:
+            for p, q in zip(model.parameters(), other.parameters()):
+                p.data.copy_(q)
+            master.refresh()
+        optimizer.param_groups[0]["lr"] = 0.0   # the step moves nothing: the loaded weights stay
+        step()
+        optimizer.param_groups[0]["lr"] = 0.5
+        for p, q, m in zip(model.parameters(), other.parameters(), master.params):
+            assert torch.equal(p, q) and torch.equal(m, q.float()), load
+        step()  # and the next step starts from them (an fp32 update below bf16's resolution)
+        assert 6.9 < master.params[0][0, 0] != 7.0, load
+    reducer.remove_hooks()
+    return True
+
+
+def test_master_weights_follow_weights_loaded_after_construction(tmp_path):
+    """Issue 16 item 10: the masters were copied once, so the first step overwrote weights
+    loaded later (load_state_dict, a DCP checkpoint) with the stale masters."""
+    assert run_on_ranks(_master_reload_body, 1, str(tmp_path)) == [True]
+
+
 def _clip_sync_body(num_params):
     from tests.op_counter import OpCounter
 

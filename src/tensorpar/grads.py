@@ -162,7 +162,11 @@ class MasterWeights:
     fp32 ``main_grad`` (fused layers write it directly), the optimizer steps fp32 masters whose
     ``.grad`` *is* that ``main_grad`` (no copy), and :meth:`step` rounds the masters back into
     the parameters. fp32 parameters are their own masters. Checkpoint ``params`` (the masters),
-    not the rounded model, to resume exactly.
+    not the rounded model, to resume exactly. Weights loaded into the model after construction
+    (``load_state_dict``, a checkpoint, ``load_weights``) replace their masters at the next
+    :meth:`step`: a parameter changed in place since the last step (its autograd version
+    counter moved) is copied into its master first. Writes through ``.data`` bypass the
+    counter: call :meth:`refresh` after them.
 
     Example::
 
@@ -182,16 +186,31 @@ class MasterWeights:
                              "create the DataParallelGradReducer first")
         self.params = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_()
                        for p in self.model_params]
+        self._versions = self._model_versions()
+
+    def _model_versions(self) -> list[int]:
+        return [p._version for p in self.model_params]
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the model's parameters into the masters (after writing them through ``.data``)."""
+        for param, master in zip(self.model_params, self.params):
+            if master is not param:
+                master.copy_(param)
+        self._versions = self._model_versions()
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()`` on the masters, then copy them into the model's parameters."""
-        for param, master in zip(self.model_params, self.params):
+        for param, master, seen in zip(self.model_params, self.params, self._versions):
+            if master is not param and param._version != seen:
+                master.copy_(param)  # loaded since the last step: the model's weights win
             master.grad = param.main_grad
         optimizer.step()
         for param, master in zip(self.model_params, self.params):
             if master is not param:
                 param.copy_(master)
+        self._versions = self._model_versions()
 
 
 @torch.no_grad()
