@@ -62,28 +62,32 @@ def test_dp_reduction_with_gradient_accumulation_fusion():
     assert run_on_ranks(_dp_reducer_body, 2, True) == [True, True]
 
 
-def _deferred_wgrad_body(fusion: bool):
+def _deferred_wgrad_body(fusion: bool, limit: int):
+    """Two micro-batches; with ``limit`` 1 the second one's wgrad is computed in backward."""
     tp.initialize_model_parallel(1)
     dp_rank, dp_size = tp.get_data_parallel_rank(), tp.get_data_parallel_world_size()
     torch.manual_seed(0)
-    layer = tp.ColumnParallelLinear(8, 6, gradient_accumulation_fusion=fusion, defer_wgrad_compute=True)
+    layer = tp.ColumnParallelLinear(8, 6, gradient_accumulation_fusion=fusion, defer_wgrad_compute=True,
+                                    wgrad_deferral_limit=limit)
     plain = torch.nn.Linear(8, 6)
     with torch.no_grad():
         plain.weight.copy_(layer.weight)
         plain.bias.copy_(layer.bias)
     reducer = DataParallelGradReducer(layer.parameters(), dp_group=tp.get_data_parallel_group())
-    inputs = [torch.randn(4, 2, 8) for _ in range(dp_size)]
+    inputs = [[torch.randn(4, 2, 8) for _ in range(2)] for _ in range(dp_size)]
     reducer.zero_grad()
-    layer(inputs[dp_rank])[0].square().sum().backward()
+    for k, x in enumerate(inputs[dp_rank]):
+        reducer.sync = k == 1
+        layer(x)[0].square().sum().backward()
     layer.compute_deferred_wgrads()
     reducer.finish()
-    for x in inputs:
+    for x in sum(inputs, []):
         (plain(x).square().sum() / dp_size).backward()
     torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(layer.bias.grad, plain.bias.grad, rtol=1e-6, atol=1e-6)
     # After finish() the reduction is done: a deferred gradient added now would be lost.
     reducer.zero_grad()
-    layer(inputs[dp_rank])[0].sum().backward()
+    layer(inputs[dp_rank][0])[0].sum().backward()
     reducer.finish()
     with pytest.raises(RuntimeError, match=r"compute_deferred_wgrads: the DP reduction of the weight's main_grad "
                                            r"has already started .* 1 deferred gradient\(s\) would be lost"):
@@ -95,8 +99,9 @@ def _deferred_wgrad_body(fusion: bool):
 def test_deferred_wgrad_reaches_the_dp_reduced_gradient_and_is_refused_after_finish():
     """Issue 16 item 9: without fusion the deferred gradient went to ``.grad``, which finish()
     replaced by ``main_grad`` (the gradient was lost)."""
-    assert run_on_ranks(_deferred_wgrad_body, 2, False) == [True, True]
-    assert run_on_ranks(_deferred_wgrad_body, 2, True) == [True, True]
+    for fusion in (False, True):
+        for limit in (0, 1):
+            assert run_on_ranks(_deferred_wgrad_body, 2, fusion, limit) == [True, True], (fusion, limit)
 
 
 def _grad_norm_body():

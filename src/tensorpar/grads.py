@@ -58,7 +58,8 @@ class DataParallelGradReducer:
     bucket's all-reduce is launched asynchronously, while backward continues. Only the last
     micro-batch of a gradient-accumulation step reduces (``sync=False`` for the others). From a
     bucket's launch until :meth:`zero_grad`, its parameters carry ``main_grad_reduced = True``:
-    deferred weight gradients (``defer_wgrad_compute``) must be added before that.
+    deferred weight gradients (``defer_wgrad_compute``) must be added before that; a weight with
+    some pending (``deferred_wgrad_pending``) keeps its bucket for :meth:`finish`.
 
     One optimizer step::
 
@@ -102,15 +103,13 @@ class DataParallelGradReducer:
         self.buckets.append(bucket)
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        if param.grad is None:
-            # A layer returned no gradient: its wgrad is deferred (defer_wgrad_compute) and reaches
-            # main_grad later, so the bucket waits for finish().
-            return
-        if not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False):
+        if param.grad is not None and (not param.grad_added_to_main_grad
+                                       or getattr(param, "zero_out_wgrad", False)):
             param.main_grad.add_(param.grad)
         param.grad = None
         param.grad_added_to_main_grad = False
-        if not self.sync:
+        if not self.sync or getattr(param, "deferred_wgrad_pending", False):
+            # Deferred wgrads (defer_wgrad_compute) reach main_grad later: the bucket waits for finish().
             return
         bucket = self._bucket_of[id(param)]
         if bucket.handle is not None:

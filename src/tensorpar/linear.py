@@ -534,6 +534,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.defer_wgrad_compute and weight.requires_grad and torch.is_grad_enabled():
             if self.wgrad_deferral_limit == 0 or len(self.activation_buffer) < self.wgrad_deferral_limit:
                 self.activation_buffer.append(input_parallel.detach())
+                weight.deferred_wgrad_pending = True  # a DP reducer's bucket waits for it
             grad_output_buffer = self.grad_output_buffer
         chunks = 1
         if sequence_parallel or self.allreduce_dgrad:
@@ -587,6 +588,7 @@ class ColumnParallelLinear(_ParallelLinear):
                 weight.grad = grad if weight.grad is None else weight.grad + grad
         self.activation_buffer.clear()
         self.grad_output_buffer.clear()
+        weight.deferred_wgrad_pending = False
 
 
 class RowParallelLinear(_ParallelLinear):
