@@ -15,6 +15,22 @@ def test_version_and_python_dash_m():
         assert done.returncode == 0 and done.stdout.startswith(f"tensorpar {__version__} (torch "), done
 
 
+def test_torch_before_2_6_is_refused_at_install_and_import():
+    """Issue 16 item 7: torch.load(weights_only=True), which DCP loads tensors with, can run code
+    on torch <= 2.5.1 (CVE-2025-32434)."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert [d for d in project["dependencies"] if d.startswith("torch")] == ["torch>=2.6"]
+    fake_old = "import torch; torch.__version__ = torch.torch_version.TorchVersion('2.5.1'); import tensorpar"
+    done = subprocess.run([sys.executable, "-c", fake_old], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        "ImportError: tensorpar needs torch >= 2.6 (older torch.load can run code from a checkpoint file, "
+        "CVE-2025-32434); this is torch 2.5.1: pip install 'torch>=2.6'")
+
+
 def test_an_error_is_one_line_and_debug_adds_the_traceback(capsys, monkeypatch):
     monkeypatch.setenv("TENSORPAR_DEBUG", "0")  # main() sets it for --debug; restored after
     assert main(["train", "--nproc", "3", "--tp", "2"]) == 2

@@ -309,6 +309,29 @@ def test_generate_is_identical_on_tp_ranks_and_matches_tp1():
     assert run_on_ranks(_generate_body, 2) == [True, True]
 
 
+def _cached_steps_body():
+    tp.initialize_model_parallel(dist.get_world_size())
+    tokens = _data(seq=8)[0]
+    for overrides, steps in (({}, (4, 1, 1, 2)), (GQA, (5, 1, 2)), ({"sequence_parallel": True}, (4, 2, 2))):
+        model = _build(GPTConfig(**{**BASE, **overrides}), tp.get_tensor_model_parallel_group()).eval()
+        with torch.no_grad():
+            full = model(tokens)
+            cache, start = model.new_kv_cache(tokens.shape[0], tokens.shape[1]), 0
+            for n in steps:
+                positions = torch.arange(start, start + n).expand(tokens.shape[0], n)
+                step = model(tokens[:, start:start + n], position_ids=positions, kv_cache=cache)
+                torch.testing.assert_close(step, full[:, start:start + n], rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{overrides} positions {start}..{start + n - 1}: {m}")
+                start += n
+    return True
+
+
+def test_forward_with_kv_cache_and_no_mask_attends_to_every_cached_position():
+    """Issue 16 item 8: without ``attn_mask`` a step after cached keys sees all of them, not
+    SDPA's top-left causal corner (a decode step used to see cache slot 0 only)."""
+    assert run_on_ranks(_cached_steps_body, 2) == [True, True]
+
+
 def _bad_input_body():
     tp.initialize_model_parallel(dist.get_world_size())
     with pytest.raises(ValueError, match=r"num_heads \(2\) is not divisible by the tensor-parallel size \(4\)"):

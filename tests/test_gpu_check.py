@@ -5,6 +5,7 @@ the harness's gloo worlds with CPU tensors, so everything in it that can run on 
 """
 
 import contextlib
+import types
 import unittest.mock
 
 import pytest
@@ -66,6 +67,63 @@ def test_gpu_check_layers_rng_gpt_and_overlap_at_tp2(staged):
         assert result["profile"]["allreduce_events"] and result["profile"]["gemms_after_launch"], result["profile"]
         # Chunked and interleaved variants agree with overlap off (checked inside), staged or not.
         assert len(result["overlap_variants"]["of_ceiling"]) == 10
+
+
+def _event(name, start, end, device="cuda"):
+    """A profiler event as ``prof.events()`` gives it (name, device type, time range in us)."""
+    from torch.autograd import DeviceType
+
+    kind = DeviceType.CUDA if device == "cuda" else DeviceType.CPU
+    return types.SimpleNamespace(name=name, device_type=kind, time_range=types.SimpleNamespace(start=start, end=end))
+
+
+# The host launches the all-reduce and then the wgrad GEMM while the all-reduce runs: on the
+# host's clock they always "overlap", whatever the GPU then does.
+LAUNCHES = [_event("c10d::allreduce_", 10, 12, "cpu"), _event("aten::mm", 13, 14, "cpu")]
+NCCL = "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+NVJET = "nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNT"   # cuBLAS on H100/H200
+
+
+class _FakeProfile:
+    """``torch.profiler.profile`` answering with ``events`` (the suite has no CUDA kernels)."""
+
+    events_to_give: list = []
+
+    def __init__(self, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def events(self):
+        return self.events_to_give
+
+
+def _verdict_body(events):
+    tp.initialize_model_parallel(1)
+    _FakeProfile.events_to_give = events
+    with unittest.mock.patch("torch.profiler.profile", _FakeProfile):
+        return gpu_check.profile_overlap(torch.device("cpu"), None)["overlap"]
+
+
+def test_overlap_verdict_comes_from_cuda_kernel_intervals_only():
+    """Issue 16 item 6: host launch events made serialized kernels pass, and ``nvjet_*`` GEMMs
+    (cuBLAS on H100/H200) were not recognised."""
+    serialized = LAUNCHES + [_event(NCCL, 20, 30), _event(NVJET, 31, 40)]
+    overlapped = LAUNCHES + [_event(NCCL, 20, 30), _event(NVJET, 25, 35)]
+    assert run_on_ranks(_verdict_body, 1, serialized) == [False]
+    assert run_on_ranks(_verdict_body, 1, overlapped) == [True]
+    for gemm in ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "ampere_sgemm_128x64_tn",
+                 "void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_64x64_16x6_tn_align4>(Params)"):
+        assert gpu_check.kernel_overlap([_event(NCCL, 0, 10), _event(gemm, 5, 12)])["overlap"] is True, gemm
+    # Gloo with CUDA tensors: in flight from the copy to host memory to the copy back.
+    staged = [_event("Memcpy DtoH (Device -> Pinned)", 20, 21), _event("Memcpy HtoD (Pinned -> Device)", 40, 41)]
+    assert gpu_check.kernel_overlap(staged + [_event(NVJET, 25, 35)])["overlap"] is True
+    assert gpu_check.kernel_overlap(staged + [_event(NVJET, 42, 50)])["overlap"] is False
+    assert gpu_check.kernel_overlap(LAUNCHES) == {"overlap": None}   # a CPU run: nothing to judge
 
 
 def _throughput_body():

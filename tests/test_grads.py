@@ -1,5 +1,6 @@
 """DP gradient reduction in buckets during backward, and the TP-aware gradient norm."""
 
+import pytest
 import torch
 
 import tensorpar as tp
@@ -59,6 +60,48 @@ def test_bucketed_dp_reduction_matches_the_global_batch_gradient():
 
 def test_dp_reduction_with_gradient_accumulation_fusion():
     assert run_on_ranks(_dp_reducer_body, 2, True) == [True, True]
+
+
+def _deferred_wgrad_body(fusion: bool, limit: int):
+    """Two micro-batches; with ``limit`` 1 the second one's wgrad is computed in backward."""
+    tp.initialize_model_parallel(1)
+    dp_rank, dp_size = tp.get_data_parallel_rank(), tp.get_data_parallel_world_size()
+    torch.manual_seed(0)
+    layer = tp.ColumnParallelLinear(8, 6, gradient_accumulation_fusion=fusion, defer_wgrad_compute=True,
+                                    wgrad_deferral_limit=limit)
+    plain = torch.nn.Linear(8, 6)
+    with torch.no_grad():
+        plain.weight.copy_(layer.weight)
+        plain.bias.copy_(layer.bias)
+    reducer = DataParallelGradReducer(layer.parameters(), dp_group=tp.get_data_parallel_group())
+    inputs = [[torch.randn(4, 2, 8) for _ in range(2)] for _ in range(dp_size)]
+    reducer.zero_grad()
+    for k, x in enumerate(inputs[dp_rank]):
+        reducer.sync = k == 1
+        layer(x)[0].square().sum().backward()
+    layer.compute_deferred_wgrads()
+    reducer.finish()
+    for x in sum(inputs, []):
+        (plain(x).square().sum() / dp_size).backward()
+    torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.bias.grad, plain.bias.grad, rtol=1e-6, atol=1e-6)
+    # After finish() the reduction is done: a deferred gradient added now would be lost.
+    reducer.zero_grad()
+    layer(inputs[dp_rank][0])[0].sum().backward()
+    reducer.finish()
+    with pytest.raises(RuntimeError, match=r"compute_deferred_wgrads: the DP reduction of the weight's main_grad "
+                                           r"has already started .* 1 deferred gradient\(s\) would be lost"):
+        layer.compute_deferred_wgrads()
+    reducer.remove_hooks()
+    return True
+
+
+def test_deferred_wgrad_reaches_the_dp_reduced_gradient_and_is_refused_after_finish():
+    """Issue 16 item 9: without fusion the deferred gradient went to ``.grad``, which finish()
+    replaced by ``main_grad`` (the gradient was lost)."""
+    for fusion in (False, True):
+        for limit in (0, 1):
+            assert run_on_ranks(_deferred_wgrad_body, 2, fusion, limit) == [True, True], (fusion, limit)
 
 
 def _grad_norm_body():
@@ -169,6 +212,59 @@ def _bf16_master_body(fusion: bool):
 def test_bf16_parameters_with_fp32_main_grad_and_master_weights_track_fp32():
     assert run_on_ranks(_bf16_master_body, 2, False) == [True, True]
     assert run_on_ranks(_bf16_master_body, 2, True) == [True, True]
+
+
+def _master_reload_body(tmp):
+    import torch.distributed.checkpoint as dcp
+
+    tp.initialize_model_parallel(1)
+
+    def make(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(*[tp.ColumnParallelLinear(8, 8, params_dtype=torch.bfloat16) for _ in range(2)])
+
+    model = make(0)
+    reducer = DataParallelGradReducer(model.parameters(), dp_group=tp.get_data_parallel_group())
+    master = tp.MasterWeights(model.parameters())
+    optimizer = torch.optim.SGD(master.params, lr=0.5)
+
+    def step():
+        reducer.zero_grad()
+        h = torch.ones(2, 1, 8, dtype=torch.bfloat16)
+        for layer in model:
+            h = layer(h)[0]
+        h.float().square().mean().backward()
+        reducer.finish()
+        master.step(optimizer)
+
+    step()
+    for load in ("load_state_dict", "dcp", "data"):
+        other = make(1 + len(load))
+        other[0].weight.data[0, 0] = 7.0  # a value no step of this model's would produce
+        if load == "load_state_dict":
+            model.load_state_dict(other.state_dict())
+        elif load == "dcp":
+            dcp.save(other.state_dict(), checkpoint_id=f"{tmp}/ckpt")
+            dcp.load(model.state_dict(), checkpoint_id=f"{tmp}/ckpt")
+        else:
+            for p, q in zip(model.parameters(), other.parameters()):
+                p.data.copy_(q)
+            master.refresh()
+        optimizer.param_groups[0]["lr"] = 0.0   # the step moves nothing: the loaded weights stay
+        step()
+        optimizer.param_groups[0]["lr"] = 0.5
+        for p, q, m in zip(model.parameters(), other.parameters(), master.params):
+            assert torch.equal(p, q) and torch.equal(m, q.float()), load
+        step()  # and the next step starts from them (an fp32 update below bf16's resolution)
+        assert 6.9 < master.params[0][0, 0] != 7.0, load
+    reducer.remove_hooks()
+    return True
+
+
+def test_master_weights_follow_weights_loaded_after_construction(tmp_path):
+    """Issue 16 item 10: the masters were copied once, so the first step overwrote weights
+    loaded later (load_state_dict, a DCP checkpoint) with the stale masters."""
+    assert run_on_ranks(_master_reload_body, 1, str(tmp_path)) == [True]
 
 
 def _clip_sync_body(num_params):

@@ -1,6 +1,7 @@
 """The chunked pipelines against the plain collective-then-GEMM (or GEMM-then-collective)."""
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -85,6 +86,26 @@ def _interleave_body():
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_interleaved_halves_equal_the_plain_block(world_size):
     assert all(run_on_ranks(_interleave_body, world_size))
+
+
+def test_interleave_warns_when_the_batch_has_fewer_rows_than_parts():
+    """Issue 16 item 11: Domino at micro-batch 1 ran as one part, silently overlapping nothing."""
+
+    class Done:
+        def __init__(self, value):
+            self.value = value
+
+        def wait(self):
+            return (self.value,)
+
+    stages = [(lambda h: Done(2 * h), lambda h, reduced: h + reduced[0])]
+    x = torch.randn(3, 1, 4)
+    with pytest.warns(UserWarning, match=r"^interleave: 1 rows along dim 1 make 1 part\(s\), not the 2 asked for "
+                                         r"\(1 part overlaps nothing\): interleaving needs at least 2 sequences"):
+        assert torch.equal(tp.interleave(x, stages, parts=2), 3 * x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(tp.interleave(torch.cat([x, x], dim=1), stages, parts=2), 3 * torch.cat([x, x], dim=1))
 
 
 def test_link_model_chunks_only_where_overlap_pays():

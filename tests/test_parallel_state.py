@@ -115,6 +115,12 @@ def test_nccl_device_comes_from_local_rank_else_rank_modulo_devices():
         _select(2, 4, local_rank=4)
 
 
+def test_a_process_that_sees_one_gpu_uses_it_whatever_its_local_rank():
+    """Issue 16 item 5: ``srun --gpus-per-task=1`` gives each task its own CUDA_VISIBLE_DEVICES."""
+    for local_rank in (None, 0, 3):
+        assert _select(1, 7, local_rank=local_rank) == (torch.device("cuda", 0), [0])
+
+
 def _user_created_nccl_group_body(max_connections):
     # The process group exists already (the user called init_process_group, as after torchrun);
     # it claims to be NCCL while torch.cuda answers as a machine with 2 GPUs.

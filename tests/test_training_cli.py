@@ -79,6 +79,12 @@ def _train_error(capsys, *argv):
     (["--global-batch", "32", "--grad-accum", "3"],
      "--grad-accum 3 x --micro-batch 16 x 1 data-parallel ranks is 48 sequences per step, not --global-batch 32: "
      "leave --grad-accum out to adapt it"),
+    (["--interleave", "2", "--micro-batch", "1"],   # issue 16 item 11: one part overlaps nothing
+     "--interleave 2 splits each micro-batch into 2 parts, but --micro-batch is 1: choose a --micro-batch of at "
+     "least 2"),
+    (["--interleave", "4", "--global-batch", "2"],
+     "--interleave 4 splits each micro-batch into 4 parts, but --micro-batch is 2: choose a --micro-batch of at "
+     "least 4"),
     (["--model", "huge"], "--model 'huge' is not a preset; choose from ['tiny', 'small', 'medium', 'large', 'xl', "
                           "'llama-tiny']"),
 ])

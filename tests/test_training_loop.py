@@ -127,8 +127,9 @@ def test_sp_recompute_fusion_and_accumulation_keep_tp2_dp2_equal_to_tp1_dp1(tmp_
     """The fp32 main_grad path (fusion + bucketed DP) with SP grads and recompute, 2 micro-batches,
     collectives chunked against their GEMMs and interleaved micro-batch halves."""
     extra = ("--sp", "--recompute", "--grad-fusion", "--grad-accum", "2", "--overlap", "2", "--interleave", "2")
-    a, _ = _train(1, 1, 2, tmp_path / "a", *extra)
-    b, _ = _train(4, 2, 1, tmp_path / "b", *extra)
+    # Micro-batches of 4 and 2: interleaving needs a sequence per half (one made it a no-op).
+    a, _ = _train(1, 1, 4, tmp_path / "a", *extra)
+    b, _ = _train(4, 2, 2, tmp_path / "b", *extra)
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=2e-5)
     assert a[6] < a[1] - 0.5

@@ -1,5 +1,13 @@
 """tensorpar: Megatron-style tensor parallelism for PyTorch, on any device."""
 
+import torch as _torch
+
+# Checkpoint loading reads tensor data through torch.load(weights_only=True) (DCP), which can
+# run code from a crafted file before torch 2.6 (CVE-2025-32434).
+if _torch.torch_version.TorchVersion(_torch.__version__) < (2, 6):
+    raise ImportError(f"tensorpar needs torch >= 2.6 (older torch.load can run code from a checkpoint file, "
+                      f"CVE-2025-32434); this is torch {_torch.__version__}: pip install 'torch>=2.6'")
+
 from .buffers import GlobalMemoryBuffer, get_global_memory_buffer
 from .comm import CommLedger, CommRecord
 from .cross_entropy import vocab_parallel_cross_entropy

@@ -56,7 +56,10 @@ class DataParallelGradReducer:
     embedding tied to the LM head, carries ``zero_out_wgrad = True``: its fused layer hands
     autograd zeros and the other uses' ``.grad`` is added); when the last parameter of a bucket arrives, the
     bucket's all-reduce is launched asynchronously, while backward continues. Only the last
-    micro-batch of a gradient-accumulation step reduces (``sync=False`` for the others).
+    micro-batch of a gradient-accumulation step reduces (``sync=False`` for the others). From a
+    bucket's launch until :meth:`zero_grad`, its parameters carry ``main_grad_reduced = True``:
+    deferred weight gradients (``defer_wgrad_compute``) must be added before that; a weight with
+    some pending (``deferred_wgrad_pending``) keeps its bucket for :meth:`finish`.
 
     One optimizer step::
 
@@ -94,7 +97,7 @@ class DataParallelGradReducer:
         offset = 0
         for p in params:
             p.main_grad = buffer[offset:offset + p.numel()].view(p.shape)
-            p.grad_added_to_main_grad = False
+            p.grad_added_to_main_grad = p.main_grad_reduced = False
             offset += p.numel()
             self._bucket_of[id(p)] = bucket
         self.buckets.append(bucket)
@@ -105,7 +108,8 @@ class DataParallelGradReducer:
             param.main_grad.add_(param.grad)
         param.grad = None
         param.grad_added_to_main_grad = False
-        if not self.sync:
+        if not self.sync or getattr(param, "deferred_wgrad_pending", False):
+            # Deferred wgrads (defer_wgrad_compute) reach main_grad later: the bucket waits for finish().
             return
         bucket = self._bucket_of[id(param)]
         if bucket.handle is not None:
@@ -116,6 +120,9 @@ class DataParallelGradReducer:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
+        for p in bucket.params:
+            # Read by ColumnParallelLinear.compute_deferred_wgrads: too late to add to main_grad.
+            p.main_grad_reduced = True
         if self.dp_size > 1:
             bucket.buffer.div_(self.dp_size)
         bucket.handle = comm.all_reduce(bucket.buffer, self.group, async_op=True)
@@ -138,6 +145,7 @@ class DataParallelGradReducer:
             bucket.buffer.zero_()
         for p in self.params:
             p.grad = None
+            p.main_grad_reduced = False
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
@@ -153,7 +161,11 @@ class MasterWeights:
     fp32 ``main_grad`` (fused layers write it directly), the optimizer steps fp32 masters whose
     ``.grad`` *is* that ``main_grad`` (no copy), and :meth:`step` rounds the masters back into
     the parameters. fp32 parameters are their own masters. Checkpoint ``params`` (the masters),
-    not the rounded model, to resume exactly.
+    not the rounded model, to resume exactly. Weights loaded into the model after construction
+    (``load_state_dict``, a checkpoint, ``load_weights``) replace their masters at the next
+    :meth:`step`: a parameter changed in place since the last step (its autograd version
+    counter moved) is copied into its master first. Writes through ``.data`` bypass the
+    counter: call :meth:`refresh` after them.
 
     Example::
 
@@ -173,16 +185,31 @@ class MasterWeights:
                              "create the DataParallelGradReducer first")
         self.params = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_()
                        for p in self.model_params]
+        self._versions = self._model_versions()
+
+    def _model_versions(self) -> list[int]:
+        return [p._version for p in self.model_params]
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the model's parameters into the masters (after writing them through ``.data``)."""
+        for param, master in zip(self.model_params, self.params):
+            if master is not param:
+                master.copy_(param)
+        self._versions = self._model_versions()
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()`` on the masters, then copy them into the model's parameters."""
-        for param, master in zip(self.model_params, self.params):
+        for param, master, seen in zip(self.model_params, self.params, self._versions):
+            if master is not param and param._version != seen:
+                master.copy_(param)  # loaded since the last step: the model's weights win
             master.grad = param.main_grad
         optimizer.step()
         for param, master in zip(self.model_params, self.params):
             if master is not param:
                 param.copy_(master)
+        self._versions = self._model_versions()
 
 
 @torch.no_grad()

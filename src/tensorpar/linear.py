@@ -579,6 +579,7 @@ class ColumnParallelLinear(_ParallelLinear):
         if self.defer_wgrad_compute and weight.requires_grad and torch.is_grad_enabled():
             if self.wgrad_deferral_limit == 0 or len(self.activation_buffer) < self.wgrad_deferral_limit:
                 self.activation_buffer.append(input_parallel.detach())
+                weight.deferred_wgrad_pending = True  # a DP reducer's bucket waits for it
             grad_output_buffer = self.grad_output_buffer
         chunks = 1
         if sequence_parallel or self.allreduce_dgrad:
@@ -601,24 +602,38 @@ class ColumnParallelLinear(_ParallelLinear):
     def compute_deferred_wgrads(self) -> None:
         """Run the wgrad GEMMs deferred by ``defer_wgrad_compute`` and empty the buffers.
 
-        Accumulates into ``weight.main_grad`` with gradient accumulation fusion, else into
-        ``weight.grad``. Under SP each stored input shard is all-gathered again first.
+        Accumulates into ``weight.main_grad`` where the weight has one (gradient accumulation
+        fusion, or a :class:`~tensorpar.DataParallelGradReducer`), else into ``weight.grad``.
+        Under SP each stored input shard is all-gathered again first. Call it after backward and
+        before the reducer's ``finish()``: once the weight's DP reduction has started, adding to
+        ``main_grad`` would be lost, so it is an error.
         """
         if len(self.activation_buffer) != len(self.grad_output_buffer):
             raise RuntimeError(f"compute_deferred_wgrads: {len(self.activation_buffer)} stored inputs but "
                                f"{len(self.grad_output_buffer)} stored output grads; call it after backward")
         weight = self._deferred_weight if self._deferred_weight is not None else self.weight
+        if self.grad_output_buffer and getattr(weight, "main_grad_reduced", False):
+            raise RuntimeError(f"compute_deferred_wgrads: the DP reduction of the weight's main_grad has already "
+                               f"started (DataParallelGradReducer.finish(), or its bucket filled during backward), "
+                               f"so {len(self.grad_output_buffer)} deferred gradient(s) would be lost: call it "
+                               "after backward and before finish()")
         sequence_parallel = self.sequence_parallel and not self.explicit_expert_comm
         for input_, grad_output in zip(self.activation_buffer, self.grad_output_buffer):
             input_ = input_.to(grad_output.dtype)
             total_input = _gather_sequence(input_, self.tp_group, async_op=False) if sequence_parallel else input_
             grad = compute_weight_grad(weight, total_input, grad_output,
                                        gradient_accumulation_fusion=self.gradient_accumulation_fusion)
-            if not self.gradient_accumulation_fusion:
+            if self.gradient_accumulation_fusion:
+                continue
+            if hasattr(weight, "main_grad"):
+                # A DP reducer's hook only sees gradients autograd delivers; this one it never sees.
+                weight.main_grad.add_(grad)
+            else:
                 grad = grad.to(weight.dtype)
                 weight.grad = grad if weight.grad is None else weight.grad + grad
         self.activation_buffer.clear()
         self.grad_output_buffer.clear()
+        weight.deferred_wgrad_pending = False
 
 
 class RowParallelLinear(_ParallelLinear):

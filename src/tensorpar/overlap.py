@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -262,7 +263,7 @@ def interleave(x: torch.Tensor, stages, *, parts: int = 2, dim: int = 1) -> torc
     collective travels while slices ``j + 1, ...`` start stage ``k`` and slices ``..., j - 1``
     run stage ``k + 1``. The slices are independent, so the result is the un-split one's (the
     same numbers whenever nothing in the stages mixes the batch; dropout draws its masks per
-    slice).
+    slice). Fewer than ``parts`` rows along ``dim`` make fewer parts, with a warning.
 
     Example (a pre-norm transformer block)::
 
@@ -272,6 +273,11 @@ def interleave(x: torch.Tensor, stages, *, parts: int = 2, dim: int = 1) -> torc
                            (lambda h: mlp_proj.start(mlp(norm2(h))), residual)])
     """
     slices = list(x.chunk(parts, dim=dim))
+    if len(slices) < parts:
+        # Shown once per size (Python's default warning filter): a silent no-op hides a config error.
+        warnings.warn(f"interleave: {x.shape[dim]} rows along dim {dim} make {len(slices)} part(s), not the {parts} "
+                      f"asked for (1 part overlaps nothing): interleaving needs at least {parts} sequences per "
+                      "micro-batch", stacklevel=2)
     if not stages:
         return x
     pending = [stages[0][0](h) for h in slices]

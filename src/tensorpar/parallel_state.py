@@ -56,7 +56,9 @@ def _init_default_group(backend: str | None, timeout: datetime.timedelta | None)
 
 
 def select_cuda_device(rank: int) -> torch.device:
-    """This rank's GPU under NCCL: ``LOCAL_RANK`` (torchrun's), else ``rank`` modulo the devices.
+    """This rank's GPU under NCCL: ``LOCAL_RANK`` (torchrun's), else ``rank`` modulo the devices;
+    the only one when the process sees one (``CUDA_VISIBLE_DEVICES`` per task, as
+    ``srun --gpus-per-task=1`` sets it).
 
     Made current with ``torch.cuda.set_device``. A different device chosen before (a current
     device other than 0, or the NCCL group's bound ``device_id``) is a clear error, not a
@@ -66,10 +68,17 @@ def select_cuda_device(rank: int) -> torch.device:
     if count == 0:
         raise RuntimeError("the NCCL backend needs a CUDA device, and none is visible")
     local_rank = os.environ.get("LOCAL_RANK")
-    index = int(local_rank) if local_rank is not None else rank % count
-    source = f"LOCAL_RANK={local_rank}" if local_rank is not None else f"rank {rank} modulo {count} devices"
+    if count == 1:
+        index, source = 0, "the one visible CUDA device"
+    elif local_rank is not None:
+        index, source = int(local_rank), f"LOCAL_RANK={local_rank}"
+    else:
+        index, source = rank % count, f"rank {rank} modulo {count} devices"
     if index >= count:
-        raise RuntimeError(f"{source} selects cuda:{index}, but only {count} CUDA devices are visible")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        seen = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise RuntimeError(f"{source} selects cuda:{index}, but only {count} CUDA devices are visible{seen}: "
+                           "give each local rank its own device, or every process all of the node's")
     chosen = []
     if dist.is_initialized():
         bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)

@@ -67,8 +67,6 @@ from . import layout
 _CHOICES = {"norm": ("layernorm", "rmsnorm"), "activation": ("gelu", "gelu_tanh", "swiglu"),
             "position_embedding": ("learned", "rope")}
 
-# scaled_dot_product_attention takes fewer K/V heads than query heads from torch 2.5.
-_SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 # Llama 3's rope scaling parameters (besides rope_type).
 _LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -378,17 +376,18 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer_number, k, v)         # every position so far
-        grouped = {}
-        if p > 1 and _SDPA_HAS_GQA:
-            grouped = {"enable_gqa": True}  # query head i reads K/V head i // p, with no copy
-        elif p > 1:
-            k, v = k.repeat_interleave(p, dim=1), v.repeat_interleave(p, dim=1)
+        keys = k.shape[2]
+        if mask is None and keys > s:
+            # SDPA's is_causal aligns the causal mask top-left; after cached keys, query i is
+            # position keys - s + i and sees every key up to it (bottom-right alignment).
+            mask = torch.ones(s, keys, dtype=torch.bool, device=q.device).tril(keys - s)
         dropout_p = self.config.attention_dropout if self.training else 0.0
         # The probabilities of different heads live on different ranks: their dropout masks
         # must be independent, so they come from the per-rank model-parallel stream.
         with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
+            # enable_gqa: query head i reads K/V head i // p, with no copy.
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                 is_causal=mask is None, **grouped)
+                                                 is_causal=mask is None, enable_gqa=p > 1)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)            # [s, b, heads/TP d]
 
 

@@ -171,6 +171,9 @@ def settle_run(args, *, meta: dict | None, dp_size: int) -> None:
         raise UsageError(f"{what} {batch} over {dp_size} data-parallel ranks is {per_rank} sequences "
                          f"per rank, not a multiple of --micro-batch {args.micro_batch}: choose a "
                          f"--micro-batch dividing {per_rank}")
+    if args.interleave > args.micro_batch:
+        raise UsageError(f"--interleave {args.interleave} splits each micro-batch into {args.interleave} parts, but "
+                         f"--micro-batch is {args.micro_batch}: choose a --micro-batch of at least {args.interleave}")
     accum = batch // (dp_size * args.micro_batch)
     if args.grad_accum is not None and args.grad_accum != accum:
         raise UsageError(f"--grad-accum {args.grad_accum} x --micro-batch {args.micro_batch} x {dp_size} "
