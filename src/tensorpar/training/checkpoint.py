@@ -56,7 +56,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import comm
+from ..errors import UsageError
 from ..random import get_rng_tracker
+from .rundir import check_dir, write_file
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -104,16 +106,13 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, CheckpointException):
         rank, (cause, _) = min(exc.failures.items())
         return f"rank {rank}: {_describe(cause)}"
-    if isinstance(exc, CheckpointError):
+    if isinstance(exc, (CheckpointError, UsageError)):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
 
 
 def _write_json(path: Path, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    write_file(path, json.dumps(data, indent=1, sort_keys=True).encode())
 
 
 def _sha256(path: Path) -> str:
@@ -217,8 +216,10 @@ def build_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
 
 # --- saving -------------------------------------------------------------------------------
 
-def _prepare_tmp(tmp: Path) -> None:
+def _prepare_tmp(tmp: Path, final: Path) -> None:
     tmp.parent.mkdir(parents=True, exist_ok=True)
+    check_dir(tmp)
+    check_dir(final)
     if tmp.exists():  # left by a save that was killed
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -233,10 +234,7 @@ def _finalize(tmp: Path, final: Path, config: dict, meta: dict) -> None:
     _fsync_dir(tmp)
     # Everything that needs disk space is written before the first rename.
     pointer = final.parent / (LATEST + ".tmp")
-    with open(pointer, "w") as f:
-        f.write(final.name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    write_file(pointer, f"{final.name}\n".encode())
     if final.exists():  # the same step saved again (after a resume): replace it
         old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -264,7 +262,7 @@ def save(out: str | os.PathLike, step: int, *, model, optimizer, config: dict, m
     """
     out = Path(out)
     final, tmp = out / f"step_{step}", out / f"step_{step}.tmp"
-    _on_rank0(lambda: _prepare_tmp(tmp))
+    _on_rank0(lambda: _prepare_tmp(tmp, final))
     state = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=True)
     meta = {**meta, "ranks": dist.get_world_size(), "rng": _rng_spec()}
     try:

@@ -204,7 +204,7 @@ def _check_writable_dir(out: Path, flag: str) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".tensorpar-write-test-{os.getpid()}"
-        probe.write_text("")
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # never through a planted link
         probe.unlink()
     except OSError as exc:
         raise UsageError(f"{flag} {out} is not a writable directory ({exc.strerror or exc})") from None
@@ -231,7 +231,7 @@ def _check_train_args(args, world: int) -> None:
 
     if args.model is not None and args.model not in GPTConfig.PRESETS:
         raise UsageError(f"--model {args.model!r} is not a preset; choose from {list(GPTConfig.PRESETS)}")
-    saved = meta = None
+    saved = meta = ckpt = None
     origin = "the checkpoint"
     if args.resume is not None:
         if args.init_from_hf is not None:
@@ -253,7 +253,7 @@ def _check_train_args(args, world: int) -> None:
     if not _under_torchrun():
         # Under torchrun every rank runs this check while rank 0 may already hold the lock and
         # write the run's files; train() makes the same checks on rank 0 for every rank.
-        rundir.check(args.out, resume=args.resume is not None, overwrite=args.overwrite)
+        rundir.check(args.out, resume=args.resume is not None, overwrite=args.overwrite, resume_from=ckpt)
 
 
 def train_entry(args):

@@ -388,9 +388,9 @@ def _claim_out(args) -> rundir.RunLock | None:
     outcome = [None, None]
     if dist.get_rank() == 0:
         try:
-            outcome[0] = rundir.claim(args.out, resume=bool(args.resume),
-                                      overwrite=getattr(args, "overwrite", False))
-        except (rundir.RunDirError, OSError) as exc:
+            outcome[0] = rundir.claim(args.out, resume=bool(args.resume), overwrite=getattr(args, "overwrite", False),
+                                      resume_from=checkpoint.resolve(args.resume) if args.resume else None)
+        except (rundir.RunDirError, checkpoint.CheckpointError, OSError) as exc:
             outcome[1] = str(exc)
     if dist.get_world_size() > 1:
         shared = [outcome[1]]
@@ -399,8 +399,8 @@ def _claim_out(args) -> rundir.RunLock | None:
     if outcome[1] is not None:
         raise rundir.RunDirError(outcome[1])
     if outcome[0] is not None and outcome[0].set_aside is not None:
-        _say(f"--overwrite: the previous run is kept in {outcome[0].set_aside} until this run's first "
-             "checkpoint is written")
+        what = "the newer checkpoints are" if args.resume else "the previous run is"
+        _say(f"--overwrite: {what} kept in {outcome[0].set_aside} until this run's first checkpoint is written")
     return outcome[0]
 
 
