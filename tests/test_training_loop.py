@@ -180,3 +180,31 @@ def test_parameter_count_is_the_unpadded_models_at_every_tp_size():
     assert tp1 == numel - (padded - 257) * 128  # the tied embedding's padding rows are not parameters
     assert [r[0] for r in run_on_ranks(_count_body, 2, 2)] == [tp1, tp1]
     assert [r[0] for r in run_on_ranks(_count_body, 4, 4)] == [tp1] * 4
+
+
+def _evaluate_body():
+    import warnings
+
+    from tensorpar.training.data import BatchSampler
+    from tensorpar.training.loop import evaluate
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.grad_enabled = torch.nn.Parameter(torch.ones(())), []
+
+        def forward(self, tokens, labels):
+            self.grad_enabled.append(torch.is_grad_enabled())
+            return self.weight * tokens.float().mean()
+
+    model = Probe()
+    sampler = BatchSampler(torch.arange(1000), seq_len=8, micro_batch=2, grad_accum=1, dp_rank=0, dp_size=1,
+                           seed=0, stream=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        evaluate(model, sampler, iters=2, dtype="fp32", device=torch.device("cpu"), dp_group=None)
+    return model.grad_enabled, [str(w.message) for w in caught]
+
+
+def test_evaluation_builds_no_autograd_graph_and_warns_nothing():
+    assert run_on_ranks(_evaluate_body, 1) == [([False, False], [])]
