@@ -65,6 +65,7 @@ MANIFEST = "manifest.json"
 CONFIG = "config.json"
 META = "meta.json"
 DCP_METADATA = ".metadata"
+TOKENIZER = "tokenizer"  # the run's Hugging Face tokenizer, copied into each checkpoint
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _RNG_NAME = re.compile(r"^(cpu|cuda|tracker\.[\w.-]+)$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -225,7 +226,9 @@ def _prepare_tmp(tmp: Path, final: Path) -> None:
     tmp.mkdir()
 
 
-def _finalize(tmp: Path, final: Path, config: dict, meta: dict) -> None:
+def _finalize(tmp: Path, final: Path, config: dict, meta: dict, write_extra) -> None:
+    if write_extra is not None:
+        write_extra(tmp)
     _write_json(tmp / CONFIG, config)
     _write_json(tmp / META, meta)
     files = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
@@ -254,8 +257,9 @@ def _discard(tmp: Path) -> None:
 
 
 def save(out: str | os.PathLike, step: int, *, model, optimizer, config: dict, meta: dict,
-         tp_group) -> Path:
-    """Write ``out/step_{step}`` on every rank collectively; returns its path.
+         tp_group, write_extra=None) -> Path:
+    """Write ``out/step_{step}`` on every rank collectively; returns its path. ``write_extra(dir)``,
+    if given, adds files to the checkpoint directory on rank 0 (covered by the manifest).
 
     On failure (any rank, any error, DCP's own included) every rank raises
     :class:`CheckpointError` naming the cause, and nothing of this save is left on disk.
@@ -267,7 +271,7 @@ def save(out: str | os.PathLike, step: int, *, model, optimizer, config: dict, m
     meta = {**meta, "ranks": dist.get_world_size(), "rng": _rng_spec()}
     try:
         dcp.save(state, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True))
-        _on_rank0(lambda: _finalize(tmp, final, config, meta))
+        _on_rank0(lambda: _finalize(tmp, final, config, meta, write_extra))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         if dist.get_rank() == 0:
             _discard(tmp)
@@ -409,8 +413,11 @@ def verify(ckpt: Path, *, rank: int = 0, world: int = 1) -> None:
 
 
 def read_json(ckpt: Path) -> tuple[dict, dict]:
-    """(config, meta) of a checkpoint."""
-    return json.loads((ckpt / CONFIG).read_text()), json.loads((ckpt / META).read_text())
+    """(config, meta) of a checkpoint; meta's ``tokenizer``, if the checkpoint holds it, as an absolute path."""
+    config, meta = json.loads((ckpt / CONFIG).read_text()), json.loads((ckpt / META).read_text())
+    if isinstance(meta, dict) and meta.get("tokenizer") == TOKENIZER and (ckpt / TOKENIZER).is_dir():
+        meta["tokenizer"] = str((ckpt / TOKENIZER).resolve())
+    return config, meta
 
 
 def open_checkpoint(path: str | os.PathLike) -> tuple[Path, dict, dict]:

@@ -311,7 +311,12 @@ def _cmd_generate(args) -> int:
     _, saved, meta = _open_checkpoint("--checkpoint", args.checkpoint)
     config = config_from_json(saved)
     check_fits(config, tp=args.tp, seq_len=1)
-    encode_prompt(args.prompt, tokenizer=meta.get("tokenizer"), vocab_size=config.vocab_size)
+    if args.tokenizer is not None:
+        from .tokenizer import load_tokenizer
+
+        load_tokenizer(args.tokenizer)  # a bad --tokenizer is named as such
+        args.tokenizer = str(Path(args.tokenizer).resolve())
+    encode_prompt(args.prompt, tokenizer=args.tokenizer or meta.get("tokenizer"), vocab_size=config.vocab_size)
     results = _run_in_world(generate_entry, args, world)
     if 0 in results:
         print(results[0], flush=True)
@@ -390,6 +395,9 @@ def register(subparsers) -> None:
                      help="what to continue: text, for runs whose tokenizer is known (byte tokens, or a Hugging "
                           "Face tokenizer saved with the run); for runs on a token file without one, token ids "
                           "separated by spaces, e.g. \"464 2068 7586\" (default: 'def ')")
+    gen.add_argument("--tokenizer", default=None, metavar="DIR",
+                     help="Hugging Face tokenizer directory for the prompt and the text (default: the run's, "
+                          "which its checkpoints carry)")
     gen.add_argument("--max-new-tokens", type=_positive(int), default=200, help="tokens to add")
     gen.add_argument("--temperature", type=_non_negative(float), default=0.8,
                      help="sampling temperature (0: greedy)")

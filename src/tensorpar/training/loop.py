@@ -367,17 +367,20 @@ class RunResult:
     stopped_by: str | None = None  # "SIGTERM" when preempted (after a checkpoint)
 
 
-def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: int, sizes) -> str:
+def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: int, sizes, hf_tokenizer) -> str:
+    """Checkpoint ``step``; a Hugging Face tokenizer goes into it, so the run needs nothing outside it."""
     meta = {"step": step, "tokens_seen": tokens_seen, "steps": args.steps, "global_batch": args.global_batch,
             "micro_batch": args.micro_batch,
             "schedule": {"lr": args.lr, "min_lr": args.min_lr, "warmup": args.warmup,
                          "decay_steps": args.lr_decay_steps},
             "data": {"position": step, "seed": args.seed, "source": args.data or "embedded"},
             "world": {"tp": sizes[0], "dp": sizes[1]}, "dtype": args.dtype,
-            "tokenizer": args.tokenizer,
+            "tokenizer": checkpoint.TOKENIZER if hf_tokenizer is not None else args.tokenizer,
             "settings": {**{name: getattr(args, name) for name in RUN_SETTINGS}, "data": _data_path(args.data)}}
     path = checkpoint.save(out, step, model=model, optimizer=optimizer, config=config_to_json(config),
-                           meta=meta, tp_group=ps.get_tensor_model_parallel_group())
+                           meta=meta, tp_group=ps.get_tensor_model_parallel_group(),
+                           write_extra=None if hf_tokenizer is None
+                           else lambda d: hf_tokenizer.save_pretrained(str(d / checkpoint.TOKENIZER)))
     return str(path)
 
 
@@ -408,6 +411,15 @@ class _Signals:
         if not self.interrupted:  # a launcher forwarding the same Ctrl-C must not interrupt the exit
             self.interrupted = True
             raise KeyboardInterrupt
+
+
+def _run_tokenizer(tokenizer: str | None):
+    """The Hugging Face tokenizer a run's checkpoints carry (None for byte tokens, or token files without one)."""
+    from .tokenizer import has_tokenizer, load_tokenizer
+
+    if tokenizer in (None, "bytes") or not has_tokenizer(tokenizer):
+        return None
+    return load_tokenizer(tokenizer, flag="the run's tokenizer")
 
 
 def _say(message: str) -> None:
@@ -498,6 +510,7 @@ def _train(args, signals: _Signals) -> RunResult:
     resolve_tokenizer(args, resumed[2] if resumed else None)
     corpus = load_corpus(args.data, tokenizer=args.tokenizer)
     args.tokenizer = corpus.tokenizer
+    hf_tokenizer = _run_tokenizer(args.tokenizer)
     if args.init_from_hf:
         config = build_config(args, vocab_size=corpus.vocab_size, saved=hf_init_config(args.init_from_hf),
                               origin=f"--init-from-hf {args.init_from_hf}")
@@ -599,7 +612,7 @@ def _train(args, signals: _Signals) -> RunResult:
             if saving:
                 result.checkpoint = _save(out, done, model=model, optimizer=optimizer, config=config,
                                           args=args, tokens_seen=done * tokens_per_step,
-                                          sizes=(tp_size, dp_size))
+                                          sizes=(tp_size, dp_size), hf_tokenizer=hf_tokenizer)
                 if getattr(args, "overwrite", False) and is_rank0:
                     rundir.remove_set_aside(out)  # the new run's first checkpoint is safely written
             if stop:
