@@ -237,8 +237,9 @@ def _open_checkpoint(flag: str, path: str) -> tuple[Path, dict, dict]:
 def _check_train_args(args, world: int) -> None:
     from ..models.gpt import GPTConfig
     from .data import inspect_data, train_token_count
-    from .loop import (VAL_FRACTION, build_config, check_fits, continue_settings, default_seq_len, hf_init_config,
-                       resolve_tokenizer, settle_run)
+    from .loop import (VAL_FRACTION, build_config, check_fits, default_seq_len, hf_init_config, resolve_tokenizer,
+                       settle_run)
+    from .resume import continue_settings
     from . import rundir
 
     if args.model is not None and args.model not in GPTConfig.PRESETS:

@@ -30,6 +30,7 @@ from ..random import model_parallel_manual_seed
 from . import checkpoint, rundir
 from .data import BatchSampler, load_corpus
 from .progress import Progress
+from .resume import RUN_SETTINGS, continue_settings, data_path, resume_header
 
 VAL_FRACTION = 0.05
 DEFAULT_SEQ_LEN = 128
@@ -133,77 +134,6 @@ def _config(**fields) -> GPTConfig:
 
 DEFAULT_SCHEDULE = {"lr": 3e-3, "min_lr": 3e-4, "warmup": 30}
 DEFAULT_MICRO_BATCH = 16
-# The settings a resume continues unless given again (flag -> a new run's value). Their flags
-# default to None, so that a value given can be told from one left out.
-RUN_SETTINGS = {"data": None, "seq_len": None, "seed": 1234, "dtype": "fp32", "dropout": 0.0, "sp": False,
-                "recompute": False, "grad_fusion": False, "overlap": "off", "interleave": 1, "weight_decay": 0.1,
-                "clip_grad": 1.0, "eval_every": 100, "eval_iters": 10, "log_every": 10, "save_every": 0,
-                "tensorboard": False}
-
-
-def _saved_settings(meta: dict | None) -> dict:
-    """The resumed run's settings (what a tensorpar 0.2 checkpoint recorded of them)."""
-    if meta is None:
-        return {}
-    if "settings" in meta:
-        return meta["settings"]
-    source = meta.get("data", {}).get("source")
-    return {"data": None if source == "embedded" else source, "seed": meta.get("data", {}).get("seed"),
-            "dtype": meta.get("dtype")}
-
-
-def continue_settings(args, meta: dict | None) -> None:
-    """Fill each of :data:`RUN_SETTINGS` not given with the resumed run's (``meta``), else a new run's."""
-    saved = _saved_settings(meta)
-    for name, default in RUN_SETTINGS.items():
-        if getattr(args, name) is None:
-            setting = saved.get(name)
-            setattr(args, name, default if setting is None else setting)
-
-
-def _data_path(data: str | None) -> str | None:
-    return None if data is None else str(Path(data).resolve())
-
-
-def _show(value) -> str:
-    if value is None:  # only --data's: the embedded corpus
-        return "embedded"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def setting_changes(args, meta: dict) -> list[str]:
-    """``--flag before -> after`` for each setting, schedule and batch value that differs from the resumed run's."""
-    schedule = meta.get("schedule", {})
-    saved = {**_saved_settings(meta), "lr": schedule.get("lr"), "min_lr": schedule.get("min_lr"),
-             "warmup": schedule.get("warmup"), "lr_decay_steps": schedule.get("decay_steps"),
-             "global_batch": meta.get("global_batch"), "micro_batch": meta.get("micro_batch")}
-    changes = []
-    for name, before in saved.items():
-        now = _data_path(args.data) if name == "data" else getattr(args, name)
-        if before is not None and now != before or name == "data" and before is None and now is not None:
-            changes.append(f"--{name.replace('_', '-')} {_show(before)} -> {_show(now)}")
-    return changes
-
-
-def resume_header(args, meta: dict, *, ckpt, tp: int, dp: int, data: str) -> tuple[str, str | None]:
-    """Rank 0's line on resume (where the run continues, on what, what changed) and, when the
-    schedule ends before ``--steps``, a note that the rest trains at ``--min-lr``."""
-    start, world = meta["step"], meta["world"]
-    changes = setting_changes(args, meta)
-    header = (f"resuming {ckpt} at step {start} of {args.steps}: TP {world['tp']}->{tp}, DP {world['dp']}->{dp}; "
-              f"data: {data} from step {start}; schedule lr {args.lr:g}, warmup {args.warmup}, cosine to "
-              f"{args.min_lr:g} at step {args.lr_decay_steps}; "
-              + (f"changed: {', '.join(changes)}" if changes else "no setting changed"))
-    note = None
-    if args.lr_decay_steps < args.steps:
-        note = (f"the schedule reaches --min-lr {args.min_lr:g} at step {args.lr_decay_steps}, so steps "
-                f"{max(start, args.lr_decay_steps) + 1}-{args.steps} train at {args.min_lr:g}; to decay over the "
-                f"whole run instead, pass --lr-decay-steps {args.steps}")
-    return header, note
-
-
 def settle_run(args, *, meta: dict | None, dp_size: int) -> None:
     """Fill in the run's schedule and batch from the resumed run (``meta``) or the defaults; check them.
 
@@ -376,7 +306,7 @@ def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: 
             "data": {"position": step, "seed": args.seed, "source": args.data or "embedded"},
             "world": {"tp": sizes[0], "dp": sizes[1]}, "dtype": args.dtype,
             "tokenizer": checkpoint.TOKENIZER if hf_tokenizer is not None else args.tokenizer,
-            "settings": {**{name: getattr(args, name) for name in RUN_SETTINGS}, "data": _data_path(args.data)}}
+            "settings": {**{name: getattr(args, name) for name in RUN_SETTINGS}, "data": data_path(args.data)}}
     path = checkpoint.save(out, step, model=model, optimizer=optimizer, config=config_to_json(config),
                            meta=meta, tp_group=ps.get_tensor_model_parallel_group(),
                            write_extra=None if hf_tokenizer is None
