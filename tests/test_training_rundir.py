@@ -243,7 +243,7 @@ def test_a_file_system_without_flock_falls_back_to_lockf_else_warns_once(tmp_pat
         "Function not implemented); continuing unlocked" in err
 
 
-def test_resuming_an_older_checkpoint_never_silently_replaces_newer_ones(tmp_path):
+def test_resuming_an_older_checkpoint_never_silently_replaces_newer_ones(tmp_path, capsys):
     out = tmp_path / "run"
     run_on_ranks(_train_or_refuse_body, 1, TINY + ["--steps", "4", "--save-every", "2", "--out", str(out)])
     newer = (out / "step_4" / "manifest.json").read_text()
@@ -255,6 +255,10 @@ def test_resuming_an_older_checkpoint_never_silently_replaces_newer_ones(tmp_pat
     with pytest.raises(rundir.RunDirError) as refused:
         rundir.check(out, resume=True, overwrite=False, resume_from=out / "step_2")
     assert str(refused.value) == message
+    from tensorpar.cli import main
+
+    assert main(["train", *TINY, "--steps", "3", "--nproc", "1", "--resume", str(out / "step_2")]) == 2  # out: RUN
+    assert capsys.readouterr().err == f"tensorpar train: error: {message}\n"  # before any rank starts
     assert (out / "step_4" / "manifest.json").read_text() == newer and (out / "latest").read_text() == "step_4\n"
     # --overwrite: step_4 is set aside (latest names the resumed step meanwhile), gone after the first save.
     lock = rundir.claim(out, resume=True, overwrite=True, resume_from=out / "step_2")
