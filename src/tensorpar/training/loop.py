@@ -134,6 +134,8 @@ def _config(**fields) -> GPTConfig:
 
 DEFAULT_SCHEDULE = {"lr": 3e-3, "min_lr": 3e-4, "warmup": 30}
 DEFAULT_MICRO_BATCH = 16
+
+
 def settle_run(args, *, meta: dict | None, dp_size: int) -> None:
     """Fill in the run's schedule and batch from the resumed run (``meta``) or the defaults; check them.
 

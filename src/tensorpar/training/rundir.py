@@ -59,14 +59,14 @@ def _refuse_link(path: Path, *, directory: bool = False) -> None:
     raise RunDirError(f"{path} is not a {kind}; tensorpar writes its own {kind} there: remove it")
 
 
-def open_regular(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
+def open_regular(path: str | os.PathLike, flags: int) -> int:
     """``os.open(path, flags)`` that refuses (:class:`RunDirError`) a symlink or any non-regular file.
 
     Example: ``fd = open_regular(out / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)``
     """
     try:
         # O_NONBLOCK: a planted FIFO must be refused, not block the open.
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO):
             _refuse_link(Path(path))
