@@ -442,3 +442,18 @@ def test_export_to_transformers_gives_the_same_logits(ckpt_run, tmp_path):
         expected = hf(tokens).logits
     ours = run_on_ranks(_our_logits_body, 1, str(ckpt_run), tokens)[0]
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["step_4.tmp", "step_4"])
+def test_a_save_never_writes_through_a_planted_step_directory_link(tmp_path, name):
+    from tensorpar.training.rundir import RunDirError
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("kept\n")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).symlink_to(victim)
+    with pytest.raises(RunDirError, match=rf"^{out / name} is a symlink; tensorpar never writes through links"):
+        checkpoint._prepare_tmp(out / "step_4.tmp", out / "step_4")
+    assert [p.name for p in victim.iterdir()] == ["precious"]

@@ -181,3 +181,77 @@ def test_parameter_count_is_the_unpadded_models_at_every_tp_size():
     assert tp1 == numel - (padded - 257) * 128  # the tied embedding's padding rows are not parameters
     assert [r[0] for r in run_on_ranks(_count_body, 2, 2)] == [tp1, tp1]
     assert [r[0] for r in run_on_ranks(_count_body, 4, 4)] == [tp1] * 4
+
+
+def _evaluate_body():
+    import warnings
+
+    from tensorpar.training.data import BatchSampler
+    from tensorpar.training.loop import evaluate
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.grad_enabled = torch.nn.Parameter(torch.ones(())), []
+
+        def forward(self, tokens, labels):
+            self.grad_enabled.append(torch.is_grad_enabled())
+            return self.weight * tokens.float().mean()
+
+    model = Probe()
+    sampler = BatchSampler(torch.arange(1000), seq_len=8, micro_batch=2, grad_accum=1, dp_rank=0, dp_size=1,
+                           seed=0, stream=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        evaluate(model, sampler, iters=2, dtype="fp32", device=torch.device("cpu"), dp_group=None)
+    return model.grad_enabled, [str(w.message) for w in caught]
+
+
+def test_evaluation_builds_no_autograd_graph_and_warns_nothing():
+    assert run_on_ranks(_evaluate_body, 1) == [([False, False], [])]
+
+
+def _captured_train_body(argv):
+    import contextlib
+    import io
+
+    from tensorpar.training.loop import train
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        result = train(parse_train_args(argv))
+    return result.losses, sorted(result.val_losses), out.getvalue(), err.getvalue()
+
+
+def test_a_resume_continues_every_setting_of_the_run_and_names_what_changed(tmp_path):
+    """Left out on resume, --data, --seq-len, --seed, --tensorboard and the evaluation and logging
+    intervals are the run's: the resumed steps equal an uninterrupted run's. A changed value is named
+    in the one header line, and a schedule that ends before --steps is said to."""
+    text = tmp_path / "text.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 300)
+    settings = ["--data", str(text), "--seq-len", "16", "--seed", "3", "--tensorboard", "--eval-every", "2",
+                "--eval-iters", "1", "--log-every", "1", "--lr-decay-steps", "6"]
+    base = ["--layers", "2", "--hidden", "32", "--heads", "4", "--micro-batch", "2", "--warmup", "1",
+            "--no-progress", "--tp", "1"]
+    whole = run_on_ranks(_captured_train_body, 1, base + settings + ["--steps", "6", "--out", str(tmp_path / "c")])
+    run_on_ranks(_captured_train_body, 1, base + settings + ["--steps", "4", "--out", str(tmp_path / "a")])
+    losses, evaluated, out, err = run_on_ranks(_captured_train_body, 1, base + [
+        "--resume", str(tmp_path / "a"), "--steps", "6", "--out", str(tmp_path / "a")])[0]
+    assert losses == {step: whole[0][0][step] for step in (5, 6)} and evaluated == [6]
+    assert out.splitlines()[-1] == (f"tensorpar train: resuming {tmp_path / 'a' / 'step_4'} at step 4 of 6: TP 1->1, "
+                                    f"DP 1->1; data: --data {text} from step 4; schedule lr 0.003, warmup 1, cosine to "
+                                    "0.0003 at step 6; no setting changed")
+    assert "schedule" not in err
+    meta = json.loads((tmp_path / "a" / "step_6" / "meta.json").read_text())
+    assert {k: meta["settings"][k] for k in ("data", "seq_len", "seed", "tensorboard", "eval_every", "log_every")} \
+        == {"data": str(text), "seq_len": 16, "seed": 3, "tensorboard": True, "eval_every": 2, "log_every": 1}
+    assert len(list((tmp_path / "a" / "tensorboard").iterdir())) == 2  # TensorBoard went on
+    _, _, out, err = run_on_ranks(_captured_train_body, 1, base + [
+        "--resume", str(tmp_path / "a" / "step_4"), "--steps", "8", "--seq-len", "8", "--no-tensorboard",
+        "--out", str(tmp_path / "b")])[0]
+    assert out.splitlines()[-1].endswith("cosine to 0.0003 at step 6; changed: --seq-len 16 -> 8, "
+                                         "--tensorboard on -> off")
+    assert err.splitlines()[0] == ("tensorpar train: the schedule reaches --min-lr 0.0003 at step 6, so steps "
+                                   "7-8 train at 0.0003; to decay over the whole run instead, pass "
+                                   "--lr-decay-steps 8")
+    assert not (tmp_path / "b" / "tensorboard").exists()

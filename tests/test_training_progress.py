@@ -53,10 +53,9 @@ def test_a_failed_plot_keeps_the_previous_one_and_leaves_no_temporary_file(tmp_p
     report.plot()
     previous = (tmp_path / "loss.png").read_bytes()
 
-    def savefig(self, path, **kwargs):
-        with open(path, "wb") as f:
-            f.write(b"\x89PNG partial")
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    def savefig(self, f, **kwargs):
+        f.write(b"\x89PNG partial")
+        raise OSError(errno.ENOSPC, "No space left on device", f.name)
 
     monkeypatch.setattr(Figure, "savefig", savefig)
     report.step(step=2, loss=2.0, lr=1e-3, tokens_per_s=1.0, grad_norm=1.0, log=True)
@@ -93,3 +92,24 @@ def test_a_terminal_gets_a_progress_bar(tmp_path, monkeypatch):
     _run(tmp_path)
     shown = terminal.getvalue()
     assert "\r" in shown and "6/6" in shown and "tensorpar: step" not in shown
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", ".metrics.jsonl.tmp", ".loss.png.tmp", "tensorboard"])
+def test_a_planted_symlink_is_refused_in_one_line_and_its_target_untouched(tmp_path, name):
+    """A link under a name the run writes (metrics, their temporary files, the TensorBoard
+    directory) is refused naming it, and the file it points to keeps its bytes."""
+    from tensorpar.training.rundir import RunDirError
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).symlink_to(victim)
+    with pytest.raises(RunDirError) as refused:
+        report = progress.Progress(out=out, total_steps=4, first_step=2, enabled=True, bar=False,
+                                   tensorboard=name == "tensorboard")
+        report.step(step=3, loss=1.0, lr=1e-3, tokens_per_s=1.0, grad_norm=1.0, log=True)
+        report.plot()
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{out / name} is a symlink")
+    assert victim.read_text() == "precious\n"

@@ -180,3 +180,94 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(finished
 def test_a_run_that_holds_the_lock_releases_it_when_it_ends(finished_run):
     rundir.RunLock(finished_run).acquire().release()
     assert os.path.isfile(finished_run / rundir.LOCK)
+
+
+def _victim(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    return victim
+
+
+def _one_line_refusal(call, path):
+    with pytest.raises(rundir.RunDirError) as refused:
+        call()
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{path} is a symlink"), message
+    return message
+
+
+def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path):
+    victim, out = _victim(tmp_path), tmp_path / "run"
+    out.mkdir()
+    (out / rundir.LOCK).symlink_to(victim)
+    _one_line_refusal(lambda: rundir.RunLock(out).acquire(), out / rundir.LOCK)
+    _one_line_refusal(lambda: rundir.check(out, resume=False, overwrite=False), out / rundir.LOCK)
+    assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("name", ["latest", "latest.tmp", "metrics.jsonl", ".loss.png.tmp", "tensorboard",
+                                  "step_3", "step_4.tmp"])
+def test_a_symlink_under_a_name_the_run_writes_is_refused_before_it_starts(tmp_path, name):
+    victim, out = _victim(tmp_path), tmp_path / "run"
+    out.mkdir()
+    (out / name).symlink_to(victim)
+    _one_line_refusal(lambda: rundir.check(out, resume=True, overwrite=False), out / name)
+    assert victim.read_text() == "precious\n"
+
+
+def test_write_file_never_follows_a_link(tmp_path):
+    victim = _victim(tmp_path)
+    (tmp_path / "latest.tmp").symlink_to(victim)
+    _one_line_refusal(lambda: rundir.write_file(tmp_path / "latest.tmp", b"step_9\n"), tmp_path / "latest.tmp")
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(rundir.RunDirError, match="fifo is not a regular file"):
+        rundir.write_file(tmp_path / "fifo", b"x")
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_file_system_without_flock_falls_back_to_lockf_else_warns_once(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def unsupported(fd, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(rundir.fcntl, "flock", unsupported)
+    lock = rundir.RunLock(tmp_path / "run").acquire()
+    assert (tmp_path / "run" / rundir.LOCK).read_text() == f"{os.getpid()}\n"
+    lock.release()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(rundir.fcntl, "lockf", unsupported)
+    rundir.RunLock(tmp_path / "run").acquire().release()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot lock .tensorpar.lock (flock: Function not implemented; lockf: " \
+        "Function not implemented); continuing unlocked" in err
+
+
+def test_resuming_an_older_checkpoint_never_silently_replaces_newer_ones(tmp_path, capsys):
+    out = tmp_path / "run"
+    run_on_ranks(_train_or_refuse_body, 1, TINY + ["--steps", "4", "--save-every", "2", "--out", str(out)])
+    newer = (out / "step_4" / "manifest.json").read_text()
+    argv = TINY + ["--steps", "3", "--resume", str(out / "step_2"), "--out", str(out)]
+    message = (f"--out {out} holds checkpoints newer than --resume {out / 'step_2'} (step_4), which this run "
+               "would replace: pass --overwrite to set them aside (removed once this run's first checkpoint "
+               "is written), or choose another --out")
+    assert run_on_ranks(_train_or_refuse_body, 1, argv) == [message]
+    with pytest.raises(rundir.RunDirError) as refused:
+        rundir.check(out, resume=True, overwrite=False, resume_from=out / "step_2")
+    assert str(refused.value) == message
+    from tensorpar.cli import main
+
+    assert main(["train", *TINY, "--steps", "3", "--nproc", "1", "--resume", str(out / "step_2")]) == 2  # out: RUN
+    assert capsys.readouterr().err == f"tensorpar train: error: {message}\n"  # before any rank starts
+    assert (out / "step_4" / "manifest.json").read_text() == newer and (out / "latest").read_text() == "step_4\n"
+    # --overwrite: step_4 is set aside (latest names the resumed step meanwhile), gone after the first save.
+    lock = rundir.claim(out, resume=True, overwrite=True, resume_from=out / "step_2")
+    lock.release()
+    assert (out / "latest").read_text() == "step_2\n"
+    assert (lock.set_aside / "step_4" / "manifest.json").read_text() == newer
+    os.rename(lock.set_aside / "step_4", out / "step_4")
+    (out / "latest").write_text("step_4\n")
+    lock.set_aside.rmdir()
+    assert run_on_ranks(_train_or_refuse_body, 1, argv + ["--overwrite"]) == [[3]]
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "latest", "loss.png", "metrics.jsonl", "step_2", "step_3"]

@@ -2,6 +2,7 @@
 train --init-from-hf, generate, export, and a transformers pipeline on the export."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -76,3 +77,37 @@ def test_fine_tune_a_local_llama_end_to_end(local_llama, tmp_path):
     pipe = transformers.pipeline("text-generation", model=str(exported))
     theirs = pipe("the quick", max_new_tokens=12, do_sample=False)[0]["generated_text"]
     assert theirs == ours
+
+
+def _cli_in(cwd, *argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tensorpar.cli", *argv], capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
+
+
+SMALL = ["--steps", "2", "--nproc", "1", "--tp", "1", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len",
+         "16", "--micro-batch", "2", "--warmup", "1", "--eval-every", "0", "--no-progress"]
+
+
+def test_the_tokenizer_travels_with_the_checkpoint_and_generate_takes_one(local_llama, tmp_path):
+    """A tokenizer given as a relative path, then deleted: generate from another directory still
+    decodes with the copy in the checkpoint. A token-file run without one takes --tokenizer."""
+    _, text, tokenizer = local_llama
+    tokenizer.save_pretrained(str(tmp_path / "tok"))
+    (tmp_path / "elsewhere").mkdir()
+    trained = _cli_in(tmp_path, "train", "--data", str(text), "--tokenizer", "tok", *SMALL, "--out", "run")
+    assert trained.returncode == 0, trained.stderr
+    shutil.rmtree(tmp_path / "tok")
+    assert json.loads((tmp_path / "run" / "step_2" / "meta.json").read_text())["tokenizer"] == "tokenizer"
+    generated = _cli_in(tmp_path / "elsewhere", "generate", "--checkpoint", "../run", "--prompt", "the quick",
+                        "--max-new-tokens", "4", "--nproc", "1", "--tp", "1")
+    assert generated.returncode == 0 and generated.stdout.startswith("the quick"), generated.stderr
+
+    from tensorpar.training.data import write_token_file
+
+    write_token_file(tmp_path / "tokens.bin", torch.arange(5000) % len(tokenizer), vocab_size=len(tokenizer))
+    assert _cli_in(tmp_path, "train", "--data", "tokens.bin", *SMALL, "--out", "ids").returncode == 0
+    generate = ["generate", "--checkpoint", "ids", "--prompt", "the quick", "--max-new-tokens", "4", "--nproc", "1",
+                "--tp", "1"]
+    assert "is token ids separated by spaces" in _cli_in(tmp_path, *generate).stderr
+    generated = _cli_in(tmp_path, *generate, "--tokenizer", str(tmp_path / "run" / "step_2" / "tokenizer"))
+    assert generated.returncode == 0 and generated.stdout.startswith("the quick"), generated.stderr

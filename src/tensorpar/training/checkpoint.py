@@ -56,13 +56,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import comm
+from ..errors import UsageError
 from ..random import get_rng_tracker
+from .rundir import check_dir, write_file
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
 META = "meta.json"
 DCP_METADATA = ".metadata"
+TOKENIZER = "tokenizer"  # the run's Hugging Face tokenizer, copied into each checkpoint
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _RNG_NAME = re.compile(r"^(cpu|cuda|tracker\.[\w.-]+)$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -104,16 +107,13 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, CheckpointException):
         rank, (cause, _) = min(exc.failures.items())
         return f"rank {rank}: {_describe(cause)}"
-    if isinstance(exc, CheckpointError):
+    if isinstance(exc, (CheckpointError, UsageError)):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
 
 
 def _write_json(path: Path, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    write_file(path, json.dumps(data, indent=1, sort_keys=True).encode())
 
 
 def _sha256(path: Path) -> str:
@@ -217,14 +217,18 @@ def build_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
 
 # --- saving -------------------------------------------------------------------------------
 
-def _prepare_tmp(tmp: Path) -> None:
+def _prepare_tmp(tmp: Path, final: Path) -> None:
     tmp.parent.mkdir(parents=True, exist_ok=True)
+    check_dir(tmp)
+    check_dir(final)
     if tmp.exists():  # left by a save that was killed
         shutil.rmtree(tmp)
     tmp.mkdir()
 
 
-def _finalize(tmp: Path, final: Path, config: dict, meta: dict) -> None:
+def _finalize(tmp: Path, final: Path, config: dict, meta: dict, write_extra) -> None:
+    if write_extra is not None:
+        write_extra(tmp)
     _write_json(tmp / CONFIG, config)
     _write_json(tmp / META, meta)
     files = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
@@ -233,10 +237,7 @@ def _finalize(tmp: Path, final: Path, config: dict, meta: dict) -> None:
     _fsync_dir(tmp)
     # Everything that needs disk space is written before the first rename.
     pointer = final.parent / (LATEST + ".tmp")
-    with open(pointer, "w") as f:
-        f.write(final.name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    write_file(pointer, f"{final.name}\n".encode())
     if final.exists():  # the same step saved again (after a resume): replace it
         old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -256,20 +257,21 @@ def _discard(tmp: Path) -> None:
 
 
 def save(out: str | os.PathLike, step: int, *, model, optimizer, config: dict, meta: dict,
-         tp_group) -> Path:
-    """Write ``out/step_{step}`` on every rank collectively; returns its path.
+         tp_group, write_extra=None) -> Path:
+    """Write ``out/step_{step}`` on every rank collectively; returns its path. ``write_extra(dir)``,
+    if given, adds files to the checkpoint directory on rank 0 (covered by the manifest).
 
     On failure (any rank, any error, DCP's own included) every rank raises
     :class:`CheckpointError` naming the cause, and nothing of this save is left on disk.
     """
     out = Path(out)
     final, tmp = out / f"step_{step}", out / f"step_{step}.tmp"
-    _on_rank0(lambda: _prepare_tmp(tmp))
+    _on_rank0(lambda: _prepare_tmp(tmp, final))
     state = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=True)
     meta = {**meta, "ranks": dist.get_world_size(), "rng": _rng_spec()}
     try:
         dcp.save(state, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True))
-        _on_rank0(lambda: _finalize(tmp, final, config, meta))
+        _on_rank0(lambda: _finalize(tmp, final, config, meta, write_extra))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         if dist.get_rank() == 0:
             _discard(tmp)
@@ -411,8 +413,11 @@ def verify(ckpt: Path, *, rank: int = 0, world: int = 1) -> None:
 
 
 def read_json(ckpt: Path) -> tuple[dict, dict]:
-    """(config, meta) of a checkpoint."""
-    return json.loads((ckpt / CONFIG).read_text()), json.loads((ckpt / META).read_text())
+    """(config, meta) of a checkpoint; meta's ``tokenizer``, if the checkpoint holds it, as an absolute path."""
+    config, meta = json.loads((ckpt / CONFIG).read_text()), json.loads((ckpt / META).read_text())
+    if isinstance(meta, dict) and meta.get("tokenizer") == TOKENIZER and (ckpt / TOKENIZER).is_dir():
+        meta["tokenizer"] = str((ckpt / TOKENIZER).resolve())
+    return config, meta
 
 
 def open_checkpoint(path: str | os.PathLike) -> tuple[Path, dict, dict]:

@@ -73,6 +73,9 @@ _PRESET_HELP = ("model preset (default: tiny): tiny (4 layers, width 128, 4 head
 
 
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """The ``train`` flags. A resumed run keeps every setting it ran with (data, sequence length,
+    schedule, batch, logging, evaluation, ...) unless a flag gives another value; defaults are
+    None until then, so that a given value can be told from one left out."""
     _add_world_flags(parser)
     run = parser.add_argument_group("run")
     run.add_argument("--steps", type=_positive(int), default=600,
@@ -81,21 +84,27 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                      "resumed run's directory): checkpoints, metrics.jsonl, loss.png")
     run.add_argument("--resume", default=None, metavar="CKPT",
                      help="checkpoint to continue from: a step_N directory or an output directory "
-                          "(its latest); any TP/DP size (default: start a new run)")
+                          "(its latest); any TP/DP size. The run keeps every setting it had (data, sequence "
+                          "length, schedule, batch, logging, ...) unless a flag gives another value, and says "
+                          "so (default: start a new run)")
     run.add_argument("--overwrite", action="store_true",
                      help="start over in an --out that holds a run: its files are removed once this run's "
                           "first checkpoint is written")
-    run.add_argument("--save-every", type=_non_negative(int), default=0,
-                     help="checkpoint every N steps (0: only at the end)")
-    run.add_argument("--eval-every", type=_non_negative(int), default=100, help="validate every N steps (0: never)")
-    run.add_argument("--eval-iters", type=_positive(int), default=10, help="validation batches per evaluation")
-    run.add_argument("--log-every", type=_positive(int), default=10,
-                     help="metrics.jsonl row every N steps, and a log line when the output is not a terminal")
-    run.add_argument("--seed", type=int, default=1234, help="seed of the weights, dropout and batches")
+    run.add_argument("--save-every", type=_non_negative(int), default=None,
+                     help="checkpoint every N steps (0: only at the end; default: 0)")
+    run.add_argument("--eval-every", type=_non_negative(int), default=None,
+                     help="validate every N steps (0: never; default: 100)")
+    run.add_argument("--eval-iters", type=_positive(int), default=None,
+                     help="validation batches per evaluation (default: 10)")
+    run.add_argument("--log-every", type=_positive(int), default=None,
+                     help="metrics.jsonl row every N steps, and a log line when the output is not a terminal "
+                          "(default: 10)")
+    run.add_argument("--seed", type=int, default=None, help="seed of the weights, dropout and batches (default: 1234)")
     run.add_argument("--no-progress", action="store_true",
                      help="log lines instead of a progress bar, also on a terminal")
-    run.add_argument("--tensorboard", action="store_true",
-                     help="also write the metrics as TensorBoard scalars to OUT/tensorboard (needs tensorboard)")
+    run.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+                     help="also write the metrics as TensorBoard scalars to OUT/tensorboard (needs tensorboard; "
+                          "default: off)")
     data = parser.add_argument_group("data")
     data.add_argument("--data", default=None, metavar="PATH",
                       help="text file, directory of text files, or token file with a .json sidecar "
@@ -137,28 +146,31 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                        help="MLP activation (default: the preset's)")
     model.add_argument("--position-embedding", choices=("learned", "rope"), default=None,
                        help="position encoding (default: the preset's)")
-    model.add_argument("--dropout", type=_number(float, low=0, high=1), default=0.0,
-                       help="dropout probability, in [0, 1)")
-    model.add_argument("--sp", action="store_true", help="sequence parallelism")
-    model.add_argument("--recompute", action="store_true", help="recompute each block in backward")
-    model.add_argument("--overlap", type=_overlap, default="off",
-                       help="chunk each TP collective against its GEMM: off, auto or a number of chunks")
-    model.add_argument("--interleave", type=_positive(int), default=1,
-                       help="split each block's micro-batch into this many interleaved parts (2: Domino)")
-    model.add_argument("--grad-fusion", action="store_true",
-                       help="linear layers accumulate weight grads straight into fp32 main_grad")
-    model.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                       help="compute dtype (bf16: autocast, fp32 master weights)")
-    optim = parser.add_argument_group("optimizer (a resumed run keeps its learning-rate schedule unless given)")
+    model.add_argument("--dropout", type=_number(float, low=0, high=1), default=None,
+                       help="dropout probability, in [0, 1) (default: 0)")
+    model.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                       help="sequence parallelism (default: off)")
+    model.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
+                       help="recompute each block in backward (default: off)")
+    model.add_argument("--overlap", type=_overlap, default=None,
+                       help="chunk each TP collective against its GEMM: off, auto or a number of chunks (default: off)")
+    model.add_argument("--interleave", type=_positive(int), default=None,
+                       help="split each block's micro-batch into this many interleaved parts (2: Domino; default: 1)")
+    model.add_argument("--grad-fusion", action=argparse.BooleanOptionalAction, default=None,
+                       help="linear layers accumulate weight grads straight into fp32 main_grad (default: off)")
+    model.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                       help="compute dtype (bf16: autocast, fp32 master weights; default: fp32)")
+    optim = parser.add_argument_group("optimizer")
     optim.add_argument("--lr", type=_positive(float), default=None, help="peak learning rate (default: 3e-3)")
     optim.add_argument("--min-lr", type=_non_negative(float), default=None,
                        help="learning rate at the end of the decay (default: 3e-4)")
     optim.add_argument("--warmup", type=_non_negative(int), default=None, help="linear warmup steps (default: 30)")
     optim.add_argument("--lr-decay-steps", type=_positive(int), default=None,
                        help="step at which the cosine decay reaches --min-lr (default: --steps of a new run)")
-    optim.add_argument("--weight-decay", type=_non_negative(float), default=0.1, help="AdamW weight decay")
-    optim.add_argument("--clip-grad", type=_non_negative(float), default=1.0,
-                       help="max global grad norm (0: no clipping)")
+    optim.add_argument("--weight-decay", type=_non_negative(float), default=None,
+                       help="AdamW weight decay (default: 0.1)")
+    optim.add_argument("--clip-grad", type=_non_negative(float), default=None,
+                       help="max global grad norm (0: no clipping; default: 1)")
 
 
 def parse_train_args(argv: list[str]) -> argparse.Namespace:
@@ -208,7 +220,7 @@ def _check_writable_dir(out: Path, flag: str) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".tensorpar-write-test-{os.getpid()}"
-        probe.write_text("")
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # never through a planted link
         probe.unlink()
     except OSError as exc:
         raise UsageError(f"{flag} {out} is not a writable directory ({exc.strerror or exc})") from None
@@ -231,6 +243,7 @@ def _check_train_args(args, world: int) -> None:
     from .data import inspect_data, train_token_count
     from .loop import (VAL_FRACTION, build_config, check_fits, default_seq_len, hf_init_config, resolve_tokenizer,
                        settle_run)
+    from .resume import continue_settings
     from . import rundir
 
     if args.model is not None and args.model not in GPTConfig.PRESETS:
@@ -240,7 +253,7 @@ def _check_train_args(args, world: int) -> None:
     if len(starts) > 1:
         raise UsageError(f"{starts[0]} and {starts[1]} both say where the run starts: give one of them (--resume "
                          "continues a run; --init-from and --init-from-hf start a new one from weights)")
-    saved = meta = init_meta = None
+    saved = meta = init_meta = ckpt = None
     origin = "the checkpoint"
     if args.resume is not None:
         ckpt, saved, meta = _open_checkpoint("--resume", args.resume)
@@ -250,6 +263,7 @@ def _check_train_args(args, world: int) -> None:
         origin = f"--init-from {args.init_from}"
     if args.init_from_hf is not None:
         saved, origin = hf_init_config(args.init_from_hf), f"--init-from-hf {args.init_from_hf}"
+    continue_settings(args, meta)
     resolve_tokenizer(args, meta or init_meta)
     tokens, vocab_size, source = inspect_data(args.data, tokenizer=args.tokenizer)
     config = build_config(args, vocab_size=vocab_size, saved=saved, origin=origin)
@@ -262,7 +276,7 @@ def _check_train_args(args, world: int) -> None:
     if not _under_torchrun():
         # Under torchrun every rank runs this check while rank 0 may already hold the lock and
         # write the run's files; train() makes the same checks on rank 0 for every rank.
-        rundir.check(args.out, resume=args.resume is not None, overwrite=args.overwrite)
+        rundir.check(args.out, resume=args.resume is not None, overwrite=args.overwrite, resume_from=ckpt)
 
 
 def train_entry(args):
@@ -307,7 +321,12 @@ def _cmd_generate(args) -> int:
     _, saved, meta = _open_checkpoint("--checkpoint", args.checkpoint)
     config = config_from_json(saved)
     check_fits(config, tp=args.tp, seq_len=1)
-    encode_prompt(args.prompt, tokenizer=meta.get("tokenizer"), vocab_size=config.vocab_size)
+    if args.tokenizer is not None:
+        from .tokenizer import load_tokenizer
+
+        load_tokenizer(args.tokenizer)  # a bad --tokenizer is named as such
+        args.tokenizer = str(Path(args.tokenizer).resolve())
+    encode_prompt(args.prompt, tokenizer=args.tokenizer or meta.get("tokenizer"), vocab_size=config.vocab_size)
     results = _run_in_world(generate_entry, args, world)
     if 0 in results:
         print(results[0], flush=True)
@@ -386,6 +405,9 @@ def register(subparsers) -> None:
                      help="what to continue: text, for runs whose tokenizer is known (byte tokens, or a Hugging "
                           "Face tokenizer saved with the run); for runs on a token file without one, token ids "
                           "separated by spaces, e.g. \"464 2068 7586\" (default: 'def ')")
+    gen.add_argument("--tokenizer", default=None, metavar="DIR",
+                     help="Hugging Face tokenizer directory for the prompt and the text (default: the run's, "
+                          "which its checkpoints carry)")
     gen.add_argument("--max-new-tokens", type=_positive(int), default=200, help="tokens to add")
     gen.add_argument("--temperature", type=_non_negative(float), default=0.8,
                      help="sampling temperature (0: greedy)")

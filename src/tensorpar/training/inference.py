@@ -65,13 +65,14 @@ def generate(args) -> str:
     # An error propagates as it is, the groups left up: waiting on a peer or tearing the groups
     # down here would hide it behind a timeout or a peer's broken-connection error.
     model, meta = load_model(args.checkpoint, tp_group=ps.get_tensor_model_parallel_group())
-    prompt = encode_prompt(args.prompt, tokenizer=meta.get("tokenizer"), vocab_size=model.config.vocab_size)
-    hf_tokenizer = run_tokenizer(meta)
+    tokenizer = args.tokenizer or meta.get("tokenizer")
+    prompt = encode_prompt(args.prompt, tokenizer=tokenizer, vocab_size=model.config.vocab_size)
+    hf_tokenizer = run_tokenizer({"tokenizer": tokenizer})
     torch.manual_seed(args.seed)
     out = model.generate(prompt[None].to(ps.default_device()), args.max_new_tokens,
                          temperature=args.temperature, top_k=args.top_k,
                          eos_token_id=hf_tokenizer.eos_token_id if hf_tokenizer is not None else None)[0].cpu()
-    if meta.get("tokenizer") == "bytes":
+    if tokenizer == "bytes":
         text = decode(out)
     elif hf_tokenizer is not None:
         text = hf_tokenizer.decode(out.tolist(), skip_special_tokens=True)

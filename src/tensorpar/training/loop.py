@@ -30,6 +30,7 @@ from ..random import model_parallel_manual_seed
 from . import checkpoint, rundir
 from .data import BatchSampler, load_corpus
 from .progress import Progress
+from .resume import RUN_SETTINGS, continue_settings, data_path, resume_header
 
 VAL_FRACTION = 0.05
 DEFAULT_SEQ_LEN = 128
@@ -281,6 +282,7 @@ def _read_back(pending, result: RunResult, progress: Progress, *, tokens_per_s: 
                       log=log and i == len(pending) - 1)
 
 
+@torch.no_grad()
 def evaluate(model, sampler: BatchSampler, *, iters: int, dtype: str, device, dp_group) -> float:
     """Mean validation loss over ``iters`` fixed batches, averaged over DP."""
     model.eval()
@@ -306,16 +308,20 @@ class RunResult:
     stopped_by: str | None = None  # "SIGTERM" when preempted (after a checkpoint)
 
 
-def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: int, sizes) -> str:
+def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: int, sizes, hf_tokenizer) -> str:
+    """Checkpoint ``step``; a Hugging Face tokenizer goes into it, so the run needs nothing outside it."""
     meta = {"step": step, "tokens_seen": tokens_seen, "steps": args.steps, "global_batch": args.global_batch,
             "micro_batch": args.micro_batch,
             "schedule": {"lr": args.lr, "min_lr": args.min_lr, "warmup": args.warmup,
                          "decay_steps": args.lr_decay_steps},
             "data": {"position": step, "seed": args.seed, "source": args.data or "embedded"},
             "world": {"tp": sizes[0], "dp": sizes[1]}, "dtype": args.dtype,
-            "tokenizer": args.tokenizer}
+            "tokenizer": checkpoint.TOKENIZER if hf_tokenizer is not None else args.tokenizer,
+            "settings": {**{name: getattr(args, name) for name in RUN_SETTINGS}, "data": data_path(args.data)}}
     path = checkpoint.save(out, step, model=model, optimizer=optimizer, config=config_to_json(config),
-                           meta=meta, tp_group=ps.get_tensor_model_parallel_group())
+                           meta=meta, tp_group=ps.get_tensor_model_parallel_group(),
+                           write_extra=None if hf_tokenizer is None
+                           else lambda d: hf_tokenizer.save_pretrained(str(d / checkpoint.TOKENIZER)))
     return str(path)
 
 
@@ -346,6 +352,15 @@ class _Signals:
         if not self.interrupted:  # a launcher forwarding the same Ctrl-C must not interrupt the exit
             self.interrupted = True
             raise KeyboardInterrupt
+
+
+def _run_tokenizer(tokenizer: str | None):
+    """The Hugging Face tokenizer a run's checkpoints carry (None for byte tokens, or token files without one)."""
+    from .tokenizer import has_tokenizer, load_tokenizer
+
+    if tokenizer in (None, "bytes") or not has_tokenizer(tokenizer):
+        return None
+    return load_tokenizer(tokenizer, flag="the run's tokenizer")
 
 
 def _say(message: str) -> None:
@@ -397,9 +412,9 @@ def _claim_out(args) -> rundir.RunLock | None:
     outcome = [None, None]
     if dist.get_rank() == 0:
         try:
-            outcome[0] = rundir.claim(args.out, resume=bool(args.resume),
-                                      overwrite=getattr(args, "overwrite", False))
-        except (rundir.RunDirError, OSError) as exc:
+            outcome[0] = rundir.claim(args.out, resume=bool(args.resume), overwrite=getattr(args, "overwrite", False),
+                                      resume_from=checkpoint.resolve(args.resume) if args.resume else None)
+        except (rundir.RunDirError, checkpoint.CheckpointError, OSError) as exc:
             outcome[1] = str(exc)
     if dist.get_world_size() > 1:
         shared = [outcome[1]]
@@ -408,8 +423,8 @@ def _claim_out(args) -> rundir.RunLock | None:
     if outcome[1] is not None:
         raise rundir.RunDirError(outcome[1])
     if outcome[0] is not None and outcome[0].set_aside is not None:
-        _say(f"--overwrite: the previous run is kept in {outcome[0].set_aside} until this run's first "
-             "checkpoint is written")
+        what = "the newer checkpoints are" if args.resume else "the previous run is"
+        _say(f"--overwrite: {what} kept in {outcome[0].set_aside} until this run's first checkpoint is written")
     return outcome[0]
 
 
@@ -434,9 +449,11 @@ def _train(args, signals: _Signals) -> RunResult:
     resumed = checkpoint.open_checkpoint(args.resume) if args.resume else None
     init = checkpoint.open_checkpoint(args.init_from) if args.init_from else None
     started_from = resumed or init
+    continue_settings(args, resumed[2] if resumed else None)
     resolve_tokenizer(args, started_from[2] if started_from else None)
     corpus = load_corpus(args.data, tokenizer=args.tokenizer)
     args.tokenizer = corpus.tokenizer
+    hf_tokenizer = _run_tokenizer(args.tokenizer)
     if args.init_from_hf:
         config = build_config(args, vocab_size=corpus.vocab_size, saved=hf_init_config(args.init_from_hf),
                               origin=f"--init-from-hf {args.init_from_hf}")
@@ -444,7 +461,7 @@ def _train(args, signals: _Signals) -> RunResult:
         config = build_config(args, vocab_size=corpus.vocab_size, saved=init[1], origin=f"--init-from {args.init_from}")
     else:
         config = build_config(args, vocab_size=corpus.vocab_size, saved=resumed[1] if resumed else None)
-    seq_len = default_seq_len(args, config)
+    seq_len = args.seq_len = default_seq_len(args, config)
     check_fits(config, tp=tp_size, seq_len=seq_len)
     settle_run(args, meta=resumed[2] if resumed else None, dp_size=dp_size)
     train_tokens, val_tokens = corpus.split(val_fraction=VAL_FRACTION, seq_len=seq_len)
@@ -485,6 +502,12 @@ def _train(args, signals: _Signals) -> RunResult:
               f"global batch {args.global_batch} sequences ({args.micro_batch} per micro-batch x {dp_size} DP "
               f"x {args.grad_accum} accumulation) = {tokens_per_step:,} tokens/step, data: {corpus.source}",
               flush=True)
+        if resumed:
+            header, note = resume_header(args, resumed[2], ckpt=resumed[0], tp=tp_size, dp=dp_size,
+                                         data=corpus.source)
+            print(f"tensorpar train: {header}", flush=True)
+            if note:
+                _say(note)
     progress = Progress(out=out, total_steps=args.steps, first_step=start, enabled=is_rank0,
                         bar=not args.no_progress, tensorboard=args.tensorboard)
     result = RunResult({}, {}, None, 0.0, config_to_json(config))
@@ -539,7 +562,7 @@ def _train(args, signals: _Signals) -> RunResult:
             if saving:
                 result.checkpoint = _save(out, done, model=model, optimizer=optimizer, config=config,
                                           args=args, tokens_seen=done * tokens_per_step,
-                                          sizes=(tp_size, dp_size))
+                                          sizes=(tp_size, dp_size), hf_tokenizer=hf_tokenizer)
                 if getattr(args, "overwrite", False) and is_rank0:
                     rundir.remove_set_aside(out)  # the new run's first checkpoint is safely written
             if stop:

@@ -8,7 +8,8 @@ used, without matplotlib there is no plot; either absence is noted once.
 
 Crash safety: a ``metrics.jsonl`` row is appended with one ``write`` and cut back off if the
 write fails (disk full), so the file only ever holds whole rows; ``loss.png`` and a rewritten
-``metrics.jsonl`` are written to a temporary file and renamed over the old one.
+``metrics.jsonl`` are written to a temporary file and renamed over the old one. None of these
+opens follows a symlink (see :func:`rundir.open_regular`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+from .rundir import check_dir, open_regular
 
 METRICS = "metrics.jsonl"
 PLOT = "loss.png"
@@ -32,7 +35,7 @@ def _note(message: str) -> None:
 def append_line(path: Path, line: str) -> None:
     """Append ``line`` (one whole row) to ``path``; on failure the file is left as it was."""
     data = line.encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         size = os.fstat(fd).st_size
         try:
@@ -47,10 +50,11 @@ def append_line(path: Path, line: str) -> None:
 
 
 def replace_file(path: Path, write) -> None:
-    """Write ``path`` through ``write(tmp_path)`` and rename it into place; no partial file remains."""
+    """Write ``path`` through ``write(binary_file)`` and rename it into place; no partial file remains."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        write(tmp)
+        with os.fdopen(open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
+            write(f)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -59,7 +63,8 @@ def replace_file(path: Path, write) -> None:
 
 def read_rows(path: Path) -> list[dict]:
     """The whole rows of a ``metrics.jsonl`` (a last line cut off by a power loss is dropped)."""
-    text = path.read_text()
+    with os.fdopen(open_regular(path, os.O_RDONLY), encoding="utf-8") as f:
+        text = f.read()
     lines = text.splitlines(keepends=True)
     return [json.loads(line) for line in lines if line.endswith("\n") and line.strip()]
 
@@ -84,13 +89,14 @@ class Progress:
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             metrics = out / METRICS
-            if first_step > 0 and metrics.is_file():
+            if first_step > 0 and os.path.lexists(metrics):
                 self.rows = [row for row in read_rows(metrics) if row["step"] <= first_step]
             text = "".join(json.dumps(row) + "\n" for row in self.rows)
-            replace_file(metrics, lambda tmp: tmp.write_text(text))
+            replace_file(metrics, lambda f: f.write(text.encode()))
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
+                check_dir(out / TENSORBOARD)
                 self._writer = SummaryWriter(str(out / TENSORBOARD), purge_step=first_step + 1 if first_step else None)
         if bar and sys.stderr.isatty():
             try:
@@ -164,7 +170,7 @@ class Progress:
         ax.legend()
         fig.tight_layout()
         try:
-            replace_file(self.out / PLOT, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+            replace_file(self.out / PLOT, lambda f: fig.savefig(f, dpi=100, format="png"))
         finally:
             plt.close(fig)
 

@@ -1,6 +1,6 @@
 """Hugging Face tokenizers for training data, prompts and exports (needs ``transformers``).
 
-A run tokenized by a Hugging Face tokenizer records the tokenizer's directory; ``generate``
+A run tokenized by a Hugging Face tokenizer saves it into each checkpoint; ``generate``
 encodes prompts and decodes text with it, and ``export`` saves it beside the model, so
 ``transformers.pipeline("text-generation", model=EXPORTED)`` works as is. ``--bpe-vocab N``
 trains a byte-level BPE on the data with ``tokenizers`` and saves it as such a directory.

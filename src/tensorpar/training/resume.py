@@ -1,0 +1,86 @@
+"""What a resume continues: the run's settings, and the line that says how the run goes on.
+
+A resumed run keeps every setting it ran with (:data:`RUN_SETTINGS`: data, sequence length,
+seed, dtype, logging, evaluation, ...) unless the command line gives another value; the train
+flags default to None so that a value given can be told from one left out. The header names
+the step, the TP/DP sizes before and after, the data, the schedule and every value changed.
+
+Example::
+
+    continue_settings(args, meta)            # fills what the user left out
+    header, note = resume_header(args, meta, ckpt=ckpt, tp=2, dp=1, data="--data corpus.bin")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# flag -> a new run's value
+RUN_SETTINGS = {"data": None, "seq_len": None, "seed": 1234, "dtype": "fp32", "dropout": 0.0, "sp": False,
+                "recompute": False, "grad_fusion": False, "overlap": "off", "interleave": 1, "weight_decay": 0.1,
+                "clip_grad": 1.0, "eval_every": 100, "eval_iters": 10, "log_every": 10, "save_every": 0,
+                "tensorboard": False}
+
+
+def _saved_settings(meta: dict | None) -> dict:
+    """The resumed run's settings (what a tensorpar 0.2 checkpoint recorded of them)."""
+    if meta is None:
+        return {}
+    if "settings" in meta:
+        return meta["settings"]
+    source = meta.get("data", {}).get("source")
+    return {"data": None if source == "embedded" else source, "seed": meta.get("data", {}).get("seed"),
+            "dtype": meta.get("dtype")}
+
+
+def continue_settings(args, meta: dict | None) -> None:
+    """Fill each of :data:`RUN_SETTINGS` not given with the resumed run's (``meta``), else a new run's."""
+    saved = _saved_settings(meta)
+    for name, default in RUN_SETTINGS.items():
+        if getattr(args, name) is None:
+            setting = saved.get(name)
+            setattr(args, name, default if setting is None else setting)
+
+
+def data_path(data: str | None) -> str | None:
+    """``--data`` as recorded: absolute, so that a resume from another directory finds it."""
+    return None if data is None else str(Path(data).resolve())
+
+
+def _show(value) -> str:
+    if value is None:  # only --data's: the embedded corpus
+        return "embedded"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def setting_changes(args, meta: dict) -> list[str]:
+    """``--flag before -> after`` for each setting, schedule and batch value that differs from the resumed run's."""
+    schedule = meta.get("schedule", {})
+    saved = {**_saved_settings(meta), "lr": schedule.get("lr"), "min_lr": schedule.get("min_lr"),
+             "warmup": schedule.get("warmup"), "lr_decay_steps": schedule.get("decay_steps"),
+             "global_batch": meta.get("global_batch"), "micro_batch": meta.get("micro_batch")}
+    changes = []
+    for name, before in saved.items():
+        now = data_path(args.data) if name == "data" else getattr(args, name)
+        if (before is not None or name == "data") and now != before:  # None: not recorded (0.2), or embedded data
+            changes.append(f"--{name.replace('_', '-')} {_show(before)} -> {_show(now)}")
+    return changes
+
+
+def resume_header(args, meta: dict, *, ckpt, tp: int, dp: int, data: str) -> tuple[str, str | None]:
+    """Rank 0's line on resume (where the run continues, on what, what changed) and, when the
+    schedule ends before ``--steps``, a note that the rest trains at ``--min-lr``."""
+    start, world = meta["step"], meta["world"]
+    changes = setting_changes(args, meta)
+    header = (f"resuming {ckpt} at step {start} of {args.steps}: TP {world['tp']}->{tp}, DP {world['dp']}->{dp}; "
+              f"data: {data} from step {start}; schedule lr {args.lr:g}, warmup {args.warmup}, cosine to "
+              f"{args.min_lr:g} at step {args.lr_decay_steps}; "
+              + (f"changed: {', '.join(changes)}" if changes else "no setting changed"))
+    note = None
+    if args.lr_decay_steps < args.steps:
+        note = (f"the schedule reaches --min-lr {args.min_lr:g} at step {args.lr_decay_steps}, so steps "
+                f"{max(start, args.lr_decay_steps) + 1}-{args.steps} train at {args.min_lr:g}; to decay over the "
+                f"whole run instead, pass --lr-decay-steps {args.steps}")
+    return header, note
