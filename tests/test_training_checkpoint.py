@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from tensorpar.training import checkpoint
 from tensorpar.training.cli import parse_train_args
@@ -138,6 +139,14 @@ def _damage_cases():
         (d / ".metadata").write_bytes(pickle.dumps(metadata))
         _rewrite_manifest(d)
 
+    def chunks(*rows):  # the embedding's one chunk replaced by chunks at these row offsets
+        def edit(metadata):
+            entry = metadata.state_dict_metadata["model.embedding.word.weight"]
+            height, width = entry.size
+            entry.chunks = [ChunkStorageMetadata(torch.Size([row, 0]), torch.Size([height // 2, width]))
+                            for row in rows]
+        return lambda d, _: _craft(d, edit)
+
     return [
         ("flip", lambda d, _: _flip(_shard(d)), r"__0_0\.distcp fails its SHA-256 check"),
         ("truncate", truncate, r"__0_0\.distcp is 100 bytes, the manifest says \d+ \(truncated"),
@@ -151,6 +160,10 @@ def _damage_cases():
         ("referenced-unlisted", unreferenced_manifest_gap,
          r"\.metadata refers to __0_0\.distcp, which manifest\.json does not list"),
         ("metadata-absolute", metadata_outside, r"\.metadata names the path '/etc/hostname'"),
+        # Both halves at offset 0: sizes still sum to the tensor, but half of it would keep its init.
+        ("chunks-overlap", chunks(0, 0), r"\.metadata has chunks of model\.embedding\.word\.weight that overlap "
+                                         r"\(at offsets \[0, 0\] and \[0, 0\]\); refusing to load it"),
+        ("chunks-gap", chunks(0), r"chunks of model\.embedding\.word\.weight that cover 6144 of its 12288 elements"),
     ]
 
 

@@ -457,10 +457,35 @@ def _is_ints(value, *, length: int | None = None) -> bool:
             and all(type(v) is int and v >= 0 for v in value))
 
 
+def _tiling_problem(entry: TensorStorageMetadata) -> str | None:
+    """Why ``entry``'s chunks (each inside the tensor) do not tile it exactly, or None.
+
+    Disjoint chunks whose sizes sum to the tensor's cover it. The sweep runs along the dimension
+    with the most distinct offsets (the sharded one), so a TP checkpoint costs O(n log n).
+    """
+    covered = sum(torch.Size(chunk.sizes).numel() for chunk in entry.chunks)
+    total = torch.Size(entry.size).numel()
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks if all(c.sizes)]
+    if boxes and entry.size:
+        ndim = len(entry.size)
+        dim = max(range(ndim), key=lambda d: len({offsets[d] for offsets, _ in boxes}))
+        boxes.sort(key=lambda box: box[0][dim])
+        open_boxes: list[tuple[tuple, tuple]] = []
+        for offsets, sizes in boxes:
+            open_boxes = [(o, s) for o, s in open_boxes if o[dim] + s[dim] > offsets[dim]]
+            for o, s in open_boxes:
+                if all(o[d] < offsets[d] + sizes[d] and offsets[d] < o[d] + s[d] for d in range(ndim)):
+                    return f"overlap (at offsets {list(o)} and {list(offsets)})"
+            open_boxes.append((offsets, sizes))
+    if covered != total:
+        return f"cover {covered} of its {total} elements"
+    return None
+
+
 def read_metadata(ckpt: Path, *, listed: set[str]) -> Metadata:
     """DCP's ``.metadata`` of ``ckpt`` through :class:`_MetadataUnpickler`, its structure checked:
-    only tensor or bytes entries, chunks inside their tensors, and data files that are plain
-    paths listed in the manifest (``listed``)."""
+    only tensor or bytes entries, chunks that tile their tensors exactly (inside, disjoint,
+    covering), and data files that are plain paths listed in the manifest (``listed``)."""
     try:
         with open(ckpt / DCP_METADATA, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -489,6 +514,9 @@ def read_metadata(ckpt: Path, *, listed: set[str]) -> Metadata:
                         and _is_ints(chunk.sizes, length=len(entry.size))
                         and all(o + n <= s for o, n, s in zip(chunk.offsets, chunk.sizes, entry.size))):
                     refuse(f"has a chunk of {key} outside its shape {list(entry.size)}")
+            problem = _tiling_problem(entry)
+            if problem is not None:
+                refuse(f"has chunks of {key} that {problem}")
     for index, info in metadata.storage_data.items():
         if not (isinstance(index, MetadataIndex) and index.fqn in metadata.state_dict_metadata
                 and isinstance(info, _StorageInfo) and type(info.offset) is int and info.offset >= 0
@@ -546,9 +574,6 @@ def _mismatch(stored: dict, expected: dict) -> str | None:
             return f"stores {key} as {entry.properties.dtype}, expected {dtype}"
         if list(entry.size) != shape:
             return f"stores {key} with shape {list(entry.size)}, expected {shape}"
-        covered = sum(torch.Size(chunk.sizes).numel() for chunk in entry.chunks)
-        if covered != torch.Size(shape).numel():
-            return f"has chunks of {key} covering {covered} of its {torch.Size(shape).numel()} elements"
     return None
 
 
