@@ -355,6 +355,47 @@ def test_a_checkpoint_of_tensorpar_0_1_is_refused_naming_the_version(dp2_run, tm
                                 "this version loads only checkpoints written by tensorpar 0.2 or later"), refusal
 
 
+def _set(name, field, value):
+    def edit(data):
+        *parents, last = field.split(".")
+        for parent in parents:
+            data = data[parent]
+        data[last] = value
+    return name, edit
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    (*_set("meta.json", "step", -5), "field 'step' is -5; expected an integer >= 0"),
+    (*_set("meta.json", "step", 3), "field 'step' is 3, but the directory is step_2"),
+    (*_set("meta.json", "ranks", 1_000_000_000), "field 'ranks' is 1000000000; expected an integer in [1, 65536]"),
+    (*_set("meta.json", "ranks", 2), "field 'ranks' is 2, but field 'world' is TP 1 x DP 1"),
+    (*_set("meta.json", "schedule.lr", "fast"), "field 'schedule.lr' is 'fast'; expected a finite number > 0"),
+    (*_set("meta.json", "world", [1, 1]), "field 'world' is a JSON list, expected an object"),
+    (*_set("meta.json", "dtype", "fp8"), "field 'dtype' is 'fp8'; expected one of ['fp32', 'bf16']"),
+    (*_set("config.json", "params_dtype", "load"),
+     "field 'params_dtype' is 'load'; expected one of ['float32', 'bfloat16', 'float16']"),
+    (*_set("config.json", "num_layers", "4"), "field 'num_layers' is '4'; expected an integer >= 1"),
+    (*_set("config.json", "num_heads", 5), "hidden_size (32) is not divisible by num_heads (5)"),
+    (*_set("config.json", "rope_scaling", {"factor": [8]}),
+     "field 'rope_scaling' is {'factor': [8]}; expected an object of strings and numbers or null"),
+    (*_set("config.json", "shell", "rm -rf"), "field 'shell' is not one of ["),
+])
+def test_config_and_meta_are_checked_before_launch_naming_file_and_field(ckpt_run, tmp_path, capsys, name,
+                                                                       edit, message):
+    from tensorpar.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(ckpt_run, run)
+    path = run / "step_2" / name
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    _rewrite_manifest(run / "step_2")
+    assert main(["train", "--resume", str(run), "--steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tensorpar train: error: --resume: {path}: {message}") and err.count("\n") == 1, err
+
+
 _FORBIDDEN_LOADS = {("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"), ("marshal", "loads"),
                     ("torch", "load"), ("dill", "load"), ("dill", "loads")}
 

@@ -57,6 +57,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .. import comm
 from ..random import get_rng_tracker
+from .schema import SchemaError, check_config, check_meta
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -64,7 +65,6 @@ CONFIG = "config.json"
 META = "meta.json"
 DCP_METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_RNG_NAME = re.compile(r"^(cpu|cuda|tracker\.[\w.-]+)$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -411,8 +411,26 @@ def verify(ckpt: Path, *, rank: int = 0, world: int = 1) -> None:
 
 
 def read_json(ckpt: Path) -> tuple[dict, dict]:
-    """(config, meta) of a checkpoint."""
-    return json.loads((ckpt / CONFIG).read_text()), json.loads((ckpt / META).read_text())
+    """(config, meta) of a checkpoint, each checked against its schema (:mod:`.schema`: types,
+    ranges, the parallel sizes bounded); refused naming the file and field."""
+    contents = []
+    for name in (CONFIG, META):
+        try:
+            contents.append(json.loads((ckpt / name).read_text()))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{ckpt / name}: not JSON ({exc})") from None
+    config, meta = contents
+    if isinstance(meta, dict) and "ranks" not in meta and "rng" not in meta:
+        raise CheckpointError(f"checkpoint {ckpt} was written by tensorpar 0.1, which stored RNG states as "
+                              "pickled entries; this version loads only checkpoints written by tensorpar 0.2 "
+                              "or later")
+    step = _STEP_DIR.match(ckpt.name)
+    try:
+        check_config(ckpt / CONFIG, config)
+        check_meta(ckpt / META, meta, step=int(step.group(1)) if step else None)
+    except SchemaError as exc:
+        raise CheckpointError(str(exc)) from None
+    return config, meta
 
 
 def open_checkpoint(path: str | os.PathLike) -> tuple[Path, dict, dict]:
@@ -534,7 +552,7 @@ def _spec(value: torch.Tensor) -> tuple[torch.dtype, list[int]]:
     return value.dtype, list(value.shape)  # a DTensor's shape is its global shape
 
 
-def _expected_entries(model, meta: dict, ckpt: Path, tp_group) -> dict[str, tuple[torch.dtype, list[int]]]:
+def _expected_entries(model, meta: dict, tp_group) -> dict[str, tuple[torch.dtype, list[int]]]:
     """Every entry the checkpoint must hold: model, optimizer and every saving rank's RNG states."""
     model_state = build_state_dict(model, None, tp_group=tp_group, with_rng=False)
     expected = {}
@@ -544,16 +562,8 @@ def _expected_entries(model, meta: dict, ckpt: Path, tp_group) -> dict[str, tupl
         expected[f"optim.{name}.step"] = (torch.float32, [])
         for moment in _ADAM_MOMENTS:
             expected[f"optim.{name}.{moment}"] = _spec(value)
-    ranks, rng = meta.get("ranks"), meta.get("rng")
-    if ranks is None and rng is None:
-        raise CheckpointError(f"checkpoint {ckpt} was written by tensorpar 0.1, which stored RNG states as "
-                              "pickled entries; this version loads only checkpoints written by tensorpar 0.2 "
-                              "or later")
-    if not (type(ranks) is int and ranks > 0 and isinstance(rng, dict)
-            and all(isinstance(k, str) and _RNG_NAME.match(k) and _is_ints(v) for k, v in rng.items())):
-        raise CheckpointError(f"checkpoint {ckpt}: {META} lacks a valid 'ranks' and 'rng' description")
-    for rank in range(ranks):
-        for name, shape in rng.items():
+    for rank in range(meta["ranks"]):  # meta.json was checked against its schema
+        for name, shape in meta["rng"].items():
             expected[f"rng.rank{rank}.{name}"] = (torch.uint8, list(shape))
     return expected
 
@@ -611,7 +621,7 @@ def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
     metadata, error = None, None
     try:
         meta = read_json(ckpt)[1]
-        expected = _expected_entries(model, meta, ckpt, tp_group)
+        expected = _expected_entries(model, meta, tp_group)
         if restore_rng and meta["rng"] != _rng_spec():
             raise CheckpointError(f"checkpoint {ckpt}: its RNG states {sorted(meta['rng'])} are not "
                                   f"this process's {sorted(_rng_spec())}")
