@@ -102,14 +102,19 @@ def test_data_too_short_missing_or_empty(capsys, tmp_path):
 
 
 def test_token_file_ids_beyond_its_vocab_or_odd_size(capsys, tmp_path):
+    import json
+
     path = tmp_path / "tokens.bin"
     write_token_file(path, torch.arange(1000) % 700, vocab_size=700)
-    (tmp_path / "tokens.bin.json").write_text('{"format": "tensorpar-tokens", "dtype": "uint16", "vocab_size": 500}')
+    sidecar = json.loads((tmp_path / "tokens.bin.json").read_text())
+    (tmp_path / "tokens.bin.json").write_text(json.dumps({**sidecar, "vocab_size": 500}))
     assert _train_error(capsys, "--data", str(path)) == \
         f"--data {path}: holds token id 699, outside its vocab_size 500 (from {path}.json)"
     with open(path, "ab") as f:
         f.write(b"\0")
-    assert _train_error(capsys, "--data", str(path)) == f"--data {path}: size 2001 bytes is not a multiple of uint16 (2 bytes)"
+    assert _train_error(capsys, "--data", str(path)) == (
+        f"--data {path}: size 2001 bytes is not the 1,000 uint16 tokens (2000 bytes) that field 'count' of "
+        f"{path}.json records")
 
 
 def test_unwritable_out(capsys, tmp_path):
@@ -193,7 +198,7 @@ def test_token_file_sidecar_is_validated(tmp_path):
     assert corpus.vocab_size == 700 and corpus.tokens.dtype == torch.uint16
     assert torch.equal(corpus.tokens[:5].long(), torch.arange(5))
     (tmp_path / "tokens.bin.json").write_text('{"format": "tensorpar-tokens", "dtype": "float16", "vocab_size": 9}')
-    with pytest.raises(DataError, match="dtype 'float16'"):
+    with pytest.raises(DataError, match="field 'dtype' is 'float16'"):
         load_corpus(path)
 
 
