@@ -117,6 +117,36 @@ def test_token_file_ids_beyond_its_vocab_or_odd_size(capsys, tmp_path):
         f"{path}.json records")
 
 
+_MORE_THAN = r"\), more than [\d,.]+ [GTP]iB (per rank \(.* of host memory available to 2 local ranks\)|of each CUDA device): " \
+             r"choose a smaller model or batch, or a larger --tp$"
+
+
+def test_a_model_beyond_memory_is_refused_before_launch_with_the_estimate(capsys):
+    assert re.match(r"^the model \(10,000,000 layers, hidden 128, vocabulary 257\) needs an estimated 119\.5 TiB per "
+                    r"rank at --tp 2 \(parameters 3\.6 TiB, gradients 3\.6 TiB, AdamW state 7\.2 TiB, activations "
+                    r"105\.1 TiB for --micro-batch 16 x --seq-len 128" + _MORE_THAN,
+                    _train_error(capsys, "--layers", "10000000"))
+    assert re.match(r"^the model \(4 layers, hidden 1,000,000,000,000, vocabulary 257\) needs an estimated "
+                    r"333,066,907\.7 PiB per rank at --tp 2 \(parameters" + r".*" + _MORE_THAN,
+                    _train_error(capsys, "--hidden", "1000000000000"))
+
+
+def test_memory_check_compares_with_what_each_rank_has(capsys, monkeypatch, tmp_path):
+    from tensorpar.training import memory
+
+    monkeypatch.setattr(memory, "memory_per_rank", lambda local_ranks: (2**20 * local_ranks, f"{local_ranks} MiB"))
+    assert _train_error(capsys, "--nproc", "1", "--tp", "1", "--steps", "1", "--out", str(tmp_path / "run")) == (
+        "the model (4 layers, hidden 128, vocabulary 257) needs an estimated 0.1 GiB per rank at --tp 1 (parameters "
+        "0.0 GiB, gradients 0.0 GiB, AdamW state 0.0 GiB, activations 0.1 GiB for --micro-batch 16 x --seq-len 128), "
+        "more than 1 MiB: choose a smaller model or batch, or a larger --tp")
+    monkeypatch.setattr(memory, "memory_per_rank", lambda local_ranks: (8 * 2**30, "8 GiB per rank"))
+    tokens = tmp_path / "tokens.bin"  # a sidecar's vocabulary of 3e7 is 15 GB of embedding per rank at TP 2
+    write_token_file(tokens, torch.arange(1000), vocab_size=30_000_000)
+    assert _train_error(capsys, "--data", str(tokens)).startswith(
+        "the model (4 layers, hidden 128, vocabulary 30,000,000) needs an estimated 143.1 GiB per rank at --tp 2 "
+        "(parameters 7.2 GiB")
+
+
 def test_unwritable_out(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
     assert _train_error(capsys, "--out", str(tmp_path / "file" / "run")) == \

@@ -225,6 +225,7 @@ def _open_checkpoint(flag: str, path: str) -> tuple[Path, dict, dict]:
 def _check_train_args(args, world: int) -> None:
     from ..models.gpt import GPTConfig
     from .data import inspect_data, train_token_count
+    from .memory import check_memory
     from .loop import (VAL_FRACTION, build_config, check_fits, default_seq_len, hf_init_config, resolve_tokenizer,
                        settle_run)
     from . import rundir
@@ -248,6 +249,8 @@ def _check_train_args(args, world: int) -> None:
     check_fits(config, tp=args.tp, seq_len=seq_len)
     train_token_count(tokens, val_fraction=VAL_FRACTION, seq_len=seq_len, source=source)
     settle_run(args, meta=meta, dp_size=world // args.tp)
+    check_memory(config, tp=args.tp, dp=world // args.tp, seq_len=seq_len, micro_batch=args.micro_batch,
+                 dtype=args.dtype, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if _under_torchrun() else world)
     args.out = args.out or DEFAULT_OUT
     _check_writable_dir(Path(args.out), "--out")
     if not _under_torchrun():
