@@ -99,7 +99,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("data")
     data.add_argument("--data", default=None, metavar="PATH",
                       help="text file, directory of text files, or token file with a .json sidecar "
-                           "(default: this Python's standard library source)")
+                           "(default: this Python's standard library source); text costs every rank 2 bytes "
+                           "per byte: write large corpora once with tensorpar prepare")
     data.add_argument("--tokenizer", default=None, metavar="DIR",
                       help="Hugging Face tokenizer directory to tokenize text --data with (default: the resumed "
                            "run's, else --init-from-hf's when it has one, else byte tokens)")
