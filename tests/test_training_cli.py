@@ -131,6 +131,26 @@ def test_a_model_beyond_memory_is_refused_before_launch_with_the_estimate(capsys
                     _train_error(capsys, "--hidden", "1000000000000"))
 
 
+def test_a_resumed_checkpoint_config_beyond_memory_is_refused(capsys, files, tmp_path):
+    import json
+    import shutil
+
+    from tensorpar.training.checkpoint import _sha256
+
+    run = tmp_path / "run"
+    shutil.copytree(files / "run", run)
+    step = run / "step_2"
+    config = json.loads((step / "config.json").read_text())
+    (step / "config.json").write_text(json.dumps({**config, "num_layers": 10_000_000}))
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["files"]["config.json"] = {"bytes": (step / "config.json").stat().st_size,
+                                        "sha256": _sha256(step / "config.json")}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    assert re.match(r"^the model \(10,000,000 layers, hidden 32, vocabulary 257\) needs an estimated [\d.]+ TiB per "
+                    r"rank at --tp 2 \(parameters" + ".*" + _MORE_THAN,
+                    _train_error(capsys, "--resume", str(run), "--steps", "4"))
+
+
 def test_memory_check_compares_with_what_each_rank_has(capsys, monkeypatch, tmp_path):
     from tensorpar.training import memory
 
