@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from tensorpar.training import checkpoint
 from tensorpar.training.cli import parse_train_args
@@ -138,6 +139,14 @@ def _damage_cases():
         (d / ".metadata").write_bytes(pickle.dumps(metadata))
         _rewrite_manifest(d)
 
+    def chunks(*rows):  # the embedding's one chunk replaced by chunks at these row offsets
+        def edit(metadata):
+            entry = metadata.state_dict_metadata["model.embedding.word.weight"]
+            height, width = entry.size
+            entry.chunks = [ChunkStorageMetadata(torch.Size([row, 0]), torch.Size([height // 2, width]))
+                            for row in rows]
+        return lambda d, _: _craft(d, edit)
+
     return [
         ("flip", lambda d, _: _flip(_shard(d)), r"__0_0\.distcp fails its SHA-256 check"),
         ("truncate", truncate, r"__0_0\.distcp is 100 bytes, the manifest says \d+ \(truncated"),
@@ -151,6 +160,10 @@ def _damage_cases():
         ("referenced-unlisted", unreferenced_manifest_gap,
          r"\.metadata refers to __0_0\.distcp, which manifest\.json does not list"),
         ("metadata-absolute", metadata_outside, r"\.metadata names the path '/etc/hostname'"),
+        # Both halves at offset 0: sizes still sum to the tensor, but half of it would keep its init.
+        ("chunks-overlap", chunks(0, 0), r"\.metadata has chunks of model\.embedding\.word\.weight that overlap "
+                                         r"\(at offsets \[0, 0\] and \[0, 0\]\); refusing to load it"),
+        ("chunks-gap", chunks(0), r"chunks of model\.embedding\.word\.weight that cover 6144 of its 12288 elements"),
     ]
 
 
@@ -340,6 +353,47 @@ def test_a_checkpoint_of_tensorpar_0_1_is_refused_naming_the_version(dp2_run, tm
     for refusal in run_on_ranks(_resume_refusal_body, 2, argv):
         assert refusal.endswith("was written by tensorpar 0.1, which stored RNG states as pickled entries; "
                                 "this version loads only checkpoints written by tensorpar 0.2 or later"), refusal
+
+
+def _set(name, field, value):
+    def edit(data):
+        *parents, last = field.split(".")
+        for parent in parents:
+            data = data[parent]
+        data[last] = value
+    return name, edit
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    (*_set("meta.json", "step", -5), "field 'step' is -5; expected an integer >= 0"),
+    (*_set("meta.json", "step", 3), "field 'step' is 3, but the directory is step_2"),
+    (*_set("meta.json", "ranks", 1_000_000_000), "field 'ranks' is 1000000000; expected an integer in [1, 65536]"),
+    (*_set("meta.json", "ranks", 2), "field 'ranks' is 2, but field 'world' is TP 1 x DP 1"),
+    (*_set("meta.json", "schedule.lr", "fast"), "field 'schedule.lr' is 'fast'; expected a finite number > 0"),
+    (*_set("meta.json", "world", [1, 1]), "field 'world' is a JSON list, expected an object"),
+    (*_set("meta.json", "dtype", "fp8"), "field 'dtype' is 'fp8'; expected one of ['fp32', 'bf16']"),
+    (*_set("config.json", "params_dtype", "load"),
+     "field 'params_dtype' is 'load'; expected one of ['float32', 'bfloat16', 'float16']"),
+    (*_set("config.json", "num_layers", "4"), "field 'num_layers' is '4'; expected an integer >= 1"),
+    (*_set("config.json", "num_heads", 5), "hidden_size (32) is not divisible by num_heads (5)"),
+    (*_set("config.json", "rope_scaling", {"factor": [8]}),
+     "field 'rope_scaling' is {'factor': [8]}; expected an object of strings and numbers or null"),
+    (*_set("config.json", "shell", "rm -rf"), "field 'shell' is not one of ["),
+])
+def test_config_and_meta_are_checked_before_launch_naming_file_and_field(ckpt_run, tmp_path, capsys, name,
+                                                                       edit, message):
+    from tensorpar.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(ckpt_run, run)
+    path = run / "step_2" / name
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    _rewrite_manifest(run / "step_2")
+    assert main(["train", "--resume", str(run), "--steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tensorpar train: error: --resume: {path}: {message}") and err.count("\n") == 1, err
 
 
 _FORBIDDEN_LOADS = {("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"), ("marshal", "loads"),

@@ -108,14 +108,69 @@ def test_data_too_short_missing_or_empty(capsys, tmp_path):
 
 
 def test_token_file_ids_beyond_its_vocab_or_odd_size(capsys, tmp_path):
+    import json
+
     path = tmp_path / "tokens.bin"
     write_token_file(path, torch.arange(1000) % 700, vocab_size=700)
-    (tmp_path / "tokens.bin.json").write_text('{"format": "tensorpar-tokens", "dtype": "uint16", "vocab_size": 500}')
+    sidecar = json.loads((tmp_path / "tokens.bin.json").read_text())
+    (tmp_path / "tokens.bin.json").write_text(json.dumps({**sidecar, "vocab_size": 500}))
     assert _train_error(capsys, "--data", str(path)) == \
         f"--data {path}: holds token id 699, outside its vocab_size 500 (from {path}.json)"
     with open(path, "ab") as f:
         f.write(b"\0")
-    assert _train_error(capsys, "--data", str(path)) == f"--data {path}: size 2001 bytes is not a multiple of uint16 (2 bytes)"
+    assert _train_error(capsys, "--data", str(path)) == (
+        f"--data {path}: size 2001 bytes is not the 1,000 uint16 tokens (2000 bytes) that field 'count' of "
+        f"{path}.json records")
+
+
+_MORE_THAN = r"\), more than [\d,.]+ [GTP]iB (per rank \(.* of host memory available to 2 local ranks\)|of each CUDA device): " \
+             r"choose a smaller model or batch, or a larger --tp$"
+
+
+def test_a_model_beyond_memory_is_refused_before_launch_with_the_estimate(capsys):
+    assert re.match(r"^the model \(10,000,000 layers, hidden 128, vocabulary 257\) needs an estimated 119\.5 TiB per "
+                    r"rank at --tp 2 \(parameters 3\.6 TiB, gradients 3\.6 TiB, AdamW state 7\.2 TiB, activations "
+                    r"105\.1 TiB for --micro-batch 16 x --seq-len 128" + _MORE_THAN,
+                    _train_error(capsys, "--layers", "10000000"))
+    assert re.match(r"^the model \(4 layers, hidden 1,000,000,000,000, vocabulary 257\) needs an estimated "
+                    r"333,066,907\.7 PiB per rank at --tp 2 \(parameters" + r".*" + _MORE_THAN,
+                    _train_error(capsys, "--hidden", "1000000000000"))
+
+
+def test_a_resumed_checkpoint_config_beyond_memory_is_refused(capsys, files, tmp_path):
+    import json
+    import shutil
+
+    from tensorpar.training.checkpoint import _sha256
+
+    run = tmp_path / "run"
+    shutil.copytree(files / "run", run)
+    step = run / "step_2"
+    config = json.loads((step / "config.json").read_text())
+    (step / "config.json").write_text(json.dumps({**config, "num_layers": 10_000_000}))
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["files"]["config.json"] = {"bytes": (step / "config.json").stat().st_size,
+                                        "sha256": _sha256(step / "config.json")}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    assert re.match(r"^the model \(10,000,000 layers, hidden 32, vocabulary 257\) needs an estimated [\d.]+ TiB per "
+                    r"rank at --tp 2 \(parameters" + ".*" + _MORE_THAN,
+                    _train_error(capsys, "--resume", str(run), "--steps", "4"))
+
+
+def test_memory_check_compares_with_what_each_rank_has(capsys, monkeypatch, tmp_path):
+    from tensorpar.training import memory
+
+    monkeypatch.setattr(memory, "memory_per_rank", lambda local_ranks: (2**20 * local_ranks, f"{local_ranks} MiB"))
+    assert _train_error(capsys, "--nproc", "1", "--tp", "1", "--steps", "1", "--out", str(tmp_path / "run")) == (
+        "the model (4 layers, hidden 128, vocabulary 257) needs an estimated 0.1 GiB per rank at --tp 1 (parameters "
+        "0.0 GiB, gradients 0.0 GiB, AdamW state 0.0 GiB, activations 0.1 GiB for --micro-batch 16 x --seq-len 128), "
+        "more than 1 MiB: choose a smaller model or batch, or a larger --tp")
+    monkeypatch.setattr(memory, "memory_per_rank", lambda local_ranks: (8 * 2**30, "8 GiB per rank"))
+    tokens = tmp_path / "tokens.bin"  # a sidecar's vocabulary of 3e7 is 15 GB of embedding per rank at TP 2
+    write_token_file(tokens, torch.arange(1000), vocab_size=30_000_000)
+    assert _train_error(capsys, "--data", str(tokens)).startswith(
+        "the model (4 layers, hidden 128, vocabulary 30,000,000) needs an estimated 143.1 GiB per rank at --tp 2 "
+        "(parameters 7.2 GiB")
 
 
 def test_unwritable_out(capsys, tmp_path):
@@ -204,7 +259,7 @@ def test_token_file_sidecar_is_validated(tmp_path):
     assert corpus.vocab_size == 700 and corpus.tokens.dtype == torch.uint16
     assert torch.equal(corpus.tokens[:5].long(), torch.arange(5))
     (tmp_path / "tokens.bin.json").write_text('{"format": "tensorpar-tokens", "dtype": "float16", "vocab_size": 9}')
-    with pytest.raises(DataError, match="dtype 'float16'"):
+    with pytest.raises(DataError, match="field 'dtype' is 'float16'"):
         load_corpus(path)
 
 

@@ -59,6 +59,7 @@ from .. import comm
 from ..errors import UsageError
 from ..random import get_rng_tracker
 from .rundir import check_dir, write_file
+from .schema import SchemaError, check_config, check_meta
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -67,7 +68,6 @@ META = "meta.json"
 DCP_METADATA = ".metadata"
 TOKENIZER = "tokenizer"  # the run's Hugging Face tokenizer, copied into each checkpoint
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_RNG_NAME = re.compile(r"^(cpu|cuda|tracker\.[\w.-]+)$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -413,9 +413,27 @@ def verify(ckpt: Path, *, rank: int = 0, world: int = 1) -> None:
 
 
 def read_json(ckpt: Path) -> tuple[dict, dict]:
-    """(config, meta) of a checkpoint; meta's ``tokenizer``, if the checkpoint holds it, as an absolute path."""
-    config, meta = json.loads((ckpt / CONFIG).read_text()), json.loads((ckpt / META).read_text())
-    if isinstance(meta, dict) and meta.get("tokenizer") == TOKENIZER and (ckpt / TOKENIZER).is_dir():
+    """(config, meta) of a checkpoint, each checked against its schema (:mod:`.schema`: types,
+    ranges, the parallel sizes bounded) and refused naming the file and field; meta's
+    ``tokenizer``, if the checkpoint holds it, as an absolute path."""
+    contents = []
+    for name in (CONFIG, META):
+        try:
+            contents.append(json.loads((ckpt / name).read_text()))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{ckpt / name}: not JSON ({exc})") from None
+    config, meta = contents
+    if isinstance(meta, dict) and "ranks" not in meta and "rng" not in meta:
+        raise CheckpointError(f"checkpoint {ckpt} was written by tensorpar 0.1, which stored RNG states as "
+                              "pickled entries; this version loads only checkpoints written by tensorpar 0.2 "
+                              "or later")
+    step = _STEP_DIR.match(ckpt.name)
+    try:
+        check_config(ckpt / CONFIG, config)
+        check_meta(ckpt / META, meta, step=int(step.group(1)) if step else None)
+    except SchemaError as exc:
+        raise CheckpointError(str(exc)) from None
+    if meta.get("tokenizer") == TOKENIZER and (ckpt / TOKENIZER).is_dir():
         meta["tokenizer"] = str((ckpt / TOKENIZER).resolve())
     return config, meta
 
@@ -462,10 +480,35 @@ def _is_ints(value, *, length: int | None = None) -> bool:
             and all(type(v) is int and v >= 0 for v in value))
 
 
+def _tiling_problem(entry: TensorStorageMetadata) -> str | None:
+    """Why ``entry``'s chunks (each inside the tensor) do not tile it exactly, or None.
+
+    Disjoint chunks whose sizes sum to the tensor's cover it. The sweep runs along the dimension
+    with the most distinct offsets (the sharded one), so a TP checkpoint costs O(n log n).
+    """
+    covered = sum(torch.Size(chunk.sizes).numel() for chunk in entry.chunks)
+    total = torch.Size(entry.size).numel()
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks if all(c.sizes)]
+    if boxes and entry.size:
+        ndim = len(entry.size)
+        dim = max(range(ndim), key=lambda d: len({offsets[d] for offsets, _ in boxes}))
+        boxes.sort(key=lambda box: box[0][dim])
+        open_boxes: list[tuple[tuple, tuple]] = []
+        for offsets, sizes in boxes:
+            open_boxes = [(o, s) for o, s in open_boxes if o[dim] + s[dim] > offsets[dim]]
+            for o, s in open_boxes:
+                if all(o[d] < offsets[d] + sizes[d] and offsets[d] < o[d] + s[d] for d in range(ndim)):
+                    return f"overlap (at offsets {list(o)} and {list(offsets)})"
+            open_boxes.append((offsets, sizes))
+    if covered != total:
+        return f"cover {covered} of its {total} elements"
+    return None
+
+
 def read_metadata(ckpt: Path, *, listed: set[str]) -> Metadata:
     """DCP's ``.metadata`` of ``ckpt`` through :class:`_MetadataUnpickler`, its structure checked:
-    only tensor or bytes entries, chunks inside their tensors, and data files that are plain
-    paths listed in the manifest (``listed``)."""
+    only tensor or bytes entries, chunks that tile their tensors exactly (inside, disjoint,
+    covering), and data files that are plain paths listed in the manifest (``listed``)."""
     try:
         with open(ckpt / DCP_METADATA, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -494,6 +537,9 @@ def read_metadata(ckpt: Path, *, listed: set[str]) -> Metadata:
                         and _is_ints(chunk.sizes, length=len(entry.size))
                         and all(o + n <= s for o, n, s in zip(chunk.offsets, chunk.sizes, entry.size))):
                     refuse(f"has a chunk of {key} outside its shape {list(entry.size)}")
+            problem = _tiling_problem(entry)
+            if problem is not None:
+                refuse(f"has chunks of {key} that {problem}")
     for index, info in metadata.storage_data.items():
         if not (isinstance(index, MetadataIndex) and index.fqn in metadata.state_dict_metadata
                 and isinstance(info, _StorageInfo) and type(info.offset) is int and info.offset >= 0
@@ -511,7 +557,7 @@ def _spec(value: torch.Tensor) -> tuple[torch.dtype, list[int]]:
     return value.dtype, list(value.shape)  # a DTensor's shape is its global shape
 
 
-def _expected_entries(model, meta: dict, ckpt: Path, tp_group) -> dict[str, tuple[torch.dtype, list[int]]]:
+def _expected_entries(model, meta: dict, tp_group) -> dict[str, tuple[torch.dtype, list[int]]]:
     """Every entry the checkpoint must hold: model, optimizer and every saving rank's RNG states."""
     model_state = build_state_dict(model, None, tp_group=tp_group, with_rng=False)
     expected = {}
@@ -521,16 +567,8 @@ def _expected_entries(model, meta: dict, ckpt: Path, tp_group) -> dict[str, tupl
         expected[f"optim.{name}.step"] = (torch.float32, [])
         for moment in _ADAM_MOMENTS:
             expected[f"optim.{name}.{moment}"] = _spec(value)
-    ranks, rng = meta.get("ranks"), meta.get("rng")
-    if ranks is None and rng is None:
-        raise CheckpointError(f"checkpoint {ckpt} was written by tensorpar 0.1, which stored RNG states as "
-                              "pickled entries; this version loads only checkpoints written by tensorpar 0.2 "
-                              "or later")
-    if not (type(ranks) is int and ranks > 0 and isinstance(rng, dict)
-            and all(isinstance(k, str) and _RNG_NAME.match(k) and _is_ints(v) for k, v in rng.items())):
-        raise CheckpointError(f"checkpoint {ckpt}: {META} lacks a valid 'ranks' and 'rng' description")
-    for rank in range(ranks):
-        for name, shape in rng.items():
+    for rank in range(meta["ranks"]):  # meta.json was checked against its schema
+        for name, shape in meta["rng"].items():
             expected[f"rng.rank{rank}.{name}"] = (torch.uint8, list(shape))
     return expected
 
@@ -551,9 +589,6 @@ def _mismatch(stored: dict, expected: dict) -> str | None:
             return f"stores {key} as {entry.properties.dtype}, expected {dtype}"
         if list(entry.size) != shape:
             return f"stores {key} with shape {list(entry.size)}, expected {shape}"
-        covered = sum(torch.Size(chunk.sizes).numel() for chunk in entry.chunks)
-        if covered != torch.Size(shape).numel():
-            return f"has chunks of {key} covering {covered} of its {torch.Size(shape).numel()} elements"
     return None
 
 
@@ -591,7 +626,7 @@ def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
     metadata, error = None, None
     try:
         meta = read_json(ckpt)[1]
-        expected = _expected_entries(model, meta, ckpt, tp_group)
+        expected = _expected_entries(model, meta, tp_group)
         if restore_rng and meta["rng"] != _rng_spec():
             raise CheckpointError(f"checkpoint {ckpt}: its RNG states {sorted(meta['rng'])} are not "
                                   f"this process's {sorted(_rng_spec())}")

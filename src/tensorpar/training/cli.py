@@ -108,7 +108,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("data")
     data.add_argument("--data", default=None, metavar="PATH",
                       help="text file, directory of text files, or token file with a .json sidecar "
-                           "(default: this Python's standard library source)")
+                           "(default: this Python's standard library source); text costs every rank 2 bytes "
+                           "per byte: write large corpora once with tensorpar prepare")
     data.add_argument("--tokenizer", default=None, metavar="DIR",
                       help="Hugging Face tokenizer directory to tokenize text --data with (default: the resumed "
                            "run's, else --init-from-hf's when it has one, else byte tokens)")
@@ -241,6 +242,7 @@ def _open_checkpoint(flag: str, path: str) -> tuple[Path, dict, dict]:
 def _check_train_args(args, world: int) -> None:
     from ..models.gpt import GPTConfig
     from .data import inspect_data, train_token_count
+    from .memory import check_memory
     from .loop import (VAL_FRACTION, build_config, check_fits, default_seq_len, hf_init_config, resolve_tokenizer,
                        settle_run)
     from .resume import continue_settings
@@ -271,6 +273,8 @@ def _check_train_args(args, world: int) -> None:
     check_fits(config, tp=args.tp, seq_len=seq_len)
     train_token_count(tokens, val_fraction=VAL_FRACTION, seq_len=seq_len, source=source)
     settle_run(args, meta=meta, dp_size=world // args.tp)
+    check_memory(config, tp=args.tp, dp=world // args.tp, seq_len=seq_len, micro_batch=args.micro_batch,
+                 dtype=args.dtype, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if _under_torchrun() else world)
     args.out = args.out or DEFAULT_OUT
     _check_writable_dir(Path(args.out), "--out")
     if not _under_torchrun():

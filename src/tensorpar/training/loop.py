@@ -31,6 +31,7 @@ from . import checkpoint, rundir
 from .data import BatchSampler, load_corpus
 from .progress import Progress
 from .resume import RUN_SETTINGS, continue_settings, data_path, resume_header
+from .schema import PARAMS_DTYPES
 
 VAL_FRACTION = 0.05
 DEFAULT_SEQ_LEN = 128
@@ -60,7 +61,7 @@ def config_to_json(config: GPTConfig) -> dict:
 
 def config_from_json(data: dict) -> GPTConfig:
     data = dict(data)
-    data["params_dtype"] = getattr(torch, data.get("params_dtype", "float32"))
+    data["params_dtype"] = PARAMS_DTYPES[data.get("params_dtype", "float32")]
     known = {f.name for f in dataclasses.fields(GPTConfig)}
     unknown = sorted(set(data) - known)
     if unknown:
