@@ -96,7 +96,7 @@ def _launch_dgrad(grad_output, weight, *, allreduce_dgrad, sequence_parallel, ou
     """dgrad ``grad_output @ W`` with its TP communication started.
 
     Returns ``(handle, gathered)``: ``handle.wait()`` gives the input grad; ``gathered`` is the
-    row layer's chunk-gathered output grad under SP (``keep_gathered``), for its wgrad.
+    row layer's all-gathered output grad under SP (``keep_gathered``, sequence order), for its wgrad.
     The column's dgrad reduction (all-reduce, or reduce-scatter under SP) is chunked against
     the dgrad GEMM with ``overlap_chunks > 1``; the row layer's SP output-grad all-gather
     (``output_reduction == "reduce_scatter"``) too.
@@ -188,31 +188,6 @@ def compute_weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_ou
     return grad_output_2d.t().matmul(input_2d)
 
 
-def _weight_grad_from_row_blocks(weight: torch.Tensor, input_: torch.Tensor, gathered: list[torch.Tensor],
-                                 *, gradient_accumulation_fusion: bool):
-    """wgrad of the row layer under chunked SP: summed over the chunk-gathered output grads.
-
-    ``gathered[i]`` is ``[TP, rows_i, ...]``: chunk ``i`` of every rank's sequence slice, whose
-    inputs are the matching rows of ``input_`` (``[s, ...]`` in sequence order).
-    """
-    n = gathered[0].shape[0]
-    input_by_rank = input_.view(n, input_.shape[0] // n, *input_.shape[1:])
-    grad_weight, start = None, 0
-    for chunk in gathered:
-        size = chunk.shape[1]
-        for rank in range(n):
-            g, x = _flatten(chunk[rank]), _flatten(input_by_rank[rank, start:start + size])
-            if gradient_accumulation_fusion:
-                _accumulate_wgrad_into_main_grad(weight, g, x)
-            elif grad_weight is None:
-                grad_weight = g.t().matmul(x)
-            else:
-                grad_weight.addmm_(g.t(), x)
-        start += size
-    # One placeholder for the whole sum (Megatron's protocol), not one per block.
-    return _weight_grad_placeholder(weight) if gradient_accumulation_fusion else grad_weight
-
-
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """``y = x W^T + b`` with TP communication folded in (seed 000, section 4).
 
@@ -257,12 +232,12 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_weight = None
         if defer_wgrad:
             buffer.append(grad_output)
-        elif gathered_grad is not None:
-            grad_weight = _weight_grad_from_row_blocks(
-                weight, total_input, gathered_grad, gradient_accumulation_fusion=ctx.gradient_accumulation_fusion)
         elif wgrad_needed:
             # Runs while the dgrad reduction is in flight: the overlap this function exists for.
-            grad_weight = compute_weight_grad(weight, total_input, grad_output,
+            # The row layer's chunked SP backward gathered the output grad in sequence order: one
+            # GEMM over all its rows, as unchunked.
+            grad_weight = compute_weight_grad(weight, total_input,
+                                              grad_output if gathered_grad is None else gathered_grad,
                                               gradient_accumulation_fusion=ctx.gradient_accumulation_fusion)
         grad_bias = _flatten(grad_output).sum(dim=0) if ctx.use_bias else None
         grad_input = reduction.wait()
