@@ -37,7 +37,7 @@ from .mappings import (
     scatter_to_tensor_model_parallel_region,
     start_reduction_from_tensor_model_parallel_region,
 )
-from .overlap import all_gather_matmul, calibrated_link, matmul_reduce
+from .overlap import all_gather_matmul, matmul_reduce
 from .parallel_state import default_device, resolve_tp_group
 
 def _compute_dtype(input_: torch.Tensor) -> torch.dtype:
@@ -423,15 +423,17 @@ class _ParallelLinear(nn.Module):
 
     def _chunks(self, input_, *, op: str, rows: int, tokens: int, comm_width: int, gemm_flops: float) -> int:
         """This forward's chunk count: the fixed ``overlap``, or the one ``"auto"`` predicts fastest
-        for a collective ``op`` of ``[tokens, comm_width]`` against a GEMM of ``gemm_flops``."""
+        for a collective ``op`` of ``[tokens, comm_width]`` against a GEMM of ``gemm_flops``, on
+        the link model :func:`tensorpar.calibrate_overlap` measured."""
         if self.overlap != "auto":
             return self.overlap
         if self.tp_size == 1:
             return 1
-        dtype = _compute_dtype(input_)
-        link = calibrated_link(self.tp_group, input_.device, dtype)
-        nbytes = tokens * comm_width * torch.empty((), dtype=dtype).element_size()
-        return link.best_chunks(gemm_flops, comm.bytes_sent_per_rank(op, nbytes, self.tp_size), rows)
+        if self.overlap_link is None:
+            raise RuntimeError(f"{type(self).__name__}: overlap='auto' needs a link model: call "
+                               "tp.calibrate_overlap(model, tokens=...) on every rank before the first forward")
+        nbytes = tokens * comm_width * _compute_dtype(input_).itemsize
+        return self.overlap_link.best_chunks(gemm_flops, comm.bytes_sent_per_rank(op, nbytes, self.tp_size), rows)
 
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, tp_size={self.tp_size}, "
@@ -451,9 +453,9 @@ class ColumnParallelLinear(_ParallelLinear):
     at all (the MoE token dispatcher owns it). ``skip_weight_param_allocation`` allocates no
     weight: every forward passes one (an LM head tied to the embedding). ``defer_wgrad_compute`` keeps inputs and output grads so that
     :meth:`compute_deferred_wgrads` can run the wgrad GEMMs later (after the rest of backward).
-    ``overlap`` (``"off"``, a number of chunks, or ``"auto"``: chosen per forward from a link
-    model calibrated once per process) splits the SP input all-gather and the dgrad reduction
-    into chunks, each in flight while the next chunk's GEMM runs (:mod:`tensorpar.overlap`).
+    ``overlap`` (``"off"``, a number of chunks, or ``"auto"``: chosen per forward from the link
+    model of :func:`tensorpar.calibrate_overlap`) splits the SP input all-gather and the dgrad
+    reduction into chunks, each in flight while the next chunk's GEMM runs (:mod:`tensorpar.overlap`).
 
     Example::
 
@@ -486,6 +488,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.defer_wgrad_compute = defer_wgrad_compute
         self.wgrad_deferral_limit = wgrad_deferral_limit
         self.overlap = _resolve_overlap(overlap, "ColumnParallelLinear")
+        self.overlap_link = None  # set by tensorpar.calibrate_overlap
         self.activation_buffer: list[torch.Tensor] = []
         self.grad_output_buffer: list[torch.Tensor] = []
 
@@ -584,6 +587,7 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = input_is_parallel
         self.explicit_expert_comm = is_expert and self.tp_size > 1
         self.overlap = _resolve_overlap(overlap, "RowParallelLinear")
+        self.overlap_link = None  # set by tensorpar.calibrate_overlap
         if self.bias is not None and self.sequence_parallel:
             self.bias.sequence_parallel = True
 

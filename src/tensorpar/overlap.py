@@ -26,9 +26,9 @@ on the issuing stream, keeps their tensors alive until completion, and ``wait()`
 issuing stream wait for them; every handle here is waited before its buffer is read or handed
 back, and scratch buffers are named per pipeline, so no buffer is reused while in flight.
 
-``overlap="auto"`` picks the chunk count per layer from :class:`LinkModel` (latency, bandwidth,
-GEMM rate and how much a GEMM and a collective really overlap), measured once per process by
-:func:`calibrated_link`.
+``overlap="auto"`` picks the chunk count per layer from a link model
+(:class:`tensorpar.comm_model.LinkModel`) whose figures :func:`measure_link` measures, once,
+when :func:`tensorpar.calibrate_overlap` is called.
 
 :func:`interleave` works one level up (Domino, Wang et al. 2024): it splits a micro-batch into
 independent parts and interleaves them, so one part's collectives are in flight while another
@@ -41,65 +41,14 @@ Example (the SP column forward, 4 chunks)::
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
 from . import comm
 from .buffers import get_global_memory_buffer
-
-CHUNK_CHOICES = (1, 2, 4, 8)
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkModel:
-    """What ``overlap="auto"`` decides with: a collective costs ``latency_s`` plus the bytes a
-    rank sends over ``bytes_per_s``; a GEMM runs at ``flops_per_s``; ``overlap`` is the share
-    of the shorter of a GEMM and a concurrent collective that is actually hidden (near 1 where
-    communication has its own engine, as NCCL on a GPU; lower where it takes CPU time from the
-    GEMM, as gloo on a busy CPU)."""
-
-    latency_s: float
-    bytes_per_s: float
-    flops_per_s: float
-    overlap: float
-
-    def pipeline_time(self, flops: float, bytes_sent: float, chunks: int) -> float:
-        """Seconds for a GEMM of ``flops`` and its collective sending ``bytes_sent``, in ``chunks``."""
-        gemm = flops / self.flops_per_s / chunks
-        link = self.latency_s + bytes_sent / chunks / self.bytes_per_s
-        return gemm + link + (chunks - 1) * (gemm + link - self.overlap * min(gemm, link))
-
-    def exposed_comm_time(self, flops: float, bytes_sent: float, chunks: int) -> float:
-        """The part of :meth:`pipeline_time` the GEMM alone would not take."""
-        return self.pipeline_time(flops, bytes_sent, chunks) - flops / self.flops_per_s
-
-    def best_chunks(self, flops: float, bytes_sent: float, rows: int) -> int:
-        """The chunk count (of :data:`CHUNK_CHOICES`, at most ``rows``) with the shortest pipeline;
-        the fewest chunks among equals."""
-        options = [k for k in CHUNK_CHOICES if k <= max(rows, 1)]
-        return min(options, key=lambda k: (self.pipeline_time(flops, bytes_sent, k), k))
-
-
-_CALIBRATIONS: dict[tuple, LinkModel] = {}
-
-
-def calibrated_link(group, device: torch.device, dtype: torch.dtype) -> LinkModel:
-    """A :class:`LinkModel` measured on ``group`` once per process (about 0.1 s): collective.
-
-    Every rank of ``group`` must call it at the same point (the first ``overlap="auto"``
-    forward does). Each figure is the worst over the ranks, so all ranks decide alike. The
-    calibration's collectives go straight to torch.distributed: no ledger records them.
-    """
-    key = (tuple(dist.get_process_group_ranks(group)), device.type, device.index, dtype)
-    if key not in _CALIBRATIONS:
-        _CALIBRATIONS[key] = _calibrate(group, device, dtype)
-    return _CALIBRATIONS[key]
-
 
 def _seconds(fn, device: torch.device, reps: int = 5) -> float:
     """Median seconds of ``fn()`` after one warm-up call."""
@@ -117,18 +66,28 @@ def _seconds(fn, device: torch.device, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def _calibrate(group, device: torch.device, dtype: torch.dtype) -> LinkModel:
+def measure_link(group, *, device: torch.device, dtype: torch.dtype, rows: int, gemm: tuple[int, int],
+                 comm_elements: int) -> dict[str, float]:
+    """Measure on ``group`` what a chunk count is chosen from: collective (every rank of ``group``).
+
+    Times a ``[rows, gemm[0]] @ gemm`` GEMM, a one-element all-reduce (latency), an all-reduce of
+    ``comm_elements`` (bandwidth) and both at once (how much of the shorter one hides); with a
+    layer's real shapes, so that neither is launch-bound where the layer is not. Every figure is
+    the worst over the ranks, so all ranks decide alike. Returns :class:`tensorpar.comm_model.LinkModel`'s
+    fields. Its collectives go through :mod:`tensorpar.comm` (a ``CommLedger`` records them).
+    """
     n = comm.group_size(group)
-    a, b = torch.randn(256, 512, dtype=dtype, device=device), torch.randn(512, 512, dtype=dtype, device=device)
-    small, big = torch.zeros(1, dtype=dtype, device=device), torch.zeros(1 << 18, dtype=dtype, device=device)
+    a = torch.randn(rows, gemm[0], dtype=dtype, device=device)
+    b = torch.randn(*gemm, dtype=dtype, device=device)
+    small, big = torch.zeros(1, dtype=dtype, device=device), torch.zeros(comm_elements, dtype=dtype, device=device)
     gemm_s = _seconds(lambda: a @ b, device)
-    latency_s = _seconds(lambda: dist.all_reduce(small, group=group), device)
-    big_s = _seconds(lambda: dist.all_reduce(big, group=group), device)
+    latency_s = _seconds(lambda: comm.all_reduce(small, group), device)
+    big_s = _seconds(lambda: comm.all_reduce(big, group), device)
     big_sent = comm.bytes_sent_per_rank("all_reduce", big.numel() * big.element_size(), n)
     gemms = max(1, round(big_s / gemm_s))  # about as long as the big all-reduce
 
     def both():
-        work = dist.all_reduce(big, group=group, async_op=True)
+        work = comm.all_reduce(big, group, async_op=True)
         for _ in range(gemms):
             a @ b
         work.wait()
@@ -136,11 +95,11 @@ def _calibrate(group, device: torch.device, dtype: torch.dtype) -> LinkModel:
     hidden = gemms * gemm_s + big_s - _seconds(both, device)
     overlap = min(1.0, max(0.0, hidden / min(gemms * gemm_s, big_s)))
     # Worst case over the ranks (max of times, min of overlap): one decision everywhere.
-    worst = torch.tensor([latency_s, max(big_s - latency_s, 1e-9) / big_sent, gemm_s, -overlap], dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    latency_s, seconds_per_byte, gemm_s, overlap = worst.tolist()
-    return LinkModel(latency_s=latency_s, bytes_per_s=1 / seconds_per_byte,
-                     flops_per_s=2 * 256 * 512 * 512 / gemm_s, overlap=-overlap)
+    worst = comm.scalars([latency_s, max(big_s - latency_s, 1e-9) / big_sent, gemm_s, -overlap], group,
+                         dtype=torch.float64)
+    latency_s, seconds_per_byte, gemm_s, overlap = comm.all_reduce(worst, group, op="max").tolist()
+    return dict(latency_s=latency_s, bytes_per_s=1 / seconds_per_byte,
+                flops_per_s=2 * rows * gemm[0] * gemm[1] / gemm_s, overlap=-overlap)
 
 
 def chunk_sizes(rows: int, chunks: int) -> list[int]:
