@@ -180,3 +180,24 @@ def test_parameter_count_is_the_unpadded_models_at_every_tp_size():
     assert tp1 == numel - (padded - 257) * 128  # the tied embedding's padding rows are not parameters
     assert [r[0] for r in run_on_ranks(_count_body, 2, 2)] == [tp1, tp1]
     assert [r[0] for r in run_on_ranks(_count_body, 4, 4)] == [tp1] * 4
+
+
+def _generate_body(argv):
+    import argparse
+
+    from tensorpar.training.cli import register
+    from tensorpar.training.inference import generate
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return generate(parser.parse_args(["generate", *argv]))
+
+
+def test_train_and_generate_calibrate_overlap_auto(tmp_path):
+    """overlap="auto" needs tp.calibrate_overlap before a forward: train does it, and generate
+    does it for a checkpoint trained so (overlap is saved in its config)."""
+    losses, _ = _train(2, 2, 2, tmp_path / "run", "--steps", "2", "--sp", "--overlap", "auto")
+    assert list(losses) == [1, 2]
+    texts = run_on_ranks(_generate_body, 2, ["--checkpoint", str(tmp_path / "run"), "--tp", "2",
+                                             "--prompt", "def ", "--max-new-tokens", "3"])
+    assert texts[0] == texts[1] and texts[0].startswith("def ")

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state as ps
+from ..comm_model import calibrate_overlap
 from ..errors import UsageError
 from ..models.gpt import GPT
 from . import checkpoint
@@ -67,6 +68,7 @@ def generate(args) -> str:
     model, meta = load_model(args.checkpoint, tp_group=ps.get_tensor_model_parallel_group())
     prompt = encode_prompt(args.prompt, tokenizer=meta.get("tokenizer"), vocab_size=model.config.vocab_size)
     hf_tokenizer = run_tokenizer(meta)
+    calibrate_overlap(model, tokens=prompt.numel())  # for a checkpoint trained with --overlap auto
     torch.manual_seed(args.seed)
     out = model.generate(prompt[None].to(ps.default_device()), args.max_new_tokens,
                          temperature=args.temperature, top_k=args.top_k,
