@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tensorpar as tp
 from tests.harness import run_on_ranks
@@ -503,10 +504,46 @@ def test_fused_wgrad_accumulation_probes_addmm_and_stays_exact(monkeypatch, vari
     x, grad = torch.randn(S, B, IN).bfloat16(), torch.randn(S, B, OUT).bfloat16()
     for _ in range(2):
         assert linear.compute_weight_grad(weight, x, grad, gradient_accumulation_fusion=True) is None
-    assert linear.fused_addmm_supported(torch.device("cpu")) is fused
+    assert linear.fused_addmm_supported(torch.device("cpu"), torch.bfloat16) is fused
     assert sum(out is weight.main_grad for out in calls) == (2 if fused else 0)
     exact = grad.reshape(-1, OUT).double().t() @ x.reshape(-1, IN).double()
     torch.testing.assert_close(weight.main_grad.double(), 1.0 + 2.0 ** -12 + 2 * exact, rtol=1e-6, atol=1e-5)
+
+
+class _Tf32AtGemms(TorchDispatchMode):
+    """Records, at every GEMM, whether CUDA's fp32 GEMMs may use TF32 then."""
+
+    def __init__(self):
+        super().__init__()
+        self.tf32 = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.mm):
+            self.tf32.append(torch.backends.cuda.matmul.allow_tf32)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_wgrad_fallback_multiplies_at_tf32_and_probes_each_dtype(monkeypatch, dtype):
+    """Without addmm's out_dtype kernel (CPU; CUDA torch < 2.10) the upcast operands are multiplied
+    at TF32, not at full fp32 (about 10x slower on a GPU): exact, as bf16 and fp16 values are TF32
+    numbers. The probe is asked per device type and dtype."""
+    from tensorpar import linear
+
+    probed = []
+    monkeypatch.setattr(linear, "_FUSED_ADDMM_SUPPORTED", {})
+    monkeypatch.setattr(linear, "_probe_fused_addmm", lambda device, dt: probed.append((device.type, dt)) or False)
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(OUT, IN, dtype=dtype))
+    weight.main_grad = torch.full((OUT, IN), 1.0 + 2.0 ** -12)
+    x, grad = torch.randn(S, B, IN).to(dtype), torch.randn(S, B, OUT).to(dtype)
+    tf32_before = torch.backends.cuda.matmul.allow_tf32
+    with _Tf32AtGemms() as spy:
+        linear.compute_weight_grad(weight, x, grad, gradient_accumulation_fusion=True)
+    assert spy.tf32 == [True] and torch.backends.cuda.matmul.allow_tf32 == tf32_before
+    assert probed == [("cpu", dtype)]
+    exact = grad.reshape(-1, OUT).double().t() @ x.reshape(-1, IN).double()
+    torch.testing.assert_close(weight.main_grad.double(), 1.0 + 2.0 ** -12 + exact, rtol=1e-6, atol=1e-5)
 
 
 def test_fused_weight_placeholder_grad_has_the_parameter_dtype():

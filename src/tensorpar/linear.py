@@ -15,6 +15,7 @@ Example (an MLP block)::
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -114,18 +115,18 @@ def _launch_dgrad(grad_output, weight, *, allreduce_dgrad, sequence_parallel, ou
     return reduction if reduction is not None else comm.Handle(None, grad_input), None
 
 
-# Device type -> whether ``torch.addmm(main_grad, a, b, out_dtype=fp32, out=main_grad)`` sums
-# bf16/fp16 products into an fp32 main_grad correctly. The overload exists on CUDA from torch 2.8
-# and accepts an fp32 ``self`` from 2.10; probed once per device type rather than versioned.
-_FUSED_ADDMM_SUPPORTED: dict[str, bool] = {}
+# (device type, dtype) -> whether ``torch.addmm(main_grad, a, b, out_dtype=fp32, out=main_grad)``
+# sums bf16/fp16 products into an fp32 main_grad correctly. The overload exists on CUDA from torch
+# 2.8 and accepts an fp32 ``self`` from 2.10; probed once per device type and dtype, not versioned.
+_FUSED_ADDMM_SUPPORTED: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def _probe_fused_addmm(device: torch.device) -> bool:
-    """Whether addmm's ``out_dtype`` overload accumulates low-precision products into fp32."""
-    # 1 + 2^-12 is not a bf16 number: an implementation that rounds ``self`` to the operands'
-    # dtype (or ignores it) gives a different sum.
+def _probe_fused_addmm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether addmm's ``out_dtype`` overload accumulates ``dtype`` products into fp32."""
+    # 1 + 2^-12 is neither a bf16 nor an fp16 number: an implementation that rounds ``self`` to
+    # the operands' dtype (or ignores it) gives a different sum.
     main_grad = torch.full((2, 2), 1.0 + 2.0 ** -12, dtype=torch.float32, device=device)
-    operand = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+    operand = torch.ones(2, 2, dtype=dtype, device=device)
     try:
         torch.addmm(main_grad, operand, operand, out_dtype=torch.float32, out=main_grad)
     except (TypeError, RuntimeError):  # no overload (torch < 2.8), fp32 self rejected, no kernel
@@ -133,12 +134,25 @@ def _probe_fused_addmm(device: torch.device) -> bool:
     return bool(main_grad.eq(3.0 + 2.0 ** -12).all())
 
 
-def fused_addmm_supported(device: torch.device) -> bool:
-    """Probed once per device type (one tiny GEMM and one host sync), then cached."""
-    supported = _FUSED_ADDMM_SUPPORTED.get(device.type)
+def fused_addmm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Probed once per device type and dtype (one tiny GEMM and one host sync), then cached."""
+    key = (device.type, dtype)
+    supported = _FUSED_ADDMM_SUPPORTED.get(key)
     if supported is None:
-        supported = _FUSED_ADDMM_SUPPORTED[device.type] = _probe_fused_addmm(device)
+        supported = _FUSED_ADDMM_SUPPORTED[key] = _probe_fused_addmm(device, dtype)
     return supported
+
+
+@contextlib.contextmanager
+def _tf32_matmul():
+    """fp32 GEMMs on CUDA at TF32 (no effect elsewhere). Exact for upcast bf16 or fp16 operands:
+    TF32 keeps 10 mantissa bits and fp32's exponent, and accumulates in fp32."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def _accumulate_wgrad_into_main_grad(weight: torch.Tensor, grad_output_2d: torch.Tensor,
@@ -146,16 +160,17 @@ def _accumulate_wgrad_into_main_grad(weight: torch.Tensor, grad_output_2d: torch
     """``weight.main_grad += grad_output^T @ input`` as one GEMM with accumulation.
 
     When main_grad (fp32) is wider than the activations, one GEMM accumulates the low-precision
-    products into it where the device has that kernel; otherwise the operands are upcast, so the
-    sum is the same exact fp32 either way.
+    products into it where the device has that kernel; otherwise the operands are upcast and
+    multiplied at TF32, so the sum is the same exact fp32 either way.
     """
     main_grad = weight.main_grad
     if main_grad.dtype == grad_output_2d.dtype:
         main_grad.addmm_(grad_output_2d.t(), input_2d)
-    elif fused_addmm_supported(main_grad.device):
+    elif fused_addmm_supported(main_grad.device, grad_output_2d.dtype):
         torch.addmm(main_grad, grad_output_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
     else:
-        main_grad.addmm_(grad_output_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
+        with _tf32_matmul():
+            main_grad.addmm_(grad_output_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
 
 
 def _weight_grad_placeholder(weight: torch.Tensor):
