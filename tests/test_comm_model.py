@@ -11,7 +11,7 @@ import torch
 import tensorpar as tp
 from tensorpar import cli
 from tensorpar.comm_model import CommConfig, activation_memory, collectives, overlap_plan, summarize
-from tensorpar.overlap import LinkModel
+from tensorpar.comm_model import LinkModel
 from tensorpar.comm_report import format_measured, measure_on_this_rank, record_key, scaled
 from tests.harness import run_on_ranks
 

@@ -1,7 +1,8 @@
 """Every collective tensorpar issues, and ``CommLedger``, which records them.
 
 All functions work on any device and backend (gloo on CPU, NCCL on CUDA). With a group of one
-rank they do nothing and record nothing. ``async_op=True`` returns a :class:`Handle`; call
+rank they do nothing and record nothing. A tensor made for a collective (a scalar, a timing)
+goes on :func:`collective_device` (:func:`scalars` makes one there). ``async_op=True`` returns a :class:`Handle`; call
 ``wait()`` on it before reading the result.
 
 Shapes and bytes in records are those of the *full* tensor of the collective: the gathered
@@ -155,6 +156,25 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor for a collective on ``group`` must live: the CPU under gloo, the rank's
+    current accelerator device under any other backend (NCCL refuses CPU tensors)."""
+    if dist.get_backend(group) == "gloo" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    kind = torch.accelerator.current_accelerator().type
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def scalars(values, group: dist.ProcessGroup | None = None, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``values`` (a number or a list of them) as a tensor on ``group``'s collective device.
+
+    Example::
+
+        worst = comm.all_reduce(comm.scalars([seconds], group, dtype=torch.float64), group, op="max")
+    """
+    return torch.tensor(values, dtype=dtype, device=collective_device(group))
 
 
 def check_divisible(size: int, parts: int, what: str) -> None:

@@ -7,9 +7,10 @@ training loop's post-backward all-reduces), the full tensor's shape and bytes (a
 :class:`tensorpar.CommRecord` counts them) and the bytes each rank sends under a ring
 algorithm. :func:`summarize` adds time estimates from a link model and the FLOPs of the
 step, :func:`activation_memory` the activations a GPT layer keeps per rank, and
-:func:`gpt_training_memory` the bytes one rank needs to train a GPT.
+:func:`gpt_training_memory` the bytes one rank needs to train a GPT. :class:`LinkModel` is the
+overlap cost model: the chunk count ``overlap="auto"`` picks.
 
-Pure arithmetic: nothing here touches a process group.
+Pure arithmetic, except :func:`calibrate_overlap`, which measures a link model on the TP group.
 
 Example (seed 002: one column layer, H=4096, S=2048, B=1, bf16, TP=2)::
 
@@ -25,8 +26,12 @@ import dataclasses
 import math
 
 import torch
+import torch.distributed as dist
 
-from .overlap import LinkModel, chunk_sizes
+from .comm import bytes_sent_per_rank
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .overlap import chunk_sizes, measure_link
+from .parallel_state import default_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LAYERS = ("column", "row", "mlp", "attention", "embedding", "loss", "gpt-layer", "gpt-step")
@@ -34,12 +39,37 @@ PHASES = ("forward", "recompute", "backward", "grads")
 # ``CommOp.what`` of SP's extra all-gather: the column layer saved only its input shard.
 WGRAD_REGATHER = "input re-gather for wgrad"
 
-# Bytes each rank sends, as a multiple of the full tensor, under ring algorithms.
-_RING_SEND_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-}
+CHUNK_CHOICES = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkModel:
+    """What ``overlap="auto"`` decides with: a collective costs ``latency_s`` plus the bytes a
+    rank sends over ``bytes_per_s``; a GEMM runs at ``flops_per_s``; ``overlap`` is the share
+    of the shorter of a GEMM and a concurrent collective that is actually hidden (near 1 where
+    communication has its own engine, as NCCL on a GPU; lower where it takes CPU time from the
+    GEMM, as gloo on a busy CPU)."""
+
+    latency_s: float
+    bytes_per_s: float
+    flops_per_s: float
+    overlap: float
+
+    def pipeline_time(self, flops: float, bytes_sent: float, chunks: int) -> float:
+        """Seconds for a GEMM of ``flops`` and its collective sending ``bytes_sent``, in ``chunks``."""
+        gemm = flops / self.flops_per_s / chunks
+        link = self.latency_s + bytes_sent / chunks / self.bytes_per_s
+        return gemm + link + (chunks - 1) * (gemm + link - self.overlap * min(gemm, link))
+
+    def exposed_comm_time(self, flops: float, bytes_sent: float, chunks: int) -> float:
+        """The part of :meth:`pipeline_time` the GEMM alone would not take."""
+        return self.pipeline_time(flops, bytes_sent, chunks) - flops / self.flops_per_s
+
+    def best_chunks(self, flops: float, bytes_sent: float, rows: int) -> int:
+        """The chunk count (of :data:`CHUNK_CHOICES`, at most ``rows``) with the shortest pipeline;
+        the fewest chunks among equals."""
+        options = [k for k in CHUNK_CHOICES if k <= max(rows, 1)]
+        return min(options, key=lambda k: (self.pipeline_time(flops, bytes_sent, k), k))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +167,7 @@ class CommOp:
 
     @property
     def bytes_sent_per_rank(self) -> float:
-        return self.bytes * _RING_SEND_FACTOR[self.op](self.tp)
+        return bytes_sent_per_rank(self.op, self.bytes, self.tp)
 
     def time_s(self, *, bandwidth_gbps: float, latency_us: float) -> float:
         """Ring estimate: one latency plus the bytes this rank sends over the link."""
@@ -489,3 +519,42 @@ def summarize(cfg: CommConfig, ops: list[CommOp], *, bandwidth_gbps: float, late
     totals.update(flops_per_rank=flops, compute_time_s=compute_s,
                   comm_share_of_compute=totals["time_s"] / compute_s if flops else None)
     return totals
+
+
+def calibrate_overlap(model: torch.nn.Module, *, tokens: int) -> list[LinkModel]:
+    """Measure the link model of every ``overlap="auto"`` TP linear in ``model``: collective.
+
+    Call it on every rank after building the model, before its first forward (such a layer at
+    TP > 1 refuses to run without it). ``tokens``: a forward's GEMM rows (sequence x micro-batch).
+    Layers sharing a TP group, device and compute dtype (autocast's, under autocast) share one
+    measurement with the largest one's shapes, and pick their chunk count per forward from it.
+    A ``CommLedger`` sees its collectives. Returns the link models measured.
+
+    Example::
+
+        model = models.GPT(config)                       # config.overlap == "auto"
+        tp.calibrate_overlap(model, tokens=seq_len * micro_batch)
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"calibrate_overlap: tokens must be a positive int, got {tokens!r}")
+    by_key: dict[tuple, list] = {}
+    for layer in model.modules():
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) and layer.overlap == "auto" \
+                and layer.tp_size > 1:
+            weight = layer.weight if layer.weight is not None else torch.empty(0, device=default_device())
+            autocast = torch.is_autocast_enabled(weight.device.type)
+            dtype = torch.get_autocast_dtype(weight.device.type) if autocast else weight.dtype
+            key = (tuple(dist.get_process_group_ranks(layer.tp_group)), weight.device, dtype)
+            by_key.setdefault(key, []).append(layer)
+    links = []
+    for (_, device, dtype), layers in by_key.items():
+        largest = max(layers, key=lambda layer: math.prod(layer.weight_shape))
+        out_features, in_features = largest.weight_shape
+        # The collective a layer chunks: its input's width (column), its output's (row).
+        width = largest.input_size if isinstance(largest, ColumnParallelLinear) else largest.output_size
+        link = LinkModel(**measure_link(largest.tp_group, device=device, dtype=dtype, rows=tokens,
+                                        gemm=(in_features, out_features), comm_elements=tokens * width))
+        for layer in layers:
+            layer.overlap_link = link
+        links.append(link)
+    return links

@@ -226,7 +226,7 @@ def get_grad_norm(params, *, tp_group=None) -> torch.Tensor:
     if grads:
         square = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
     else:
-        square = torch.zeros((), dtype=torch.float32)
+        square = torch.zeros((), dtype=torch.float32, device=comm.collective_device(group))
     comm.all_reduce(square, group)
     return square.sqrt()
 

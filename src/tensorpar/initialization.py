@@ -95,7 +95,7 @@ def init_weight_shard(weight: torch.Tensor, init_method: InitMethod, *, partitio
     """
     tp_size = 1 if tp_group is None else comm.group_size(tp_group)
     tp_rank = 0 if tp_group is None else comm.group_rank(tp_group)
-    base = int(torch.randint(0, 1 << 62, (1,)).item())
+    base = int(torch.randint(0, 1 << 62, (1,), device="cpu").item())
     shard = weight.movedim(partition_dim, 0)
     local_rows = shard.shape[0]
     full_rows = local_rows * tp_size

@@ -15,6 +15,7 @@ Example (an MLP block)::
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -37,7 +38,7 @@ from .mappings import (
     scatter_to_tensor_model_parallel_region,
     start_reduction_from_tensor_model_parallel_region,
 )
-from .overlap import all_gather_matmul, calibrated_link, matmul_reduce
+from .overlap import all_gather_matmul, matmul_reduce
 from .parallel_state import default_device, resolve_tp_group
 from .porting import resolve_config
 
@@ -97,7 +98,7 @@ def _launch_dgrad(grad_output, weight, *, allreduce_dgrad, sequence_parallel, ou
     """dgrad ``grad_output @ W`` with its TP communication started.
 
     Returns ``(handle, gathered)``: ``handle.wait()`` gives the input grad; ``gathered`` is the
-    row layer's chunk-gathered output grad under SP (``keep_gathered``), for its wgrad.
+    row layer's all-gathered output grad under SP (``keep_gathered``, sequence order), for its wgrad.
     The column's dgrad reduction (all-reduce, or reduce-scatter under SP) is chunked against
     the dgrad GEMM with ``overlap_chunks > 1``; the row layer's SP output-grad all-gather
     (``output_reduction == "reduce_scatter"``) too.
@@ -115,18 +116,18 @@ def _launch_dgrad(grad_output, weight, *, allreduce_dgrad, sequence_parallel, ou
     return reduction if reduction is not None else comm.Handle(None, grad_input), None
 
 
-# Device type -> whether ``torch.addmm(main_grad, a, b, out_dtype=fp32, out=main_grad)`` sums
-# bf16/fp16 products into an fp32 main_grad correctly. The overload exists on CUDA from torch 2.8
-# and accepts an fp32 ``self`` from 2.10; probed once per device type rather than versioned.
-_FUSED_ADDMM_SUPPORTED: dict[str, bool] = {}
+# (device type, dtype) -> whether ``torch.addmm(main_grad, a, b, out_dtype=fp32, out=main_grad)``
+# sums bf16/fp16 products into an fp32 main_grad correctly. The overload exists on CUDA from torch
+# 2.8 and accepts an fp32 ``self`` from 2.10; probed once per device type and dtype, not versioned.
+_FUSED_ADDMM_SUPPORTED: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def _probe_fused_addmm(device: torch.device) -> bool:
-    """Whether addmm's ``out_dtype`` overload accumulates low-precision products into fp32."""
-    # 1 + 2^-12 is not a bf16 number: an implementation that rounds ``self`` to the operands'
-    # dtype (or ignores it) gives a different sum.
+def _probe_fused_addmm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether addmm's ``out_dtype`` overload accumulates ``dtype`` products into fp32."""
+    # 1 + 2^-12 is neither a bf16 nor an fp16 number: an implementation that rounds ``self`` to
+    # the operands' dtype (or ignores it) gives a different sum.
     main_grad = torch.full((2, 2), 1.0 + 2.0 ** -12, dtype=torch.float32, device=device)
-    operand = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+    operand = torch.ones(2, 2, dtype=dtype, device=device)
     try:
         torch.addmm(main_grad, operand, operand, out_dtype=torch.float32, out=main_grad)
     except (TypeError, RuntimeError):  # no overload (torch < 2.8), fp32 self rejected, no kernel
@@ -134,12 +135,25 @@ def _probe_fused_addmm(device: torch.device) -> bool:
     return bool(main_grad.eq(3.0 + 2.0 ** -12).all())
 
 
-def fused_addmm_supported(device: torch.device) -> bool:
-    """Probed once per device type (one tiny GEMM and one host sync), then cached."""
-    supported = _FUSED_ADDMM_SUPPORTED.get(device.type)
+def fused_addmm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Probed once per device type and dtype (one tiny GEMM and one host sync), then cached."""
+    key = (device.type, dtype)
+    supported = _FUSED_ADDMM_SUPPORTED.get(key)
     if supported is None:
-        supported = _FUSED_ADDMM_SUPPORTED[device.type] = _probe_fused_addmm(device)
+        supported = _FUSED_ADDMM_SUPPORTED[key] = _probe_fused_addmm(device, dtype)
     return supported
+
+
+@contextlib.contextmanager
+def _tf32_matmul():
+    """fp32 GEMMs on CUDA at TF32 (no effect elsewhere). Exact for upcast bf16 or fp16 operands:
+    TF32 keeps 10 mantissa bits and fp32's exponent, and accumulates in fp32."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def _accumulate_wgrad_into_main_grad(weight: torch.Tensor, grad_output_2d: torch.Tensor,
@@ -147,16 +161,17 @@ def _accumulate_wgrad_into_main_grad(weight: torch.Tensor, grad_output_2d: torch
     """``weight.main_grad += grad_output^T @ input`` as one GEMM with accumulation.
 
     When main_grad (fp32) is wider than the activations, one GEMM accumulates the low-precision
-    products into it where the device has that kernel; otherwise the operands are upcast, so the
-    sum is the same exact fp32 either way.
+    products into it where the device has that kernel; otherwise the operands are upcast and
+    multiplied at TF32, so the sum is the same exact fp32 either way.
     """
     main_grad = weight.main_grad
     if main_grad.dtype == grad_output_2d.dtype:
         main_grad.addmm_(grad_output_2d.t(), input_2d)
-    elif fused_addmm_supported(main_grad.device):
+    elif fused_addmm_supported(main_grad.device, grad_output_2d.dtype):
         torch.addmm(main_grad, grad_output_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
     else:
-        main_grad.addmm_(grad_output_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
+        with _tf32_matmul():
+            main_grad.addmm_(grad_output_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
 
 
 def _weight_grad_placeholder(weight: torch.Tensor):
@@ -187,31 +202,6 @@ def compute_weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_ou
         _accumulate_wgrad_into_main_grad(weight, grad_output_2d, input_2d)
         return _weight_grad_placeholder(weight)
     return grad_output_2d.t().matmul(input_2d)
-
-
-def _weight_grad_from_row_blocks(weight: torch.Tensor, input_: torch.Tensor, gathered: list[torch.Tensor],
-                                 *, gradient_accumulation_fusion: bool):
-    """wgrad of the row layer under chunked SP: summed over the chunk-gathered output grads.
-
-    ``gathered[i]`` is ``[TP, rows_i, ...]``: chunk ``i`` of every rank's sequence slice, whose
-    inputs are the matching rows of ``input_`` (``[s, ...]`` in sequence order).
-    """
-    n = gathered[0].shape[0]
-    input_by_rank = input_.view(n, input_.shape[0] // n, *input_.shape[1:])
-    grad_weight, start = None, 0
-    for chunk in gathered:
-        size = chunk.shape[1]
-        for rank in range(n):
-            g, x = _flatten(chunk[rank]), _flatten(input_by_rank[rank, start:start + size])
-            if gradient_accumulation_fusion:
-                _accumulate_wgrad_into_main_grad(weight, g, x)
-            elif grad_weight is None:
-                grad_weight = g.t().matmul(x)
-            else:
-                grad_weight.addmm_(g.t(), x)
-        start += size
-    # One placeholder for the whole sum (Megatron's protocol), not one per block.
-    return _weight_grad_placeholder(weight) if gradient_accumulation_fusion else grad_weight
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
@@ -258,12 +248,12 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_weight = None
         if defer_wgrad:
             buffer.append(grad_output)
-        elif gathered_grad is not None:
-            grad_weight = _weight_grad_from_row_blocks(
-                weight, total_input, gathered_grad, gradient_accumulation_fusion=ctx.gradient_accumulation_fusion)
         elif wgrad_needed:
             # Runs while the dgrad reduction is in flight: the overlap this function exists for.
-            grad_weight = compute_weight_grad(weight, total_input, grad_output,
+            # The row layer's chunked SP backward gathered the output grad in sequence order: one
+            # GEMM over all its rows, as unchunked.
+            grad_weight = compute_weight_grad(weight, total_input,
+                                              grad_output if gathered_grad is None else gathered_grad,
                                               gradient_accumulation_fusion=ctx.gradient_accumulation_fusion)
         grad_bias = _flatten(grad_output).sum(dim=0) if ctx.use_bias else None
         grad_input = reduction.wait()
@@ -479,15 +469,17 @@ class _ParallelLinear(nn.Module):
 
     def _chunks(self, input_, *, op: str, rows: int, tokens: int, comm_width: int, gemm_flops: float) -> int:
         """This forward's chunk count: the fixed ``overlap``, or the one ``"auto"`` predicts fastest
-        for a collective ``op`` of ``[tokens, comm_width]`` against a GEMM of ``gemm_flops``."""
+        for a collective ``op`` of ``[tokens, comm_width]`` against a GEMM of ``gemm_flops``, on
+        the link model :func:`tensorpar.calibrate_overlap` measured."""
         if self.overlap != "auto":
             return self.overlap
         if self.tp_size == 1:
             return 1
-        dtype = _compute_dtype(input_)
-        link = calibrated_link(self.tp_group, input_.device, dtype)
-        nbytes = tokens * comm_width * torch.empty((), dtype=dtype).element_size()
-        return link.best_chunks(gemm_flops, comm.bytes_sent_per_rank(op, nbytes, self.tp_size), rows)
+        if self.overlap_link is None:
+            raise RuntimeError(f"{type(self).__name__}: overlap='auto' needs a link model: call "
+                               "tp.calibrate_overlap(model, tokens=...) on every rank before the first forward")
+        nbytes = tokens * comm_width * _compute_dtype(input_).itemsize
+        return self.overlap_link.best_chunks(gemm_flops, comm.bytes_sent_per_rank(op, nbytes, self.tp_size), rows)
 
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, tp_size={self.tp_size}, "
@@ -507,9 +499,9 @@ class ColumnParallelLinear(_ParallelLinear):
     at all (the MoE token dispatcher owns it). ``skip_weight_param_allocation`` allocates no
     weight: every forward passes one (an LM head tied to the embedding). ``defer_wgrad_compute`` keeps inputs and output grads so that
     :meth:`compute_deferred_wgrads` can run the wgrad GEMMs later (after the rest of backward).
-    ``overlap`` (``"off"``, a number of chunks, or ``"auto"``: chosen per forward from a link
-    model calibrated once per process) splits the SP input all-gather and the dgrad reduction
-    into chunks, each in flight while the next chunk's GEMM runs (:mod:`tensorpar.overlap`).
+    ``overlap`` (``"off"``, a number of chunks, or ``"auto"``: chosen per forward from the link
+    model of :func:`tensorpar.calibrate_overlap`) splits the SP input all-gather and the dgrad
+    reduction into chunks, each in flight while the next chunk's GEMM runs (:mod:`tensorpar.overlap`).
 
     Megatron's arguments: ``config=`` fills ``params_dtype``, ``sequence_parallel``,
     ``gradient_accumulation_fusion``, ``perform_initialization`` and, with
@@ -553,6 +545,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.defer_wgrad_compute = defer_wgrad_compute
         self.wgrad_deferral_limit = wgrad_deferral_limit
         self.overlap = _resolve_overlap(overlap, "ColumnParallelLinear")
+        self.overlap_link = None  # set by tensorpar.calibrate_overlap
         # Megatron's caller-owned lists (embedding_activation_buffer, grad_output_buffer) are used as given.
         self.activation_buffer: list[torch.Tensor] = [] if embedding_activation_buffer is None \
             else embedding_activation_buffer
@@ -673,6 +666,7 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = input_is_parallel
         self.explicit_expert_comm = is_expert and self.tp_size > 1
         self.overlap = _resolve_overlap(overlap, "RowParallelLinear")
+        self.overlap_link = None  # set by tensorpar.calibrate_overlap
         if self.bias is not None and self.sequence_parallel:
             self.bias.sequence_parallel = True
 

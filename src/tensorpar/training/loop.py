@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm, parallel_state as ps
+from ..comm_model import calibrate_overlap
 from ..errors import UsageError
 from ..grads import DataParallelGradReducer, allreduce_sequence_parallel_grads, clip_grad_norm_, get_grad_norm
 from ..models.gpt import GPT, GPTConfig
@@ -493,6 +494,8 @@ def _train(args, signals: _Signals) -> RunResult:
             # Another layout has other ranks: continue with fresh, still reproducible, streams.
             model_parallel_manual_seed(args.seed + start)
 
+    with _autocast(args.dtype, device):  # overlap="auto": measured at the dtype the layers compute in
+        calibrate_overlap(model, tokens=args.micro_batch * seq_len)
     sampler = BatchSampler(train_tokens, seq_len=seq_len, micro_batch=args.micro_batch,
                            grad_accum=args.grad_accum, dp_rank=dp_rank, dp_size=dp_size, seed=args.seed)
     val_sampler = BatchSampler(val_tokens, seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=1,
