@@ -86,6 +86,22 @@ def test_bad_numbers_and_shapes(capsys, argv, message):
     assert _train_error(capsys, *argv) == message
 
 
+@pytest.mark.parametrize("argv, schedule, min_lr", [
+    (["--lr", "3e-5"], {}, 3e-6),                                           # the README's fine-tune line
+    ([], {}, 3e-4),
+    (["--min-lr", "0"], {}, 0.0),
+    ([], {"lr": 1e-3, "min_lr": 5e-5, "warmup": 3}, 5e-5),                  # a resume keeps its floor
+    (["--lr", "1e-2"], {"lr": 1e-3, "min_lr": 5e-5, "warmup": 3}, 1e-3),    # unless --lr is new
+])
+def test_min_lr_follows_lr(argv, schedule, min_lr):
+    from tensorpar.training.loop import settle_run
+
+    args = parse_train_args(argv)
+    meta = {"step": 2, "schedule": schedule} if schedule else None
+    settle_run(args, meta=meta, dp_size=1)
+    assert args.min_lr == pytest.approx(min_lr, rel=1e-12, abs=0)
+
+
 def test_data_too_short_missing_or_empty(capsys, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("x" * 99)

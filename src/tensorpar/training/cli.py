@@ -148,7 +148,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     optim = parser.add_argument_group("optimizer (a resumed run keeps its learning-rate schedule unless given)")
     optim.add_argument("--lr", type=_positive(float), default=None, help="peak learning rate (default: 3e-3)")
     optim.add_argument("--min-lr", type=_non_negative(float), default=None,
-                       help="learning rate at the end of the decay (default: 3e-4)")
+                       help="learning rate at the end of the decay (default: a tenth of --lr; a resumed run's own "
+                            "unless --lr is given)")
     optim.add_argument("--warmup", type=_non_negative(int), default=None, help="linear warmup steps (default: 30)")
     optim.add_argument("--lr-decay-steps", type=_positive(int), default=None,
                        help="step at which the cosine decay reaches --min-lr (default: --steps of a new run)")
