@@ -198,8 +198,28 @@ def test_export_writes_eos_inside_the_vocabulary(files, tmp_path):
     assert config["vocab_size"] == 257 and config["bos_token_id"] == config["eos_token_id"] == 256
 
 
-def test_unknown_flag_is_one_line(capsys):
-    assert _fails(capsys, ["train", "--bogus"]) == "tensorpar: error: unrecognized arguments: --bogus"
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--bogus"], "tensorpar train: error: unrecognized arguments: --bogus; see tensorpar train --help"),
+    (["train", "--bf16"], "tensorpar train: error: unrecognized arguments: --bf16 (did you mean --dtype bf16?); "
+                          "see tensorpar train --help"),
+    (["train", "--seqlen", "64"], "tensorpar train: error: unrecognized arguments: --seqlen 64 (did you mean "
+                                  "--seq-len?); see tensorpar train --help"),
+    (["comm", "--layer", "mlp", "--sequence-parallel"], "tensorpar comm: error: unrecognized arguments: "
+                                                        "--sequence-parallel; see tensorpar comm --help"),
+    (["export", "--checkpoint", "x", "--to-hf", "y", "--timeout=0.5", "extra"],
+     "tensorpar export: error: argument --timeout: must be a finite number in [1, 604800), got 0.5"),
+    (["generate", "--checkpoint", "x", "--seed", "1e23"],
+     "tensorpar generate: error: argument --seed: expected an integer in [0, 4294967296), got '1e23'"),
+    (["train", "--seed", "100000000000000000000000"],
+     "tensorpar train: error: argument --seed: must be a finite number in [0, 4294967296), got "
+     "100000000000000000000000"),
+    (["train", "--timeout", "1e300"], "tensorpar train: error: argument --timeout: must be a finite number in "
+                                      "[1, 604800), got 1e300"),
+    (["train", "--timeout", "1e-9"], "tensorpar train: error: argument --timeout: must be a finite number in "
+                                     "[1, 604800), got 1e-9"),
+])
+def test_unknown_flags_and_out_of_range_values_are_one_line(capsys, argv, message):
+    assert _fails(capsys, argv) == message
 
 
 def test_token_file_sidecar_is_validated(tmp_path):

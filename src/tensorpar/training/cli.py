@@ -23,7 +23,7 @@ DEFAULT_OUT = "tensorpar-run"
 def _number(kind, *, low: float, low_inclusive: bool = True, high: float | None = None):
     """An argparse type: a finite ``kind`` in ``[low, high)`` (``(low, high)`` unless ``low_inclusive``)."""
     bound = (f"{'>=' if low_inclusive else '>'} {low:g}" if high is None
-             else f"in {'[' if low_inclusive else '('}{low:g}, {high:g})")
+             else f"in {'[' if low_inclusive else '('}{low:g}, {high:{'d' if kind is int else 'g'}})")
 
     def parse(text: str):
         try:
@@ -55,6 +55,12 @@ def _non_negative(kind):
     return _number(kind, low=0)
 
 
+# A collective needs a second to connect; a week is longer than any step waits for a peer.
+_TIMEOUT = _number(float, low=1, high=7 * 24 * 3600)
+# torch seeds are 64-bit; the streams add small offsets (TP rank, resumed step) to the seed.
+_SEED = _number(int, low=0, high=2**32)
+
+
 def _add_world_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=_positive(int), default=None,
                         help="local processes to start (default: the GPU count, or 2 on CPU); "
@@ -62,8 +68,8 @@ def _add_world_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=_positive(int), default=None,
                         help="tensor-parallel size (default: 2 if the world is even, else 1); "
                              "the rest of the world is data parallel")
-    parser.add_argument("--timeout", type=_positive(float), default=300.0,
-                        help="seconds before a collective that does not complete is an error")
+    parser.add_argument("--timeout", type=_TIMEOUT, default=300.0,
+                        help="seconds before a collective that does not complete is an error, in [1, 604800)")
 
 
 _PRESET_HELP = ("model preset (default: tiny): tiny (4 layers, width 128, 4 heads), llama-tiny (tiny with "
@@ -91,7 +97,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--eval-iters", type=_positive(int), default=10, help="validation batches per evaluation")
     run.add_argument("--log-every", type=_positive(int), default=10,
                      help="metrics.jsonl row every N steps, and a log line when the output is not a terminal")
-    run.add_argument("--seed", type=int, default=1234, help="seed of the weights, dropout and batches")
+    run.add_argument("--seed", type=_SEED, default=1234, help="seed of the weights, dropout and batches, in "
+                     "[0, 2^32)")
     run.add_argument("--no-progress", action="store_true",
                      help="log lines instead of a progress bar, also on a terminal")
     run.add_argument("--tensorboard", action="store_true",
@@ -382,7 +389,7 @@ def register(subparsers) -> None:
     gen.add_argument("--temperature", type=_non_negative(float), default=0.8,
                      help="sampling temperature (0: greedy)")
     gen.add_argument("--top-k", type=_positive(int), default=40, help="sample among the k likeliest tokens")
-    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    gen.add_argument("--seed", type=_SEED, default=0, help="seed of the sampling, in [0, 2^32)")
     _add_world_flags(gen)
     gen.set_defaults(func=_cmd_generate)
 
@@ -394,6 +401,6 @@ def register(subparsers) -> None:
     export.add_argument("--to-hf", required=True, metavar="OUT",
                         help="directory to create for config.json + model.safetensors")
     export.add_argument("--overwrite", action="store_true", help="write into OUT even if it is not empty")
-    export.add_argument("--timeout", type=_positive(float), default=300.0,
-                        help="seconds before a collective that does not complete is an error")
+    export.add_argument("--timeout", type=_TIMEOUT, default=300.0,
+                        help="seconds before a collective that does not complete is an error, in [1, 604800)")
     export.set_defaults(func=_cmd_export)
