@@ -167,6 +167,20 @@ def test_generate_checks(capsys, files, tmp_path):
         "--prompt: token id 300 is outside the model's vocabulary of 300"
 
 
+@pytest.mark.parametrize("argv, fits, world", [([], True, (1, 1)), ([], False, (2, 2)),
+                                                ([], None, (1, 1)), (["--nproc", "2"], True, (2, 2))])
+def test_generate_of_a_small_checkpoint_runs_in_this_process(files, monkeypatch, capsys, argv, fits, world):
+    import tensorpar.training.cli as training_cli
+
+    started = []
+    monkeypatch.setattr(training_cli, "_run_in_world", lambda entry, args, nproc: started.append(
+        (nproc, args.tp)) or {0: "text"})
+    if fits is not None:
+        monkeypatch.setattr(training_cli, "_fits_one_device", lambda ckpt: fits)
+    assert main(["generate", "--checkpoint", str(files / "run"), *argv]) == 0
+    assert started == [world] and capsys.readouterr().out == "text\n"
+
+
 def test_export_checks(capsys, files, tmp_path):
     def error(*argv):
         return _fails(capsys, ["export", *argv]).removeprefix("tensorpar export: error: ")

@@ -61,9 +61,9 @@ _TIMEOUT = _number(float, low=1, high=7 * 24 * 3600)
 _SEED = _number(int, low=0, high=2**32)
 
 
-def _add_world_flags(parser: argparse.ArgumentParser) -> None:
+def _add_world_flags(parser: argparse.ArgumentParser, *, nproc_default: str = "the GPU count, or 2 on CPU") -> None:
     parser.add_argument("--nproc", type=_positive(int), default=None,
-                        help="local processes to start (default: the GPU count, or 2 on CPU); "
+                        help=f"local processes to start (default: {nproc_default}); "
                              "ignored under torchrun, which sets the world")
     parser.add_argument("--tp", type=_positive(int), default=None,
                         help="tensor-parallel size (default: 2 if the world is even, else 1); "
@@ -298,12 +298,30 @@ def generate_entry(args):
     return generate(args)
 
 
+def _fits_one_device(ckpt: Path) -> bool:
+    """Whether the checkpoint's tensor files (weights and optimizer state: more than generating
+    needs) fit in half the memory free on one device (unknown: no)."""
+    import torch
+
+    need = sum(path.stat().st_size for path in ckpt.glob("*.distcp"))
+    if torch.cuda.is_available():
+        free = torch.cuda.mem_get_info()[0]
+    else:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return False
+    return need <= free // 2
+
+
 def _cmd_generate(args) -> int:
     from .inference import encode_prompt
     from .loop import check_fits, config_from_json
 
+    ckpt, saved, meta = _open_checkpoint("--checkpoint", args.checkpoint)
+    if args.nproc is None and args.tp is None and not _under_torchrun() and _fits_one_device(ckpt):
+        args.nproc = args.tp = 1  # this process generates at once; starting ranks takes seconds each
     world = _resolve_world(args)
-    _, saved, meta = _open_checkpoint("--checkpoint", args.checkpoint)
     config = config_from_json(saved)
     check_fits(config, tp=args.tp, seq_len=1)
     encode_prompt(args.prompt, tokenizer=meta.get("tokenizer"), vocab_size=config.vocab_size)
@@ -390,7 +408,8 @@ def register(subparsers) -> None:
                      help="sampling temperature (0: greedy)")
     gen.add_argument("--top-k", type=_positive(int), default=40, help="sample among the k likeliest tokens")
     gen.add_argument("--seed", type=_SEED, default=0, help="seed of the sampling, in [0, 2^32)")
-    _add_world_flags(gen)
+    _add_world_flags(gen, nproc_default="1 with --tp 1 when the checkpoint's tensor files fit in half the memory "
+                                        "free on one device, else the GPU count, or 2 on CPU")
     gen.set_defaults(func=_cmd_generate)
 
     export = subparsers.add_parser("export", help="write a checkpoint as a transformers model directory",
