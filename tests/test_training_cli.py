@@ -128,6 +128,26 @@ def test_token_file_ids_beyond_its_vocab_or_odd_size(capsys, tmp_path):
     assert _train_error(capsys, "--data", str(path)) == f"--data {path}: size 2001 bytes is not a multiple of uint16 (2 bytes)"
 
 
+def test_a_missing_path_is_refused_before_the_slow_imports(tmp_path):
+    """Checked before torch.distributed.checkpoint (about a second) or transformers (seconds) is imported."""
+    nope = str(tmp_path / "nope")
+    code = f"""if True:
+        import sys
+        from tensorpar.cli import main
+        for argv in (["train", "--data", {nope!r}], ["train", "--resume", {nope!r}],
+                     ["train", "--tokenizer", {nope!r}], ["generate", "--checkpoint", {nope!r}],
+                     ["export", "--checkpoint", {nope!r}, "--to-hf", {nope!r}], ["prepare", {nope!r}, "--out", "x"]):
+            assert main(argv) == 2
+        print(sorted({{"torch.distributed.checkpoint", "transformers"}} & set(sys.modules)))
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout == "[]\n", done
+    assert done.stderr.splitlines() == [
+        f"tensorpar {command}: error: --{flag} {nope}: no such file or directory"
+        for command, flag in [("train", "data"), ("train", "resume"), ("train", "tokenizer"), ("generate", "checkpoint"),
+                              ("export", "checkpoint"), ("prepare", "data")]]
+
+
 def test_unwritable_out(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
     assert _train_error(capsys, "--out", str(tmp_path / "file" / "run")) == \
@@ -145,7 +165,7 @@ def test_resume_checks(capsys, files, tmp_path):
         "3072; hidden_size: checkpoint 32, requested 768; num_heads: checkpoint 4, requested 12; num_layers: "
         "checkpoint 2, requested 12; num_query_groups: checkpoint 4, requested 12")
     assert _train_error(capsys, "--resume", str(tmp_path / "nope")) == \
-        f"--resume: checkpoint {tmp_path / 'nope'}: no such directory"
+        f"--resume {tmp_path / 'nope'}: no such file or directory"
     assert _train_error(capsys, "--resume", str(tmp_path)) == (
         f"--resume: checkpoint {tmp_path}: no latest pointer naming a step_N directory, and not a step_N "
         "checkpoint directory itself")
@@ -155,7 +175,7 @@ def test_generate_checks(capsys, files, tmp_path):
     def error(*argv):
         return _fails(capsys, ["generate", *argv]).removeprefix("tensorpar generate: error: ")
 
-    assert error("--checkpoint", str(tmp_path / "nope")) == f"--checkpoint: checkpoint {tmp_path / 'nope'}: no such directory"
+    assert error("--checkpoint", str(tmp_path / "nope")) == f"--checkpoint {tmp_path / 'nope'}: no such file or directory"
     assert error("--checkpoint", str(files / "run"), "--prompt", "") == \
         "--prompt is empty: give at least one token to continue"
     assert error("--checkpoint", str(files / "run"), "--nproc", "8", "--tp", "8") == \

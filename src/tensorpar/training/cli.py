@@ -206,6 +206,14 @@ def _run_in_world(entry, args, nproc: int) -> dict:
     return launch_local(entry, args, nproc=nproc)
 
 
+def _check_paths(args) -> None:
+    """Refuse a path flag that names nothing, before the slow imports (checkpoint, transformers)."""
+    for name in ("data", "resume", "checkpoint", "tokenizer"):
+        path = getattr(args, name, None)
+        if path is not None and not os.path.exists(path):
+            raise UsageError(f"--{name} {path}: no such file or directory")
+
+
 # --- train ---------------------------------------------------------------------------------
 
 def _check_writable_dir(out: Path, flag: str) -> None:
@@ -272,6 +280,7 @@ def train_entry(args):
 
 
 def _cmd_train(args) -> int:
+    _check_paths(args)
     world = _resolve_world(args)
     _check_train_args(args, world)
     started = datetime.datetime.now()
@@ -315,6 +324,7 @@ def _fits_one_device(ckpt: Path) -> bool:
 
 
 def _cmd_generate(args) -> int:
+    _check_paths(args)
     from .inference import encode_prompt
     from .loop import check_fits, config_from_json
 
@@ -338,6 +348,7 @@ def export_entry(args):
 
 
 def _cmd_export(args) -> int:
+    _check_paths(args)
     from ..models.hf import hf_config_of
     from .loop import config_from_json
 
@@ -362,6 +373,7 @@ def _cmd_export(args) -> int:
 # --- prepare -------------------------------------------------------------------------------
 
 def _cmd_prepare(args) -> int:
+    _check_paths(args)
     from .data import prepare
 
     out = Path(args.out)
