@@ -34,16 +34,15 @@ TINY = ["--layers", "1", "--hidden", "16", "--heads", "2", "--seq-len", "16", "-
 # Flags appended to a README command (argparse keeps a flag's last value), by the command as the
 # README writes it, so that the whole README runs in about a minute on two cores. The quick start
 # keeps its 600 steps (the transcripts name the step) on a tiny model; the rest run a few steps on
-# one or two processes. Every key must be a README command.
+# one or two processes (generate runs a small model in one by itself). Every key must be a README command.
 SHORTER = {
     "tensorpar train": [*TINY, "--nproc", "1"],
-    "tensorpar generate --checkpoint tensorpar-run --prompt 'def '": ["--max-new-tokens", "8", "--nproc", "1"],
+    "tensorpar generate --checkpoint tensorpar-run --prompt 'def '": ["--max-new-tokens", "8"],
     "tensorpar train --resume tensorpar-run --steps 1000 --nproc 4 --tp 4": ["--steps", "610", "--nproc", "2",
                                                                              "--tp", "2"],
     "tensorpar train --init-from-hf my-llama --data notes.bin --nproc 2 --tp 2 --steps 200 --lr 3e-5 --seq-len 512 "
     "--tensorboard --out ft-run": ["--steps", "2", "--seq-len", "16", "--micro-batch", "2", "--eval-iters", "1"],
-    "tensorpar generate --checkpoint ft-run --prompt 'Once upon' --temperature 0": ["--max-new-tokens", "8",
-                                                                                   "--nproc", "1"],
+    "tensorpar generate --checkpoint ft-run --prompt 'Once upon' --temperature 0": ["--max-new-tokens", "8"],
 }
 # Transcripts of a new run: run in an empty directory (the README's own would hold the quick start's run).
 IN_EMPTY_DIR = {"tensorpar train --lr 1e30"}
