@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _suggestion(parser: argparse.ArgumentParser, flag: str) -> str | None:
     """What ``flag`` (unknown to ``parser``) most likely meant: ``--bf16`` is ``--dtype bf16``,
-    ``--step`` is ``--steps``."""
+    ``--seqlen`` is ``--seq-len``."""
     name = flag.split("=", 1)[0]
     for action in parser._actions:
         if action.option_strings and action.choices and name.lstrip("-") in action.choices:
