@@ -1,7 +1,7 @@
 """Every command in README.md runs, in the README's order, in one directory: the fenced ``bash``
 blocks (shortened by the flags in SHORTER) must succeed, and each ``$ command`` transcript must
-print what the README shows (a line ``...`` there stands for lines left out). A README command this test does not know fails it: run it here, or
-list it in NOT_RUN with the reason.
+print what the README shows (a line ``...`` there stands for lines left out). A README command
+this test does not know fails it: run it here, or list it in NOT_RUN with the reason.
 """
 
 import os

@@ -144,8 +144,8 @@ def test_a_missing_path_is_refused_before_the_slow_imports(tmp_path):
     assert done.returncode == 0 and done.stdout == "[]\n", done
     assert done.stderr.splitlines() == [
         f"tensorpar {command}: error: --{flag} {nope}: no such file or directory"
-        for command, flag in [("train", "data"), ("train", "resume"), ("train", "tokenizer"), ("generate", "checkpoint"),
-                              ("export", "checkpoint"), ("prepare", "data")]]
+        for command, flag in [("train", "data"), ("train", "resume"), ("train", "tokenizer"),
+                              ("generate", "checkpoint"), ("export", "checkpoint"), ("prepare", "data")]]
 
 
 def test_unwritable_out(capsys, tmp_path):
@@ -175,7 +175,8 @@ def test_generate_checks(capsys, files, tmp_path):
     def error(*argv):
         return _fails(capsys, ["generate", *argv]).removeprefix("tensorpar generate: error: ")
 
-    assert error("--checkpoint", str(tmp_path / "nope")) == f"--checkpoint {tmp_path / 'nope'}: no such file or directory"
+    assert error("--checkpoint", str(tmp_path / "nope")) == \
+        f"--checkpoint {tmp_path / 'nope'}: no such file or directory"
     assert error("--checkpoint", str(files / "run"), "--prompt", "") == \
         "--prompt is empty: give at least one token to continue"
     assert error("--checkpoint", str(files / "run"), "--nproc", "8", "--tp", "8") == \
