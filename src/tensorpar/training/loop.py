@@ -134,7 +134,8 @@ def _config(**fields) -> GPTConfig:
         raise UsageError(f"invalid model: {exc}") from exc
 
 
-DEFAULT_SCHEDULE = {"lr": 3e-3, "min_lr": 3e-4, "warmup": 30}
+DEFAULT_SCHEDULE = {"lr": 3e-3, "warmup": 30}
+MIN_LR_FRACTION = 0.1  # --min-lr, unless given, is this fraction of --lr
 DEFAULT_MICRO_BATCH = 16
 
 
@@ -153,9 +154,13 @@ def settle_run(args, *, meta: dict | None, dp_size: int) -> None:
         raise UsageError(f"--steps {args.steps} is the run's total, and the checkpoint is already at step "
                          f"{start}: pass --steps above {start} to train further")
     saved = (meta or {}).get("schedule", {})
+    if args.min_lr is None and args.lr is None:  # a new --lr brings its own floor
+        args.min_lr = saved.get("min_lr")
     for name, default in DEFAULT_SCHEDULE.items():
         if getattr(args, name) is None:
             setattr(args, name, saved.get(name, default))
+    if args.min_lr is None:
+        args.min_lr = args.lr * MIN_LR_FRACTION
     if args.lr_decay_steps is None:
         args.lr_decay_steps = saved.get("decay_steps", saved.get("steps", args.steps))
     if args.min_lr > args.lr:
