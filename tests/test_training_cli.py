@@ -101,9 +101,11 @@ def test_bad_numbers_and_shapes(capsys, argv, message):
 ])
 def test_min_lr_follows_lr(argv, schedule, min_lr):
     from tensorpar.training.loop import settle_run
+    from tensorpar.training.resume import continue_settings
 
     args = parse_train_args(argv)
     meta = {"step": 2, "schedule": schedule} if schedule else None
+    continue_settings(args, meta)  # as the command settles a run: its settings, then its schedule
     settle_run(args, meta=meta, dp_size=1)
     assert args.min_lr == pytest.approx(min_lr, rel=1e-12, abs=0)
 
