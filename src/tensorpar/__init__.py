@@ -4,6 +4,7 @@ from .buffers import GlobalMemoryBuffer, get_global_memory_buffer
 from .comm import CommLedger, CommRecord
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
+from .fsdp import fully_shard
 from .grads import (
     DataParallelGradReducer,
     MasterWeights,

@@ -1,0 +1,133 @@
+"""Sharded data parallelism (ZeRO-3) composed with TP: torch's FSDP2 over the DP group.
+
+Each rank holds a TP shard of every TP-parallel weight; FSDP2 (``torch.distributed.fsdp.
+fully_shard``) shards that local tensor once more along dim 0 over the DP group, so
+parameters, gradients and optimizer state end up 1/DP per rank. Before a unit's forward and
+backward FSDP all-gathers its parameters over DP; after backward it reduce-scatters (and
+averages) their gradients. The TP layers see ordinary tensors in between.
+
+Mixed precision is FSDP's: parameters stay fp32 (the sharded fp32 parameters are the master
+weights), ``mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=
+torch.float32)`` gathers them in bf16 for compute and reduces and accumulates gradients in
+fp32. So there is no ``main_grad``, no :class:`~tensorpar.grads.DataParallelGradReducer` and
+no :class:`~tensorpar.grads.MasterWeights` under FSDP, and ``gradient_accumulation_fusion``
+(which writes ``main_grad`` from inside the layer) cannot combine with it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as _torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+from . import comm
+from .parallel_state import get_data_parallel_group
+
+__all__ = ["fully_shard", "is_fully_sharded", "dp_mesh", "gather_dp_shards"]
+
+
+def dp_mesh(dp_group: dist.ProcessGroup) -> DeviceMesh:
+    """A 1-D ``DeviceMesh`` over ``dp_group`` on the backend's device type."""
+    device_type = "cuda" if dist.get_backend(dp_group) == "nccl" else "cpu"
+    return DeviceMesh.from_group(dp_group, device_type)
+
+
+def is_fully_sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are FSDP shards (DTensors)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def gather_dp_shards(tensor: torch.Tensor, *, dp_group=None) -> torch.Tensor:
+    """This rank's whole TP shard from an FSDP shard (a DTensor split on dim 0 over ``dp_group``,
+    default the DP group; collective).
+
+    One all-gather of the dim-0 pieces padded to equal size, as FSDP pads them. Other tensors
+    come back as they are.
+    """
+    if not isinstance(tensor, DTensor):
+        return tensor
+    group = dp_group if dp_group is not None else get_data_parallel_group()
+    rows, local = tensor.shape[0], tensor.to_local()
+    per_rank = -(-rows // comm.group_size(group))
+    padded = local.new_zeros((per_rank, *local.shape[1:]))
+    padded[:local.shape[0]] = local
+    return comm.all_gather(padded, group, dim=0)[:rows]
+
+
+def _default_units(model: nn.Module) -> list[nn.Module]:
+    """A GPT's transformer blocks (any model with a ``blocks`` ModuleList)."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"fully_shard: units= is required for a {type(model).__name__} "
+                         "(the default, one unit per transformer block, knows a GPT's `blocks`)")
+    return list(blocks)
+
+
+def _refuse(model: nn.Module, units: list[nn.Module]) -> None:
+    """One line naming what cannot combine with FSDP."""
+    if is_fully_sharded(model):
+        raise ValueError("fully_shard: the model is already fully sharded")
+    fused = sorted({name for name, m in model.named_modules() if getattr(m, "gradient_accumulation_fusion", False)})
+    if fused:
+        raise ValueError(f"fully_shard: gradient_accumulation_fusion=True ({fused[0]}) writes main_grad, which "
+                         "FSDP does not use: build the model with gradient_accumulation_fusion=False")
+    for name, p in model.named_parameters():
+        if hasattr(p, "main_grad"):
+            raise ValueError(f"fully_shard: parameter {name} has a main_grad: FSDP reduces gradients itself; "
+                             "create no DataParallelGradReducer or MasterWeights for a sharded model")
+        if p.is_floating_point() and p.dtype != torch.float32:
+            raise ValueError(f"fully_shard: parameter {name} is {p.dtype}; keep parameters float32 and pass "
+                             "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
+    seen: dict[int, int] = {}
+    for index, unit in enumerate(units):
+        for p in unit.parameters():
+            if seen.setdefault(id(p), index) != index:
+                raise ValueError(f"fully_shard: units {seen[id(p)]} and {index} share a parameter (a tied "
+                                 "weight): leave it to one unit or to the root")
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    embedding = getattr(getattr(model, "embedding", None), "word", None)
+    if tied and embedding is not None and id(embedding.weight) in seen:
+        raise ValueError("fully_shard: the tied embedding weight is also the LM head's; it must stay in the "
+                         "root unit, not in units=")
+
+
+def fully_shard(model: nn.Module, *, dp_group=None, units=None, reshard_after_forward: bool = True,
+                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """Shard ``model`` over ``dp_group`` (default: the DP group) with FSDP2, composed with TP.
+
+    One FSDP unit per module of ``units`` (default for a :class:`~tensorpar.models.GPT`: one
+    per transformer block), then the root: the embedding, final norm and (tied) LM head stay
+    together in it, gathered from forward through backward. ``reshard_after_forward=False``
+    keeps each unit gathered between its forward and backward (ZeRO-2-like: more memory, one
+    all-gather less). TP attributes (``tensor_model_parallel``, ``sequence_parallel``, ...)
+    carry over to the sharded parameters, so ``allreduce_sequence_parallel_grads``,
+    ``clip_grad_norm_`` and checkpoints keep working. Returns the model.
+
+    Example::
+
+        model = tp.fully_shard(GPT(config))
+        optimizer = torch.optim.AdamW(model.parameters())   # states are 1/DP shards too
+        model(tokens, labels).backward()
+        tp.allreduce_sequence_parallel_grads(model)          # under SP
+        tp.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    """
+    group = dp_group if dp_group is not None else get_data_parallel_group()
+    units = _default_units(model) if units is None else list(units)
+    _refuse(model, units)
+    attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}
+    mesh = dp_mesh(group)
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    for unit in units:
+        _torch_fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    # The root keeps FSDP's default: gathered after forward, since backward needs it at once.
+    _torch_fully_shard(model, mesh=mesh, mp_policy=policy,
+                       **({} if reshard_after_forward else {"reshard_after_forward": False}))
+    for name, p in model.named_parameters():
+        for key, value in attributes[name].items():
+            setattr(p, key, value)
+    return model

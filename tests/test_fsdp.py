@@ -1,0 +1,144 @@
+"""tp.fully_shard (FSDP2 over the DP group) composed with TP, against plain DP at TP 2 x DP 2."""
+
+import pytest
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+import tensorpar as tp
+from tensorpar.fsdp import gather_dp_shards
+from tensorpar.grads import DataParallelGradReducer, allreduce_sequence_parallel_grads, clip_grad_norm_
+from tensorpar.models import GPT, GPTConfig
+from tensorpar.models.layout import gather_full_tensor
+from tests.harness import run_on_ranks
+
+BASE = dict(vocab_size=40, max_seq_len=8, num_layers=2, num_heads=2, hidden_size=16, dropout=0.0)
+
+
+def _build(config, seed=3):
+    tp.model_parallel_manual_seed(seed)
+    torch.manual_seed(seed)
+    return GPT(config)
+
+
+_full = gather_dp_shards
+
+
+def _unsharded_norm(model) -> torch.Tensor:
+    """The norm of the TP=1 gradient, from every parameter's gradient gathered over DP and TP."""
+    tp_group = tp.get_tensor_model_parallel_group()
+    squares = []
+    for p in model.parameters():
+        grad = _full(p.grad)
+        if getattr(p, "tensor_model_parallel", False):
+            grad = gather_full_tensor(grad, partition_dim=p.partition_dim, stride=p.partition_stride,
+                                      tp_group=tp_group)
+        squares.append(grad.double().square().sum())
+    return torch.stack(squares).sum().sqrt()
+
+
+def _batch(step: int, micro: int, dp_rank: int):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + dp_rank)
+    tokens = torch.randint(0, BASE["vocab_size"], (2, 8), generator=g)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def _versus_plain_dp_body(overrides: dict, accumulate: int, reshard: bool):
+    tp.initialize_model_parallel(2)
+    dp_rank, dp_group = tp.get_data_parallel_rank(), tp.get_data_parallel_group()
+    config = GPTConfig(**{**BASE, **overrides})
+    plain, sharded = _build(config), tp.fully_shard(_build(config), reshard_after_forward=reshard)
+    assert all(isinstance(p, DTensor) for p in sharded.parameters())
+    reducer = DataParallelGradReducer(plain.parameters(), dp_group=dp_group)
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    opt_sharded = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+    for step in range(3):
+        reducer.zero_grad()
+        opt_sharded.zero_grad()
+        for k in range(accumulate):
+            tokens, labels = _batch(step, k, dp_rank)
+            last = k == accumulate - 1
+            reducer.sync = last
+            sharded.set_requires_gradient_sync(last)
+            loss_plain = plain(tokens, labels) / accumulate
+            loss_sharded = sharded(tokens, labels) / accumulate
+            torch.testing.assert_close(loss_sharded, loss_plain, rtol=1e-5, atol=1e-5)
+            loss_plain.backward()
+            loss_sharded.backward()
+        reducer.finish()
+        allreduce_sequence_parallel_grads(plain)
+        allreduce_sequence_parallel_grads(sharded)
+        expected_norm = _unsharded_norm(sharded)
+        # A small max_norm, so clipping scales every gradient.
+        norm_plain = clip_grad_norm_(plain.parameters(), 0.05)
+        norm_sharded = clip_grad_norm_(sharded.parameters(), 0.05, dp_group=dp_group)
+        torch.testing.assert_close(norm_sharded.double(), expected_norm, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(norm_sharded, norm_plain, rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(_full(p.grad), q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        opt_plain.step()
+        opt_sharded.step()
+    for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(_full(p.data), q.data, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("overrides, accumulate, reshard", [
+    ({}, 1, True),
+    ({"sequence_parallel": True}, 1, True),
+    ({"sequence_parallel": True, "recompute": True}, 2, True),
+    ({"tie_word_embeddings": False, "norm": "rmsnorm", "activation": "swiglu", "position_embedding": "rope",
+      "bias": False}, 2, False),
+], ids=["plain", "sp", "sp-recompute-accumulate", "untied-llama-zero2"])
+def test_fsdp_matches_plain_data_parallel(overrides, accumulate, reshard):
+    assert run_on_ranks(_versus_plain_dp_body, 4, overrides, accumulate, reshard) == [True] * 4
+
+
+def _layout_body():
+    tp.initialize_model_parallel(2)
+    model = tp.fully_shard(_build(GPTConfig(**BASE, sequence_parallel=True)))
+    dp = tp.get_data_parallel_world_size()
+    word = model.embedding.word.weight
+    # The TP shard is sharded once more over DP along dim 0: [V/TP, h] -> [V/(TP*DP), h] here.
+    assert word.to_local().shape[0] == word.shape[0] // dp and word.shape[0] == model.padded_vocab_size // 2
+    assert word.tensor_model_parallel and word.partition_dim == 0
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    assert norms and all(p.sequence_parallel for p in norms)
+    # The tied weight lives in the root unit (the LM head owns no parameter).
+    assert not isinstance(model.embedding, FSDPModule) and not isinstance(model.lm_head, FSDPModule)
+    assert all(isinstance(block, FSDPModule) for block in model.blocks) and isinstance(model, FSDPModule)
+    return True
+
+
+def test_tp_attributes_survive_sharding_and_the_tied_weight_stays_in_the_root():
+    assert run_on_ranks(_layout_body, 4) == [True] * 4
+
+
+def _refusal_body():
+    tp.initialize_model_parallel(1)
+    cases = {
+        "gradient_accumulation_fusion=True": lambda: _build(GPTConfig(**BASE, gradient_accumulation_fusion=True)),
+        "torch.bfloat16": lambda: _build(GPTConfig(**BASE, params_dtype=torch.bfloat16)),
+        "main_grad": lambda: _with_reducer(_build(GPTConfig(**BASE))),
+    }
+    messages = {}
+    for needle, make in cases.items():
+        with pytest.raises(ValueError, match=needle.replace("(", r"\(")) as info:
+            tp.fully_shard(make())
+        messages[needle] = str(info.value)
+    model = _build(GPTConfig(**BASE))
+    with pytest.raises(ValueError, match="tied embedding"):
+        tp.fully_shard(model, units=[model.embedding, *model.blocks])
+    with pytest.raises(ValueError, match="units= is required"):
+        tp.fully_shard(torch.nn.Linear(2, 2))
+    assert all("\n" not in m for m in messages.values())
+    return True
+
+
+def _with_reducer(model):
+    DataParallelGradReducer(model.parameters(), dp_group=tp.get_data_parallel_group())
+    return model
+
+
+def test_what_cannot_combine_with_fsdp_is_refused_in_one_line():
+    assert run_on_ranks(_refusal_body, 1) == [True]
