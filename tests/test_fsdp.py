@@ -6,7 +6,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import tensorpar as tp
-from tensorpar.fsdp import gather_dp_shards
+from tensorpar.fsdp import bytes_per_rank, gather_dp_shards
 from tensorpar.grads import DataParallelGradReducer, allreduce_sequence_parallel_grads, clip_grad_norm_
 from tensorpar.models import GPT, GPTConfig
 from tensorpar.models.layout import gather_full_tensor
@@ -142,3 +142,80 @@ def _with_reducer(model):
 
 def test_what_cannot_combine_with_fsdp_is_refused_in_one_line():
     assert run_on_ranks(_refusal_body, 1) == [True]
+
+
+def _memory_body():
+    tp.initialize_model_parallel(2)
+    config = GPTConfig(**BASE)
+    plain, sharded = _build(config), tp.fully_shard(_build(config))
+    DataParallelGradReducer(plain.parameters(), dp_group=tp.get_data_parallel_group())
+    ratios = {k: v / bytes_per_rank(plain)[k] for k, v in bytes_per_rank(sharded).items()}
+    # Measured: AdamW's state after one step, as allocated.
+    optimizer = torch.optim.AdamW(sharded.parameters())
+    tokens, labels = _batch(0, 0, tp.get_data_parallel_rank())
+    sharded(tokens, labels).backward()
+    optimizer.step()
+    state = sum(v.to_local().numel() * 4 for s in optimizer.state.values() for v in s.values() if v.dim())
+    assert state == bytes_per_rank(sharded)["optimizer state"]
+    return ratios
+
+
+def test_parameters_gradients_and_optimizer_state_are_about_half_at_dp2():
+    for ratios in run_on_ranks(_memory_body, 4):
+        assert set(ratios) == {"parameters", "gradients", "optimizer state"}
+        assert all(0.45 <= r <= 0.55 for r in ratios.values()), ratios
+
+
+# --- tensorpar train --fsdp: equal to plain DP, and checkpoints that resume in either layout ----
+
+TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--steps", "6", "--warmup", "2",
+        "--lr", "1e-2", "--eval-every", "0", "--no-progress", "--seed", "7", "--global-batch", "4"]
+
+
+def _train_body(argv):
+    from tensorpar.training.cli import parse_train_args
+    from tensorpar.training.loop import train
+
+    return train(parse_train_args(argv)).losses
+
+
+def _train(world, tp_size, out, *extra):
+    return run_on_ranks(_train_body, world, TINY + ["--tp", str(tp_size), "--out", str(out), *extra])[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp_runs")
+    plain = _train(4, 2, root / "plain", "--sp", "--save-every", "3")
+    fsdp = _train(4, 2, root / "fsdp", "--sp", "--fsdp", "--save-every", "3")
+    resumed = {
+        # FSDP checkpoint -> no FSDP at TP1 x DP1, and -> FSDP at TP1 x DP4.
+        "fsdp->tp1": _train(1, 1, root / "r1", "--resume", str(root / "fsdp" / "step_3")),
+        "fsdp->fsdp-tp1-dp4": _train(4, 1, root / "r2", "--fsdp", "--resume", str(root / "fsdp" / "step_3")),
+        # Plain checkpoint -> FSDP at the same sizes.
+        "plain->fsdp": _train(4, 2, root / "r3", "--fsdp", "--resume", str(root / "plain" / "step_3")),
+    }
+    return plain, fsdp, resumed
+
+
+def test_train_fsdp_matches_plain_data_parallel(runs):
+    plain, fsdp, _ = runs
+    assert list(fsdp) == list(plain) == [1, 2, 3, 4, 5, 6]
+    for step in plain:
+        assert fsdp[step] == pytest.approx(plain[step], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["fsdp->tp1", "fsdp->fsdp-tp1-dp4", "plain->fsdp"])
+def test_checkpoints_resume_with_or_without_fsdp_at_other_sizes(runs, name):
+    plain, _, resumed = runs
+    assert list(resumed[name]) == [4, 5, 6]
+    for step, loss in resumed[name].items():
+        assert loss == pytest.approx(plain[step], rel=2e-5)
+
+
+def test_fsdp_with_grad_fusion_is_a_usage_error(capsys):
+    from tensorpar.cli import main
+
+    assert main(["train", "--fsdp", "--grad-fusion", "--nproc", "1", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--fsdp cannot combine with gradient-accumulation fusion" in err, err

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from . import comm
 from .parallel_state import get_data_parallel_group
 
-__all__ = ["fully_shard", "is_fully_sharded", "dp_mesh", "gather_dp_shards"]
+__all__ = ["fully_shard", "is_fully_sharded", "dp_mesh", "gather_dp_shards", "scatter_dp_shard", "ShardedGradSync", "bytes_per_rank"]
 
 
 def dp_mesh(dp_group: dist.ProcessGroup) -> DeviceMesh:
@@ -56,6 +56,15 @@ def gather_dp_shards(tensor: torch.Tensor, *, dp_group=None) -> torch.Tensor:
     padded = local.new_zeros((per_rank, *local.shape[1:]))
     padded[:local.shape[0]] = local
     return comm.all_gather(padded, group, dim=0)[:rows]
+
+
+@torch.no_grad()
+def scatter_dp_shard(shard: DTensor, whole: torch.Tensor, *, dp_group=None) -> None:
+    """Copy this rank's dim-0 piece of ``whole`` (as :func:`gather_dp_shards` returns) into ``shard``."""
+    group = dp_group if dp_group is not None else get_data_parallel_group()
+    local = shard.to_local()
+    start = comm.group_rank(group) * -(-whole.shape[0] // comm.group_size(group))
+    local.copy_(whole[start:start + local.shape[0]])
 
 
 def _default_units(model: nn.Module) -> list[nn.Module]:
@@ -131,3 +140,55 @@ def fully_shard(model: nn.Module, *, dp_group=None, units=None, reshard_after_fo
         for key, value in attributes[name].items():
             setattr(p, key, value)
     return model
+
+
+class ShardedGradSync:
+    """:class:`~tensorpar.grads.DataParallelGradReducer`'s step interface for a fully sharded model.
+
+    FSDP reduce-scatters each unit's gradients during backward; ``sync=False`` (the micro-batches
+    before the last of an accumulation step) keeps them unsharded and unreduced until then.
+
+    Example::
+
+        grads = ShardedGradSync(model)
+        grads.zero_grad()
+        for k, batch in enumerate(micro_batches):
+            grads.sync = k == len(micro_batches) - 1
+            loss(batch).backward()
+        grads.finish()
+        optimizer.step()
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._sync = True
+
+    @property
+    def sync(self) -> bool:
+        return self._sync
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self._sync = value
+        self.model.set_requires_gradient_sync(value)
+
+    def zero_grad(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+
+    def finish(self) -> None:
+        """Nothing to wait for: FSDP's last reduce-scatter completes inside backward."""
+
+    def remove_hooks(self) -> None:
+        """FSDP's hooks stay with the model."""
+
+
+def bytes_per_rank(model: nn.Module) -> dict[str, int]:
+    """This rank's bytes of parameters, fp32 gradients and AdamW's two fp32 moments.
+
+    Counts the local piece of FSDP shards; plain parameters are whole on every DP rank.
+    """
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters() if p.requires_grad]
+    numel = sum(t.numel() for t in local)
+    return {"parameters": sum(t.numel() * t.element_size() for t in local),
+            "gradients": 4 * numel, "optimizer state": 8 * numel}

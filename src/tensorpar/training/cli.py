@@ -82,6 +82,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--resume", default=None, metavar="CKPT",
                      help="checkpoint to continue from: a step_N directory or an output directory "
                           "(its latest); any TP/DP size (default: start a new run)")
+    run.add_argument("--fsdp", action="store_true",
+                     help="shard parameters, gradients and optimizer state over the data-parallel ranks "
+                          "(FSDP2, ZeRO-3): --nproc N --tp T gives T-way TP and N/T-way FSDP")
     run.add_argument("--overwrite", action="store_true",
                      help="start over in an --out that holds a run: its files are removed once this run's "
                           "first checkpoint is written")
@@ -244,6 +247,9 @@ def _check_train_args(args, world: int) -> None:
     resolve_tokenizer(args, meta)
     tokens, vocab_size, source = inspect_data(args.data, tokenizer=args.tokenizer)
     config = build_config(args, vocab_size=vocab_size, saved=saved, origin=origin)
+    if args.fsdp and config.gradient_accumulation_fusion:
+        raise UsageError("--fsdp cannot combine with gradient-accumulation fusion (--grad-fusion, or the resumed "
+                         "run's setting): FSDP reduces the gradients itself; drop one of them")
     seq_len = default_seq_len(args, config)
     check_fits(config, tp=args.tp, seq_len=seq_len)
     train_token_count(tokens, val_fraction=VAL_FRACTION, seq_len=seq_len, source=source)
