@@ -1,5 +1,7 @@
 """tp.fully_shard (FSDP2 over the DP group) composed with TP, against plain DP at TP 2 x DP 2."""
 
+import math
+
 import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -219,3 +221,53 @@ def test_fsdp_with_grad_fusion_is_a_usage_error(capsys):
     assert main(["train", "--fsdp", "--grad-fusion", "--nproc", "1", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--fsdp cannot combine with gradient-accumulation fusion" in err, err
+
+
+def _ledger_body(reshard: bool):
+    tp.initialize_model_parallel(2)
+    dp = tp.get_data_parallel_world_size()
+    model = tp.fully_shard(_build(GPTConfig(**BASE)), reshard_after_forward=reshard)
+    tokens, labels = _batch(0, 0, tp.get_data_parallel_rank())
+    with tp.CommLedger() as ledger:
+        with ledger.phase("forward"):
+            loss = model(tokens, labels)
+        with ledger.phase("backward"):
+            loss.backward()
+    units = BASE["num_layers"] + 1  # the blocks and the root
+    # Each unit's parameters travel as one flat buffer of dim-0 shards padded to equal size.
+    padded = sum(-(-p.shape[0] // dp) * math.prod(p.shape[1:]) for p in model.parameters()) * dp * 4
+    assert ledger.count("all_gather", phase="forward") == units
+    assert ledger.total_bytes("all_gather", phase="forward") == padded
+    # Resharded blocks are gathered again for backward; the root never is.
+    assert ledger.count("all_gather", phase="backward") == (BASE["num_layers"] if reshard else 0)
+    assert ledger.count("reduce_scatter", phase="backward") == units
+    assert ledger.total_bytes("reduce_scatter", phase="backward") == padded
+    return True
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_comm_ledger_records_fsdp_all_gathers_and_reduce_scatters(reshard):
+    assert run_on_ranks(_ledger_body, 4, reshard) == [True] * 4
+
+
+def _bf16_body():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    tp.initialize_model_parallel(2)
+    config = GPTConfig(**BASE, sequence_parallel=True)
+    plain = _build(config)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    sharded = tp.fully_shard(_build(config), mp_policy=policy)
+    tokens, labels = _batch(0, 0, tp.get_data_parallel_rank())
+    loss_plain, loss_sharded = plain(tokens, labels), sharded(tokens, labels)
+    assert loss_sharded.dtype == torch.float32  # the vocab-parallel cross entropy is fp32
+    loss_sharded.backward()
+    allreduce_sequence_parallel_grads(sharded)
+    # bf16 compute, but the sharded parameters (the masters) and their gradients stay fp32.
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in sharded.parameters())
+    torch.testing.assert_close(loss_sharded, loss_plain, rtol=2e-2, atol=2e-2)
+    return True
+
+
+def test_bf16_compute_keeps_fp32_masters_and_fp32_gradients():
+    assert run_on_ranks(_bf16_body, 4) == [True] * 4

@@ -22,6 +22,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
+# FSDP2's hook for custom collectives (FSDPModule.set_custom_all_gather/_reduce_scatter): the
+# defaults, subclassed, keep FSDP's own paths and let CommLedger see each call.
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.tensor import DTensor
 
 from . import comm
@@ -65,6 +68,19 @@ def scatter_dp_shard(shard: DTensor, whole: torch.Tensor, *, dp_group=None) -> N
     local = shard.to_local()
     start = comm.group_rank(group) * -(-whole.shape[0] // comm.group_size(group))
     local.copy_(whole[start:start + local.shape[0]])
+
+
+class _RecordedAllGather(DefaultAllGather):
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        comm._record("all_gather", output_tensor.shape, output_tensor.dtype, comm.group_size(group), async_op)
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _RecordedReduceScatter(DefaultReduceScatter):
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        comm._record("reduce_scatter", input_tensor.shape, input_tensor.dtype, comm.group_size(group), async_op,
+                     "avg" if op == dist.ReduceOp.AVG else "sum")
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
 def _default_units(model: nn.Module) -> list[nn.Module]:
@@ -136,6 +152,9 @@ def fully_shard(model: nn.Module, *, dp_group=None, units=None, reshard_after_fo
     # The root keeps FSDP's default: gathered after forward, since backward needs it at once.
     _torch_fully_shard(model, mesh=mesh, mp_policy=policy,
                        **({} if reshard_after_forward else {"reshard_after_forward": False}))
+    for unit in [*units, model]:
+        unit.set_custom_all_gather(_RecordedAllGather())
+        unit.set_custom_reduce_scatter(_RecordedReduceScatter())
     for name, p in model.named_parameters():
         for key, value in attributes[name].items():
             setattr(p, key, value)
