@@ -5,8 +5,8 @@
 
 Per variant and rank: the bytes held between steps, measured from the tensors themselves
 (parameters, gradients: ``main_grad`` buckets for plain DP, FSDP's sharded ``.grad``, and
-AdamW's state), the peak one step allocates above that (``gpt_step.py``'s measurement), and the
-median step time. The variants run in turn, round by round, in a rotating order; time ratios are
+AdamW's state), the peak one step allocates above that (``gpt_step.py``'s measurement), their
+sum (the peak), and the median step time. The variants run in turn, round by round, in a rotating order; time ratios are
 taken within a round and the median over rounds is reported.
 """
 
@@ -135,16 +135,17 @@ def main() -> None:
         return
     print(f"TP {args.tp} x DP {args.nproc // args.tp}, {args.layers} layers, hidden {args.hidden}, "
           f"vocab {args.vocab}, seq {args.seq}, batch {args.batch} per DP rank; MiB on the largest rank")
-    print(f"{'variant':34} {'params':>8} {'grads':>8} {'optim':>8} {'sum':>8} {'peak step':>10} "
+    print(f"{'variant':34} {'params':>8} {'grads':>8} {'optim':>8} {'sum':>8} {'peak step':>10} {'peak':>8} "
           f"{'step s':>8} {'vs DP':>6}")
     for name in VARIANTS:
         worst = {k: max(results[r][name][k] for r in results)
                  for k in ("parameters", "gradients", "optimizer state", "peak step")}
-        total = max(sum(results[r][name][k] for k in ("parameters", "gradients", "optimizer state")) for r in results)
+        held = {r: sum(results[r][name][k] for k in ("parameters", "gradients", "optimizer state")) for r in results}
+        total, peak = max(held.values()), max(held[r] + results[r][name]["peak step"] for r in results)
         row = results[0][name]
         print(f"{name:34} {worst['parameters'] / MIB:8.2f} {worst['gradients'] / MIB:8.2f} "
               f"{worst['optimizer state'] / MIB:8.2f} {total / MIB:8.2f} {worst['peak step'] / MIB:10.2f} "
-              f"{row['step_s']:8.3f} {row['step vs plain DP']:6.2f}")
+              f"{peak / MIB:8.2f} {row['step_s']:8.3f} {row['step vs plain DP']:6.2f}")
 
 
 if __name__ == "__main__":

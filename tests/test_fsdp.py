@@ -271,3 +271,36 @@ def _bf16_body():
 
 def test_bf16_compute_keeps_fp32_masters_and_fp32_gradients():
     assert run_on_ranks(_bf16_body, 4) == [True] * 4
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = tp.ColumnParallelLinear(8, 32)
+        self.fc2 = tp.RowParallelLinear(32, 8, input_is_parallel=True)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)[0]))[0]
+
+
+def _units_body():
+    tp.initialize_model_parallel(2)
+    dp_rank, dp_group = tp.get_data_parallel_rank(), tp.get_data_parallel_group()
+    models = []
+    for _ in range(2):
+        tp.model_parallel_manual_seed(5)
+        models.append(_MLP())
+    plain, sharded = models[0], tp.fully_shard(models[1], units=[models[1].fc1, models[1].fc2])
+    reducer = DataParallelGradReducer(plain.parameters(), dp_group=dp_group)
+    x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(dp_rank))
+    reducer.zero_grad()
+    plain(x).square().mean().backward()
+    reducer.finish()
+    sharded(x).square().mean().backward()
+    for p, q in zip(sharded.parameters(), plain.parameters()):
+        torch.testing.assert_close(_full(p.grad), q.grad, rtol=1e-5, atol=1e-6)
+    return True
+
+
+def test_units_shard_any_model_built_from_tp_layers():
+    assert run_on_ranks(_units_body, 4) == [True] * 4

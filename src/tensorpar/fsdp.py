@@ -30,7 +30,8 @@ from torch.distributed.tensor import DTensor
 from . import comm
 from .parallel_state import get_data_parallel_group
 
-__all__ = ["fully_shard", "is_fully_sharded", "dp_mesh", "gather_dp_shards", "scatter_dp_shard", "ShardedGradSync", "bytes_per_rank"]
+__all__ = ["fully_shard", "is_fully_sharded", "dp_mesh", "gather_dp_shards", "scatter_dp_shard",
+           "ShardedGradSync", "bytes_per_rank"]
 
 
 def dp_mesh(dp_group: dist.ProcessGroup) -> DeviceMesh:
@@ -130,7 +131,9 @@ def fully_shard(model: nn.Module, *, dp_group=None, units=None, reshard_after_fo
     keeps each unit gathered between its forward and backward (ZeRO-2-like: more memory, one
     all-gather less). TP attributes (``tensor_model_parallel``, ``sequence_parallel``, ...)
     carry over to the sharded parameters, so ``allreduce_sequence_parallel_grads``,
-    ``clip_grad_norm_`` and checkpoints keep working. Returns the model.
+    ``clip_grad_norm_`` and checkpoints keep working (given another ``dp_group`` than the DP
+    group, pass it to ``clip_grad_norm_`` too); :class:`~tensorpar.CommLedger` records FSDP's
+    all-gathers and reduce-scatters. Returns the model.
 
     Example::
 
