@@ -304,3 +304,38 @@ def _units_body():
 
 def test_units_shard_any_model_built_from_tp_layers():
     assert run_on_ranks(_units_body, 4) == [True] * 4
+
+
+def _checkpoint_body(out: str):
+    from tensorpar.training import checkpoint
+    from tensorpar.training.loop import config_to_json
+
+    tp.initialize_model_parallel(2)
+    tp_group = tp.get_tensor_model_parallel_group()
+    # 9 positions: dim-0 FSDP shards of unequal size (5 + 4) on DP 2.
+    config = GPTConfig(**{**BASE, "max_seq_len": 9, "tie_word_embeddings": False})
+    tokens, labels = _batch(0, 0, tp.get_data_parallel_rank())
+    tokens, labels = torch.cat([tokens, tokens[:, :1]], 1), torch.cat([labels, labels[:, :1]], 1)
+    models = {"fsdp": tp.fully_shard(_build(config)), "plain": _build(config), "fsdp2": tp.fully_shard(_build(config))}
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-2) for name, m in models.items()}
+    models["fsdp"](tokens, labels).backward()
+    optimizers["fsdp"].step()
+    checkpoint.save(out, 1, model=models["fsdp"], optimizer=optimizers["fsdp"], config=config_to_json(config),
+                    meta={}, tp_group=tp_group)
+    ckpt = checkpoint.open_checkpoint(out)[0]
+    # Only the strided weights (fused Q|K|V) are gathered over DP; every other shard is saved as it is.
+    gathered = checkpoint._state_dict(models["fsdp"], None, tp_group=tp_group, with_rng=False)[1]
+    strided = [p for p in models["fsdp"].parameters() if getattr(p, "partition_stride", 1) != 1]
+    assert len(gathered) == len(strided) > 0
+    for name in ("plain", "fsdp2"):
+        checkpoint.load(ckpt, model=models[name], optimizer=optimizers[name], tp_group=tp_group, restore_rng=False)
+        for (key, p), q in zip(models["fsdp"].named_parameters(), models[name].parameters()):
+            torch.testing.assert_close(_full(q.data), _full(p.data), rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+            for moment in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(_full(optimizers[name].state[q][moment]),
+                                           _full(optimizers["fsdp"].state[p][moment]), rtol=0, atol=0)
+    return True
+
+
+def test_an_fsdp_checkpoint_with_uneven_shards_loads_with_and_without_fsdp(tmp_path):
+    assert run_on_ranks(_checkpoint_body, 4, str(tmp_path / "run")) == [True] * 4
