@@ -25,19 +25,22 @@ from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 # FSDP2's hook for custom collectives (FSDPModule.set_custom_all_gather/_reduce_scatter): the
 # defaults, subclassed, keep FSDP's own paths and let CommLedger see each call.
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import comm
 from .parallel_state import get_data_parallel_group
 
 __all__ = ["fully_shard", "is_fully_sharded", "dp_mesh", "gather_dp_shards", "scatter_dp_shard",
-           "ShardedGradSync", "bytes_per_rank"]
+           "tp_dp_mesh", "full_box", "ShardedGradSync", "bytes_per_rank"]
+
+
+def _device_type(group: dist.ProcessGroup) -> str:
+    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
 
 
 def dp_mesh(dp_group: dist.ProcessGroup) -> DeviceMesh:
     """A 1-D ``DeviceMesh`` over ``dp_group`` on the backend's device type."""
-    device_type = "cuda" if dist.get_backend(dp_group) == "nccl" else "cpu"
-    return DeviceMesh.from_group(dp_group, device_type)
+    return DeviceMesh.from_group(dp_group, _device_type(dp_group))
 
 
 def is_fully_sharded(model: nn.Module) -> bool:
@@ -82,6 +85,44 @@ class _RecordedReduceScatter(DefaultReduceScatter):
         comm._record("reduce_scatter", input_tensor.shape, input_tensor.dtype, comm.group_size(group), async_op,
                      "avg" if op == dist.ReduceOp.AVG else "sum")
         return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.insert(0, running)
+        running *= size
+    return tuple(strides)
+
+
+def tp_dp_mesh(tp_group) -> DeviceMesh | None:
+    """The (TP, DP) mesh of tensorpar's layout (global rank = DP rank x TP + TP rank); None at TP=1."""
+    tp = comm.group_size(tp_group)
+    if tp == 1:
+        return None
+    dp_group = get_data_parallel_group()
+    grid = torch.arange(tp * comm.group_size(dp_group)).view(-1, tp).t()
+    return DeviceMesh.from_group([tp_group, dp_group], _device_type(tp_group), mesh=grid, mesh_dim_names=("tp", "dp"))
+
+
+def full_box(tensor: DTensor, param, mesh: DeviceMesh | None) -> DTensor | None:
+    """An FSDP shard as a box of the TP=1 tensor on the (TP, DP) ``mesh`` (:func:`tp_dp_mesh`),
+    without communication, as DCP saves and loads it; None for a strided weight (fused Q|K|V,
+    gate|up), whose DP shard is no box of it."""
+    parallel = getattr(param, "tensor_model_parallel", False)
+    if parallel and param.partition_stride != 1:
+        return None
+    if mesh is None:
+        return tensor  # at TP=1 the FSDP DTensor already is one
+    shape = list(tensor.shape)
+    if parallel:
+        dim = param.partition_dim % len(shape)
+        shape[dim] *= mesh.size(0)
+        placements = [Shard(dim), Shard(0)]   # a dim-0 DP split inside a dim-0 TP split nests
+    else:
+        placements = [Replicate(), Shard(0)]
+    return DTensor.from_local(tensor.to_local(), mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_stride(shape))
 
 
 def _default_units(model: nn.Module) -> list[nn.Module]:

@@ -53,11 +53,10 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from .. import comm
-from ..fsdp import gather_dp_shards, scatter_dp_shard
-from ..parallel_state import get_data_parallel_group
+from ..fsdp import full_box, gather_dp_shards, scatter_dp_shard, tp_dp_mesh
 from ..random import get_rng_tracker
 
 LATEST = "latest"
@@ -160,44 +159,6 @@ def _sharded(tensor: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None)
                               shape=torch.Size(global_shape), stride=tuple(global_stride))
 
 
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    strides, running = [], 1
-    for size in reversed(shape):
-        strides.insert(0, running)
-        running *= size
-    return tuple(strides)
-
-
-def _tp_dp_mesh(tp_group) -> DeviceMesh | None:
-    """The (TP, DP) mesh of tensorpar's layout (global rank = DP rank x TP + TP rank); None at TP=1."""
-    tp = comm.group_size(tp_group)
-    if tp == 1:
-        return None
-    dp_group = get_data_parallel_group()
-    device_type = "cuda" if dist.get_backend(tp_group) == "nccl" else "cpu"
-    grid = torch.arange(tp * comm.group_size(dp_group)).view(-1, tp).t()
-    return DeviceMesh.from_group([tp_group, dp_group], device_type, mesh=grid, mesh_dim_names=("tp", "dp"))
-
-
-def _fsdp_box(tensor: DTensor, param, mesh: DeviceMesh | None) -> DTensor | None:
-    """An FSDP shard as a box of the TP=1 tensor on the (TP, DP) ``mesh``, without communication;
-    None for a strided weight (fused Q|K|V, gate|up), whose DP shard is no box of it."""
-    parallel = getattr(param, "tensor_model_parallel", False)
-    if parallel and param.partition_stride != 1:
-        return None
-    if mesh is None:
-        return tensor  # at TP=1 the FSDP DTensor already is one
-    shape = list(tensor.shape)
-    if parallel:
-        dim = param.partition_dim % len(shape)
-        shape[dim] *= mesh.size(0)
-        placements = [Shard(dim), Shard(0)]   # a dim-0 DP split inside a dim-0 TP split nests
-    else:
-        placements = [Replicate(), Shard(0)]
-    return DTensor.from_local(tensor.to_local(), mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
-
-
 def _tp_mesh(tp_group) -> DeviceMesh | None:
     if comm.group_size(tp_group) == 1:
         return None
@@ -253,11 +214,11 @@ def _state_dict(model, optimizer, *, tp_group, with_rng: bool) -> tuple[dict, li
     back after a load), which a save or load holds on every rank for a moment.
     """
     mesh = _tp_mesh(tp_group)
-    fsdp_mesh = _tp_dp_mesh(tp_group) if any(isinstance(p, DTensor) for p in model.parameters()) else None
+    fsdp_mesh = tp_dp_mesh(tp_group) if any(isinstance(p, DTensor) for p in model.parameters()) else None
     state, gathered = {}, []
 
     def entry(tensor, param):
-        if isinstance(tensor, DTensor) and (box := _fsdp_box(tensor, param, fsdp_mesh)) is not None:
+        if isinstance(tensor, DTensor) and (box := full_box(tensor, param, fsdp_mesh)) is not None:
             return box
         whole = gather_dp_shards(tensor)
         if whole is not tensor:
