@@ -188,8 +188,9 @@ def _train(world, tp_size, out, *extra):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp_runs")
-    plain = _train(4, 2, root / "plain", "--sp", "--save-every", "3")
-    fsdp = _train(4, 2, root / "fsdp", "--sp", "--fsdp", "--save-every", "3")
+    # Evaluations in between: a forward that no backward follows must leave FSDP's state intact.
+    plain = _train(4, 2, root / "plain", "--sp", "--save-every", "3", "--eval-every", "2", "--eval-iters", "1")
+    fsdp = _train(4, 2, root / "fsdp", "--sp", "--fsdp", "--save-every", "3", "--eval-every", "2", "--eval-iters", "1")
     resumed = {
         # FSDP checkpoint -> no FSDP at TP1 x DP1, and -> FSDP at TP1 x DP4.
         "fsdp->tp1": _train(1, 1, root / "r1", "--resume", str(root / "fsdp" / "step_3")),

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 # FSDP2's hook for custom collectives (FSDPModule.set_custom_all_gather/_reduce_scatter): the
 # defaults, subclassed, keep FSDP's own paths and let CommLedger see each call.
@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from . import comm
 from .parallel_state import get_data_parallel_group
 
-__all__ = ["fully_shard", "is_fully_sharded", "dp_mesh", "gather_dp_shards", "scatter_dp_shard",
+__all__ = ["fully_shard", "reshard", "is_fully_sharded", "dp_mesh", "gather_dp_shards", "scatter_dp_shard",
            "tp_dp_mesh", "full_box", "ShardedGradSync", "bytes_per_rank"]
 
 
@@ -41,6 +41,13 @@ def _device_type(group: dist.ProcessGroup) -> str:
 def dp_mesh(dp_group: dist.ProcessGroup) -> DeviceMesh:
     """A 1-D ``DeviceMesh`` over ``dp_group`` on the backend's device type."""
     return DeviceMesh.from_group(dp_group, _device_type(dp_group))
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered FSDP unit of ``model``, so its parameters are the shards again."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def is_fully_sharded(model: nn.Module) -> bool:
@@ -236,6 +243,9 @@ class ShardedGradSync:
         self.model.set_requires_gradient_sync(value)
 
     def zero_grad(self) -> None:
+        """Drop the gradients; a unit an evaluation left gathered (FSDP keeps the root so after a
+        forward no backward follows) is resharded, so the step starts from the shards."""
+        reshard(self.model)
         for p in self.model.parameters():
             p.grad = None
 

@@ -56,7 +56,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import comm
-from ..fsdp import full_box, gather_dp_shards, scatter_dp_shard, tp_dp_mesh
+from ..fsdp import full_box, gather_dp_shards, reshard, scatter_dp_shard, tp_dp_mesh
 from ..random import get_rng_tracker
 
 LATEST = "latest"
@@ -214,6 +214,9 @@ def _state_dict(model, optimizer, *, tp_group, with_rng: bool) -> tuple[dict, li
     back after a load), which a save or load holds on every rank for a moment.
     """
     mesh = _tp_mesh(tp_group)
+    # FSDP keeps the root unit gathered after a forward with no backward (an evaluation): its
+    # registered parameters are then the gathered copies, not the shards the optimizer steps.
+    reshard(model)
     fsdp_mesh = tp_dp_mesh(tp_group) if any(isinstance(p, DTensor) for p in model.parameters()) else None
     state, gathered = {}, []
 

@@ -274,6 +274,7 @@ def _read_back(pending, result: RunResult, progress: Progress, *, tokens_per_s: 
                       log=log and i == len(pending) - 1)
 
 
+@torch.no_grad()
 def evaluate(model, sampler: BatchSampler, *, iters: int, dtype: str, device, dp_group) -> float:
     """Mean validation loss over ``iters`` fixed batches, averaged over DP."""
     model.eval()
