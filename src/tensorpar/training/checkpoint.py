@@ -57,6 +57,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .. import comm
 from ..errors import UsageError
+from ..fsdp import full_box, gather_dp_shards, reshard, scatter_dp_shard, tp_dp_mesh
 from ..random import get_rng_tracker
 from .rundir import check_dir, write_file
 from .schema import SchemaError, check_config, check_meta
@@ -200,19 +201,44 @@ def _rng_spec() -> dict[str, list[int]]:
 def build_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                      tp_group, with_rng: bool) -> dict:
     """The flat DCP state dict: ``model.*``, ``optim.*`` and (optionally) this rank's ``rng.*``."""
+    return _state_dict(model, optimizer, tp_group=tp_group, with_rng=with_rng)[0]
+
+
+@torch.no_grad()
+def _state_dict(model, optimizer, *, tp_group, with_rng: bool) -> tuple[dict, list]:
+    """:func:`build_state_dict`, and the (FSDP shard, gathered copy) pairs a load copies back.
+
+    Under :func:`tensorpar.fully_shard` each FSDP shard is saved as its box of the TP=1
+    tensor on the (TP, DP) mesh, so the files are the same with and without FSDP; a strided
+    weight's DP shard is no such box: it is gathered over DP to its TP shard first (and copied
+    back after a load), which a save or load holds on every rank for a moment.
+    """
     mesh = _tp_mesh(tp_group)
-    state = {}
+    # FSDP keeps the root unit gathered after a forward with no backward (an evaluation): its
+    # registered parameters are then the gathered copies, not the shards the optimizer steps.
+    reshard(model)
+    fsdp_mesh = tp_dp_mesh(tp_group) if any(isinstance(p, DTensor) for p in model.parameters()) else None
+    state, gathered = {}, []
+
+    def entry(tensor, param):
+        if isinstance(tensor, DTensor) and (box := full_box(tensor, param, fsdp_mesh)) is not None:
+            return box
+        whole = gather_dp_shards(tensor)
+        if whole is not tensor:
+            gathered.append((tensor, whole))
+        return _sharded(whole, param, mesh)
+
     for name, p in model.named_parameters():
-        state[f"model.{name}"] = _sharded(p.data, p, mesh)
+        state[f"model.{name}"] = entry(p.data, p)
         if optimizer is not None:
             moments = optimizer.state[p]
             state[f"optim.{name}.step"] = moments["step"]
             for key in _ADAM_MOMENTS:
-                state[f"optim.{name}.{key}"] = _sharded(moments[key], p, mesh)
+                state[f"optim.{name}.{key}"] = entry(moments[key], p)
     if with_rng:
         for key, value in _rng_state().items():
             state[f"rng.rank{dist.get_rank()}.{key}"] = value
-    return state
+    return state, gathered
 
 
 # --- saving -------------------------------------------------------------------------------
@@ -557,11 +583,13 @@ def _spec(value: torch.Tensor) -> tuple[torch.dtype, list[int]]:
     return value.dtype, list(value.shape)  # a DTensor's shape is its global shape
 
 
-def _expected_entries(model, meta: dict, tp_group) -> dict[str, tuple[torch.dtype, list[int]]]:
-    """Every entry the checkpoint must hold: model, optimizer and every saving rank's RNG states."""
-    model_state = build_state_dict(model, None, tp_group=tp_group, with_rng=False)
+def _expected_entries(state: dict, meta: dict) -> dict[str, tuple[torch.dtype, list[int]]]:
+    """Every entry the checkpoint must hold (the ``model.*`` entries of ``state`` say which):
+    model, optimizer and every saving rank's RNG states."""
     expected = {}
-    for key, value in model_state.items():
+    for key, value in state.items():
+        if not key.startswith("model."):
+            continue
         name = key.removeprefix("model.")
         expected[key] = _spec(value)
         expected[f"optim.{name}.step"] = (torch.float32, [])
@@ -622,11 +650,11 @@ def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
     """
     if optimizer is not None:
         _init_adam_state(optimizer)
-    state = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=restore_rng)
+    state, gathered = _state_dict(model, optimizer, tp_group=tp_group, with_rng=restore_rng)
     metadata, error = None, None
     try:
         meta = read_json(ckpt)[1]
-        expected = _expected_entries(model, meta, tp_group)
+        expected = _expected_entries(state, meta)
         if restore_rng and meta["rng"] != _rng_spec():
             raise CheckpointError(f"checkpoint {ckpt}: its RNG states {sorted(meta['rng'])} are not "
                                   f"this process's {sorted(_rng_spec())}")
@@ -641,6 +669,8 @@ def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
         dcp.load(state, storage_reader=_ValidatedReader(ckpt, metadata), planner=_TensorsOnlyPlanner())
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"loading checkpoint {ckpt} failed: {_describe(exc)}") from exc
+    for shard, whole in gathered:
+        scatter_dp_shard(shard, whole)
     if restore_rng:
         prefix = f"rng.rank{dist.get_rank()}."
         _set_rng_state({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})

@@ -93,6 +93,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                           "(its latest); any TP/DP size. The run keeps every setting it had (data, sequence "
                           "length, schedule, batch, logging, ...) unless a flag gives another value, and says "
                           "so (default: start a new run)")
+    run.add_argument("--fsdp", action="store_true",
+                     help="shard parameters, gradients and optimizer state over the data-parallel ranks "
+                          "(FSDP2, ZeRO-3): --nproc N --tp T gives T-way TP and N/T-way FSDP")
     run.add_argument("--overwrite", action="store_true",
                      help="start over in an --out that holds a run: its files are removed once this run's "
                           "first checkpoint is written")
@@ -285,12 +288,16 @@ def _check_train_args(args, world: int) -> None:
     resolve_tokenizer(args, meta or init_meta)
     tokens, vocab_size, source = inspect_data(args.data, tokenizer=args.tokenizer)
     config = build_config(args, vocab_size=vocab_size, saved=saved, origin=origin)
+    if args.fsdp and config.gradient_accumulation_fusion:
+        raise UsageError("--fsdp cannot combine with gradient-accumulation fusion (--grad-fusion, or the resumed "
+                         "run's setting): FSDP reduces the gradients itself; drop one of them")
     seq_len = default_seq_len(args, config)
     check_fits(config, tp=args.tp, seq_len=seq_len)
     train_token_count(tokens, val_fraction=VAL_FRACTION, seq_len=seq_len, source=source)
     settle_run(args, meta=meta, dp_size=world // args.tp)
     check_memory(config, tp=args.tp, dp=world // args.tp, seq_len=seq_len, micro_batch=args.micro_batch,
-                 dtype=args.dtype, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if _under_torchrun() else world)
+                 dtype=args.dtype, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if _under_torchrun() else world,
+                 fsdp=args.fsdp)
     args.out = args.out or DEFAULT_OUT
     _check_writable_dir(Path(args.out), "--out")
     if not _under_torchrun():

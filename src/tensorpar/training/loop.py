@@ -4,7 +4,8 @@
 launcher, or a test's process group). Each step: this DP rank's micro-batches (the same on
 every TP rank of the group), forward under autocast when ``--dtype bf16`` (the weights stay
 fp32 and are the optimizer's master copy), backward with the DP all-reduces launched bucket by
-bucket as gradients appear, SP grads summed over TP, TP-aware clipping, AdamW, then metrics,
+bucket as gradients appear (with ``--fsdp``: FSDP2's reduce-scatters, see
+:mod:`tensorpar.fsdp`), SP grads summed over TP, TP-aware clipping, AdamW, then metrics,
 evaluation and checkpoints as asked.
 """
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from .. import comm, parallel_state as ps
 from ..comm_model import calibrate_overlap
 from ..errors import UsageError
+from ..fsdp import ShardedGradSync, bytes_per_rank, fully_shard
 from ..grads import DataParallelGradReducer, allreduce_sequence_parallel_grads, clip_grad_norm_, get_grad_norm
 from ..models.gpt import GPT, GPTConfig
 from ..random import model_parallel_manual_seed
@@ -484,9 +486,12 @@ def _train(args, signals: _Signals) -> RunResult:
             raise UsageError(f"--init-from-hf: {exc}") from None
     elif init:
         checkpoint.load(init[0], model=model, optimizer=None, tp_group=tp_group, restore_rng=False)
+    fsdp = getattr(args, "fsdp", False)
+    if fsdp:
+        fully_shard(model, dp_group=dp_group)
     optimizer = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(0.9, 0.95), eps=1e-8)
-    reducer = DataParallelGradReducer(model.parameters(), dp_group=dp_group)
+    reducer = ShardedGradSync(model) if fsdp else DataParallelGradReducer(model.parameters(), dp_group=dp_group)
     params = list(model.parameters())
     start = 0
     out = Path(args.out) if args.out else None
@@ -517,6 +522,9 @@ def _train(args, signals: _Signals) -> RunResult:
             print(f"tensorpar train: {header}", flush=True)
             if note:
                 _say(note)
+        memory = ", ".join(f"{what} {n / 2**20:.2f} MiB" for what, n in bytes_per_rank(model).items())
+        print(f"tensorpar train: per rank {memory}" + (f" (FSDP: 1/{dp_size} of each TP shard)" if fsdp else ""),
+              flush=True)
     progress = Progress(out=out, total_steps=args.steps, first_step=start, enabled=is_rank0,
                         bar=not args.no_progress, tensorboard=args.tensorboard)
     result = RunResult({}, {}, None, 0.0, config_to_json(config))
@@ -543,8 +551,8 @@ def _train(args, signals: _Signals) -> RunResult:
             reducer.finish()
             if config.sequence_parallel:
                 allreduce_sequence_parallel_grads(model)
-            grad_norm = (clip_grad_norm_(params, args.clip_grad) if args.clip_grad > 0
-                         else get_grad_norm(params))
+            grad_norm = (clip_grad_norm_(params, args.clip_grad, dp_group=dp_group) if args.clip_grad > 0
+                         else get_grad_norm(params, dp_group=dp_group))
             optimizer.step()
             comm.all_reduce(loss_sum, dp_group)
             done = step + 1
