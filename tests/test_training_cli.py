@@ -191,6 +191,22 @@ def test_memory_check_compares_with_what_each_rank_has(capsys, monkeypatch, tmp_
         "(parameters 7.2 GiB")
 
 
+def test_the_memory_estimate_divides_by_dp_under_fsdp(capsys, monkeypatch):
+    from tensorpar.errors import UsageError
+    from tensorpar.training import memory
+
+    asked = []
+
+    def estimate(config, **settings):
+        asked.append(settings["fsdp"])
+        raise UsageError("estimated")
+
+    monkeypatch.setattr(memory, "check_memory", estimate)
+    for flags in ([], ["--fsdp"]):
+        assert _train_error(capsys, "--nproc", "4", "--tp", "2", *flags) == "estimated"
+    assert asked == [False, True]
+
+
 def test_a_missing_path_is_refused_before_the_slow_imports(tmp_path):
     """Checked before torch.distributed.checkpoint (about a second) or transformers (seconds) is imported."""
     nope = str(tmp_path / "nope")
