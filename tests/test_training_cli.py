@@ -385,7 +385,9 @@ def test_under_torchrun_each_rank_prints_its_message_once(tmp_path):
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode != 0
     ours = [line for line in done.stderr.splitlines() if line.startswith("tensorpar train: error:")]
-    assert ours == ["tensorpar train: error: --tp 4 does not divide the torchrun world size 2"] * 2, done.stderr
+    # Each rank prints it at most once; torchrun stops a rank still starting when its peer has failed.
+    line = "tensorpar train: error: --tp 4 does not divide the torchrun world size 2"
+    assert ours in ([line], [line, line]), done.stderr
     # torchrun's own failure summary shows the line too; no traceback passes through tensorpar's code.
     assert "traceback : --tp 4 does not divide the torchrun world size 2" in done.stderr
     assert not re.search(r'File "[^"]*tensorpar[/\\]', done.stderr), done.stderr

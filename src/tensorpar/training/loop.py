@@ -516,15 +516,15 @@ def _train(args, signals: _Signals) -> RunResult:
               f"global batch {args.global_batch} sequences ({args.micro_batch} per micro-batch x {dp_size} DP "
               f"x {args.grad_accum} accumulation) = {tokens_per_step:,} tokens/step, data: {corpus.source}",
               flush=True)
+        memory = ", ".join(f"{what} {n / 2**20:.2f} MiB" for what, n in bytes_per_rank(model).items())
+        print(f"tensorpar train: per rank {memory}" + (f" (FSDP: 1/{dp_size} of each TP shard)" if fsdp else ""),
+              flush=True)
         if resumed:
             header, note = resume_header(args, resumed[2], ckpt=resumed[0], tp=tp_size, dp=dp_size,
                                          data=corpus.source)
             print(f"tensorpar train: {header}", flush=True)
             if note:
                 _say(note)
-        memory = ", ".join(f"{what} {n / 2**20:.2f} MiB" for what, n in bytes_per_rank(model).items())
-        print(f"tensorpar train: per rank {memory}" + (f" (FSDP: 1/{dp_size} of each TP shard)" if fsdp else ""),
-              flush=True)
     progress = Progress(out=out, total_steps=args.steps, first_step=start, enabled=is_rank0,
                         bar=not args.no_progress, tensorboard=args.tensorboard)
     result = RunResult({}, {}, None, 0.0, config_to_json(config))
