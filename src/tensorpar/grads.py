@@ -212,16 +212,24 @@ class MasterWeights:
         self._versions = self._model_versions()
 
 
+def _without_duplicate_rows(grad: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """``grad`` with zeros at the rows an earlier TP rank holds too (replicated K/V heads)."""
+    rows = getattr(param, "tp_duplicate_rows", None)
+    if rows is None or rows.numel() == 0:
+        return grad
+    return grad.index_fill(0, rows.to(grad.device), 0)
+
+
 @torch.no_grad()
 def get_grad_norm(params, *, tp_group=None) -> torch.Tensor:
     """The L2 norm of the whole model's gradient (fp32 scalar), identical on every TP rank.
 
     Each parameter is counted once: TP shards by every rank, replicated parameters by TP
-    rank 0 only, and the squares are summed over TP. Uses ``main_grad`` where present. One
+    rank 0 only, rows several ranks hold (``tp_duplicate_rows``) by the first of them, and the squares are summed over TP. Uses ``main_grad`` where present. One
     ``torch._foreach_norm`` over all gradients, and no host synchronisation.
     """
     group = resolve_tp_group(tp_group)
-    grads = [g for p in params
+    grads = [_without_duplicate_rows(g, p) for p in params
              if (g := _grad_of(p)) is not None and param_is_not_tensor_parallel_duplicate(p, group)]
     if grads:
         square = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
