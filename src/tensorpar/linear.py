@@ -601,8 +601,9 @@ class ColumnParallelLinear(_ParallelLinear):
 
     ``partition_sizes`` (one per rank, default the equal split, else as even as possible) gives
     ranks unequal shares of the output rows (of each of the ``stride`` blocks); ``partition_rows``
-    lists each rank's ``[start, stop)`` rows of the full weight instead, and may overlap: a row
-    several ranks hold is replicated and its gradient summed over exactly those ranks.
+    lists each rank's ``[start, stop)`` rows of the full weight instead (``stride`` then only
+    names the blocks), and may overlap: a row several ranks hold is replicated and its gradient
+    summed over exactly those ranks.
 
     Example::
 

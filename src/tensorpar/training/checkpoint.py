@@ -12,6 +12,8 @@ records each rank's chunk offsets and no rank ever materialises a full tensor. A
 ``partition_stride`` k (fused Q|K|V, gate|up) is k blocks each split over TP; it is stored
 viewed as ``[k, rows/k, ...]``, which makes every rank's strided shard one box of that view
 while keeping the TP=1 element order. Loading at another TP size asks DCP for the new boxes.
+A parameter of an uneven layout (``partition_rows``: heads, K/V heads or FFN rows TP does not
+divide) is stored whole in the same global shape, gathered at save and sharded after load.
 
 Atomicity: DCP writes into ``step_N.tmp``; rank 0 adds the JSON files, renames the directory
 to ``step_N`` and only then replaces ``latest`` (itself via rename). A save killed at any
@@ -56,6 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import comm
+from ..models.layout import gather_full_tensor, shard_full_tensor
 from ..random import get_rng_tracker
 
 LATEST = "latest"
@@ -158,6 +161,37 @@ def _sharded(tensor: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None)
                               shape=torch.Size(global_shape), stride=tuple(global_stride))
 
 
+def _stored(tensor: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None, tp_group):
+    """``tensor`` as DCP should store it: :func:`_sharded`, or for an uneven layout
+    (``partition_rows``, which no DTensor placement describes) the full tensor, gathered, in
+    the same global shape, so a checkpoint moves between even and uneven TP sizes."""
+    rows = getattr(param, "partition_rows", None)
+    if rows is None or mesh is None:
+        return _sharded(tensor, param, mesh)
+    full = gather_full_tensor(tensor, partition_dim=param.partition_dim, stride=param.partition_stride,
+                              tp_group=tp_group, partition_rows=rows)
+    dim, stride, shape = param.partition_dim % full.dim(), param.partition_stride, list(full.shape)
+    return full if stride == 1 else full.view(shape[:dim] + [stride, shape[dim] // stride] + shape[dim + 1:])
+
+
+@torch.no_grad()
+def _unstore(state: dict, model: torch.nn.Module, optimizer, tp_group) -> None:
+    """Copy the loaded full tensors of uneven layouts into this rank's shards."""
+    for name, p in model.named_parameters():
+        rows = getattr(p, "partition_rows", None)
+        if rows is None or comm.group_size(tp_group) == 1:
+            continue
+        targets = {f"model.{name}": p.data}
+        if optimizer is not None:
+            targets.update({f"optim.{name}.{key}": optimizer.state[p][key] for key in _ADAM_MOMENTS})
+        for key, target in targets.items():
+            dim = p.partition_dim % target.dim()
+            full_shape = list(target.shape)
+            full_shape[dim] = max(b for ranges in rows for _, b in ranges)
+            target.copy_(shard_full_tensor(state[key].reshape(full_shape), partition_dim=dim,
+                                           tp_group=tp_group, partition_rows=rows))
+
+
 def _tp_mesh(tp_group) -> DeviceMesh | None:
     if comm.group_size(tp_group) == 1:
         return None
@@ -203,12 +237,12 @@ def build_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     mesh = _tp_mesh(tp_group)
     state = {}
     for name, p in model.named_parameters():
-        state[f"model.{name}"] = _sharded(p.data, p, mesh)
+        state[f"model.{name}"] = _stored(p.data, p, mesh, tp_group)
         if optimizer is not None:
             moments = optimizer.state[p]
             state[f"optim.{name}.step"] = moments["step"]
             for key in _ADAM_MOMENTS:
-                state[f"optim.{name}.{key}"] = _sharded(moments[key], p, mesh)
+                state[f"optim.{name}.{key}"] = _stored(moments[key], p, mesh, tp_group)
     if with_rng:
         for key, value in _rng_state().items():
             state[f"rng.rank{dist.get_rank()}.{key}"] = value
@@ -601,6 +635,7 @@ def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
         dcp.load(state, storage_reader=_ValidatedReader(ckpt, metadata), planner=_TensorsOnlyPlanner())
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"loading checkpoint {ckpt} failed: {_describe(exc)}") from exc
+    _unstore(state, model, optimizer, tp_group)
     if restore_rng:
         prefix = f"rng.rank{dist.get_rank()}."
         _set_rng_state({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})
