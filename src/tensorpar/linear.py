@@ -490,7 +490,7 @@ class _ParallelLinear(nn.Module):
         local_size = split_size // self.tp_size if rows is None else self.partition_sizes[comm.group_rank(self.tp_group)]
         self._replicas = None
         if rows is not None:
-            local_rows, shared_rows, num_shared, duplicates = _replicas(rows, comm.group_rank(self.tp_group))
+            local_rows, shared_rows, num_shared, self._duplicate_rows = _replicas(rows, comm.group_rank(self.tp_group))
             if num_shared:
                 if gradient_accumulation_fusion:
                     raise ValueError(f"{name}: rows held by several ranks (partition_rows) cannot be combined with "
@@ -538,7 +538,7 @@ class _ParallelLinear(nn.Module):
         if self.partition_rows is not None:
             param.partition_rows = self.partition_rows
             if self._replicas is not None:
-                param.tp_duplicate_rows = _replicas(self.partition_rows, comm.group_rank(self.tp_group))[3]
+                param.tp_duplicate_rows = self._duplicate_rows
 
     def _summed_over_replicas(self, param):
         """``param`` whose gradient rows held by several ranks are summed over their holders."""

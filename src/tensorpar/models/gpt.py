@@ -357,7 +357,7 @@ class Attention(nn.Module):
             self.local_heads = stop - first
             self.local_groups = (stop - 1) // p + 1 - first // p
             # stride still names the p + 2 blocks (checkpoints store them alike at every TP size).
-            qkv_layout = dict(stride=p + 2, partition_rows=[rows for _, rows in heads])
+            qkv_layout["partition_rows"] = [rows for _, rows in heads]
             proj_layout = dict(partition_sizes=[(b - a) * d for (a, b), _ in heads])
             # Local query head i reads local K/V head group_of_head[i].
             group_of_head = torch.tensor([h // p - first // p for h in range(first, stop)])
