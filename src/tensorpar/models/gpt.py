@@ -521,6 +521,10 @@ class GPT(nn.Module):
             # The fused head writes main_grad and hands autograd zeros, to which the embedding's
             # gradient is added: the DP reducer adds that .grad to main_grad too.
             self.embedding.word.weight.zero_out_wgrad = True
+        # Rows past the vocabulary are padding whose size depends on TP (checkpoints re-pad them).
+        for weight in (self.embedding.word.weight, self.lm_head.weight):
+            if weight is not None:
+                weight.unpadded_rows = config.vocab_size
         self._rotary_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         for param in self.parameters():
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)

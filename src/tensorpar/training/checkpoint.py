@@ -14,6 +14,8 @@ viewed as ``[k, rows/k, ...]``, which makes every rank's strided shard one box o
 while keeping the TP=1 element order. Loading at another TP size asks DCP for the new boxes.
 A parameter of an uneven layout (``partition_rows``: heads, K/V heads or FFN rows TP does not
 divide) is stored whole in the same global shape, gathered at save and sharded after load.
+The vocabulary's padding depends on TP (a multiple of lcm(make_vocab_size_divisible_by, TP)):
+loading at a TP size that pads it otherwise reads the saved rows whole and keeps the real ones.
 
 Atomicity: DCP writes into ``step_N.tmp``; rank 0 adds the JSON files, renames the directory
 to ``step_N`` and only then replaces ``latest`` (itself via rename). A save killed at any
@@ -607,6 +609,35 @@ class _TensorsOnlyPlanner(DefaultLoadPlanner):
         raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn} is not a tensor; refusing it")
 
 
+def _other_padding(state: dict, expected: dict, stored: dict, model, optimizer) -> list:
+    """Vocabulary rows padded to another size by the saving TP size (parameters marked with
+    ``unpadded_rows``, the real vocabulary): each such entry is loaded whole at its stored
+    shape, and its real rows are copied into this rank's shard afterwards.
+
+    Returns ``(loaded, target, real rows)`` for each; updates ``state`` and ``expected``.
+    """
+    repadded = []
+    for name, p in model.named_parameters():
+        real = getattr(p, "unpadded_rows", None)
+        if real is None:
+            continue
+        targets = {f"model.{name}": p.data}
+        if optimizer is not None:
+            targets.update({f"optim.{name}.{key}": optimizer.state[p][key] for key in _ADAM_MOMENTS})
+        for key, target in targets.items():
+            entry, (dtype, shape) = stored.get(key), expected[key]
+            if not isinstance(entry, TensorStorageMetadata):
+                continue
+            size = list(entry.size)
+            # Anything but other padding of the same real rows is left for _mismatch to name.
+            if size == shape or len(size) != len(shape) or size[1:] != shape[1:] or size[0] < real:
+                continue
+            expected[key] = (dtype, size)
+            state[key] = torch.empty(size, dtype=dtype, device=target.device)
+            repadded.append((state[key], target, real))
+    return repadded
+
+
 def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
     """Load a verified checkpoint into ``model``/``optimizer`` (any TP/DP size), collectively.
 
@@ -617,7 +648,7 @@ def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
     if optimizer is not None:
         _init_adam_state(optimizer)
     state = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=restore_rng)
-    metadata, error = None, None
+    metadata, error, repadded = None, None, []
     try:
         meta = read_json(ckpt)[1]
         expected = _expected_entries(model, meta, ckpt, tp_group)
@@ -625,6 +656,7 @@ def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
             raise CheckpointError(f"checkpoint {ckpt}: its RNG states {sorted(meta['rng'])} are not "
                                   f"this process's {sorted(_rng_spec())}")
         metadata = read_metadata(ckpt, listed=set(_manifest(ckpt)))
+        repadded = _other_padding(state, expected, metadata.state_dict_metadata, model, optimizer)
         problem = _mismatch(metadata.state_dict_metadata, expected)
         if problem is not None:
             raise CheckpointError(f"checkpoint {ckpt} {problem}; refusing to load it")
@@ -636,6 +668,13 @@ def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"loading checkpoint {ckpt} failed: {_describe(exc)}") from exc
     _unstore(state, model, optimizer, tp_group)
+    rank = comm.group_rank(tp_group)
+    with torch.no_grad():
+        for loaded, target, real in repadded:
+            start = rank * target.shape[0]
+            stop = min(start + target.shape[0], real)
+            if stop > start:
+                target[:stop - start].copy_(loaded[start:stop])
     if restore_rng:
         prefix = f"rng.rank{dist.get_rank()}."
         _set_rng_state({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})
