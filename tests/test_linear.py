@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import tensorpar as tp
-import tensorpar.initialization
-import tensorpar.models
+from tensorpar.initialization import init_method_normal, init_weight_shard, shard_rows
+from tensorpar.models import gather_full_tensor
 from tests.harness import run_on_ranks
 
 S, B, IN, OUT = 8, 2, 12, 16
@@ -368,7 +368,8 @@ def _bad_input_body():
     # Sizes TP does not divide split as evenly as possible (each of the stride blocks alike).
     assert tp.ColumnParallelLinear(8, 10).partition_sizes == [3, 3, 2, 2]
     assert tp.RowParallelLinear(6, 8).partition_sizes == [2, 2, 1, 1]
-    assert tp.ColumnParallelLinear(8, 12, stride=2).weight.shape[0] == 2 * [2, 2, 1, 1][tp.get_tensor_model_parallel_rank()]
+    rank = tp.get_tensor_model_parallel_rank()
+    assert tp.ColumnParallelLinear(8, 12, stride=2).weight.shape[0] == 2 * [2, 2, 1, 1][rank]
     assert tp.ColumnParallelLinear(8, 16).partition_sizes is None  # the equal split: today's path
     with pytest.raises(ValueError, match=r"output_size 13 is not divisible by stride 2"):
         tp.ColumnParallelLinear(8, 13, stride=2)
@@ -709,7 +710,7 @@ def _uneven_column_case(n, r, *, sp, gather_output, stride, sizes, rows):
         warnings.simplefilter("ignore")
         layer = tp.ColumnParallelLinear(IN, out_size, sequence_parallel=sp, gather_output=gather_output,
                                         stride=stride, partition_sizes=sizes, partition_rows=rows)
-    layout_rows = layer.partition_rows or tuple(tp.initialization.shard_rows(out_size, n, q, stride)
+    layout_rows = layer.partition_rows or tuple(shard_rows(out_size, n, q, stride)
                                                 for q in range(n))
     mine = _rows_slices(layout_rows, r)
     with torch.no_grad():
@@ -791,12 +792,10 @@ def _uneven_init_body(stride, sizes_by_tp):
     n = tp.get_tensor_model_parallel_world_size()
     torch.manual_seed(11)
     layer = tp.ColumnParallelLinear(IN, 10 * stride, stride=stride, partition_sizes=sizes_by_tp[n])
-    full = tp.models.gather_full_tensor(layer.weight, partition_dim=0, stride=stride,
-                                        partition_rows=layer.partition_rows)
+    full = gather_full_tensor(layer.weight, partition_dim=0, stride=stride, partition_rows=layer.partition_rows)
     torch.manual_seed(11)
     expected = torch.empty(10 * stride, IN)
-    tp.initialization.init_weight_shard(expected, tp.initialization.init_method_normal(0.02), partition_dim=0,
-                                        stride=stride)
+    init_weight_shard(expected, init_method_normal(0.02), partition_dim=0, stride=stride)
     return torch.equal(full, expected)
 
 

@@ -225,7 +225,8 @@ def get_grad_norm(params, *, tp_group=None) -> torch.Tensor:
     """The L2 norm of the whole model's gradient (fp32 scalar), identical on every TP rank.
 
     Each parameter is counted once: TP shards by every rank, replicated parameters by TP
-    rank 0 only, rows several ranks hold (``tp_duplicate_rows``) by the first of them, and the squares are summed over TP. Uses ``main_grad`` where present. One
+    rank 0 only, rows several ranks hold (``tp_duplicate_rows``) by the first of them, and
+    the squares are summed over TP. Uses ``main_grad`` where present. One
     ``torch._foreach_norm`` over all gradients, and no host synchronisation.
     """
     group = resolve_tp_group(tp_group)

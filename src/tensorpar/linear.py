@@ -487,10 +487,11 @@ class _ParallelLinear(nn.Module):
         # None: the equal split. Else every rank's rows of the full partition dimension.
         self.partition_rows = rows
         self.partition_sizes = None if rows is None else [sum(b - a for a, b in ranges) for ranges in rows]
-        local_size = split_size // self.tp_size if rows is None else self.partition_sizes[comm.group_rank(self.tp_group)]
+        rank = comm.group_rank(self.tp_group)
+        local_size = split_size // self.tp_size if rows is None else self.partition_sizes[rank]
         self._replicas = None
         if rows is not None:
-            local_rows, shared_rows, num_shared, self._duplicate_rows = _replicas(rows, comm.group_rank(self.tp_group))
+            local_rows, shared_rows, num_shared, self._duplicate_rows = _replicas(rows, rank)
             if num_shared:
                 if gradient_accumulation_fusion:
                     raise ValueError(f"{name}: rows held by several ranks (partition_rows) cannot be combined with "
@@ -521,7 +522,7 @@ class _ParallelLinear(nn.Module):
             if perform_initialization:
                 init_weight_shard(self.weight, init_method, partition_dim=partition_dim, stride=stride,
                                   tp_group=self.tp_group, full_rows=split_size,
-                                  rows=None if rows is None else rows[comm.group_rank(self.tp_group)])
+                                  rows=None if rows is None else rows[rank])
         if bias:
             bias_size = shape[0]
             self.bias = nn.Parameter(torch.zeros(bias_size, dtype=params_dtype, device=device))

@@ -95,6 +95,9 @@ class GPTConfig:
     ``interleave`` > 1 splits each block's micro-batch into that many parts and interleaves
     them (Domino), so one part's row-layer reductions travel while another part computes.
 
+    Every size works at every TP size with at least one query head per rank: heads, K/V heads
+    (also fewer than TP: replicated), FFN and vocabulary need not divide by TP.
+
     Llama-family options: ``num_query_groups`` is the number of K/V heads (grouped-query
     attention; default ``num_heads``); ``qkv_bias`` defaults to ``bias`` (Qwen2 has biases on
     Q, K and V only); ``rope_scaling`` is Llama 3's ``{"rope_type": "llama3", "factor",
