@@ -62,12 +62,13 @@ def _train_error(capsys, *argv):
     (["--nproc", "3", "--tp", "2"], "--tp 2 does not divide --nproc 3"),
     (["--hidden", "66", "--heads", "4"],
      "the hidden size 66 (--hidden) is not divisible by the 4 attention heads (--heads)"),
-    (["--nproc", "4", "--tp", "4", "--heads", "6", "--hidden", "48"],
-     "the model's 6 attention heads are not divisible by --tp 4"),
-    (["--nproc", "4", "--tp", "4", "--ffn-hidden", "130"], "the model's FFN width 130 is not divisible by --tp 4"),
+    (["--nproc", "4", "--tp", "4", "--heads", "2", "--hidden", "48"],
+     "the model's 2 attention heads are fewer than --tp 4: every rank needs a query head"),
+    (["--heads", "6", "--kv-heads", "4", "--hidden", "48"],
+     "the 6 attention heads (--heads) are not a multiple of the 4 key/value heads (--kv-heads)"),
+    (["--rope-theta", "0"], "argument --rope-theta: must be a finite number > 0, got 0"),
     (["--overlap", "some"], "argument --overlap: expected off, auto or a positive number of chunks, got 'some'"),
     (["--interleave", "0"], "argument --interleave: must be a finite number > 0, got 0"),
-    (["--sp", "--seq-len", "33"], "--seq-len 33 is not divisible by --tp 2, as sequence parallelism (--sp) needs"),
     (["--vocab", "10"], "--vocab 10 is smaller than the data's vocabulary (257 token ids)"),
     (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1 is above --lr 0.1"),
     (["--nproc", "3", "--tp", "1", "--global-batch", "16"],
@@ -259,7 +260,7 @@ def test_generate_checks(capsys, files, tmp_path):
     assert error("--checkpoint", str(files / "run"), "--prompt", "") == \
         "--prompt is empty: give at least one token to continue"
     assert error("--checkpoint", str(files / "run"), "--nproc", "8", "--tp", "8") == \
-        "the model's 4 attention heads are not divisible by --tp 8"
+        "the model's 4 attention heads are fewer than --tp 8: every rank needs a query head"
     assert error("--checkpoint", str(files / "odd"), "--prompt", "def f") == (
         "--prompt 'def f': this checkpoint was trained on a token file, so the prompt is token ids separated by "
         "spaces (e.g. --prompt \"464 2068\"); 'def' is not one")

@@ -153,6 +153,9 @@ def _refuse(model: nn.Module, units: list[nn.Module]) -> None:
         if hasattr(p, "main_grad"):
             raise ValueError(f"fully_shard: parameter {name} has a main_grad: FSDP reduces gradients itself; "
                              "create no DataParallelGradReducer or MasterWeights for a sharded model")
+        if getattr(p, "partition_rows", None) is not None:
+            raise ValueError(f"fully_shard: parameter {name} has an uneven TP layout (heads, K/V heads or FFN rows "
+                             "that TP does not divide), which FSDP cannot shard yet: choose a --tp that divides them")
         if p.is_floating_point() and p.dtype != torch.float32:
             raise ValueError(f"fully_shard: parameter {name} is {p.dtype}; keep parameters float32 and pass "
                              "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")

@@ -217,6 +217,14 @@ class MasterWeights:
         self._versions = self._model_versions()
 
 
+def _without_duplicate_rows(grad: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """``grad`` with zeros at the rows an earlier TP rank holds too (replicated K/V heads)."""
+    rows = getattr(param, "tp_duplicate_rows", None)
+    if rows is None or rows.numel() == 0:
+        return grad
+    return grad.index_fill(0, rows.to(grad.device), 0)
+
+
 def _square(grads: list[torch.Tensor], group) -> torch.Tensor:
     """The sum of squares of ``grads`` (fp32), on ``group``'s collective device when there are none."""
     if not grads:
@@ -229,7 +237,8 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None) -> torch.Tensor:
     """The L2 norm of the whole model's gradient (fp32 scalar), identical on every TP x DP rank.
 
     Each element is counted once: TP shards by every rank, replicated parameters by TP
-    rank 0 only, and the squares are summed over TP. FSDP shards (DTensor gradients, see
+    rank 0 only, rows several ranks hold (``tp_duplicate_rows``: replicated K/V heads) by the
+    first of them, and the squares are summed over TP. FSDP shards (DTensor gradients, see
     :func:`tensorpar.fully_shard`) are summed over ``dp_group`` too (default: the DP
     group); plain gradients are replicated over DP and counted as they are. Uses
     ``main_grad`` where present. One ``torch._foreach_norm`` per kind, and no host
@@ -240,7 +249,10 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None) -> torch.Tensor:
     for p in params:
         grad = p.main_grad if hasattr(p, "main_grad") else p.grad
         if grad is not None and param_is_not_tensor_parallel_duplicate(p, group):
-            (sharded if isinstance(grad, DTensor) else plain).append(grad)
+            if isinstance(grad, DTensor):
+                sharded.append(grad)
+            else:
+                plain.append(_without_duplicate_rows(grad, p))
     square = _square(plain, group)
     if sharded:
         dp_group = dp_group if dp_group is not None else get_data_parallel_group()

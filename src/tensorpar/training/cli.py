@@ -146,9 +146,14 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--layers", type=_positive(int), default=None, help="transformer layers (default: the preset's)")
     model.add_argument("--hidden", type=_positive(int), default=None, help="hidden size (default: the preset's)")
     model.add_argument("--heads", type=_positive(int), default=None,
-                       help="attention heads, divisible by --tp (default: the preset's)")
+                       help="attention heads, at least --tp (default: the preset's)")
+    model.add_argument("--kv-heads", type=_positive(int), default=None,
+                       help="key/value heads (grouped-query attention), dividing --heads; any number against "
+                            "--tp: fewer are replicated (default: --heads)")
     model.add_argument("--ffn-hidden", type=_positive(int), default=None,
-                       help="MLP width, divisible by --tp (default: 4 x hidden)")
+                       help="MLP width, any size (default: 4 x hidden)")
+    model.add_argument("--rope-theta", type=_positive(float), default=None,
+                       help="rotary base with --position-embedding rope (default: 10000)")
     model.add_argument("--vocab", type=_positive(int), default=None,
                        help="vocabulary size, at least the data's (default: the data's)")
     model.add_argument("--norm", choices=("layernorm", "rmsnorm"), default=None,

@@ -45,7 +45,8 @@ RUNTIME_FIELDS = frozenset({"sequence_parallel", "recompute", "distribute_saved_
 # CLI flag -> GPTConfig field, for the model-shape overrides.
 MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
                "ffn_hidden": "ffn_hidden_size", "vocab": "vocab_size", "norm": "norm",
-               "activation": "activation", "position_embedding": "position_embedding"}
+               "activation": "activation", "position_embedding": "position_embedding",
+               "kv_heads": "num_query_groups", "rope_theta": "rope_theta"}
 
 
 class TrainingDiverged(FloatingPointError):
@@ -130,6 +131,10 @@ def _config(**fields) -> GPTConfig:
     if hidden % heads:
         raise UsageError(f"the hidden size {hidden} (--hidden) is not divisible by the {heads} attention "
                          "heads (--heads)")
+    kv_heads = fields.get("num_query_groups")
+    if kv_heads is not None and heads % kv_heads:
+        raise UsageError(f"the {heads} attention heads (--heads) are not a multiple of the {kv_heads} key/value "
+                         "heads (--kv-heads)")
     try:
         return GPTConfig(**fields)
     except ValueError as exc:
@@ -243,17 +248,12 @@ def default_seq_len(args, config: GPTConfig) -> int:
 
 
 def check_fits(config: GPTConfig, *, tp: int, seq_len: int) -> None:
-    """What the TP layers need to divide, and a sequence the model's positions cover."""
-    if config.num_heads % tp:
-        raise UsageError(f"the model's {config.num_heads} attention heads are not divisible by --tp {tp}")
-    if config.num_query_groups % tp:
-        raise UsageError(f"the model's {config.num_query_groups} key/value heads are not divisible by --tp {tp}")
-    if config.ffn_hidden_size % tp:
-        raise UsageError(f"the model's FFN width {config.ffn_hidden_size} is not divisible by --tp {tp}")
+    """What TP needs of the model (a query head per rank), and a sequence the model's positions cover."""
+    if config.num_heads < tp:
+        raise UsageError(f"the model's {config.num_heads} attention heads are fewer than --tp {tp}: every rank "
+                         "needs a query head")
     if seq_len > config.max_seq_len:
         raise UsageError(f"--seq-len {seq_len} is longer than the model's max_seq_len {config.max_seq_len}")
-    if config.sequence_parallel and seq_len % tp:
-        raise UsageError(f"--seq-len {seq_len} is not divisible by --tp {tp}, as sequence parallelism (--sp) needs")
 
 
 def count_parameters(model: GPT) -> int:
