@@ -133,6 +133,9 @@ def _refusal_body():
         tp.fully_shard(model, units=[model.embedding, *model.blocks])
     with pytest.raises(ValueError, match="units= is required"):
         tp.fully_shard(torch.nn.Linear(2, 2))
+    uneven = tp.ColumnParallelLinear(4, 6, partition_rows=[[(0, 6)]])  # loads write into the TP shard
+    with pytest.raises(ValueError, match="has an uneven TP layout"):
+        tp.fully_shard(torch.nn.Sequential(uneven), units=[uneven])
     assert all("\n" not in m for m in messages.values())
     return True
 
