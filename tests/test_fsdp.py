@@ -13,6 +13,7 @@ from tensorpar.grads import DataParallelGradReducer, allreduce_sequence_parallel
 from tensorpar.models import GPT, GPTConfig
 from tensorpar.models.layout import gather_full_tensor
 from tests.harness import run_on_ranks
+from tests.test_training_checkpoint import checkpoint_meta
 
 BASE = dict(vocab_size=40, max_seq_len=8, num_layers=2, num_heads=2, hidden_size=16, dropout=0.0)
 
@@ -310,13 +311,6 @@ def test_units_shard_any_model_built_from_tp_layers():
     assert run_on_ranks(_units_body, 4) == [True] * 4
 
 
-# A training run's meta.json fields (a checkpoint's meta is checked against their schema).
-_META = {"step": 1, "tokens_seen": 0, "steps": 1, "global_batch": 2, "micro_batch": 1,
-         "schedule": {"lr": 1e-2, "min_lr": 0.0, "warmup": 0, "decay_steps": 1},
-         "data": {"position": 1, "seed": 0, "source": "embedded"}, "world": {"tp": 2, "dp": 2},
-         "dtype": "fp32", "tokenizer": None}
-
-
 def _checkpoint_body(out: str):
     from tensorpar.training import checkpoint
     from tensorpar.training.loop import config_to_json
@@ -332,7 +326,7 @@ def _checkpoint_body(out: str):
     models["fsdp"](tokens, labels).backward()
     optimizers["fsdp"].step()
     checkpoint.save(out, 1, model=models["fsdp"], optimizer=optimizers["fsdp"], config=config_to_json(config),
-                    meta=_META, tp_group=tp_group)
+                    meta=checkpoint_meta(step=1, tp=2, dp=2), tp_group=tp_group)
     ckpt = checkpoint.open_checkpoint(out)[0]
     # Only the strided weights (fused Q|K|V) are gathered over DP; every other shard is saved as it is.
     gathered = checkpoint._state_dict(models["fsdp"], None, tp_group=tp_group, with_rng=False)[1]

@@ -29,19 +29,24 @@ def _train_body(argv):
     return train(parse_train_args(argv)).losses
 
 
-def _failing_save_body(argv):
-    """Train 4 steps saving every 2, rank 1's disk 'full' while it writes step 4's DCP file."""
+def _failing_save_body(argv, as_format_error=False):
+    """Train 4 steps saving every 2, rank 1's disk 'full' while it writes step 4's DCP file.
+    ``as_format_error``: the write fails as torch's zip writer reports a short write, with the
+    file system's free space (as ``shutil.disk_usage`` sees it) gone."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     from tensorpar.training import loop
 
-    real_write = FileSystemWriter.write_data
+    real_write, real_usage = FileSystemWriter.write_data, shutil.disk_usage
 
     def disk_full(self, plan, planner):
         if "step_4" in str(self.path) and dist.get_rank() == 1:
             partial = Path(self.path) / "__1_0.distcp"
             partial.write_bytes(b"partial")
+            if as_format_error:
+                shutil.disk_usage = lambda path: real_usage(path)._replace(free=0)
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
             raise OSError(errno.ENOSPC, "No space left on device", str(partial))
         return real_write(self, plan, planner)
 
@@ -51,7 +56,7 @@ def _failing_save_body(argv):
     except checkpoint.CheckpointError as exc:
         return str(exc)
     finally:
-        FileSystemWriter.write_data = real_write
+        FileSystemWriter.write_data, shutil.disk_usage = real_write, real_usage
     return None
 
 
@@ -433,6 +438,17 @@ def test_failed_save_says_why_removes_its_files_and_keeps_the_previous_checkpoin
     assert run_on_ranks(_open_body, 1, str(out))[0][1] == 2
 
 
+def test_a_save_cut_short_by_a_full_disk_says_so_whatever_the_writer_reports(tmp_path):
+    out = tmp_path / "run"
+    errors = run_on_ranks(_failing_save_body, 2, TINY + ["--steps", "4", "--save-every", "2", "--out", str(out)],
+                          True)
+    assert re.match(rf"saving checkpoint step 4 to {re.escape(str(out))} failed: No space left on device: its "
+                    rf"tensors need [\d,]+ bytes, the file system of {re.escape(str(out))} has 0 free \(rank 1: "
+                    r"RuntimeError: \[enforce fail at inline_container.cc:672\] \. unexpected pos 704 vs 598\); "
+                    "the previous checkpoint", errors[1]), errors
+    assert sorted(p.name for p in out.iterdir()) == [".tensorpar.lock", "latest", "metrics.jsonl", "step_2"]
+
+
 _KILL_IN_SAVE = """
 import os, signal, sys
 from tensorpar.training import checkpoint
@@ -513,13 +529,24 @@ def test_a_save_never_writes_through_a_planted_step_directory_link(tmp_path, nam
     assert [p.name for p in victim.iterdir()] == ["precious"]
 
 
+def checkpoint_meta(*, step: int, tp: int, dp: int) -> dict:
+    """The meta.json fields a training run saves (a checkpoint's meta is checked against them)."""
+    return {"step": step, "tokens_seen": 0, "steps": step, "global_batch": dp, "micro_batch": 1,
+            "schedule": {"lr": 1e-2, "min_lr": 0.0, "warmup": 0, "decay_steps": step},
+            "data": {"position": step, "seed": 0, "source": "embedded"}, "world": {"tp": tp, "dp": dp},
+            "dtype": "fp32", "tokenizer": None}
+
+
 def _uneven_reshard_body(out, phase, tp_size, vocab_multiple):
     """Phase "save": one Adam step at ``tp_size``, a checkpoint, a second step: its full
     weights. Phase "load": a fresh model at ``tp_size`` loads the checkpoint, takes the same
     second step: the same full weights (6 heads over 2 K/V heads, FFN 50: uneven at TP 3 and 4;
     with a vocab multiple of 128 the vocabulary pads to 384 rows at TP 3, 128 at TP 2 and 4)."""
+    import torch.distributed as dist
+
     import tensorpar as tp
     from tensorpar.models import GPT, GPTConfig
+    from tensorpar.training.loop import config_to_json
 
     config = GPTConfig(vocab_size=101, max_seq_len=16, num_layers=1, num_heads=6, num_query_groups=2,
                        hidden_size=24, ffn_hidden_size=50, make_vocab_size_divisible_by=vocab_multiple, norm="rmsnorm",
@@ -539,7 +566,8 @@ def _uneven_reshard_body(out, phase, tp_size, vocab_multiple):
 
     if phase == "save":
         step()
-        checkpoint.save(out, 1, model=model, optimizer=optimizer, config={}, meta={}, tp_group=group)
+        checkpoint.save(out, 1, model=model, optimizer=optimizer, config=config_to_json(config),
+                        meta=checkpoint_meta(step=1, tp=tp_size, dp=dist.get_world_size() // tp_size), tp_group=group)
     else:
         ckpt, _, _ = checkpoint.open_checkpoint(out)
         checkpoint.load(ckpt, model=model, optimizer=optimizer, tp_group=group, restore_rng=False)

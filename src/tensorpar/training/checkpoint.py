@@ -312,6 +312,28 @@ def _finalize(tmp: Path, final: Path, config: dict, meta: dict, write_extra) -> 
     _fsync_dir(final.parent)
 
 
+def _stored_bytes(state: dict) -> int:
+    """The tensor bytes a save of ``state`` writes, all ranks together: each entry once (DCP
+    writes a replicated entry once; a DTensor's ``numel`` is its global size), and every rank's
+    own RNG states."""
+    ranks = dist.get_world_size()
+    return sum(value.numel() * value.element_size() * (ranks if key.startswith("rng.") else 1)
+               for key, value in state.items())
+
+
+def _refuse(problem: str | None) -> None:
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+def _no_space(out: Path, need: int) -> str | None:
+    """Why a save of ``need`` tensor bytes cannot fit in ``out``'s file system, or None."""
+    free = shutil.disk_usage(out).free
+    if free >= need:
+        return None
+    return f"No space left on device: its tensors need {need:,} bytes, the file system of {out} has {free:,} free"
+
+
 def _discard(tmp: Path) -> None:
     """Remove what a failed save wrote: its ``.tmp`` directory and the ``latest.tmp`` pointer."""
     shutil.rmtree(tmp, ignore_errors=True)
@@ -331,10 +353,18 @@ def save(out: str | os.PathLike, step: int, *, model, optimizer, config: dict, m
     _on_rank0(lambda: _prepare_tmp(tmp, final))
     state = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=True)
     meta = {**meta, "ranks": dist.get_world_size(), "rng": _rng_spec()}
+    need = _stored_bytes(state)
     try:
+        _on_rank0(lambda: _refuse(_no_space(out, need)))
         dcp.save(state, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True))
         _on_rank0(lambda: _finalize(tmp, final, config, meta, write_extra))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        cause = _describe(exc)
+        # A write cut short by a full disk can surface as an error of torch's file format: the
+        # space is judged before rank 0 removes what was written.
+        full = _no_space(out, need) if "No space left on device" not in cause else None
+        if full is not None:
+            cause = f"{full} ({cause})"
         if dist.get_rank() == 0:
             _discard(tmp)
         try:
@@ -342,8 +372,7 @@ def save(out: str | os.PathLike, step: int, *, model, optimizer, config: dict, m
         except CheckpointError:
             previous = None
         kept = f"; the previous checkpoint {previous} is intact" if previous else ""
-        raise CheckpointError(f"saving checkpoint step {step} to {out} failed: "
-                              f"{_describe(exc)}{kept}") from exc
+        raise CheckpointError(f"saving checkpoint step {step} to {out} failed: {cause}{kept}") from exc
     return final
 
 
