@@ -123,3 +123,24 @@ def test_compiled_gpt_has_no_graph_break_and_matches_eager(world_size, cases):
 def test_compiled_gpt_at_tp1_has_no_graph_break_and_matches_eager():
     cases = [{"recompute": True, "position_embedding": "rope", "norm": "rmsnorm", "activation": "swiglu"}]
     assert all(run_on_ranks(_compiled_matches_eager_body, 2, cases, True, timeout=900))
+
+
+def _train_body(argv):
+    from tensorpar.training.cli import parse_train_args
+    from tensorpar.training.loop import train
+
+    torch._dynamo.reset()
+    return train(parse_train_args(argv)).losses
+
+
+def test_train_compile_gives_the_eager_losses(tmp_path):
+    """``tensorpar train --compile`` (inductor) at TP=2 under SP: the eager run's losses."""
+    argv = ["--layers", "1", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--steps", "3", "--warmup", "1",
+            "--lr", "1e-2", "--eval-every", "0", "--no-progress", "--seed", "7", "--tp", "2", "--sp",
+            "--micro-batch", "2"]
+    eager = run_on_ranks(_train_body, 2, argv + ["--out", str(tmp_path / "eager")], timeout=900)[0]
+    compiled = run_on_ranks(_train_body, 2, argv + ["--out", str(tmp_path / "compiled"), "--compile"],
+                            timeout=900)[0]
+    assert sorted(compiled) == sorted(eager) == [1, 2, 3]
+    for step, loss in eager.items():
+        assert compiled[step] == pytest.approx(loss, rel=1e-5, abs=1e-5), step

@@ -47,8 +47,9 @@ def check_index_range(index, size: int, what: str, where: str, *, ignore: int | 
 
     ``ignore``: a value that is allowed too (an ``ignore_index``). On CPU, and anywhere with
     ``TENSORPAR_DEBUG=1``, the offending value is read back and named. On an accelerator (and
-    under ``torch.compile``) the check is ``torch._assert_async``: the host never waits for the device (kernels keep being
-    queued ahead), and a bad index stops the run when the device reaches the check.
+    under ``torch.compile``) the check is ``torch._assert_async``: the host never waits for the
+    device (kernels keep being queued ahead), and a bad index stops the run when the device
+    reaches the check.
     """
     import torch
 
