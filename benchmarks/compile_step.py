@@ -26,7 +26,7 @@ def _timed(step, iters: int) -> float:
     began = time.perf_counter()
     for _ in range(iters):
         loss = step()
-    float(loss)  # every step's work is done
+    float(loss.detach())  # every step's work is done
     return (time.perf_counter() - began) / iters
 
 
