@@ -123,6 +123,7 @@ def _compiled_matches_eager_body(cases, tp1):
 @pytest.mark.parametrize("world_size,cases", [
     (2, [{}, {"sequence_parallel": True}, {"recompute": True}]),
     (4, [{"sequence_parallel": True, "recompute": True}]),
+    (2, [{"overlap": 2, "interleave": 2}]),
 ])
 def test_compiled_gpt_has_no_graph_break_and_matches_eager(world_size, cases):
     assert all(run_on_ranks(_compiled_matches_eager_body, world_size, cases, False, timeout=900))

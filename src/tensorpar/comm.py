@@ -4,6 +4,9 @@ All functions work on any device and backend (gloo on CPU, NCCL on CUDA). With a
 rank they do nothing and record nothing. ``async_op=True`` returns a :class:`Handle`; call
 ``wait()`` on it before reading the result.
 
+Under ``torch.compile`` the collectives are torch's functional collectives (traceable), and
+a ledger records each execution of the compiled graph.
+
 Shapes and bytes in records are those of the *full* tensor of the collective: the gathered
 output of an all-gather, the input of a reduce-scatter, the tensor of an all-reduce.
 
