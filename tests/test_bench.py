@@ -57,9 +57,13 @@ def test_config_rejects_unusable_sizes(bad):
 
 
 def _overlap_variants_body():
+    """Under a group that refuses tensors off the backend's device (as NCCL refuses CPU ones)."""
+    from tests.strict_device import strict_collective_device
+
     tp.initialize_model_parallel(torch.distributed.get_world_size())
-    return bench.measure_overlap_variants(torch.device("cpu"), hidden=16, seq=8, batch=2, dtype=torch.float32,
-                                          iters=1)
+    with strict_collective_device(tp.get_tensor_model_parallel_group()):
+        return bench.measure_overlap_variants(torch.device("cpu"), hidden=16, seq=8, batch=2, dtype=torch.float32,
+                                              iters=1)
 
 
 def test_overlap_variants_on_any_device_check_results_and_report_the_ceiling():

@@ -73,3 +73,23 @@ def test_ledger_summary_and_queries_without_distributed():
     assert ledger.count("all_reduce", phase="forward") == 1 and ledger.total_bytes() == 16
     assert ledger.records[0].bytes_sent_per_rank == 16 * 2 * 3 / 4
     assert "all_reduce" in ledger.summary() and ledger.ops() == ["all_reduce"]
+
+
+def _strict_device_body():
+    """comm.scalars places a tensor where the backend's collectives need it; the strict group of
+    the CPU suite refuses one made without a device, as NCCL refuses a CPU tensor."""
+    from tests.strict_device import strict_collective_device
+
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    group = tp.get_tensor_model_parallel_group()
+    assert comm.collective_device(group) == torch.device("cpu")  # gloo
+    with strict_collective_device(group):
+        total = comm.all_reduce(comm.scalars([1.0, 2.0], group, dtype=torch.float64), group)
+        with pytest.raises(RuntimeError, match="a tensor on meta, but this backend's collectives need cpu"):
+            comm.all_reduce(torch.zeros(()), group)
+    torch.testing.assert_close(total, torch.tensor([2.0, 4.0], dtype=torch.float64))
+    return True
+
+
+def test_collectives_refuse_a_tensor_off_the_backends_device():
+    assert run_on_ranks(_strict_device_body, 2) == [True, True]

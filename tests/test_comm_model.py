@@ -1,5 +1,6 @@
 """The communication model against seed 002's arithmetic and against CommLedger measurements."""
 
+import dataclasses
 import functools
 import json
 import traceback
@@ -10,7 +11,7 @@ import torch
 import tensorpar as tp
 from tensorpar import cli
 from tensorpar.comm_model import CommConfig, activation_memory, collectives, overlap_plan, summarize
-from tensorpar.overlap import LinkModel
+from tensorpar.comm_model import LinkModel
 from tensorpar.comm_report import format_measured, measure_on_this_rank, record_key, scaled
 from tests.harness import run_on_ranks
 
@@ -92,6 +93,43 @@ def test_activation_memory_follows_korthikanti_et_al():
     assert activation_memory(CommConfig(**base, sp=True)) == sbh * (34 / t + 5 * a * s / (h * t))
     assert activation_memory(CommConfig(**base, recompute=True)) == 2 * sbh
     assert activation_memory(CommConfig(**base, sp=True, recompute=True)) == 2 * sbh / t
+
+
+def _parameters_body(configs):
+    from tensorpar import models
+
+    held = []
+    for tp_size in (1, 2):
+        tp.initialize_model_parallel(tp_size)
+        held.append([sum(p.numel() for p in models.GPT(config).parameters()) for config in configs])
+        tp.destroy_model_parallel()
+    return held
+
+
+def test_training_memory_counts_the_parameters_a_rank_builds():
+    from tensorpar import models
+    from tensorpar.comm_model import gpt_parameters_per_rank, gpt_training_memory
+
+    configs = [models.GPTConfig.preset("tiny", vocab_size=300, num_layers=2),
+               models.GPTConfig.preset("llama-tiny", vocab_size=300, num_layers=2, num_query_groups=2,
+                                       tie_word_embeddings=False, qkv_bias=True)]
+    for rank in run_on_ranks(_parameters_body, 2, configs):
+        for tp_size, built in zip((1, 2), rank):
+            assert [gpt_parameters_per_rank(c, tp=tp_size) for c in configs] == built
+    config = configs[0]
+    plain = gpt_training_memory(config, tp=2, dp=4, seq_len=64, micro_batch=2)
+    sharded = gpt_training_memory(config, tp=2, dp=4, seq_len=64, micro_batch=2, fsdp=True)
+    assert plain["optimizer"] == 2 * plain["parameters"] == 2 * plain["gradients"] == 4 * built[0] * 2
+    for part in ("parameters", "gradients", "optimizer"):
+        assert sharded[part] == plain[part] / 4
+    assert sharded["activations"] == plain["activations"]
+    # Korthikanti et al.'s layer at fp32 with fused attention (no s x s tensors), TP 2, FFN 4h: 18 sbh
+    # + 52 sbh/t + 4 bas/t bytes per layer, then the loss's fp32 softmax, s b V/t x 4 bytes.
+    s, b, h, a, t = 64, 2, 128, 4, 2
+    layer = 18 * s * b * h + 52 * s * b * h / t + 4 * b * a * s / t
+    assert plain["activations"] == 2 * layer + s * b * 300 / t * 4
+    recomputed = gpt_training_memory(dataclasses.replace(config, recompute=True), tp=2, seq_len=64, micro_batch=2)
+    assert recomputed["activations"] == 2 * 4 * s * b * h + layer + s * b * 300 / t * 4
 
 
 def test_one_rank_communicates_nothing():

@@ -134,6 +134,28 @@ def test_compiled_gpt_at_tp1_has_no_graph_break_and_matches_eager():
     assert all(run_on_ranks(_compiled_matches_eager_body, 2, cases, True, timeout=900))
 
 
+def _mappings_body():
+    tp.initialize_model_parallel(dist.get_world_size())
+    rank = dist.get_rank()
+    x = torch.arange(24.0).reshape(2, 3, 4) + 100 * rank
+
+    def regions(x):
+        return (tp.gather_from_tensor_model_parallel_region(x),
+                tp.mappings.reduce_scatter_last_dim_to_tensor_parallel_region(x),
+                tp.gather_from_sequence_parallel_region(x),
+                tp.reduce_scatter_to_sequence_parallel_region(x),
+                tp.mappings.all_to_all(None, x))
+
+    compiled = torch.compile(regions, backend="aot_eager", fullgraph=True)(x)
+    for got, expected in zip(compiled, regions(x)):
+        assert torch.equal(got, expected)
+    return True
+
+
+def test_compiled_mappings_match_eager():
+    assert all(run_on_ranks(_mappings_body, 2, timeout=900))
+
+
 def _train_body(argv):
     from tensorpar.training.cli import parse_train_args
     from tensorpar.training.loop import train

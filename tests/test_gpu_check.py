@@ -151,13 +151,16 @@ def test_fused_wgrad_accumulation_on_this_gpu_matches_the_upcast_path(monkeypatc
     """Whatever the probe finds on this GPU and torch, main_grad is the exact fp32 sum."""
     from tensorpar import linear
 
-    torch.manual_seed(0)
-    x, grad = torch.randn(64, 2, 32, device="cuda").bfloat16(), torch.randn(64, 2, 48, device="cuda").bfloat16()
-    main_grads = []
-    for forced in (None, False):
-        monkeypatch.setattr(linear, "_FUSED_ADDMM_SUPPORTED", {} if forced is None else {"cuda": forced})
-        weight = torch.nn.Parameter(torch.randn(48, 32, device="cuda"))
-        weight.main_grad = torch.full((48, 32), 1.0 + 2.0 ** -12, device="cuda")
-        linear.compute_weight_grad(weight, x, grad, gradient_accumulation_fusion=True)
-        main_grads.append(weight.main_grad)
-    torch.testing.assert_close(main_grads[0], main_grads[1], rtol=1e-6, atol=1e-5)
+    for dtype in (torch.bfloat16, torch.float16):
+        torch.manual_seed(0)
+        x, grad = torch.randn(64, 2, 32, device="cuda").to(dtype), torch.randn(64, 2, 48, device="cuda").to(dtype)
+        main_grads = []
+        for forced in (None, False):
+            monkeypatch.setattr(linear, "_FUSED_ADDMM_SUPPORTED", {} if forced is None else {("cuda", dtype): forced})
+            weight = torch.nn.Parameter(torch.randn(48, 32, device="cuda"))
+            weight.main_grad = torch.full((48, 32), 1.0 + 2.0 ** -12, device="cuda")
+            linear.compute_weight_grad(weight, x, grad, gradient_accumulation_fusion=True)
+            main_grads.append(weight.main_grad)
+        exact = grad.reshape(-1, 48).double().t() @ x.reshape(-1, 32).double() + 1.0 + 2.0 ** -12
+        for main_grad in main_grads:
+            torch.testing.assert_close(main_grad.double(), exact, rtol=1e-6, atol=1e-5, msg=lambda m: f"{dtype}: {m}")

@@ -287,3 +287,21 @@ def test_clip_grad_norm_never_syncs_the_host_and_is_not_a_per_parameter_loop():
     few, many = run_on_ranks(_clip_sync_body, 1, 4)[0], run_on_ranks(_clip_sync_body, 1, 40)[0]
     assert few[0] == many[0] == 0
     assert few[1] == many[1]
+
+
+def _grad_norm_without_local_grads_body():
+    """TP rank 1 counts no replicated parameter, so it has no local grads: its zero still goes
+    on the backend's device (a CPU zero fails under NCCL; the strict group refuses it here)."""
+    from tests.strict_device import strict_collective_device
+
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    replicated = torch.nn.Parameter(torch.zeros(5))
+    replicated.grad = torch.full((5,), 2.0)
+    with strict_collective_device(tp.get_tensor_model_parallel_group()):
+        norm = get_grad_norm([replicated])
+    torch.testing.assert_close(norm, torch.tensor(20.0).sqrt())
+    return True
+
+
+def test_grad_norm_places_its_zero_on_the_backends_device():
+    assert run_on_ranks(_grad_norm_without_local_grads_body, 2) == [True, True]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from tensorpar.training import checkpoint
 from tensorpar.training.cli import parse_train_args
@@ -138,6 +139,14 @@ def _damage_cases():
         (d / ".metadata").write_bytes(pickle.dumps(metadata))
         _rewrite_manifest(d)
 
+    def chunks(*rows):  # the embedding's one chunk replaced by chunks at these row offsets
+        def edit(metadata):
+            entry = metadata.state_dict_metadata["model.embedding.word.weight"]
+            height, width = entry.size
+            entry.chunks = [ChunkStorageMetadata(torch.Size([row, 0]), torch.Size([height // 2, width]))
+                            for row in rows]
+        return lambda d, _: _craft(d, edit)
+
     return [
         ("flip", lambda d, _: _flip(_shard(d)), r"__0_0\.distcp fails its SHA-256 check"),
         ("truncate", truncate, r"__0_0\.distcp is 100 bytes, the manifest says \d+ \(truncated"),
@@ -151,6 +160,10 @@ def _damage_cases():
         ("referenced-unlisted", unreferenced_manifest_gap,
          r"\.metadata refers to __0_0\.distcp, which manifest\.json does not list"),
         ("metadata-absolute", metadata_outside, r"\.metadata names the path '/etc/hostname'"),
+        # Both halves at offset 0: sizes still sum to the tensor, but half of it would keep its init.
+        ("chunks-overlap", chunks(0, 0), r"\.metadata has chunks of model\.embedding\.word\.weight that overlap "
+                                         r"\(at offsets \[0, 0\] and \[0, 0\]\); refusing to load it"),
+        ("chunks-gap", chunks(0), r"chunks of model\.embedding\.word\.weight that cover 6144 of its 12288 elements"),
     ]
 
 
@@ -342,6 +355,47 @@ def test_a_checkpoint_of_tensorpar_0_1_is_refused_naming_the_version(dp2_run, tm
                                 "this version loads only checkpoints written by tensorpar 0.2 or later"), refusal
 
 
+def _set(name, field, value):
+    def edit(data):
+        *parents, last = field.split(".")
+        for parent in parents:
+            data = data[parent]
+        data[last] = value
+    return name, edit
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    (*_set("meta.json", "step", -5), "field 'step' is -5; expected an integer >= 0"),
+    (*_set("meta.json", "step", 3), "field 'step' is 3, but the directory is step_2"),
+    (*_set("meta.json", "ranks", 1_000_000_000), "field 'ranks' is 1000000000; expected an integer in [1, 65536]"),
+    (*_set("meta.json", "ranks", 2), "field 'ranks' is 2, but field 'world' is TP 1 x DP 1"),
+    (*_set("meta.json", "schedule.lr", "fast"), "field 'schedule.lr' is 'fast'; expected a finite number > 0"),
+    (*_set("meta.json", "world", [1, 1]), "field 'world' is a JSON list, expected an object"),
+    (*_set("meta.json", "dtype", "fp8"), "field 'dtype' is 'fp8'; expected one of ['fp32', 'bf16']"),
+    (*_set("config.json", "params_dtype", "load"),
+     "field 'params_dtype' is 'load'; expected one of ['float32', 'bfloat16', 'float16']"),
+    (*_set("config.json", "num_layers", "4"), "field 'num_layers' is '4'; expected an integer >= 1"),
+    (*_set("config.json", "num_heads", 5), "hidden_size (32) is not divisible by num_heads (5)"),
+    (*_set("config.json", "rope_scaling", {"factor": [8]}),
+     "field 'rope_scaling' is {'factor': [8]}; expected an object of strings and numbers or null"),
+    (*_set("config.json", "shell", "rm -rf"), "field 'shell' is not one of ["),
+])
+def test_config_and_meta_are_checked_before_launch_naming_file_and_field(ckpt_run, tmp_path, capsys, name,
+                                                                       edit, message):
+    from tensorpar.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(ckpt_run, run)
+    path = run / "step_2" / name
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    _rewrite_manifest(run / "step_2")
+    assert main(["train", "--resume", str(run), "--steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tensorpar train: error: --resume: {path}: {message}") and err.count("\n") == 1, err
+
+
 _FORBIDDEN_LOADS = {("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler"), ("marshal", "loads"),
                     ("torch", "load"), ("dill", "load"), ("dill", "loads")}
 
@@ -457,3 +511,47 @@ def test_a_save_never_writes_through_a_planted_step_directory_link(tmp_path, nam
     with pytest.raises(RunDirError, match=rf"^{out / name} is a symlink; tensorpar never writes through links"):
         checkpoint._prepare_tmp(out / "step_4.tmp", out / "step_4")
     assert [p.name for p in victim.iterdir()] == ["precious"]
+
+
+def _uneven_reshard_body(out, phase, tp_size, vocab_multiple):
+    """Phase "save": one Adam step at ``tp_size``, a checkpoint, a second step: its full
+    weights. Phase "load": a fresh model at ``tp_size`` loads the checkpoint, takes the same
+    second step: the same full weights (6 heads over 2 K/V heads, FFN 50: uneven at TP 3 and 4;
+    with a vocab multiple of 128 the vocabulary pads to 384 rows at TP 3, 128 at TP 2 and 4)."""
+    import tensorpar as tp
+    from tensorpar.models import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=101, max_seq_len=16, num_layers=1, num_heads=6, num_query_groups=2,
+                       hidden_size=24, ffn_hidden_size=50, make_vocab_size_divisible_by=vocab_multiple, norm="rmsnorm",
+                       activation="swiglu", position_embedding="rope", bias=False, qkv_bias=True,
+                       tie_word_embeddings=False)
+    tp.initialize_model_parallel(tp_size)
+    group = tp.get_tensor_model_parallel_group()
+    tp.model_parallel_manual_seed(3 if phase == "save" else 4)
+    model = GPT(config)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-3)
+    tokens = torch.arange(24).reshape(2, 12) % 101
+
+    def step():
+        optimizer.zero_grad()
+        model(tokens, tokens.roll(-1, 1)).backward()
+        optimizer.step()
+
+    if phase == "save":
+        step()
+        checkpoint.save(out, 1, model=model, optimizer=optimizer, config={}, meta={}, tp_group=group)
+    else:
+        ckpt, _, _ = checkpoint.open_checkpoint(out)
+        checkpoint.load(ckpt, model=model, optimizer=optimizer, tp_group=group, restore_rng=False)
+    step()
+    return {name: t.float()[:101] for name, t in model.full_state_dict().items()}  # the real vocabulary's rows
+
+
+@pytest.mark.parametrize("tp_save, tp_load, vocab_multiple", [(4, 2, 8), (2, 4, 8), (4, 3, 128), (3, 4, 128)])
+def test_uneven_layouts_reshard_between_tp_sizes(tmp_path, tp_save, tp_load, vocab_multiple):
+    expected = run_on_ranks(_uneven_reshard_body, 4 if tp_save != 3 else 3, str(tmp_path), "save", tp_save,
+                            vocab_multiple)[0]
+    loaded = run_on_ranks(_uneven_reshard_body, 4 if tp_load != 3 else 3, str(tmp_path), "load", tp_load,
+                          vocab_multiple)[0]
+    for name, value in expected.items():
+        torch.testing.assert_close(loaded[name], value, rtol=1e-5, atol=1e-6, msg=name)

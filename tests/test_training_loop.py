@@ -255,3 +255,37 @@ def test_a_resume_continues_every_setting_of_the_run_and_names_what_changed(tmp_
                                    "7-8 train at 0.0003; to decay over the whole run instead, pass "
                                    "--lr-decay-steps 8")
     assert not (tmp_path / "b" / "tensorboard").exists()
+
+
+def _generate_body(argv):
+    import argparse
+
+    from tensorpar.training.cli import register
+    from tensorpar.training.inference import generate
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return generate(parser.parse_args(["generate", *argv]))
+
+
+def test_train_and_generate_calibrate_overlap_auto(tmp_path):
+    """overlap="auto" needs tp.calibrate_overlap before a forward: train does it, and generate
+    does it for a checkpoint trained so (overlap is saved in its config)."""
+    losses, _ = _train(2, 2, 2, tmp_path / "run", "--steps", "2", "--sp", "--overlap", "auto")
+    assert list(losses) == [1, 2]
+    texts = run_on_ranks(_generate_body, 2, ["--checkpoint", str(tmp_path / "run"), "--tp", "2",
+                                             "--prompt", "def ", "--max-new-tokens", "3"])
+    assert texts[0] == texts[1] and texts[0].startswith("def ")
+
+
+def test_uneven_heads_kv_heads_ffn_and_sp_sequence_at_tp3_train_like_tp1(tmp_path):
+    """Issue 17 from scratch: 6 heads over 2 K/V heads and an FFN of 200 at TP 3 (uneven heads,
+    replicated K/V heads, uneven FFN), under SP at a sequence of 31 (padded): TP=1's losses."""
+    shape = ["--heads", "6", "--kv-heads", "2", "--hidden", "48", "--ffn-hidden", "200", "--norm", "rmsnorm",
+             "--activation", "swiglu", "--position-embedding", "rope", "--rope-theta", "1e6", "--seq-len", "31"]
+    a, _ = _train(1, 1, 4, tmp_path / "a", *shape)
+    b, _ = _train(3, 3, 4, tmp_path / "b", "--sp", *shape)
+    assert list(a) == list(b) == [1, 2, 3, 4, 5, 6]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+    assert a[6] < a[1] - 0.5

@@ -10,8 +10,10 @@ if _torch.torch_version.TorchVersion(_torch.__version__) < (2, 6):
 
 from .buffers import GlobalMemoryBuffer, get_global_memory_buffer
 from .comm import CommLedger, CommRecord
+from .comm_model import calibrate_overlap
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
+from .fsdp import fully_shard
 from .grads import (
     DataParallelGradReducer,
     MasterWeights,

@@ -51,12 +51,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from . import comm
+from .comm_model import calibrate_overlap
 from .errors import UsageError
 from .grads import allreduce_sequence_parallel_grads
 from .launch import launch_local
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .models.gpt import GPT, GPTConfig
-from .overlap import calibrated_link, interleave
+from .overlap import interleave, measure_link
 from .parallel_state import (
     destroy_model_parallel,
     get_tensor_model_parallel_group,
@@ -336,7 +338,7 @@ def _build_gpt_variants(cfg: BenchConfig) -> dict[str, _GPTStep]:
         variants[name] = _GPTStep(gpt(tp_group, **options), tokens, labels)
     reference = variants[GPT_TP1].step()
     if reference is None:
-        reference = torch.zeros((), dtype=torch.float32)
+        reference = torch.zeros((), dtype=torch.float32, device=comm.collective_device())
     dist.broadcast(reference, src=0)
     for name in GPT_VARIANTS[1:]:
         loss = variants[name].step()
@@ -370,22 +372,19 @@ def _time_iterations(variant: _Variant, *, warmup: int, iters: int) -> tuple[lis
     """
     for _ in range(warmup):
         variant.step()
-    stamps = torch.zeros(iters + 1, dtype=torch.float64)
     main = threading.get_native_id()
     dist.barrier()
     cpu_before = _thread_cpu_seconds()
-    stamps[0] = time.perf_counter()
-    for i in range(iters):
+    stamps = [time.perf_counter()]
+    for _ in range(iters):
         variant.step()
-        stamps[i + 1] = time.perf_counter()
+        stamps.append(time.perf_counter())
     cpu_after = _thread_cpu_seconds()
     spent = {tid: cpu_after[tid] - cpu_before.get(tid, 0.0) for tid in cpu_after}
-    cpu = torch.tensor([spent.get(main, 0.0), sum(v for t, v in spent.items() if t != main)],
-                       dtype=torch.float64) * 1e3 / iters
-    times = stamps.diff()
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    dist.all_reduce(cpu, op=dist.ReduceOp.MAX)
-    return times.tolist(), cpu.tolist()
+    cpu = comm.scalars([spent.get(main, 0.0), sum(v for t, v in spent.items() if t != main)], dtype=torch.float64)
+    times = comm.scalars([b - a for a, b in zip(stamps, stamps[1:])], dtype=torch.float64)
+    times, cpu = (comm.all_reduce(t, None, op="max").tolist() for t in (times, cpu))
+    return times, [ms * 1e3 / iters for ms in cpu]
 
 
 def _median_ratio(rounds: list[dict[str, float]], numerator: Callable[[dict], float],
@@ -460,8 +459,10 @@ def measure(cfg: BenchConfig) -> dict:
             rounds, cpu_rounds = _interleaved_rounds(cfg, _build_gpt_variants(cfg), GPT_VARIANTS)
             report["gpt"] = _summarise_gpt(cfg, rounds)
             report["gpt"]["cpu_ms_per_iteration"] = _cpu_summary(GPT_VARIANTS, cpu_rounds)
-        link = calibrated_link(get_tensor_model_parallel_group(), torch.device("cpu"), DTYPES[cfg.dtype])
-        report["link_model"] = dataclasses.asdict(link)
+        tokens = cfg.seq * cfg.batch  # the MLP's fc2: its GEMM and its exit all-reduce
+        report["link_model"] = measure_link(get_tensor_model_parallel_group(), device=torch.device("cpu"),
+                                            dtype=DTYPES[cfg.dtype], rows=tokens,
+                                            gemm=(cfg.ffn_hidden // cfg.tp, cfg.hidden), comm_elements=tokens * cfg.hidden)
         return report
     finally:
         destroy_model_parallel()
@@ -605,14 +606,16 @@ def measure_overlap_variants(device: torch.device, *, hidden: int, seq: int, bat
                                    device=device)
         fc2 = RowParallelLinear(4 * hidden, hidden, input_is_parallel=True, sequence_parallel=sp, overlap=overlap,
                                 params_dtype=dtype, device=device)
+        calibrate_overlap(nn.ModuleList([fc1, fc2]), tokens=seq * batch)
         if interleaved:
             stage = (lambda h: fc2.start(F.gelu(fc1(h)[0])), lambda h, reduced: reduced[0])
             return lambda x: interleave(x, [stage], parts=2)
         return lambda x: fc2(F.gelu(fc1(x)[0]))[0]
 
     generator = torch.Generator(device="cpu").manual_seed(1)
-    x_full = torch.randn(seq, batch, hidden, generator=generator).to(device=device, dtype=dtype)
-    variants = {"ceiling": (MLP(hidden, 4 * hidden // n).to(device=device, dtype=dtype), False)}
+    x_full = torch.randn(seq, batch, hidden, generator=generator, device="cpu").to(device=device, dtype=dtype)
+    with device:  # built where it runs
+        variants = {"ceiling": (MLP(hidden, 4 * hidden // n).to(dtype=dtype), False)}
     for sp in (False, True):
         suffix = "_sp" if sp else ""
         for overlap in ("off", 2, 4, "auto"):
@@ -643,8 +646,7 @@ def measure_overlap_variants(device: torch.device, *, hidden: int, seq: int, bat
             step()
             sync()
             times.append(time.perf_counter() - begin)
-        elapsed = torch.tensor(statistics.median(times) * 1e3, dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        results[name] = elapsed.item()
+        elapsed = comm.scalars(statistics.median(times) * 1e3, dtype=torch.float64)
+        results[name] = comm.all_reduce(elapsed, None, op="max").item()
     return {"ms": results, "of_ceiling": {k: results["ceiling"] / v for k, v in results.items() if k != "ceiling"},
             "shape": [seq, batch, hidden], "dtype": str(dtype), "tp": n}

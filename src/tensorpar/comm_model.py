@@ -6,9 +6,11 @@ collective tensorpar issues, in issue order, with the phase it belongs to (``for
 training loop's post-backward all-reduces), the full tensor's shape and bytes (as
 :class:`tensorpar.CommRecord` counts them) and the bytes each rank sends under a ring
 algorithm. :func:`summarize` adds time estimates from a link model and the FLOPs of the
-step, :func:`activation_memory` the activations a GPT layer keeps per rank.
+step, :func:`activation_memory` the activations a GPT layer keeps per rank, and
+:func:`gpt_training_memory` the bytes one rank needs to train a GPT. :class:`LinkModel` is the
+overlap cost model: the chunk count ``overlap="auto"`` picks.
 
-Pure arithmetic: nothing here touches a process group.
+Pure arithmetic, except :func:`calibrate_overlap`, which measures a link model on the TP group.
 
 Example (seed 002: one column layer, H=4096, S=2048, B=1, bf16, TP=2)::
 
@@ -21,10 +23,15 @@ Example (seed 002: one column layer, H=4096, S=2048, B=1, bf16, TP=2)::
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
+import torch.distributed as dist
 
-from .overlap import LinkModel, chunk_sizes
+from .comm import bytes_sent_per_rank
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .overlap import chunk_sizes, measure_link
+from .parallel_state import default_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LAYERS = ("column", "row", "mlp", "attention", "embedding", "loss", "gpt-layer", "gpt-step")
@@ -32,12 +39,37 @@ PHASES = ("forward", "recompute", "backward", "grads")
 # ``CommOp.what`` of SP's extra all-gather: the column layer saved only its input shard.
 WGRAD_REGATHER = "input re-gather for wgrad"
 
-# Bytes each rank sends, as a multiple of the full tensor, under ring algorithms.
-_RING_SEND_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-}
+CHUNK_CHOICES = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkModel:
+    """What ``overlap="auto"`` decides with: a collective costs ``latency_s`` plus the bytes a
+    rank sends over ``bytes_per_s``; a GEMM runs at ``flops_per_s``; ``overlap`` is the share
+    of the shorter of a GEMM and a concurrent collective that is actually hidden (near 1 where
+    communication has its own engine, as NCCL on a GPU; lower where it takes CPU time from the
+    GEMM, as gloo on a busy CPU)."""
+
+    latency_s: float
+    bytes_per_s: float
+    flops_per_s: float
+    overlap: float
+
+    def pipeline_time(self, flops: float, bytes_sent: float, chunks: int) -> float:
+        """Seconds for a GEMM of ``flops`` and its collective sending ``bytes_sent``, in ``chunks``."""
+        gemm = flops / self.flops_per_s / chunks
+        link = self.latency_s + bytes_sent / chunks / self.bytes_per_s
+        return gemm + link + (chunks - 1) * (gemm + link - self.overlap * min(gemm, link))
+
+    def exposed_comm_time(self, flops: float, bytes_sent: float, chunks: int) -> float:
+        """The part of :meth:`pipeline_time` the GEMM alone would not take."""
+        return self.pipeline_time(flops, bytes_sent, chunks) - flops / self.flops_per_s
+
+    def best_chunks(self, flops: float, bytes_sent: float, rows: int) -> int:
+        """The chunk count (of :data:`CHUNK_CHOICES`, at most ``rows``) with the shortest pipeline;
+        the fewest chunks among equals."""
+        options = [k for k in CHUNK_CHOICES if k <= max(rows, 1)]
+        return min(options, key=lambda k: (self.pipeline_time(flops, bytes_sent, k), k))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +167,7 @@ class CommOp:
 
     @property
     def bytes_sent_per_rank(self) -> float:
-        return self.bytes * _RING_SEND_FACTOR[self.op](self.tp)
+        return bytes_sent_per_rank(self.op, self.bytes, self.tp)
 
     def time_s(self, *, bandwidth_gbps: float, latency_us: float) -> float:
         """Ring estimate: one latency plus the bytes this rank sends over the link."""
@@ -368,21 +400,24 @@ class Activation:
         return self.numel * self.element_size / (tp if self.tp_sharded or sp else 1)
 
 
-def saved_activations(cfg: CommConfig) -> list[Activation]:
+def saved_activations(cfg: CommConfig, *, fused_attention: bool = False) -> list[Activation]:
     """What ``cfg.layer`` keeps for backward (per GPT layer for ``gpt-step``), input first.
 
     The accounting of Korthikanti et al. 2022, section 4.1: linear and LayerNorm inputs, the
     GELU input, softmax output and its dropout, and 1-byte dropout masks. With recompute only
     the input of the checkpointed unit is kept. Embedding and loss are not modelled (empty).
+    ``fused_attention`` (a flash-attention kernel) keeps the attention output and fp32 row
+    statistics instead of the ``s x s`` softmax tensors.
     """
     s, b, h, a, e = cfg.seq_len, cfg.batch, cfg.hidden, cfg.heads, cfg.element_size
     sbh, sbf, scores = s * b * h, s * b * cfg.ffn_hidden, b * a * s * s
     mlp = [Activation("mlp fc input", sbh, e, False), Activation("gelu input", sbf, e, True),
            Activation("mlp proj input", sbf, e, True)]
-    attention = [Activation("qkv input", sbh, e, False), Activation("q, k, v", 3 * sbh, e, True),
-                 Activation("softmax output", scores, e, True),
-                 Activation("attention dropout mask", scores, 1, True),
-                 Activation("attention dropout output", scores, e, True),
+    softmax = ([Activation("attention output", sbh, e, True), Activation("softmax statistics", b * a * s, 4, True)]
+               if fused_attention else
+               [Activation("softmax output", scores, e, True), Activation("attention dropout mask", scores, 1, True),
+                Activation("attention dropout output", scores, e, True)])
+    attention = [Activation("qkv input", sbh, e, False), Activation("q, k, v", 3 * sbh, e, True), *softmax,
                  Activation("attention proj input", sbh, e, True)]
     layer = [Activation("ln1 input", sbh, e, False), *attention,
              Activation("attention residual dropout mask", sbh, 1, False),
@@ -411,6 +446,56 @@ def activation_memory(cfg: CommConfig) -> float:
     return sum(a.bytes_per_rank(tp=cfg.tp, sp=cfg.sp) for a in saved_activations(cfg))
 
 
+def gpt_parameters_per_rank(config, *, tp: int) -> float:
+    """Parameters one TP rank holds of a GPT ``config`` (a :class:`~tensorpar.models.GPTConfig` or
+    any object with its fields), the padded vocabulary included; nothing is built."""
+    h, f, layers = config.hidden_size, config.ffn_hidden_size, config.num_layers
+    head_dim = h // config.num_heads
+    multiple = math.lcm(config.make_vocab_size_divisible_by, tp)
+    vocab = -(-config.vocab_size // multiple) * multiple
+    norm = 2 * h if config.norm == "layernorm" else h
+    qkv = (config.num_heads + 2 * config.num_query_groups) * head_dim
+    fc = 2 * f if config.activation == "swiglu" else f
+    sharded = h * (qkv + h + fc + f)
+    sharded += (qkv if config.qkv_bias else 0) + (fc if config.bias else 0)
+    replicated = 2 * norm + (2 * h if config.bias else 0)  # norms, row-layer biases
+    embeddings = vocab * h / tp * (1 if config.tie_word_embeddings else 2)
+    positions = config.max_seq_len * h if config.position_embedding == "learned" else 0
+    return layers * (sharded / tp + replicated) + embeddings + positions + norm
+
+
+def gpt_training_memory(config, *, tp: int, dp: int = 1, seq_len: int, micro_batch: int, dtype: str = "fp32",
+                        fsdp: bool = False) -> dict[str, float]:
+    """Bytes one rank holds to train a GPT ``config`` (fields as :class:`~tensorpar.models.GPTConfig`)
+    with AdamW: ``parameters``, ``gradients``, ``optimizer``, ``activations`` and ``total``.
+
+    Activations are one micro-batch's (:func:`saved_activations` per layer with fused attention,
+    plus the fp32 softmax of the vocab-parallel loss); with ``fsdp`` parameters, gradients and
+    optimizer state are divided over the ``dp`` ranks. An estimate made before anything is built.
+
+    Example::
+
+        gpt_training_memory(GPTConfig.preset("small", vocab_size=50257), tp=2, seq_len=1024, micro_batch=8)
+    """
+    params = gpt_parameters_per_rank(config, tp=tp) / (dp if fsdp else 1)
+    param_bytes = config.params_dtype.itemsize
+    grad_bytes = 4 if config.gradient_accumulation_fusion else param_bytes  # fused: fp32 main_grad
+    layer = CommConfig(layer="gpt-layer", hidden=config.hidden_size, ffn_hidden=config.ffn_hidden_size,
+                       heads=config.num_heads, seq_len=seq_len, batch=micro_batch, tp=1,
+                       dtype="bf16" if dtype == "bf16" else "fp32")
+
+    def kept(recompute: bool) -> float:
+        saved = saved_activations(dataclasses.replace(layer, recompute=recompute), fused_attention=True)
+        return sum(a.bytes_per_rank(tp=tp, sp=config.sequence_parallel) for a in saved)
+
+    activations = config.num_layers * kept(config.recompute) + (kept(False) if config.recompute else 0)
+    activations += seq_len * micro_batch * config.vocab_size / tp * 4
+    memory = {"parameters": params * param_bytes, "gradients": params * grad_bytes,
+              "optimizer": 2 * params * param_bytes, "activations": activations}
+    memory["total"] = sum(memory.values())
+    return memory
+
+
 def summarize(cfg: CommConfig, ops: list[CommOp], *, bandwidth_gbps: float, latency_us: float,
               tflops: float) -> dict:
     """Totals of ``ops`` (overall and per phase), the estimated time, and its share of compute.
@@ -434,3 +519,42 @@ def summarize(cfg: CommConfig, ops: list[CommOp], *, bandwidth_gbps: float, late
     totals.update(flops_per_rank=flops, compute_time_s=compute_s,
                   comm_share_of_compute=totals["time_s"] / compute_s if flops else None)
     return totals
+
+
+def calibrate_overlap(model: torch.nn.Module, *, tokens: int) -> list[LinkModel]:
+    """Measure the link model of every ``overlap="auto"`` TP linear in ``model``: collective.
+
+    Call it on every rank after building the model, before its first forward (such a layer at
+    TP > 1 refuses to run without it). ``tokens``: a forward's GEMM rows (sequence x micro-batch).
+    Layers sharing a TP group, device and compute dtype (autocast's, under autocast) share one
+    measurement with the largest one's shapes, and pick their chunk count per forward from it.
+    A ``CommLedger`` sees its collectives. Returns the link models measured.
+
+    Example::
+
+        model = models.GPT(config)                       # config.overlap == "auto"
+        tp.calibrate_overlap(model, tokens=seq_len * micro_batch)
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"calibrate_overlap: tokens must be a positive int, got {tokens!r}")
+    by_key: dict[tuple, list] = {}
+    for layer in model.modules():
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) and layer.overlap == "auto" \
+                and layer.tp_size > 1:
+            weight = layer.weight if layer.weight is not None else torch.empty(0, device=default_device())
+            autocast = torch.is_autocast_enabled(weight.device.type)
+            dtype = torch.get_autocast_dtype(weight.device.type) if autocast else weight.dtype
+            key = (tuple(dist.get_process_group_ranks(layer.tp_group)), weight.device, dtype)
+            by_key.setdefault(key, []).append(layer)
+    links = []
+    for (_, device, dtype), layers in by_key.items():
+        largest = max(layers, key=lambda layer: math.prod(layer.weight_shape))
+        out_features, in_features = largest.weight_shape
+        # The collective a layer chunks: its input's width (column), its output's (row).
+        width = largest.input_size if isinstance(largest, ColumnParallelLinear) else largest.output_size
+        link = LinkModel(**measure_link(largest.tp_group, device=device, dtype=dtype, rows=tokens,
+                                        gemm=(in_features, out_features), comm_elements=tokens * width))
+        for layer in layers:
+            layer.overlap_link = link
+        links.append(link)
+    return links

@@ -28,6 +28,7 @@ from .comm_model import (
     LAYERS,
     WGRAD_REGATHER,
     CommConfig,
+    LinkModel,
     activation_memory,
     collectives,
     overlap_plan,
@@ -40,7 +41,6 @@ from .grads import allreduce_sequence_parallel_grads, get_grad_norm
 from .launch import launch_local
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .models.gpt import GPT, GPTConfig
-from .overlap import LinkModel
 from .parallel_state import destroy_model_parallel, initialize_model_parallel
 from .random import checkpoint, model_parallel_manual_seed
 

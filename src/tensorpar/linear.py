@@ -15,6 +15,7 @@ Example (an MLP block)::
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -24,8 +25,10 @@ from torch import nn
 from . import comm
 from .buffers import get_global_memory_buffer
 from .initialization import (
+    balanced_sizes,
     init_method_normal,
     init_weight_shard,
+    partition_ranges,
     set_tensor_model_parallel_attributes,
 )
 from .mappings import (
@@ -36,8 +39,9 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
     start_reduction_from_tensor_model_parallel_region,
+    sum_grad_over_replicas,
 )
-from .overlap import all_gather_matmul, calibrated_link, matmul_reduce
+from .overlap import all_gather_matmul, matmul_reduce
 from .parallel_state import default_device, resolve_tp_group
 from .porting import resolve_config
 
@@ -99,7 +103,7 @@ def _launch_dgrad(grad_output, weight, *, allreduce_dgrad, sequence_parallel, ou
     """dgrad ``grad_output @ W`` with its TP communication started.
 
     Returns ``(handle, gathered)``: ``handle.wait()`` gives the input grad; ``gathered`` is the
-    row layer's chunk-gathered output grad under SP (``keep_gathered``), for its wgrad.
+    row layer's all-gathered output grad under SP (``keep_gathered``, sequence order), for its wgrad.
     The column's dgrad reduction (all-reduce, or reduce-scatter under SP) is chunked against
     the dgrad GEMM with ``overlap_chunks > 1``; the row layer's SP output-grad all-gather
     (``output_reduction == "reduce_scatter"``) too.
@@ -117,18 +121,18 @@ def _launch_dgrad(grad_output, weight, *, allreduce_dgrad, sequence_parallel, ou
     return reduction if reduction is not None else comm.Handle(None, grad_input), None
 
 
-# Device type -> whether ``torch.addmm(main_grad, a, b, out_dtype=fp32, out=main_grad)`` sums
-# bf16/fp16 products into an fp32 main_grad correctly. The overload exists on CUDA from torch 2.8
-# and accepts an fp32 ``self`` from 2.10; probed once per device type rather than versioned.
-_FUSED_ADDMM_SUPPORTED: dict[str, bool] = {}
+# (device type, dtype) -> whether ``torch.addmm(main_grad, a, b, out_dtype=fp32, out=main_grad)``
+# sums bf16/fp16 products into an fp32 main_grad correctly. The overload exists on CUDA from torch
+# 2.8 and accepts an fp32 ``self`` from 2.10; probed once per device type and dtype, not versioned.
+_FUSED_ADDMM_SUPPORTED: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def _probe_fused_addmm(device: torch.device) -> bool:
-    """Whether addmm's ``out_dtype`` overload accumulates low-precision products into fp32."""
-    # 1 + 2^-12 is not a bf16 number: an implementation that rounds ``self`` to the operands'
-    # dtype (or ignores it) gives a different sum.
+def _probe_fused_addmm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether addmm's ``out_dtype`` overload accumulates ``dtype`` products into fp32."""
+    # 1 + 2^-12 is neither a bf16 nor an fp16 number: an implementation that rounds ``self`` to
+    # the operands' dtype (or ignores it) gives a different sum.
     main_grad = torch.full((2, 2), 1.0 + 2.0 ** -12, dtype=torch.float32, device=device)
-    operand = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+    operand = torch.ones(2, 2, dtype=dtype, device=device)
     try:
         torch.addmm(main_grad, operand, operand, out_dtype=torch.float32, out=main_grad)
     except (TypeError, RuntimeError):  # no overload (torch < 2.8), fp32 self rejected, no kernel
@@ -136,12 +140,25 @@ def _probe_fused_addmm(device: torch.device) -> bool:
     return bool(main_grad.eq(3.0 + 2.0 ** -12).all())
 
 
-def fused_addmm_supported(device: torch.device) -> bool:
-    """Probed once per device type (one tiny GEMM and one host sync), then cached."""
-    supported = _FUSED_ADDMM_SUPPORTED.get(device.type)
+def fused_addmm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Probed once per device type and dtype (one tiny GEMM and one host sync), then cached."""
+    key = (device.type, dtype)
+    supported = _FUSED_ADDMM_SUPPORTED.get(key)
     if supported is None:
-        supported = _FUSED_ADDMM_SUPPORTED[device.type] = _probe_fused_addmm(device)
+        supported = _FUSED_ADDMM_SUPPORTED[key] = _probe_fused_addmm(device, dtype)
     return supported
+
+
+@contextlib.contextmanager
+def _tf32_matmul():
+    """fp32 GEMMs on CUDA at TF32 (no effect elsewhere). Exact for upcast bf16 or fp16 operands:
+    TF32 keeps 10 mantissa bits and fp32's exponent, and accumulates in fp32."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def _accumulate_wgrad_into_main_grad(weight: torch.Tensor, grad_output_2d: torch.Tensor,
@@ -149,16 +166,17 @@ def _accumulate_wgrad_into_main_grad(weight: torch.Tensor, grad_output_2d: torch
     """``weight.main_grad += grad_output^T @ input`` as one GEMM with accumulation.
 
     When main_grad (fp32) is wider than the activations, one GEMM accumulates the low-precision
-    products into it where the device has that kernel; otherwise the operands are upcast, so the
-    sum is the same exact fp32 either way.
+    products into it where the device has that kernel; otherwise the operands are upcast and
+    multiplied at TF32, so the sum is the same exact fp32 either way.
     """
     main_grad = weight.main_grad
     if main_grad.dtype == grad_output_2d.dtype:
         main_grad.addmm_(grad_output_2d.t(), input_2d)
-    elif fused_addmm_supported(main_grad.device):
+    elif fused_addmm_supported(main_grad.device, grad_output_2d.dtype):
         torch.addmm(main_grad, grad_output_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
     else:
-        main_grad.addmm_(grad_output_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
+        with _tf32_matmul():
+            main_grad.addmm_(grad_output_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
 
 
 def _weight_grad_placeholder(weight: torch.Tensor):
@@ -189,31 +207,6 @@ def compute_weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_ou
         _accumulate_wgrad_into_main_grad(weight, grad_output_2d, input_2d)
         return _weight_grad_placeholder(weight)
     return grad_output_2d.t().matmul(input_2d)
-
-
-def _weight_grad_from_row_blocks(weight: torch.Tensor, input_: torch.Tensor, gathered: list[torch.Tensor],
-                                 *, gradient_accumulation_fusion: bool):
-    """wgrad of the row layer under chunked SP: summed over the chunk-gathered output grads.
-
-    ``gathered[i]`` is ``[TP, rows_i, ...]``: chunk ``i`` of every rank's sequence slice, whose
-    inputs are the matching rows of ``input_`` (``[s, ...]`` in sequence order).
-    """
-    n = gathered[0].shape[0]
-    input_by_rank = input_.view(n, input_.shape[0] // n, *input_.shape[1:])
-    grad_weight, start = None, 0
-    for chunk in gathered:
-        size = chunk.shape[1]
-        for rank in range(n):
-            g, x = _flatten(chunk[rank]), _flatten(input_by_rank[rank, start:start + size])
-            if gradient_accumulation_fusion:
-                _accumulate_wgrad_into_main_grad(weight, g, x)
-            elif grad_weight is None:
-                grad_weight = g.t().matmul(x)
-            else:
-                grad_weight.addmm_(g.t(), x)
-        start += size
-    # One placeholder for the whole sum (Megatron's protocol), not one per block.
-    return _weight_grad_placeholder(weight) if gradient_accumulation_fusion else grad_weight
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
@@ -260,12 +253,12 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_weight = None
         if defer_wgrad:
             buffer.append(grad_output)
-        elif gathered_grad is not None:
-            grad_weight = _weight_grad_from_row_blocks(
-                weight, total_input, gathered_grad, gradient_accumulation_fusion=ctx.gradient_accumulation_fusion)
         elif wgrad_needed:
             # Runs while the dgrad reduction is in flight: the overlap this function exists for.
-            grad_weight = compute_weight_grad(weight, total_input, grad_output,
+            # The row layer's chunked SP backward gathered the output grad in sequence order: one
+            # GEMM over all its rows, as unchunked.
+            grad_weight = compute_weight_grad(weight, total_input,
+                                              grad_output if gathered_grad is None else gathered_grad,
                                               gradient_accumulation_fusion=ctx.gradient_accumulation_fusion)
         grad_bias = _flatten(grad_output).sum(dim=0) if ctx.use_bias else None
         grad_input = reduction.wait()
@@ -409,13 +402,63 @@ def _resolve_sequence_parallel(sequence_parallel: bool, tp_size: int, name: str)
     return sequence_parallel
 
 
+def _partition_layout(name, split_name, split_size, stride, tp_size, partition_sizes, partition_rows):
+    """Every rank's ``[start, stop)`` rows of the full partition dimension, or None for the
+    equal split (today's layout and code path)."""
+    if partition_rows is not None:
+        if partition_sizes is not None:
+            raise ValueError(f"{name}: pass partition_sizes or partition_rows, not both")
+        rows = tuple(tuple((int(a), int(b)) for a, b in ranges) for ranges in partition_rows)
+        held = [0] * split_size
+        for ranges in rows:
+            for a, b in ranges:
+                if not 0 <= a <= b <= split_size:
+                    raise ValueError(f"{name}: partition_rows range ({a}, {b}) is outside [0, {split_size}]")
+                held[a:b] = [h + 1 for h in held[a:b]]
+        if len(rows) != tp_size or 0 in held:
+            raise ValueError(f"{name}: partition_rows must give each of the {tp_size} ranks its rows, covering "
+                             f"all {split_size} rows of {split_name}")
+        return rows
+    if partition_sizes is None:
+        if split_size % (tp_size * stride) == 0:
+            return None
+        if split_size % stride:
+            raise ValueError(f"{name}: {split_name} {split_size} is not divisible by stride {stride}")
+        partition_sizes = balanced_sizes(split_size // stride, tp_size)
+    sizes = list(partition_sizes)
+    if len(sizes) != tp_size or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in sizes) \
+            or sum(sizes) * stride != split_size:
+        raise ValueError(f"{name}: partition_sizes must be {tp_size} non-negative ints (one per rank) summing to "
+                         f"{split_name} {split_size}" + (f" / stride {stride}" if stride > 1 else "") +
+                         f", got {partition_sizes!r}")
+    if len(set(sizes)) == 1:
+        return None
+    return tuple(tuple(partition_ranges(sizes, rank, stride)) for rank in range(tp_size))
+
+
+def _replicas(rows, rank: int):
+    """For rows several ranks hold: (this rank's local indices of them, their index among the
+    shared rows, how many are shared, local indices of those an earlier rank holds too)."""
+    holders: dict[int, list[int]] = {}
+    for r, ranges in enumerate(rows):
+        for a, b in ranges:
+            for row in range(a, b):
+                holders.setdefault(row, []).append(r)
+    shared = {row: i for i, row in enumerate(sorted(row for row, rs in holders.items() if len(rs) > 1))}
+    local = [row for a, b in rows[rank] for row in range(a, b)]
+    mine = [(i, shared[row]) for i, row in enumerate(local) if row in shared]
+    duplicates = [i for i, row in enumerate(local) if holders[row][0] != rank]
+    return (torch.tensor([i for i, _ in mine], dtype=torch.long), torch.tensor([j for _, j in mine], dtype=torch.long),
+            len(shared), torch.tensor(duplicates, dtype=torch.long))
+
+
 class _ParallelLinear(nn.Module):
     """Shared construction of the column and row layers: sharded weight, optional bias."""
 
     def __init__(self, input_size, output_size, *, partition_dim, bias, bias_is_parallel, init_method,
                  stride, skip_bias_add, sequence_parallel, gradient_accumulation_fusion, is_expert,
                  params_dtype, device, tp_group, perform_initialization, config, keep_master_weight_for_test,
-                 skip_weight_param_allocation=False):
+                 skip_weight_param_allocation=False, partition_sizes=None, partition_rows=None):
         super().__init__()
         name = type(self).__name__
         settings = resolve_config(config, name, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
@@ -432,22 +475,33 @@ class _ParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         split_size = output_size if partition_dim == 0 else input_size
         split_name = "output_size" if partition_dim == 0 else "input_size"
-        if split_size % (self.tp_size * stride) != 0:
-            raise ValueError(f"{name}: {split_name} {split_size} is not divisible by tensor-parallel size "
-                             f"{self.tp_size}" + (f" x stride {stride}" if stride > 1 else ""))
+        rows = _partition_layout(name, split_name, split_size, stride, self.tp_size, partition_sizes, partition_rows)
+        # None: the equal split. Else every rank's rows of the full partition dimension.
+        self.partition_rows = rows
+        self.partition_sizes = None if rows is None else [sum(b - a for a, b in ranges) for ranges in rows]
+        rank = comm.group_rank(self.tp_group)
+        local_size = split_size // self.tp_size if rows is None else self.partition_sizes[rank]
+        self._replicas = None
+        if rows is not None:
+            local_rows, shared_rows, num_shared, self._duplicate_rows = _replicas(rows, rank)
+            if num_shared:
+                if gradient_accumulation_fusion:
+                    raise ValueError(f"{name}: rows held by several ranks (partition_rows) cannot be combined with "
+                                     "gradient_accumulation_fusion")
+                self._replicas = dict(local_rows=local_rows, shared_rows=shared_rows, num_shared=num_shared)
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = _resolve_sequence_parallel(sequence_parallel, self.tp_size, name)
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.is_expert = is_expert
         device = default_device() if device is None else torch.device(device)
-        shape = [output_size // self.tp_size, input_size] if partition_dim == 0 else \
-            [output_size, input_size // self.tp_size]
+        shape = [local_size, input_size] if partition_dim == 0 else [output_size, local_size]
         self.weight_shape = tuple(shape)
         if skip_weight_param_allocation:
             self.register_parameter("weight", None)  # forward(input_, weight=) brings it
         else:
             self.weight = nn.Parameter(torch.empty(shape, dtype=params_dtype, device=device))
             set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=partition_dim, stride=stride)
+            self._set_partition_attributes(self.weight)
             # Megatron's marker for the DP grad reduction: expert weights are reduced elsewhere.
             self.weight.allreduce = not is_expert
             init_method = init_method or init_method_normal(0.02)
@@ -459,14 +513,31 @@ class _ParallelLinear(nn.Module):
                     init_weight_shard(self.master_weight, init_method, partition_dim=partition_dim, stride=stride)
             if perform_initialization:
                 init_weight_shard(self.weight, init_method, partition_dim=partition_dim, stride=stride,
-                                  tp_group=self.tp_group)
+                                  tp_group=self.tp_group, full_rows=split_size,
+                                  rows=None if rows is None else rows[rank])
         if bias:
             bias_size = shape[0]
             self.bias = nn.Parameter(torch.zeros(bias_size, dtype=params_dtype, device=device))
             set_tensor_model_parallel_attributes(self.bias, is_parallel=bias_is_parallel, dim=0, stride=stride)
+            if bias_is_parallel:
+                self._set_partition_attributes(self.bias)
             self.bias.allreduce = not is_expert
         else:
             self.register_parameter("bias", None)
+
+    def _set_partition_attributes(self, param: nn.Parameter) -> None:
+        """Uneven layouts: every rank's rows (for checkpoints) and the rows another rank holds
+        too (counted once by the gradient norm)."""
+        if self.partition_rows is not None:
+            param.partition_rows = self.partition_rows
+            if self._replicas is not None:
+                param.tp_duplicate_rows = self._duplicate_rows
+
+    def _summed_over_replicas(self, param):
+        """``param`` whose gradient rows held by several ranks are summed over their holders."""
+        if self._replicas is None or param is None:
+            return param
+        return sum_grad_over_replicas(param, self.tp_group, **self._replicas)
 
     def _linear(self, input_, weight, bias, *, allreduce_dgrad, sequence_parallel, grad_output_buffer=None,
                 wgrad_deferral_limit=0, overlap_chunks=1, output_reduction=None):
@@ -481,15 +552,17 @@ class _ParallelLinear(nn.Module):
 
     def _chunks(self, input_, *, op: str, rows: int, tokens: int, comm_width: int, gemm_flops: float) -> int:
         """This forward's chunk count: the fixed ``overlap``, or the one ``"auto"`` predicts fastest
-        for a collective ``op`` of ``[tokens, comm_width]`` against a GEMM of ``gemm_flops``."""
+        for a collective ``op`` of ``[tokens, comm_width]`` against a GEMM of ``gemm_flops``, on
+        the link model :func:`tensorpar.calibrate_overlap` measured."""
         if self.overlap != "auto":
             return self.overlap
         if self.tp_size == 1:
             return 1
-        dtype = _compute_dtype(input_)
-        link = calibrated_link(self.tp_group, input_.device, dtype)
-        nbytes = tokens * comm_width * torch.empty((), dtype=dtype).element_size()
-        return link.best_chunks(gemm_flops, comm.bytes_sent_per_rank(op, nbytes, self.tp_size), rows)
+        if self.overlap_link is None:
+            raise RuntimeError(f"{type(self).__name__}: overlap='auto' needs a link model: call "
+                               "tp.calibrate_overlap(model, tokens=...) on every rank before the first forward")
+        nbytes = tokens * comm_width * _compute_dtype(input_).itemsize
+        return self.overlap_link.best_chunks(gemm_flops, comm.bytes_sent_per_rank(op, nbytes, self.tp_size), rows)
 
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, tp_size={self.tp_size}, "
@@ -509,9 +582,9 @@ class ColumnParallelLinear(_ParallelLinear):
     at all (the MoE token dispatcher owns it). ``skip_weight_param_allocation`` allocates no
     weight: every forward passes one (an LM head tied to the embedding). ``defer_wgrad_compute`` keeps inputs and output grads so that
     :meth:`compute_deferred_wgrads` can run the wgrad GEMMs later (after the rest of backward).
-    ``overlap`` (``"off"``, a number of chunks, or ``"auto"``: chosen per forward from a link
-    model calibrated once per process) splits the SP input all-gather and the dgrad reduction
-    into chunks, each in flight while the next chunk's GEMM runs (:mod:`tensorpar.overlap`).
+    ``overlap`` (``"off"``, a number of chunks, or ``"auto"``: chosen per forward from the link
+    model of :func:`tensorpar.calibrate_overlap`) splits the SP input all-gather and the dgrad
+    reduction into chunks, each in flight while the next chunk's GEMM runs (:mod:`tensorpar.overlap`).
 
     Megatron's arguments: ``config=`` fills ``params_dtype``, ``sequence_parallel``,
     ``gradient_accumulation_fusion``, ``perform_initialization`` and, with
@@ -521,9 +594,16 @@ class ColumnParallelLinear(_ParallelLinear):
     ``defer_wgrad_compute`` fills; ``tp_comm_buffer_name`` is unused (as in Megatron without
     Transformer Engine).
 
+    ``partition_sizes`` (one per rank, default the equal split, else as even as possible) gives
+    ranks unequal shares of the output rows (of each of the ``stride`` blocks); ``partition_rows``
+    lists each rank's ``[start, stop)`` rows of the full weight instead (``stride`` then only
+    names the blocks), and may overlap: a row several ranks hold is replicated and its gradient
+    summed over exactly those ranks.
+
     Example::
 
         qkv = tp.ColumnParallelLinear(h, 3 * h, stride=3)   # heads split across TP ranks
+        fc = tp.ColumnParallelLinear(h, 200, partition_sizes=[72, 64, 64])   # at TP=3
         out, _ = qkv(x)                                      # [s, b, 3h/TP]
     """
 
@@ -534,8 +614,9 @@ class ColumnParallelLinear(_ParallelLinear):
                  perform_initialization=True,
                  defer_wgrad_compute=False, wgrad_deferral_limit=0, overlap="off", config=None,
                  keep_master_weight_for_test=False, embedding_activation_buffer=None, grad_output_buffer=None,
-                 tp_comm_buffer_name=None):
+                 tp_comm_buffer_name=None, partition_sizes=None, partition_rows=None):
         super().__init__(input_size, output_size, partition_dim=0, bias=bias, bias_is_parallel=True,
+                         partition_sizes=partition_sizes, partition_rows=partition_rows,
                          init_method=init_method, stride=stride, skip_bias_add=skip_bias_add,
                          sequence_parallel=sequence_parallel,
                          gradient_accumulation_fusion=gradient_accumulation_fusion, is_expert=is_expert,
@@ -552,9 +633,13 @@ class ColumnParallelLinear(_ParallelLinear):
         self.explicit_expert_comm = is_expert and self.tp_size > 1
         self.allreduce_dgrad = (allreduce_dgrad and self.tp_size > 1 and not self.sequence_parallel
                                 and not disable_grad_reduce and not self.explicit_expert_comm)
+        if (defer_wgrad_compute or gather_output) and self._replicas is not None:
+            raise ValueError("ColumnParallelLinear: rows held by several ranks (partition_rows) cannot be combined "
+                             "with defer_wgrad_compute or gather_output")
         self.defer_wgrad_compute = defer_wgrad_compute
         self.wgrad_deferral_limit = wgrad_deferral_limit
         self.overlap = _resolve_overlap(overlap, "ColumnParallelLinear")
+        self.overlap_link = None  # set by tensorpar.calibrate_overlap
         # Megatron's caller-owned lists (embedding_activation_buffer, grad_output_buffer) are used as given.
         self.activation_buffer: list[torch.Tensor] = [] if embedding_activation_buffer is None \
             else embedding_activation_buffer
@@ -567,11 +652,11 @@ class ColumnParallelLinear(_ParallelLinear):
             if self.weight is None:
                 raise ValueError("ColumnParallelLinear: built with skip_weight_param_allocation=True, so "
                                  "forward needs the weight: call it as layer(input_, weight=w)")
-            weight = self.weight
+            weight = self._summed_over_replicas(self.weight)
         elif tuple(weight.shape) != self.weight_shape:
             raise ValueError(f"ColumnParallelLinear: the weight passed to forward has shape {list(weight.shape)}, "
                              f"expected {list(self.weight_shape)}")
-        bias = self.bias if not self.skip_bias_add else None
+        bias = self._summed_over_replicas(self.bias) if not self.skip_bias_add else None
         sequence_parallel = self.sequence_parallel and not self.explicit_expert_comm
         if self.allreduce_dgrad or sequence_parallel or self.explicit_expert_comm or self.disable_grad_reduce:
             input_parallel = input_  # the autograd function (or nobody) reduces dgrad
@@ -599,7 +684,8 @@ class ColumnParallelLinear(_ParallelLinear):
         if deferred_weight is not self._deferred_weight:  # no module mutation to trace otherwise
             self._deferred_weight = deferred_weight
         if self.gather_output if runtime_gather_output is None else runtime_gather_output:
-            output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+            output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group,
+                                                              sizes=self.partition_sizes)
         else:
             output = output_parallel
         return output, (self.bias if self.skip_bias_add else None)
@@ -652,8 +738,8 @@ class RowParallelLinear(_ParallelLinear):
     ``overlap`` (as for :class:`ColumnParallelLinear`) chunks the exit reduction against the GEMM
     and, under SP, the backward all-gather of the output grad against the dgrad GEMM;
     :meth:`start` leaves the exit reduction in flight for interleaving (Domino). Megatron's
-    ``config=``, ``keep_master_weight_for_test`` and ``tp_comm_buffer_name`` as for
-    :class:`ColumnParallelLinear`.
+    ``config=``, ``keep_master_weight_for_test``, ``tp_comm_buffer_name`` and ``partition_sizes``
+    (of the input columns) as for :class:`ColumnParallelLinear`.
 
     Example::
 
@@ -665,8 +751,9 @@ class RowParallelLinear(_ParallelLinear):
                  stride=1, skip_bias_add=False, sequence_parallel=False, gradient_accumulation_fusion=False,
                  is_expert=False, params_dtype=torch.float32, device=None, tp_group=None,
                  perform_initialization=True, overlap="off", config=None, keep_master_weight_for_test=False,
-                 tp_comm_buffer_name=None):
+                 tp_comm_buffer_name=None, partition_sizes=None):
         super().__init__(input_size, output_size, partition_dim=1, bias=bias, bias_is_parallel=False,
+                         partition_sizes=partition_sizes,
                          init_method=init_method, stride=stride, skip_bias_add=skip_bias_add,
                          sequence_parallel=sequence_parallel,
                          gradient_accumulation_fusion=gradient_accumulation_fusion, is_expert=is_expert,
@@ -678,6 +765,7 @@ class RowParallelLinear(_ParallelLinear):
         self.input_is_parallel = input_is_parallel
         self.explicit_expert_comm = is_expert and self.tp_size > 1
         self.overlap = _resolve_overlap(overlap, "RowParallelLinear")
+        self.overlap_link = None  # set by tensorpar.calibrate_overlap
         if self.bias is not None and self.sequence_parallel:
             self.bias.sequence_parallel = True
 
@@ -686,7 +774,8 @@ class RowParallelLinear(_ParallelLinear):
         if self.input_is_parallel:
             input_parallel = input_
         else:
-            input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group,
+                                                                     sizes=self.partition_sizes)
         return self._linear(input_parallel, self.weight, None, allreduce_dgrad=False, sequence_parallel=False,
                             **overlap)
 

@@ -5,15 +5,19 @@ async-TP ``fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``, but thes
 on any device and backend):
 
 * :func:`all_gather_matmul`: ``all_gather(x, dim 0) @ rhs``. Each rank's ``x`` is cut into
-  ``chunks`` row blocks; chunk ``i + 1`` is gathered while chunk ``i``'s GEMMs run, and each
-  GEMM writes straight into its rows of the result. Under SP: the column layer's forward, and
-  the row layer's backward (the output grad's all-gather against the dgrad GEMM).
+  ``chunks`` row blocks; chunk ``i + 1`` is gathered while chunk ``i``'s GEMM runs (one
+  batched GEMM over the ranks' blocks, written straight into their rows of the result). Under
+  SP: the column layer's forward, and the row layer's backward (the output grad's all-gather
+  against the dgrad GEMM).
 * :func:`matmul_reduce`: ``all_reduce(x @ rhs)`` or ``reduce_scatter(x @ rhs, dim 0)``. Chunk
   ``i``'s collective runs while chunk ``i + 1``'s GEMM computes. The row layer's forward ``g``
   (all-reduce, or reduce-scatter under SP), and the column layer's dgrad reduction.
 
-Chunks split the sequence (dim 0), i.e. the GEMM's rows only: every output element is computed
-by the same kernel over the same reduction as the unchunked GEMM. ``chunks`` is capped at the
+Chunks split the sequence (dim 0), i.e. the GEMM's rows only: each output element is the same
+dot product as in the unchunked GEMM. It is not always the same bits: a GEMM over fewer rows (or
+a batched one) may run another kernel that sums in another order, and a chunk's all-reduce or
+reduce-scatter may add the ranks' partials in another order than the whole tensor's. Results
+agree with the unchunked ones to rounding; gathered data are exact. ``chunks`` is capped at the
 rows available; uneven splits are fine (every rank splits the same way).
 
 Device and stream safety: collectives are issued with ``async_op=True`` through
@@ -22,9 +26,9 @@ on the issuing stream, keeps their tensors alive until completion, and ``wait()`
 issuing stream wait for them; every handle here is waited before its buffer is read or handed
 back, and scratch buffers are named per pipeline, so no buffer is reused while in flight.
 
-``overlap="auto"`` picks the chunk count per layer from :class:`LinkModel` (latency, bandwidth,
-GEMM rate and how much a GEMM and a collective really overlap), measured once per process by
-:func:`calibrated_link`.
+``overlap="auto"`` picks the chunk count per layer from a link model
+(:class:`tensorpar.comm_model.LinkModel`) whose figures :func:`measure_link` measures, once,
+when :func:`tensorpar.calibrate_overlap` is called.
 
 :func:`interleave` works one level up (Domino, Wang et al. 2024): it splits a micro-batch into
 independent parts and interleaves them, so one part's collectives are in flight while another
@@ -37,65 +41,15 @@ Example (the SP column forward, 4 chunks)::
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import statistics
 import time
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from . import comm
 from .buffers import get_global_memory_buffer
-
-CHUNK_CHOICES = (1, 2, 4, 8)
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkModel:
-    """What ``overlap="auto"`` decides with: a collective costs ``latency_s`` plus the bytes a
-    rank sends over ``bytes_per_s``; a GEMM runs at ``flops_per_s``; ``overlap`` is the share
-    of the shorter of a GEMM and a concurrent collective that is actually hidden (near 1 where
-    communication has its own engine, as NCCL on a GPU; lower where it takes CPU time from the
-    GEMM, as gloo on a busy CPU)."""
-
-    latency_s: float
-    bytes_per_s: float
-    flops_per_s: float
-    overlap: float
-
-    def pipeline_time(self, flops: float, bytes_sent: float, chunks: int) -> float:
-        """Seconds for a GEMM of ``flops`` and its collective sending ``bytes_sent``, in ``chunks``."""
-        gemm = flops / self.flops_per_s / chunks
-        link = self.latency_s + bytes_sent / chunks / self.bytes_per_s
-        return gemm + link + (chunks - 1) * (gemm + link - self.overlap * min(gemm, link))
-
-    def exposed_comm_time(self, flops: float, bytes_sent: float, chunks: int) -> float:
-        """The part of :meth:`pipeline_time` the GEMM alone would not take."""
-        return self.pipeline_time(flops, bytes_sent, chunks) - flops / self.flops_per_s
-
-    def best_chunks(self, flops: float, bytes_sent: float, rows: int) -> int:
-        """The chunk count (of :data:`CHUNK_CHOICES`, at most ``rows``) with the shortest pipeline;
-        the fewest chunks among equals."""
-        options = [k for k in CHUNK_CHOICES if k <= max(rows, 1)]
-        return min(options, key=lambda k: (self.pipeline_time(flops, bytes_sent, k), k))
-
-
-_CALIBRATIONS: dict[tuple, LinkModel] = {}
-
-
-def calibrated_link(group, device: torch.device, dtype: torch.dtype) -> LinkModel:
-    """A :class:`LinkModel` measured on ``group`` once per process (about 0.1 s): collective.
-
-    Every rank of ``group`` must call it at the same point (the first ``overlap="auto"``
-    forward does). Each figure is the worst over the ranks, so all ranks decide alike. The
-    calibration's collectives go straight to torch.distributed: no ledger records them.
-    """
-    key = (tuple(dist.get_process_group_ranks(group)), device.type, device.index, dtype)
-    if key not in _CALIBRATIONS:
-        _CALIBRATIONS[key] = _calibrate(group, device, dtype)
-    return _CALIBRATIONS[key]
-
 
 def _seconds(fn, device: torch.device, reps: int = 5) -> float:
     """Median seconds of ``fn()`` after one warm-up call."""
@@ -113,18 +67,28 @@ def _seconds(fn, device: torch.device, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def _calibrate(group, device: torch.device, dtype: torch.dtype) -> LinkModel:
+def measure_link(group, *, device: torch.device, dtype: torch.dtype, rows: int, gemm: tuple[int, int],
+                 comm_elements: int) -> dict[str, float]:
+    """Measure on ``group`` what a chunk count is chosen from: collective (every rank of ``group``).
+
+    Times a ``[rows, gemm[0]] @ gemm`` GEMM, a one-element all-reduce (latency), an all-reduce of
+    ``comm_elements`` (bandwidth) and both at once (how much of the shorter one hides); with a
+    layer's real shapes, so that neither is launch-bound where the layer is not. Every figure is
+    the worst over the ranks, so all ranks decide alike. Returns :class:`tensorpar.comm_model.LinkModel`'s
+    fields. Its collectives go through :mod:`tensorpar.comm` (a ``CommLedger`` records them).
+    """
     n = comm.group_size(group)
-    a, b = torch.randn(256, 512, dtype=dtype, device=device), torch.randn(512, 512, dtype=dtype, device=device)
-    small, big = torch.zeros(1, dtype=dtype, device=device), torch.zeros(1 << 18, dtype=dtype, device=device)
+    a = torch.randn(rows, gemm[0], dtype=dtype, device=device)
+    b = torch.randn(*gemm, dtype=dtype, device=device)
+    small, big = torch.zeros(1, dtype=dtype, device=device), torch.zeros(comm_elements, dtype=dtype, device=device)
     gemm_s = _seconds(lambda: a @ b, device)
-    latency_s = _seconds(lambda: dist.all_reduce(small, group=group), device)
-    big_s = _seconds(lambda: dist.all_reduce(big, group=group), device)
+    latency_s = _seconds(lambda: comm.all_reduce(small, group), device)
+    big_s = _seconds(lambda: comm.all_reduce(big, group), device)
     big_sent = comm.bytes_sent_per_rank("all_reduce", big.numel() * big.element_size(), n)
     gemms = max(1, round(big_s / gemm_s))  # about as long as the big all-reduce
 
     def both():
-        work = dist.all_reduce(big, group=group, async_op=True)
+        work = comm.all_reduce(big, group, async_op=True)
         for _ in range(gemms):
             a @ b
         work.wait()
@@ -132,11 +96,11 @@ def _calibrate(group, device: torch.device, dtype: torch.dtype) -> LinkModel:
     hidden = gemms * gemm_s + big_s - _seconds(both, device)
     overlap = min(1.0, max(0.0, hidden / min(gemms * gemm_s, big_s)))
     # Worst case over the ranks (max of times, min of overlap): one decision everywhere.
-    worst = torch.tensor([latency_s, max(big_s - latency_s, 1e-9) / big_sent, gemm_s, -overlap], dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    latency_s, seconds_per_byte, gemm_s, overlap = worst.tolist()
-    return LinkModel(latency_s=latency_s, bytes_per_s=1 / seconds_per_byte,
-                     flops_per_s=2 * 256 * 512 * 512 / gemm_s, overlap=-overlap)
+    worst = comm.scalars([latency_s, max(big_s - latency_s, 1e-9) / big_sent, gemm_s, -overlap], group,
+                         dtype=torch.float64)
+    latency_s, seconds_per_byte, gemm_s, overlap = comm.all_reduce(worst, group, op="max").tolist()
+    return dict(latency_s=latency_s, bytes_per_s=1 / seconds_per_byte,
+                flops_per_s=2 * rows * gemm[0] * gemm[1] / gemm_s, overlap=-overlap)
 
 
 def chunk_sizes(rows: int, chunks: int) -> list[int]:
@@ -164,53 +128,52 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, t.shape[-1])
 
 
-def _gemm_into(out: torch.Tensor, x: torch.Tensor, rhs: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """``out = x @ rhs (+ bias)`` on 2-D views, as ``F.linear`` computes it (addmm / mm)."""
-    if bias is None:
-        torch.mm(_rows(x), rhs, out=_rows(out))
-    else:
-        torch.addmm(bias, _rows(x), rhs, out=_rows(out))
-
-
 def _scratch(shape, dtype, device, name: str) -> torch.Tensor:
     return get_global_memory_buffer().get_tensor(shape, dtype, name, device=device)
 
 
 def all_gather_matmul(shard: torch.Tensor, rhs: torch.Tensor, group, *, chunks: int,
                       bias: torch.Tensor | None = None, keep_gathered: bool = False):
-    """``all_gather(shard, dim 0) @ rhs (+ bias)``, gathering chunk ``i + 1`` during chunk ``i``'s GEMMs.
+    """``all_gather(shard, dim 0) @ rhs (+ bias)``, gathering chunk ``i + 1`` during chunk ``i``'s GEMM.
 
     ``shard``: ``[s/TP, ..., k]`` on every rank; ``rhs``: ``[k, n]``. Returns the product
-    ``[s, ..., n]`` in sequence order and, with ``keep_gathered``, the gathered chunks: a list
-    of ``[TP, rows_i, ..., k]`` tensors (chunk ``i`` of every rank), else None.
+    ``[s, ..., n]`` in sequence order and, with ``keep_gathered``, ``all_gather(shard, dim 0)``
+    itself (``[s, ..., k]``, sequence order), else None. Each chunk is one batched GEMM over the
+    ranks' rows, written straight into their places in the result.
     """
     n = comm.group_size(group)
     shard = shard.contiguous()
-    rows = shard.shape[0]
+    rows, inner, k = shard.shape[0], math.prod(shard.shape[1:-1]), shard.shape[-1]
     out = shard.new_empty([n * rows, *shard.shape[1:-1], rhs.shape[1]])
-    out_by_rank = out.view(n, rows, *out.shape[1:])
+    out_by_rank = out.view(n, rows * inner, rhs.shape[1])
+    kept = shard.new_empty([n * rows, *shard.shape[1:]]) if keep_gathered else None
     sizes = chunk_sizes(rows, chunks)
     pieces = shard.split(sizes)
-    gathered_all = (shard.new_empty if keep_gathered else
-                    lambda shape: _scratch(shape, shard.dtype, shard.device, "overlap_gather"))(
-        [n * rows, *shard.shape[1:]])
-    gathered = [g.view(n, size, *shard.shape[1:])
-                for g, size in zip(gathered_all.split([n * s for s in sizes]), sizes)]
+    # Chunk i's gather lands as [TP, rows_i, ...]: rank-major, so not in sequence order.
+    received = _scratch([n * rows, *shard.shape[1:]], shard.dtype, shard.device, "overlap_gather")
+    received = received.split([n * s for s in sizes])
+    rhs_by_rank = rhs.expand(n, *rhs.shape)
 
     def launch(i: int):
-        return comm.all_gather(pieces[i], group, async_op=True, out=gathered[i].view(-1, *shard.shape[1:]))
+        return comm.all_gather(pieces[i], group, async_op=True, out=received[i])
 
     in_flight = launch(0)
     start = 0
     for i, size in enumerate(sizes):
         handle = in_flight
         if i + 1 < len(sizes):
-            in_flight = launch(i + 1)  # gathers while this chunk's GEMMs run
+            in_flight = launch(i + 1)  # gathers while this chunk's GEMM runs
         handle.wait()
-        for rank in range(n):
-            _gemm_into(out_by_rank[rank, start:start + size], gathered[i][rank], rhs, bias)
+        chunk = received[i].view(n, size * inner, k)
+        rows_out = out_by_rank[:, start * inner:(start + size) * inner]
+        if bias is None:
+            torch.bmm(chunk, rhs_by_rank, out=rows_out)
+        else:
+            torch.baddbmm(bias, chunk, rhs_by_rank, out=rows_out)
+        if kept is not None:
+            kept.view(n, rows * inner, k)[:, start * inner:(start + size) * inner].copy_(chunk)
         start += size
-    return out, (gathered if keep_gathered else None)
+    return out, kept
 
 
 def matmul_reduce(x: torch.Tensor, rhs: torch.Tensor, group, *, chunks: int, scatter: bool,
@@ -231,22 +194,23 @@ def matmul_reduce(x: torch.Tensor, rhs: torch.Tensor, group, *, chunks: int, sca
         start = 0
         for size in chunk_sizes(x.shape[0], chunks):
             rows_out = out[start:start + size]
-            _gemm_into(rows_out, x[start:start + size], rhs, None)
+            torch.mm(_rows(x[start:start + size]), rhs, out=_rows(rows_out))
             handles.append(comm.all_reduce(rows_out, group, async_op=True))
             start += size
     else:
         comm.check_divisible(x.shape[0], n, f"reduce-scatter dimension 0 of shape {list(x.shape)}")
-        rows = x.shape[0] // n
-        x_by_rank = x.view(n, rows, *x.shape[1:])
+        rows, inner = x.shape[0] // n, math.prod(x.shape[1:-1])
+        x_by_rank = x.view(n, rows * inner, x.shape[-1])
+        rhs_by_rank = rhs.expand(n, *rhs.shape)
         out = x.new_empty([rows, *feature_shape])
         sizes = chunk_sizes(rows, chunks)
         # Chunks in flight must not share scratch rows: one buffer holds all of them.
         scratch = _scratch([n * rows, *feature_shape], x.dtype, x.device, "overlap_reduce")
         start = 0
         for part, size in zip(scratch.split([n * s for s in sizes]), sizes):
-            partial = part.view(n, size, *feature_shape)
-            for rank in range(n):
-                _gemm_into(partial[rank], x_by_rank[rank, start:start + size], rhs, None)
+            # One batched GEMM: rows ``start:start + size`` of every rank's sequence slice.
+            torch.bmm(x_by_rank[:, start * inner:(start + size) * inner], rhs_by_rank,
+                      out=part.view(n, size * inner, rhs.shape[1]))
             handles.append(comm.reduce_scatter(part, group, async_op=True, out=out[start:start + size]))
             start += size
     pending = Pending(handles, out)

@@ -4,7 +4,9 @@ With no ``--data`` the corpus is the running Python's own standard library sourc
 top-level ``*.py`` file, in sorted order): real text that exists on every machine with Python,
 so nothing is downloaded. ``--data`` takes a text file, a directory of text files, or a
 pre-tokenized token file (raw little-endian integers plus a ``<file>.json`` sidecar, see
-:func:`write_token_file`), which is memory-mapped so it may be larger than memory.
+:func:`write_token_file`), which is memory-mapped so it may be larger than memory. Text costs
+every rank 2 bytes per byte (int16 tokens); for large corpora ``tensorpar prepare`` writes a
+token file once.
 
 Batches are a pure function of ``(seed, step)``: the sampler draws the offsets of the whole
 global batch from a generator seeded with both, and each DP rank takes its slice. TP ranks of
@@ -23,19 +25,28 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import re
 import sysconfig
 from pathlib import Path
 
 import torch
 
 from ..errors import UsageError
+from .schema import Rule, SchemaError, TEXT, check_fields, choice, integer
 
 EOT = 256
 BYTE_VOCAB_SIZE = 257
 TOKEN_FILE_FORMAT = "tensorpar-tokens"
 _TOKEN_DTYPES = {"uint8": torch.uint8, "uint16": torch.uint16, "int32": torch.int32}
+# The largest vocabulary each dtype holds, smallest dtype first.
+_TOKEN_LIMITS = {"uint8": 1 << 8, "uint16": 1 << 16, "int32": (1 << 31) - 1}
+SIDECAR_SCHEMA = {"format": choice(TOKEN_FILE_FORMAT), "dtype": choice(*_TOKEN_DTYPES), "count": integer(1),
+                  "sha256": Rule(lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None,
+                                 "64 lowercase hex digits"),
+                  "vocab_size": integer(2, _TOKEN_LIMITS["int32"]), "tokenizer": TEXT}
 
 
 class DataError(UsageError):
@@ -87,49 +98,53 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.glob("*.py") if p.is_file())
 
 
-def _files_to_tokens(files: list[Path], source: str) -> torch.Tensor:
-    documents = [data for data in (path.read_bytes() for path in files) if data]
-    if not documents:
+def _files_to_tokens(files: list[Path], source: str, block: int = 1 << 24) -> torch.Tensor:
+    """Byte tokens of ``files``, each document followed by EOT, read block by block straight into
+    one int16 tensor: 2 bytes per byte of text, and no copy of the text held besides."""
+    sizes = [path.stat().st_size for path in files]
+    tokens = torch.full((sum(size + 1 for size in sizes if size),), EOT, dtype=torch.int16)
+    buffer, end = bytearray(min(block, max(sizes, default=0)) or 1), 0
+    for path, size in zip(files, sizes):
+        start = end
+        with open(path, "rb") as f:  # a file that grew since it was sized is read up to that size
+            while end - start < size and (n := f.readinto(memoryview(buffer)[:size - (end - start)])):
+                tokens[end:end + n].copy_(torch.frombuffer(buffer, dtype=torch.uint8, count=n))
+                end += n
+        end += end > start  # EOT (already in place) after a document
+    if not end:
         raise DataError(f"{source}: no text found (empty files)")
-    # Each document is followed by EOT so samples can tell where one file ends.
-    lengths = torch.tensor([len(d) + 1 for d in documents])
-    tokens = torch.full((int(lengths.sum()),), EOT, dtype=torch.int16)
-    is_text = torch.ones_like(tokens, dtype=torch.bool)
-    is_text[lengths.cumsum(0) - 1] = False
-    tokens[is_text] = torch.frombuffer(bytearray(b"".join(documents)), dtype=torch.uint8).to(torch.int16)
-    return tokens
+    return tokens[:end]
 
 
-def _read_sidecar(path: Path) -> dict | None:
+def _read_sidecar(path: Path) -> dict:
+    """The token file ``path``'s sidecar ``<path>.json``, checked against :data:`SIDECAR_SCHEMA`
+    and the file's size (not its hash: :func:`inspect_data` checks that)."""
     sidecar = Path(f"{path}.json")
-    if not sidecar.is_file():
-        return None
     try:
         meta = json.loads(sidecar.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DataError(f"{sidecar}: unreadable token-file header ({exc})") from exc
-    if not isinstance(meta, dict) or meta.get("format") != TOKEN_FILE_FORMAT:
-        return None
+        check_fields(sidecar, meta, SIDECAR_SCHEMA, exact=True, optional={"tokenizer"})
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{sidecar}: unreadable token-file sidecar ({exc}); rewrite it with tensorpar "
+                        "prepare") from None
+    except SchemaError as exc:
+        raise DataError(f"{exc}; rewrite it with tensorpar prepare") from None
+    limit = _TOKEN_LIMITS[meta["dtype"]]
+    if meta["vocab_size"] > limit:
+        raise DataError(f"{sidecar}: field 'vocab_size' is {meta['vocab_size']}, more than {meta['dtype']} "
+                        f"token ids hold ({limit})")
+    itemsize = _TOKEN_DTYPES[meta["dtype"]].itemsize
+    nbytes = path.stat().st_size
+    if nbytes != meta["count"] * itemsize:
+        raise DataError(f"--data {path}: size {nbytes} bytes is not the {meta['count']:,} {meta['dtype']} tokens "
+                        f"({meta['count'] * itemsize} bytes) that field 'count' of {sidecar} records")
     return meta
 
 
 def _load_token_file(path: Path, meta: dict) -> Corpus:
-    dtype_name = meta.get("dtype")
-    if dtype_name not in _TOKEN_DTYPES:
-        raise DataError(f"{path}.json: dtype {dtype_name!r} is not one of {sorted(_TOKEN_DTYPES)}")
-    vocab_size = meta.get("vocab_size")
-    if not isinstance(vocab_size, int) or vocab_size < 2:
-        raise DataError(f"{path}.json: vocab_size {vocab_size!r} is not an integer >= 2")
-    dtype = _TOKEN_DTYPES[dtype_name]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = path.stat().st_size
-    if nbytes == 0:
-        raise DataError(f"--data {path}: empty token file")
-    if nbytes % itemsize:
-        raise DataError(f"--data {path}: size {nbytes} bytes is not a multiple of {dtype_name} ({itemsize} bytes)")
+    dtype = _TOKEN_DTYPES[meta["dtype"]]
     # shared=False maps the file copy-on-write: pages load lazily and the file is never modified.
-    tokens = torch.from_file(str(path), shared=False, size=nbytes // itemsize, dtype=dtype)
-    return Corpus(tokens, vocab_size, meta.get("tokenizer"), str(path))
+    tokens = torch.from_file(str(path), shared=False, size=meta["count"], dtype=dtype)
+    return Corpus(tokens, meta["vocab_size"], meta.get("tokenizer"), str(path))
 
 
 def load_corpus(path: str | os.PathLike | None, *, tokenizer: str | None = None) -> Corpus:
@@ -158,10 +173,12 @@ def _resolve(path: str | os.PathLike | None) -> tuple[list[Path] | Corpus, str]:
         files = stdlib_files()
         return files, f"Python {sysconfig.get_python_version()} standard library ({len(files)} files)"
     path = Path(path)
-    meta = _read_sidecar(path) if path.is_file() else None
-    if meta is not None:
-        corpus = _load_token_file(path, meta)
+    if path.is_file() and os.path.lexists(f"{path}.json"):
+        corpus = _load_token_file(path, _read_sidecar(path))
         return corpus, corpus.source
+    if path.is_file() and path.suffix == ".bin":
+        raise DataError(f"--data {path}: a token file needs its sidecar {path}.json (tensorpar prepare writes "
+                        "both); a text file needs another name than .bin")
     return _text_files(path), f"--data {path}"
 
 
@@ -183,12 +200,12 @@ def inspect_data(path: str | os.PathLike | None, *, tokenizer: str | None = None
 
     What :func:`load_corpus` would give, cheaply enough to run before any process starts: text
     is sized from the files' lengths (an upper bound with a ``tokenizer``, whose vocabulary is
-    read); a token file is memory-mapped and its ids are checked against its vocabulary (one
-    pass over the file).
+    read); a token file's sidecar is checked, and its data against the sidecar's hash and
+    vocabulary (one pass over the file).
     """
     files, source = _resolve(path)
     if isinstance(files, Corpus):
-        _check_token_ids(files)
+        _check_token_file(files, _read_sidecar(Path(files.source)))
         return files.tokens.numel(), files.vocab_size, files.source
     sizes = [size for size in (f.stat().st_size for f in files) if size]
     if not sizes:
@@ -201,31 +218,49 @@ def inspect_data(path: str | os.PathLike | None, *, tokenizer: str | None = None
     return sum(sizes) + len(sizes), vocab_size, source  # one EOT after each document
 
 
-def _check_token_ids(corpus: Corpus, chunk: int = 1 << 24) -> None:
-    tokens, largest = corpus.tokens, 0
-    for start in range(0, tokens.numel(), chunk):
-        part = tokens[start:start + chunk].to(torch.int64)  # no max() for uint16
-        largest = max(largest, int(part.max()))
-        if int(part.min()) < 0:
-            raise DataError(f"--data {corpus.source}: holds negative token ids (e.g. {int(part.min())})")
-    if largest >= corpus.vocab_size:
-        raise DataError(f"--data {corpus.source}: holds token id {largest}, outside its vocab_size "
-                        f"{corpus.vocab_size} (from {corpus.source}.json)")
+def _scan(path: Path, dtype: torch.dtype, block: int = 1 << 24) -> tuple[str, int, int]:
+    """(SHA-256, smallest id, largest id) of the token file ``path``, read once block by block."""
+    digest, low, high = hashlib.sha256(), None, None
+    buffer = bytearray(block - block % dtype.itemsize)
+    with open(path, "rb") as f:
+        while n := f.readinto(buffer):
+            digest.update(memoryview(buffer)[:n])
+            ids = torch.frombuffer(buffer, dtype=dtype, count=n // dtype.itemsize).to(torch.int64)  # no uint16 max
+            low = min(int(ids.min()), low if low is not None else int(ids.min()))
+            high = max(int(ids.max()), high if high is not None else int(ids.max()))
+    return digest.hexdigest(), low, high
+
+
+def _check_token_file(corpus: Corpus, meta: dict) -> None:
+    sidecar = f"{corpus.source}.json"
+    digest, low, high = _scan(Path(corpus.source), corpus.tokens.dtype)
+    if digest != meta["sha256"]:
+        raise DataError(f"--data {corpus.source}: its SHA-256 is not the one {sidecar} records (the data changed "
+                        "after tensorpar prepare wrote it)")
+    if low < 0:
+        raise DataError(f"--data {corpus.source}: holds negative token ids (e.g. {low})")
+    if high >= corpus.vocab_size:
+        raise DataError(f"--data {corpus.source}: holds token id {high}, outside its vocab_size "
+                        f"{corpus.vocab_size} (from {sidecar})")
 
 
 def write_token_file(path: str | os.PathLike, tokens: torch.Tensor, *, vocab_size: int,
                      tokenizer: str | None = None) -> None:
-    """Write ``tokens`` as a memory-mappable token file plus its ``.json`` sidecar."""
-    dtype_name = "uint8" if vocab_size <= 256 else "uint16" if vocab_size <= 65536 else "int32"
+    """Write ``tokens`` as a memory-mappable token file plus its ``.json`` sidecar (the schema
+    :data:`SIDECAR_SCHEMA`: format, dtype, count, SHA-256 of the file, vocab_size, tokenizer)."""
+    dtype_name = next(name for name, limit in _TOKEN_LIMITS.items() if vocab_size <= limit)
     path = Path(path)
-    data = tokens.reshape(-1).to(_TOKEN_DTYPES[dtype_name]).contiguous()
+    data = tokens.reshape(-1)
     with open(path, "wb") as f:
-        f.truncate(data.numel() * data.element_size())
+        f.truncate(data.numel() * _TOKEN_DTYPES[dtype_name].itemsize)
     if data.numel():
         # A shared mapping writes through to the file, with no numpy needed.
-        torch.from_file(str(path), shared=True, size=data.numel(), dtype=data.dtype).copy_(data)
-    Path(f"{path}.json").write_text(json.dumps(
-        {"format": TOKEN_FILE_FORMAT, "dtype": dtype_name, "vocab_size": vocab_size, "tokenizer": tokenizer}))
+        torch.from_file(str(path), shared=True, size=data.numel(), dtype=_TOKEN_DTYPES[dtype_name]).copy_(data)
+    meta = {"format": TOKEN_FILE_FORMAT, "dtype": dtype_name, "count": data.numel(),
+            "sha256": _scan(path, _TOKEN_DTYPES[dtype_name])[0], "vocab_size": vocab_size}
+    if tokenizer is not None:
+        meta["tokenizer"] = tokenizer
+    Path(f"{path}.json").write_text(json.dumps(meta))
 
 
 def prepare(data: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str | None = None,

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state as ps
+from ..comm_model import calibrate_overlap
 from ..errors import UsageError
 from ..models.gpt import GPT
 from . import checkpoint
@@ -68,6 +69,7 @@ def generate(args) -> str:
     tokenizer = args.tokenizer or meta.get("tokenizer")
     prompt = encode_prompt(args.prompt, tokenizer=tokenizer, vocab_size=model.config.vocab_size)
     hf_tokenizer = run_tokenizer({"tokenizer": tokenizer})
+    calibrate_overlap(model, tokens=prompt.numel())  # for a checkpoint trained with --overlap auto
     torch.manual_seed(args.seed)
     out = model.generate(prompt[None].to(ps.default_device()), args.max_new_tokens,
                          temperature=args.temperature, top_k=args.top_k,

@@ -43,14 +43,15 @@ def load_tokenizer(directory, *, flag: str = "--tokenizer"):
 
 def tokenize_files(files: list[Path], tokenizer) -> torch.Tensor:
     """Every file's tokens (no special tokens added), each document followed by EOS if the
-    tokenizer has one, as one int64 tensor."""
+    tokenizer has one, as one int32 tensor (only one document's ids are a Python list at a time)."""
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    ids: list[int] = []
+    documents = [torch.zeros(0, dtype=torch.int32)]
     for path in files:
         text = path.read_text(encoding="utf-8", errors="replace")
         if text:
-            ids += tokenizer(text, add_special_tokens=False)["input_ids"] + eos
-    return torch.tensor(ids, dtype=torch.int64)
+            documents.append(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"] + eos,
+                                          dtype=torch.int32))
+    return torch.cat(documents)
 
 
 def train_byte_level_bpe(files: list[Path], vocab_size: int, directory: Path):

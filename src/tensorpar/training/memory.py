@@ -1,0 +1,67 @@
+"""Before launch: whether a run fits the memory of this machine.
+
+:func:`check_memory` compares :func:`tensorpar.comm_model.gpt_training_memory` (parameters,
+gradients, AdamW state and activations per rank, estimated from the config alone) with the
+memory each rank has: a CUDA device's, or on CPU the host's available memory shared by its
+local ranks (``MemAvailable`` of ``/proc/meminfo``, else ``os.sysconf``).
+
+Example::
+
+    check_memory(config, tp=2, dp=1, seq_len=128, micro_batch=16, dtype="fp32", local_ranks=2)
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..comm_model import gpt_training_memory
+from ..errors import UsageError
+
+
+def _gib(nbytes: float) -> str:
+    value = nbytes / 2**30
+    for unit in ("GiB", "TiB", "PiB"):
+        if value < 1024:
+            break
+        value /= 1024
+    return f"{value:,.1f} {unit}"
+
+
+def host_available_memory() -> int:
+    """Bytes of host memory available to new processes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_per_rank(*, local_ranks: int) -> tuple[int, str]:
+    """(bytes, what they are) each rank may use: its CUDA device's memory (the smallest device),
+    else the host's available memory over ``local_ranks``."""
+    import torch
+
+    if torch.cuda.is_available():
+        total = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+        return total, f"the {_gib(total)} of each CUDA device"
+    available = host_available_memory()
+    return available // local_ranks, (f"{_gib(available // local_ranks)} per rank ({_gib(available)} of host memory "
+                                       f"available to {local_ranks} local ranks)")
+
+
+def check_memory(config, *, tp: int, dp: int, seq_len: int, micro_batch: int, dtype: str, local_ranks: int,
+                 fsdp: bool = False) -> None:
+    """Refuse a run whose estimated bytes per rank exceed what each rank has, naming both."""
+    need = gpt_training_memory(config, tp=tp, dp=dp, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
+                               fsdp=fsdp)
+    have, what = memory_per_rank(local_ranks=local_ranks)
+    if need["total"] > have:
+        raise UsageError(
+            f"the model ({config.num_layers:,} layers, hidden {config.hidden_size:,}, vocabulary "
+            f"{config.vocab_size:,}) needs an estimated {_gib(need['total'])} per rank at --tp {tp} "
+            f"(parameters {_gib(need['parameters'])}, gradients {_gib(need['gradients'])}, AdamW state "
+            f"{_gib(need['optimizer'])}, activations {_gib(need['activations'])} for --micro-batch {micro_batch} "
+            f"x --seq-len {seq_len}), more than {what}: choose a smaller model or batch, or a larger --tp")
