@@ -5,6 +5,9 @@ rank they do nothing and record nothing. A tensor made for a collective (a scala
 goes on :func:`collective_device` (:func:`scalars` makes one there). ``async_op=True`` returns a :class:`Handle`; call
 ``wait()`` on it before reading the result.
 
+Under ``torch.compile`` the collectives are torch's functional collectives (traceable), and
+a ledger records each execution of the compiled graph.
+
 Shapes and bytes in records are those of the *full* tensor of the collective: the gathered
 output of an all-gather, the input of a reduce-scatter, the tensor of an all-reduce.
 
@@ -24,6 +27,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -121,14 +125,29 @@ def _record(op: str, tensor_shape, dtype: torch.dtype, group_size: int, async_op
             reduce_op: str | None = None) -> None:
     if not _ACTIVE_LEDGERS:
         return
-    shape = tuple(int(s) for s in tensor_shape)
+    shape = [int(s) for s in tensor_shape]
+    if torch.compiler.is_compiling():
+        # Traced once, run every step: an op with a side effect records each execution of the
+        # compiled graph (forward and backward). Only graphs traced while a ledger is active
+        # carry it: opening a ledger recompiles once.
+        torch.ops.tensorpar.record_collective(op, shape, dtype, group_size, async_op, reduce_op)
+    else:
+        _append_record(op, shape, dtype, group_size, async_op, reduce_op)
+
+
+def _append_record(op: str, shape: list[int], dtype: torch.dtype, group_size: int, async_op: bool,
+                   reduce_op: str | None) -> None:
     numel = 1
     for s in shape:
         numel *= s
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
     for ledger in _ACTIVE_LEDGERS:
-        ledger.records.append(CommRecord(op, dtype, shape, nbytes, group_size, async_op,
+        ledger.records.append(CommRecord(op, dtype, tuple(shape), numel * dtype.itemsize, group_size, async_op,
                                          ledger._phase, reduce_op))
+
+
+_record_compiled = torch.library.custom_op("tensorpar::record_collective", mutates_args=())(_append_record)
+_record_compiled.register_fake(lambda *args: None)
+torch.library._register_effectful_op("tensorpar::record_collective", torch.library.EffectType.ORDERED)
 
 
 class Handle:
@@ -141,9 +160,22 @@ class Handle:
         if self._work is not None:
             self._work.wait()
             self._work = None
-            if self._finish is not None:
-                self._result = self._finish(self._result)
+        if self._finish is not None:
+            self._result, self._finish = self._finish(self._result), None
         return self._result
+
+
+def _traced(result: torch.Tensor, async_op: bool, finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    """A functional collective's ``result`` (under ``torch.compile``), waited now or by ``Handle.wait``.
+
+    The wait stays where eager code waits, so compute traced between launch and wait (the
+    wgrad GEMM) can overlap the collective in the compiled graph too.
+    """
+    def wait(t: torch.Tensor) -> torch.Tensor:
+        t = funcol.wait_tensor(t)
+        return finish(t) if finish is not None else t
+
+    return Handle(None, result, wait) if async_op else wait(result)
 
 
 def _done(result: torch.Tensor, async_op: bool):
@@ -189,6 +221,9 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum
     if n == 1:
         return _done(tensor, async_op)
     _record("all_reduce", tensor.shape, tensor.dtype, n, async_op, op)
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace process-group calls; torch's functional collectives it can.
+        return _traced(funcol.all_reduce(tensor, op, group), async_op, tensor.copy_)
     work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
     return Handle(work, tensor) if async_op else tensor
 
@@ -206,6 +241,10 @@ def _on_host(collective, tensor: torch.Tensor, out: torch.Tensor | None, async_o
     result = collective(tensor.cpu())
     result = result.to(tensor.device) if out is None else out.copy_(result)
     return _done(result, async_op)
+
+
+def _place(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return result.contiguous() if out is None else out.copy_(result)
 
 
 def _uneven(sizes, group, what: str) -> bool:
@@ -267,6 +306,9 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
     shape = list(tensor.shape)
     shape[dim] *= n
     _record("all_gather", shape, tensor.dtype, n, async_op)
+    if torch.compiler.is_compiling():
+        return _traced(funcol.all_gather_tensor(tensor.movedim(dim, 0).contiguous(), 0, group), async_op,
+                       lambda t: _place(t.movedim(0, dim) if dim else t, out))
     stacked_shape = [tensor.shape[dim] * n if d == 0 else s for d, s in enumerate(tensor.shape)]
     if dim == 0:
         result = out if out is not None else tensor.new_empty(stacked_shape)
@@ -320,6 +362,9 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int =
     _record("reduce_scatter", tensor.shape, tensor.dtype, n, async_op, op)
     if out is not None and dim != 0:
         raise ValueError("reduce_scatter: `out` is supported for dim 0 only")
+    if torch.compiler.is_compiling():
+        return _traced(funcol.reduce_scatter_tensor(tensor.contiguous(), op, dim, group), async_op,
+                       lambda t: _place(t, out))
     source = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
     out_shape = [source.shape[0] // n] + list(source.shape[1:])
     result = out if out is not None else source.new_empty(out_shape)
@@ -341,6 +386,9 @@ def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup, *,
         return _on_host(lambda t: all_to_all(t, group, output_split_sizes=output_split_sizes,
                                              input_split_sizes=input_split_sizes), tensor, None, False)
     _record("all_to_all", tensor.shape, tensor.dtype, n, False)
+    if torch.compiler.is_compiling():
+        return _traced(funcol.all_to_all_single(tensor.contiguous(), output_split_sizes, input_split_sizes,
+                                                group), False)
     tensor = tensor.contiguous()
     if output_split_sizes is None:
         out = torch.empty_like(tensor)

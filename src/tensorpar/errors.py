@@ -33,7 +33,12 @@ def debug_enabled() -> bool:
 
 
 def _reads_back(tensor) -> bool:
-    """Whether a range check may read its tensor back: free on CPU, a device sync elsewhere."""
+    """Whether a range check may read its tensor back: free on CPU, a device sync elsewhere, and
+    under ``torch.compile`` a graph break (the compiled check is ``torch._assert_async``)."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return False
     return tensor.device.type == "cpu" or debug_enabled()
 
 
@@ -41,9 +46,10 @@ def check_index_range(index, size: int, what: str, where: str, *, ignore: int | 
     """Raise ``ValueError("<what> <value> is <where>")`` if an entry of ``index`` is outside ``[0, size)``.
 
     ``ignore``: a value that is allowed too (an ``ignore_index``). On CPU, and anywhere with
-    ``TENSORPAR_DEBUG=1``, the offending value is read back and named. On an accelerator the
-    check is ``torch._assert_async``: the host never waits for the device (kernels keep being
-    queued ahead), and a bad index stops the run when the device reaches the check.
+    ``TENSORPAR_DEBUG=1``, the offending value is read back and named. On an accelerator (and
+    under ``torch.compile``) the check is ``torch._assert_async``: the host never waits for the
+    device (kernels keep being queued ahead), and a bad index stops the run when the device
+    reaches the check.
     """
     import torch
 

@@ -54,6 +54,8 @@ def _compute_dtype(input_: torch.Tensor) -> torch.dtype:
 
 def _gather_sequence(input_: torch.Tensor, group, *, async_op: bool):
     """All-gather the sequence-sharded input into the shared scratch buffer."""
+    if torch.compiler.is_compiling():  # the compiler plans its own memory
+        return comm.all_gather(input_, group, dim=0, async_op=async_op)
     shape = list(input_.shape)
     shape[0] *= comm.group_size(group)
     buffer = get_global_memory_buffer().get_tensor(shape, input_.dtype, "tp_input", device=input_.device)
@@ -642,6 +644,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.activation_buffer: list[torch.Tensor] = [] if embedding_activation_buffer is None \
             else embedding_activation_buffer
         self.grad_output_buffer: list[torch.Tensor] = [] if grad_output_buffer is None else grad_output_buffer
+        self._deferred_weight: torch.Tensor | None = None
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         """``(output, bias_or_None)``; ``runtime_gather_output`` overrides ``gather_output`` for this call."""
@@ -677,7 +680,9 @@ class ColumnParallelLinear(_ParallelLinear):
                                        grad_output_buffer=grad_output_buffer,
                                        wgrad_deferral_limit=self.wgrad_deferral_limit,
                                        overlap_chunks=chunks)
-        self._deferred_weight = weight if grad_output_buffer is not None else None
+        deferred_weight = weight if grad_output_buffer is not None else None
+        if deferred_weight is not self._deferred_weight:  # no module mutation to trace otherwise
+            self._deferred_weight = deferred_weight
         if self.gather_output if runtime_gather_output is None else runtime_gather_output:
             output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group,
                                                               sizes=self.partition_sizes)

@@ -58,7 +58,8 @@ class _ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_, group, inplace):
-        if inplace and input_.is_contiguous():
+        # Compiled, the sum is out of place anyway (functional collectives); the compiler reuses memory.
+        if inplace and input_.is_contiguous() and not torch.compiler.is_compiling():
             ctx.mark_dirty(input_)
             return comm.all_reduce(input_, group)
         return comm.all_reduce(input_.clone(memory_format=torch.contiguous_format), group)

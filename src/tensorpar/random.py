@@ -272,6 +272,19 @@ class CheckpointFunction(torch.autograd.Function):
         return (None, None, None) + grads
 
 
+def _keep_collective_results():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    functional = torch.ops._c10d_functional
+    collectives = {functional.all_reduce.default, functional.all_gather_into_tensor.default,
+                   functional.reduce_scatter_tensor.default, functional.all_to_all_single.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in collectives else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def checkpoint(function, distribute_saved_activations: bool, *args, tp_group=None):
     """``function(*args)``, keeping only its inputs and recomputing it during backward.
 
@@ -282,6 +295,12 @@ def checkpoint(function, distribute_saved_activations: bool, *args, tp_group=Non
 
         hidden = tp.checkpoint(block, False, hidden)
     """
+    if torch.compiler.is_compiling():
+        # Traced, torch's own checkpoint is one region the compiler recomputes in backward (it
+        # replays the RNG too). Collective results are kept rather than communicated again, so
+        # backward issues no forward collective; the saved input is kept whole, not distributed.
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                                 context_fn=_keep_collective_results)
     group = None
     if distribute_saved_activations:
         group = resolve_tp_group(tp_group)

@@ -592,7 +592,8 @@ class GPT(nn.Module):
             # Generation under SP pads up to TP - 1 positions past the window.
             positions = torch.arange(self.config.max_seq_len + self.parallel.size, device=device)
             tables = rotary_tables(positions, rotary_frequencies(self.config), dtype=dtype)
-            self._rotary_tables[(device, dtype)] = tables
+            if not torch.compiler.is_compiling():  # traced, a cache filled in the graph would recompile it
+                self._rotary_tables[(device, dtype)] = tables
         if position_ids is None:
             return tuple(t[:seq_len] for t in tables)
         return tuple(t[position_ids] for t in tables)

@@ -492,6 +492,8 @@ def _train(args, signals: _Signals) -> RunResult:
     optimizer = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(0.9, 0.95), eps=1e-8)
     reducer = ShardedGradSync(model) if fsdp else DataParallelGradReducer(model.parameters(), dp_group=dp_group)
+    # Training steps run the compiled model; evaluation and checkpoints use the module itself.
+    step_model = torch.compile(model) if getattr(args, "compile", False) else model
     params = list(model.parameters())
     start = 0
     out = Path(args.out) if args.out else None
@@ -545,7 +547,7 @@ def _train(args, signals: _Signals) -> RunResult:
             for k, (tokens, labels) in enumerate(batches):
                 reducer.sync = k == len(batches) - 1
                 with _autocast(args.dtype, device):
-                    loss = model(tokens.to(device), labels.to(device))
+                    loss = step_model(tokens.to(device), labels.to(device))
                 (loss / len(batches)).backward()
                 loss_sum += loss.detach().double()
             reducer.finish()

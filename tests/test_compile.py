@@ -1,0 +1,177 @@
+"""``torch.compile`` of a tensor-parallel GPT: one graph (no breaks), the eager losses and grads.
+
+``fullgraph=True`` turns any graph break into an error; the counting backend checks that one
+graph was compiled and that later steps reuse it. The backward of every autograd function is
+traced together with its forward, so a collective dynamo cannot trace in backward breaks the
+forward graph too. Compiled with ``aot_eager`` (AOT autograd's forward and backward graphs,
+run eagerly): the graphs inductor would get, without a C++ build per test on 2 cores.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+import tensorpar as tp
+from tensorpar.models import GPT, GPTConfig
+from tests.harness import run_on_ranks
+from tests.test_gpt import _data, _single_rank_group
+
+BASE = dict(vocab_size=101, max_seq_len=16, num_layers=2, num_heads=4, hidden_size=32,
+            make_vocab_size_divisible_by=8)
+RTOL, ATOL = 1e-5, 1e-6
+STEPS = 2
+
+
+_OP_NAMES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+             "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+
+
+def _counting_backend():
+    """``aot_eager`` that keeps the dynamo graphs and the collectives in the AOT graphs it runs."""
+    graphs, collectives, overlapped = [], [], []
+
+    def run_eagerly(gm, example_inputs):
+        nodes = list(gm.graph.nodes)
+        for i, node in enumerate(nodes):  # collectives with a GEMM between their launch and wait
+            waits = [nodes.index(u) for u in node.users if "wait_tensor" in str(u.target)]
+            if waits and any(str(n.target) in ("aten.mm.default", "aten.addmm.default") for n in nodes[i:min(waits)]):
+                overlapped.append(str(node.target))
+        collectives.extend(_OP_NAMES[n.target.name().split("::")[1].split(".")[0]] for n in gm.graph.nodes
+                           if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")
+                           and "wait_tensor" not in str(n.target))
+        return gm
+
+    # Inductor's partitioner, which decides what backward recomputes.
+    aot = aot_autograd(fw_compiler=run_eagerly, bw_compiler=run_eagerly,
+                       partition_fn=min_cut_rematerialization_partition)
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return aot(gm, example_inputs)
+
+    return backend, graphs, collectives, overlapped
+
+
+def _column_layers(model):
+    return sum(isinstance(m, tp.ColumnParallelLinear) for m in model.modules())
+
+
+def _build(overrides, group):
+    tp.model_parallel_manual_seed(7, tp_group=group)
+    return GPT(GPTConfig(**{**BASE, **overrides}), tp_group=group)
+
+
+def _steps(model, forward, tokens, labels):
+    """Losses, grads and collectives of STEPS SGD steps."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads, ops = [], [], []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        with tp.CommLedger() as ledger:
+            loss = forward(tokens, labels)
+            loss.backward()
+        tp.allreduce_sequence_parallel_grads(model, tp_group=model.tp_group)
+        losses.append(loss.detach())
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        ops.append(sorted((r.op, r.shape, r.reduce_op) for r in ledger.records))
+        optimizer.step()
+    return losses, grads, ops
+
+
+def _compiled_matches_eager_body(cases, tp1):
+    torch._dynamo.reset()
+    group = _single_rank_group() if tp1 else None
+    if not tp1:
+        tp.initialize_model_parallel(dist.get_world_size())
+    tokens, labels = _data()
+    for overrides in cases:
+        eager = _build(overrides, group)
+        compiled = _build(overrides, group)
+        backend, graphs, collectives, overlapped = _counting_backend()
+        step = torch.compile(compiled, backend=backend, fullgraph=True)
+        expected = _steps(eager, eager, tokens, labels)
+        got = _steps(compiled, step, tokens, labels)
+        assert len(graphs) == 1, (overrides, len(graphs))  # and no recompile on the second step
+        for s in range(STEPS):
+            torch.testing.assert_close(got[0][s], expected[0][s], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{overrides} step {s} loss: {m}")
+            for name, grad in expected[1][s].items():
+                torch.testing.assert_close(got[1][s][name], grad, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m, name=name: f"{overrides} step {s} grad {name}: {m}")
+            # The ledger sees every collective of the compiled graphs, forward and backward, each step.
+            ledger = Counter(op for op, _, _ in got[2][s])
+            graph = Counter(collectives)
+            if overrides.get("sequence_parallel"):
+                # Except the backward re-gathers of the column inputs: the compiler merges each with
+                # its forward twin (it keeps the gathered input), the ledger still counts it.
+                assert ledger - graph == Counter(all_gather=_column_layers(compiled)), (overrides, ledger, graph)
+            else:
+                assert ledger == graph, (overrides, s, ledger, graph)
+            if not overrides.get("recompute"):
+                assert got[2][s] == expected[2][s], (overrides, s, got[2][s], expected[2][s])
+        assert tp1 or expected[2][0], overrides
+        if not tp1 and not overrides:
+            # Each column layer's dgrad all-reduce is in flight while its wgrad GEMM computes.
+            assert len(overlapped) >= _column_layers(compiled), overlapped
+    return True
+
+
+@pytest.mark.parametrize("world_size,cases", [
+    (2, [{}, {"sequence_parallel": True}, {"recompute": True}]),
+    (4, [{"sequence_parallel": True, "recompute": True}]),
+    (2, [{"overlap": 2, "interleave": 2}]),
+])
+def test_compiled_gpt_has_no_graph_break_and_matches_eager(world_size, cases):
+    assert all(run_on_ranks(_compiled_matches_eager_body, world_size, cases, False, timeout=900))
+
+
+def test_compiled_gpt_at_tp1_has_no_graph_break_and_matches_eager():
+    cases = [{"recompute": True, "position_embedding": "rope", "norm": "rmsnorm", "activation": "swiglu"}]
+    assert all(run_on_ranks(_compiled_matches_eager_body, 2, cases, True, timeout=900))
+
+
+def _mappings_body():
+    tp.initialize_model_parallel(dist.get_world_size())
+    rank = dist.get_rank()
+    x = torch.arange(24.0).reshape(2, 3, 4) + 100 * rank
+
+    def regions(x):
+        return (tp.gather_from_tensor_model_parallel_region(x),
+                tp.mappings.reduce_scatter_last_dim_to_tensor_parallel_region(x),
+                tp.gather_from_sequence_parallel_region(x),
+                tp.reduce_scatter_to_sequence_parallel_region(x),
+                tp.mappings.all_to_all(None, x))
+
+    compiled = torch.compile(regions, backend="aot_eager", fullgraph=True)(x)
+    for got, expected in zip(compiled, regions(x)):
+        assert torch.equal(got, expected)
+    return True
+
+
+def test_compiled_mappings_match_eager():
+    assert all(run_on_ranks(_mappings_body, 2, timeout=900))
+
+
+def _train_body(argv):
+    from tensorpar.training.cli import parse_train_args
+    from tensorpar.training.loop import train
+
+    torch._dynamo.reset()
+    return train(parse_train_args(argv)).losses
+
+
+def test_train_compile_gives_the_eager_losses(tmp_path):
+    """``tensorpar train --compile`` (inductor) at TP=2 under SP: the eager run's losses."""
+    argv = ["--layers", "1", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--steps", "3", "--warmup", "1",
+            "--lr", "1e-2", "--eval-every", "0", "--no-progress", "--seed", "7", "--tp", "2", "--sp",
+            "--micro-batch", "2"]
+    eager = run_on_ranks(_train_body, 2, argv + ["--out", str(tmp_path / "eager")], timeout=900)[0]
+    compiled = run_on_ranks(_train_body, 2, argv + ["--out", str(tmp_path / "compiled"), "--compile"],
+                            timeout=900)[0]
+    assert sorted(compiled) == sorted(eager) == [1, 2, 3]
+    for step, loss in eager.items():
+        assert compiled[step] == pytest.approx(loss, rel=1e-5, abs=1e-5), step
