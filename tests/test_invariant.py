@@ -95,3 +95,46 @@ def _invariance_body(config: GPTConfig):
 def test_training_is_bit_identical_at_every_tp_size(config):
     report = run_on_ranks(_invariance_body, 4, config, timeout=300)[0]
     assert report == {layout: None for layout in LAYOUTS[1:]}
+
+
+TRAIN = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--steps", "6", "--micro-batch", "2",
+         "--grad-accum", "2", "--warmup", "2", "--lr", "1e-2", "--eval-every", "0", "--no-progress", "--seed", "7",
+         "--tp-invariant"]
+
+
+def _train_body(argv):
+    from tensorpar.training.cli import parse_train_args
+    from tensorpar.training.loop import train
+
+    result = train(parse_train_args(argv))
+    return result.losses, result.checkpoint
+
+
+def _weights_body(ckpt):
+    from tensorpar.training import checkpoint
+    from tensorpar.training.loop import config_from_json
+
+    tp.initialize_model_parallel(1)
+    path, config, _ = checkpoint.open_checkpoint(ckpt)
+    model = GPT(config_from_json(config), device="cpu")
+    checkpoint.load(path, model=model, optimizer=None, tp_group=tp.get_tensor_model_parallel_group(),
+                    restore_rng=False)
+    return model.full_state_dict()
+
+
+def test_train_and_a_resume_at_another_tp_size_are_bit_identical(tmp_path):
+    """--tp-invariant: TP=1 for 6 steps; TP=2 +SP saved at step 3 and resumed at TP=4: the same
+    losses (==) at every step and the same final weights (torch.equal)."""
+    def train(world, out, *extra):
+        return run_on_ranks(_train_body, world, TRAIN + ["--tp", str(world), "--out", str(out), *extra],
+                            timeout=300)[0]
+
+    a, a_ckpt = train(1, tmp_path / "a")
+    b, _ = train(2, tmp_path / "b", "--sp", "--save-every", "3")
+    resumed, resumed_ckpt = train(4, tmp_path / "c", "--resume", str(tmp_path / "b" / "step_3"))
+    assert list(a) == [1, 2, 3, 4, 5, 6] and list(resumed) == [4, 5, 6]
+    assert b == a
+    assert {step: a[step] for step in resumed} == resumed
+    reference, weights = (run_on_ranks(_weights_body, 1, str(c))[0] for c in (a_ckpt, resumed_ckpt))
+    assert weights.keys() == reference.keys()
+    assert [name for name in weights if not torch.equal(weights[name], reference[name])] == []

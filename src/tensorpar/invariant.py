@@ -186,6 +186,22 @@ class _Row(torch.autograd.Function):
         return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None
 
 
+def check_gpt_sizes(config, *, tp_size: int, seq_len: int | None = None) -> None:
+    """Refuse (ValueError naming the values) a GPT config whose TP-split sizes or sequence length
+    the fixed blocks do not divide, or a TP size that does not divide ``BLOCKS``."""
+    if BLOCKS % tp_size:
+        raise ValueError(f"the tensor-parallel size {tp_size} does not divide the {BLOCKS} fixed blocks "
+                         f"(supported: 1, 2, 4, 8)")
+    widths = {"hidden_size": config.hidden_size,
+              "num_query_groups x head_dim": config.num_query_groups * config.head_dim,
+              "ffn_hidden_size": config.ffn_hidden_size,
+              "the padded vocabulary": config.padded_vocab_size(tp_size),
+              "the sequence length": seq_len}
+    bad = [f"{name} {value}" for name, value in widths.items() if value is not None and value % BLOCKS]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} not divisible by the {BLOCKS} fixed blocks of tp_invariant")
+
+
 def check_layer(layer: nn.Module) -> None:
     """Refuse what the invariant layers do not do, naming it."""
     name = type(layer).__name__
@@ -252,12 +268,14 @@ class RowLinear(RowParallelLinear):
 
 class _BlockAffine(torch.autograd.Function):
     """``x_hat * weight (+ bias)``; the parameters' grads summed over ``blocks`` fixed row blocks
-    (dim 0, the sequence) in a tree: under SP a rank's blocks are a subtree, TP finishes it."""
+    (dim 0, the sequence) in a tree. Under SP (``group``) a rank's blocks are a subtree, finished
+    across ranks here, in backward: summed after gradient accumulation instead, the micro-batches'
+    partial sums would be added in another order than at TP = 1."""
 
     @staticmethod
-    def forward(ctx, x_hat, weight, bias, blocks):
+    def forward(ctx, x_hat, weight, bias, blocks, group):
         ctx.save_for_backward(x_hat, weight)
-        ctx.blocks, ctx.has_bias = blocks, bias is not None
+        ctx.blocks, ctx.has_bias, ctx.group = blocks, bias is not None, group
         output = x_hat * weight
         return output if bias is None else output + bias
 
@@ -269,7 +287,10 @@ class _BlockAffine(torch.autograd.Function):
         inputs = [x.reshape(-1, width) for x in x_hat.chunk(ctx.blocks, dim=0)]
         grad_weight = tree_sum((g * x).sum(dim=0) for g, x in zip(grads, inputs))
         grad_bias = tree_sum(g.sum(dim=0) for g in grads) if ctx.has_bias else None
-        return grad_output * weight, grad_weight.to(weight.dtype), grad_bias, None
+        if ctx.group is not None:
+            summed = all_reduce_tree(torch.stack([grad_weight] + ([grad_bias] if ctx.has_bias else [])), ctx.group)
+            grad_weight, grad_bias = summed[0], (summed[1] if ctx.has_bias else None)
+        return grad_output * weight, grad_weight.to(weight.dtype), grad_bias, None, None
 
 
 class _NormBlocks:
@@ -280,28 +301,29 @@ class _NormBlocks:
             raise ValueError(f"tp_invariant: this rank's sequence length {x_hat.shape[0]} is not divisible by "
                              f"its {self.row_blocks} fixed sequence blocks (the sequence length must divide "
                              f"by {BLOCKS})")
-        return _BlockAffine.apply(x_hat, self.weight, self.bias, self.row_blocks)
+        return _BlockAffine.apply(x_hat, self.weight, self.bias, self.row_blocks, self.tp_group)
 
 
 class LayerNorm(_NormBlocks, nn.LayerNorm):
-    """``nn.LayerNorm`` whose weight and bias grads are summed over ``row_blocks`` fixed sequence blocks."""
+    """``nn.LayerNorm`` whose weight and bias grads are summed over ``row_blocks`` fixed sequence
+    blocks, and over ``tp_group`` (SP: this rank holds a slice of the sequence) in backward."""
 
-    def __init__(self, *args, row_blocks: int, **kwargs) -> None:
+    def __init__(self, *args, row_blocks: int, tp_group=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.row_blocks = row_blocks
+        self.row_blocks, self.tp_group = row_blocks, tp_group
 
     def forward(self, x):
         return self._affine(F.layer_norm(x, self.normalized_shape, None, None, self.eps))
 
 
 class RMSNorm(_NormBlocks, nn.RMSNorm):
-    """``nn.RMSNorm`` whose weight grad is summed over ``row_blocks`` fixed sequence blocks."""
+    """``nn.RMSNorm`` whose weight grad is summed as :class:`LayerNorm`'s."""
 
     bias = None
 
-    def __init__(self, *args, row_blocks: int, **kwargs) -> None:
+    def __init__(self, *args, row_blocks: int, tp_group=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.row_blocks = row_blocks
+        self.row_blocks, self.tp_group = row_blocks, tp_group
 
     def forward(self, x):
         return self._affine(F.rms_norm(x, self.normalized_shape, None, self.eps))

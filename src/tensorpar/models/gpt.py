@@ -221,13 +221,15 @@ def _norm(config: GPTConfig, parallel: "_Parallel") -> nn.Module:
     if config.tp_invariant:
         rms, layer = invariant.RMSNorm, invariant.LayerNorm
         kwargs["row_blocks"] = invariant.BLOCKS // (parallel.size if sequence_parallel else 1)
+        kwargs["tp_group"] = parallel.group if sequence_parallel else None
     if config.norm == "rmsnorm":
         norm = rms(config.hidden_size, **kwargs)
     else:
         norm = layer(config.hidden_size, bias=config.bias, **kwargs)
-    # Under SP each rank normalises its own tokens: the weight grads are partial sums over TP.
+    # Under SP each rank normalises its own tokens: the weight grads are partial sums over TP
+    # (the invariant norms sum them in backward).
     for param in norm.parameters():
-        param.sequence_parallel = sequence_parallel
+        param.sequence_parallel = sequence_parallel and not config.tp_invariant
     return norm
 
 

@@ -157,6 +157,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                        help="chunk each TP collective against its GEMM: off, auto or a number of chunks (default: off)")
     model.add_argument("--interleave", type=_positive(int), default=None,
                        help="split each block's micro-batch into this many interleaved parts (2: Domino; default: 1)")
+    model.add_argument("--tp-invariant", action=argparse.BooleanOptionalAction, default=None,
+                       help="bit-identical losses and weights at every TP size (1, 2, 4, 8; same machine), "
+                            "at extra GEMM launches (default: off)")
     model.add_argument("--grad-fusion", action=argparse.BooleanOptionalAction, default=None,
                        help="linear layers accumulate weight grads straight into fp32 main_grad (default: off)")
     model.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
