@@ -180,3 +180,15 @@ def test_train_and_a_resume_at_another_tp_size_are_bit_identical(tmp_path):
     reference, weights = (run_on_ranks(_weights_body, 1, str(c))[0] for c in (a_ckpt, resumed_ckpt))
     assert weights.keys() == reference.keys()
     assert [name for name in weights if not torch.equal(weights[name], reference[name])] == []
+
+
+def test_dp_reduction_keeps_tp_sizes_bit_identical_at_dp4(tmp_path):
+    """At DP=4 (a tree over the DP ranks too), TP=2 +SP equals TP=1: losses ==, weights torch.equal."""
+    runs = {tp_size: run_on_ranks(_train_body, 4 * tp_size, TRAIN + ["--tp", str(tp_size), "--steps", "3",
+                                                                     "--out", str(tmp_path / str(tp_size)),
+                                                                     *(["--sp"] if tp_size > 1 else [])],
+                                  timeout=300)[0]
+            for tp_size in (1, 2)}
+    assert runs[1][0] == runs[2][0]
+    reference, weights = (run_on_ranks(_weights_body, 1, str(runs[n][1]))[0] for n in (1, 2))
+    assert [name for name in weights if not torch.equal(weights[name], reference[name])] == []
