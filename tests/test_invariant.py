@@ -183,8 +183,10 @@ def test_train_and_a_resume_at_another_tp_size_are_bit_identical(tmp_path):
 
 
 def test_dp_reduction_keeps_tp_sizes_bit_identical_at_dp4(tmp_path):
-    """At DP=4 (a tree over the DP ranks too), TP=2 +SP equals TP=1: losses ==, weights torch.equal."""
+    """At DP=4 (a tree over the DP ranks too), bf16 autocast and recompute, TP=2 +SP equals TP=1:
+    losses ==, weights torch.equal."""
     runs = {tp_size: run_on_ranks(_train_body, 4 * tp_size, TRAIN + ["--tp", str(tp_size), "--steps", "3",
+                                                                     "--dtype", "bf16", "--recompute",
                                                                      "--out", str(tmp_path / str(tp_size)),
                                                                      *(["--sp"] if tp_size > 1 else [])],
                                   timeout=300)[0]
