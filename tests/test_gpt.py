@@ -47,7 +47,8 @@ def _build(config, group, seed=7):
 
 def _full_grads(model):
     return {lay.name: gather_full_tensor(lay.param.grad, partition_dim=lay.partition_dim,
-                                         stride=lay.partition_stride, tp_group=model.tp_group)
+                                         stride=lay.partition_stride, tp_group=model.tp_group,
+                                         partition_rows=lay.partition_rows)
             if lay.tensor_model_parallel else lay.param.grad.clone()
             for lay in model.parameter_layouts()}
 
@@ -129,6 +130,64 @@ EQUIVALENCE_CASES = [
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gpt_matches_tp1_loss_grads_and_optimizer_steps(world_size):
     assert run_on_ranks(_equivalence_body, world_size, EQUIVALENCE_CASES) == [True] * world_size
+
+
+# Qwen2's shape: 6 query heads over 2 (or 1, or 6) K/V heads, QKV biases, an FFN of 200, vocab 101.
+QWEN2 = dict(BASE, **LLAMA, num_heads=6, hidden_size=48, ffn_hidden_size=200, qkv_bias=True, max_seq_len=16)
+# "seq": sequences of 11 and 13 do not divide by TP, which SP pads (and masks).
+UNEVEN_CASES = [{"num_query_groups": 2}, {"num_query_groups": 1, "sequence_parallel": True},
+                {"num_query_groups": 2, "sequence_parallel": True, "overlap": 2, "seq": 11}, {"num_query_groups": 6},
+                {"num_query_groups": 3, "activation": "gelu", "interleave": 2, "recompute": True},
+                {"num_query_groups": 2, "sequence_parallel": True, "position_embedding": "learned", "seq": 13}]
+
+
+def _uneven_body(cases):
+    """Heads, K/V heads and FFN rows that TP does not divide: the TP=1 model's loss, logits,
+    every gradient and three SGD steps; the same full weights from either model."""
+    tp.initialize_model_parallel(dist.get_world_size())
+    group, single = tp.get_tensor_model_parallel_group(), _single_rank_group()
+    for overrides in cases:
+        overrides = dict(overrides)
+        tokens, labels = _data(seq=overrides.pop("seq", 12))
+        config = GPTConfig(**{**QWEN2, **overrides})
+        models = {"ref": _build(GPTConfig(**{**QWEN2, **overrides, "sequence_parallel": False}), single),
+                  "tp": _build(config, group)}
+        ref_full, tp_full = models["ref"].full_state_dict(), models["tp"].full_state_dict()
+        for name in ref_full:  # TP-invariant initialisation, also of uneven shards
+            assert torch.equal(tp_full[name][:ref_full[name].shape[0]], ref_full[name]), (overrides, name)
+        optimizers = {k: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for k, m in models.items()}
+        for step in range(3):
+            losses, grads, norms = {}, {}, {}
+            for key, model in models.items():
+                optimizers[key].zero_grad()
+                loss = model(tokens, labels)
+                loss.backward()
+                tp.allreduce_sequence_parallel_grads(model, tp_group=model.tp_group)
+                losses[key], grads[key] = loss.detach(), _full_grads(model)
+                norms[key] = tp.get_grad_norm(model.parameters(), tp_group=model.tp_group)
+                optimizers[key].step()
+            torch.testing.assert_close(losses["tp"], losses["ref"], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{overrides} step {step}: {m}")
+            # Replicated K/V rows are counted once.
+            torch.testing.assert_close(norms["tp"], norms["ref"], rtol=RTOL, atol=ATOL)
+            for name, ref_grad in grads["ref"].items():
+                rows = ref_grad.shape[0]  # the vocabulary's padding may differ between TP sizes
+                torch.testing.assert_close(grads["tp"][name][:rows], ref_grad, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m, name=name: f"{overrides} step {step}: grad of {name}: {m}")
+        with torch.no_grad():
+            vocab = BASE["vocab_size"]
+            logits = torch.cat(_everyone(models["tp"](tokens)), dim=-1)[..., :vocab]
+            torch.testing.assert_close(logits, models["ref"](tokens)[..., :vocab], rtol=RTOL, atol=ATOL)
+            models["tp"].eval(), models["ref"].eval()
+            out = models["tp"].generate(tokens[:, :5], 4, temperature=0)
+            assert torch.equal(out, models["ref"].generate(tokens[:, :5], 4, temperature=0)), overrides
+    return True
+
+
+@pytest.mark.parametrize("world_size, cases", [(2, UNEVEN_CASES), (3, UNEVEN_CASES), (4, UNEVEN_CASES),
+                                               (6, UNEVEN_CASES[:3])])   # TP 6: a head per rank
+def test_uneven_heads_kv_heads_and_ffn_match_tp1(world_size, cases):
+    assert run_on_ranks(_uneven_body, world_size, cases) == [True] * world_size
 
 
 @contextlib.contextmanager
@@ -334,7 +393,7 @@ def test_forward_with_kv_cache_and_no_mask_attends_to_every_cached_position():
 
 def _bad_input_body():
     tp.initialize_model_parallel(dist.get_world_size())
-    with pytest.raises(ValueError, match=r"num_heads \(2\) is not divisible by the tensor-parallel size \(4\)"):
+    with pytest.raises(ValueError, match=r"num_heads \(2\) is smaller than the tensor-parallel size \(4\)"):
         GPT(GPTConfig(**{**BASE, "num_heads": 2}))
     model = GPT(GPTConfig(**BASE, sequence_parallel=True))
     tokens = _data()[0]
@@ -344,8 +403,10 @@ def _bad_input_body():
         model(torch.full((1, 8), 101))
     with pytest.raises(ValueError, match=r"token id -1 is outside the vocabulary \[0, 101\)"):
         model(torch.full((1, 8), -1))
-    with pytest.raises(ValueError, match="sequence length 6 is not divisible by the tensor-parallel size 4"):
-        model(tokens[:, :6])
+    # SP pads a sequence TP does not divide, except where a mask or cache pins its positions.
+    with pytest.raises(ValueError, match="sequence length 6 is not divisible by the tensor-parallel size 4, as "
+                                         "sequence parallelism with an attention mask or a KV cache needs"):
+        model(tokens[:, :6], attn_mask=torch.ones(2, 1, 6, 6, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"labels of shape \[2, 7\] must match tokens of shape \[2, 8\]"):
         model(tokens, tokens[:, :7])
     return True

@@ -157,12 +157,40 @@ def test_trained_model_exports_what_it_learned(tmp_path):
     assert run_on_ranks(_trained_export_body, 2, str(tmp_path / "out")) == [True, True]
 
 
+def _uneven_qwen2_body():
+    """Issue 17's model: 6 heads over 2 K/V heads, intermediate 200, vocab 101, at TP 3 and 4
+    (uneven heads, replicated K/V heads, uneven FFN), with and without SP at a sequence of 30
+    (padded under SP at TP 4): transformers' logits and greedy tokens, and back exactly."""
+    tp.initialize_model_parallel(dist.get_world_size())
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=200, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+    tokens = torch.randint(0, VOCAB, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        greedy = hf.generate(tokens[:, :7], max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    for sp in (False, True):
+        model = from_hf(hf, sequence_parallel=sp).eval()
+        with torch.no_grad():
+            error = (full_logits(model, tokens) - expected).abs().max().item()
+        assert error <= 1e-4, (sp, error)
+        assert torch.equal(model.generate(tokens[:, :7], 8, temperature=0), greedy), sp
+        exported = to_hf(model)
+        if dist.get_rank() == 0:
+            for name, tensor in hf.state_dict().items():
+                assert torch.equal(exported.state_dict()[name], tensor), name
+    return True
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_uneven_qwen2_matches_transformers_at_tp_3_and_4(world_size):
+    assert run_on_ranks(_uneven_qwen2_body, world_size) == [True] * world_size
+
+
 def _gqa_tp_body():
     tp.initialize_model_parallel(dist.get_world_size())
-    config = transformers.LlamaConfig(**{**LLAMA_SHAPE, "num_key_value_heads": 2})
-    with pytest.raises(ValueError, match=r"num_query_groups \(2 K/V heads\) is not divisible by the "
-                                         r"tensor-parallel size \(4\)"):
-        from_hf(transformers.LlamaForCausalLM(config))
     # 0.1's constructor and (deprecated) export still work, as aliases.
     hf = hf_model("gpt2")
     alias, model = GPT.from_hf_gpt2(hf), from_hf(hf)
@@ -176,7 +204,7 @@ def _gqa_tp_body():
     return True
 
 
-def test_kv_heads_not_divisible_by_tp_and_the_0_1_gpt2_names():
+def test_the_0_1_gpt2_names():
     assert run_on_ranks(_gqa_tp_body, 4) == [True] * 4
 
 

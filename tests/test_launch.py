@@ -40,6 +40,22 @@ def test_a_rank_killed_by_a_signal_is_named():
         launch_local(_fail_on_rank1_while_rank0_waits, "signal", nproc=2)
 
 
+def _stop_rank1_while_rank0_waits():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.barrier()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="process states are read from Linux's /proc")
+def test_a_stopped_rank_is_named_not_the_timeout_of_the_rank_waiting_for_it():
+    with pytest.raises(LaunchError, match=r"^rank 1 \(pid \d+\) stopped responding: its process was stopped "
+                                          r"\(SIGSTOP\); a collective timed out waiting for it \(rank 0\)$"):
+        launch_local(_stop_rank1_while_rank0_waits, nproc=2)
+
+
 def test_one_line_keeps_our_messages_and_names_other_types():
     assert one_line(UsageError("--lr nan is not a finite number")) == "--lr nan is not a finite number"
     assert one_line(ValueError("bad\n  value\n")) == "ValueError: bad value"

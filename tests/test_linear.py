@@ -15,6 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tensorpar as tp
+from tensorpar.initialization import init_method_normal, init_weight_shard, shard_rows
+from tensorpar.models import gather_full_tensor
 from tests.harness import run_on_ranks
 
 S, B, IN, OUT = 8, 2, 12, 16
@@ -376,12 +378,14 @@ def test_column_gather_output_issues_allgather_forward_allreduce_backward():
 
 def _bad_input_body():
     tp.initialize_model_parallel(torch.distributed.get_world_size())
-    with pytest.raises(ValueError, match=r"output_size 10 is not divisible by tensor-parallel size 4"):
-        tp.ColumnParallelLinear(8, 10)
-    with pytest.raises(ValueError, match=r"input_size 6 is not divisible by tensor-parallel size 4"):
-        tp.RowParallelLinear(6, 8)
-    with pytest.raises(ValueError, match=r"output_size 12 is not divisible by tensor-parallel size 4 x stride 2"):
-        tp.ColumnParallelLinear(8, 12, stride=2)
+    # Sizes TP does not divide split as evenly as possible (each of the stride blocks alike).
+    assert tp.ColumnParallelLinear(8, 10).partition_sizes == [3, 3, 2, 2]
+    assert tp.RowParallelLinear(6, 8).partition_sizes == [2, 2, 1, 1]
+    rank = tp.get_tensor_model_parallel_rank()
+    assert tp.ColumnParallelLinear(8, 12, stride=2).weight.shape[0] == 2 * [2, 2, 1, 1][rank]
+    assert tp.ColumnParallelLinear(8, 16).partition_sizes is None  # the equal split: today's path
+    with pytest.raises(ValueError, match=r"output_size 13 is not divisible by stride 2"):
+        tp.ColumnParallelLinear(8, 13, stride=2)
     layer = tp.ColumnParallelLinear(8, 16)
     with pytest.raises(ValueError, match=r"input feature size 7 does not match the weight's input size 8"):
         layer(torch.randn(2, 1, 7))
@@ -735,3 +739,132 @@ def _skip_weight_body():
 
 def test_skip_weight_param_allocation_allocates_no_weight():
     assert all(run_on_ranks(_skip_weight_body, 2))
+
+
+# Uneven partitions: per-rank sizes (and rows several ranks hold) against the unsharded layer.
+UNEVEN_SIZES = {1: [10], 2: [6, 4], 3: [4, 4, 2], 4: [4, 3, 2, 1]}
+
+
+def _rows_slices(rows, r):
+    return torch.cat([torch.arange(a, b) for a, b in rows[r]])
+
+
+def _uneven_column_case(n, r, *, sp, gather_output, stride, sizes, rows):
+    case = dict(tp=n, sp=sp, gather_output=gather_output, stride=stride, sizes=sizes, rows=rows)
+    out_size = 10 * stride if rows is None else max(b for ranges in rows for _, b in ranges)
+    torch.manual_seed(7)
+    weight, bias = torch.randn(out_size, IN), torch.randn(out_size)
+    x, grad = torch.randn(12, B, IN), torch.randn(12, B, out_size)  # 12 rows: SP at TP 1-4
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = tp.ColumnParallelLinear(IN, out_size, sequence_parallel=sp, gather_output=gather_output,
+                                        stride=stride, partition_sizes=sizes, partition_rows=rows)
+    layout_rows = layer.partition_rows or tuple(shard_rows(out_size, n, q, stride)
+                                                for q in range(n))
+    mine = _rows_slices(layout_rows, r)
+    with torch.no_grad():
+        layer.weight.copy_(weight[mine])
+        layer.bias.copy_(bias[mine])
+    x_local = (x.chunk(n, 0)[r] if sp and n > 1 else x).clone().requires_grad_(True)
+    out, _ = layer(x_local)
+    if gather_output:
+        order = torch.cat([_rows_slices(layout_rows, q) for q in range(n)])
+        out.backward(grad[..., order])
+    else:
+        # A row several ranks hold gets a part of its output grad on each (as attention's K/V
+        # rows do, one part per rank's queries); its weight grad is then the whole sum on each.
+        holders = torch.zeros(out_size)
+        for q in range(n):
+            holders[_rows_slices(layout_rows, q)] += 1
+        out.backward(grad[..., mine] / holders[mine])
+    ref_out, ref_dx, ref_dw, ref_db = _reference(weight, bias, x, grad)
+    _close(out, ref_out[..., order] if gather_output else ref_out[..., mine], case, "output")
+    _close(x_local.grad, ref_dx.chunk(n, 0)[r] if sp and n > 1 else ref_dx, case, "input grad")
+    _close(layer.weight.grad, ref_dw[mine], case, "weight grad")
+    _close(layer.bias.grad, ref_db[mine], case, "bias grad")
+
+
+def _uneven_row_case(n, r, *, sp, input_is_parallel, sizes):
+    case = dict(tp=n, sp=sp, input_is_parallel=input_is_parallel, sizes=sizes)
+    torch.manual_seed(8)
+    weight, bias, x, grad = torch.randn(OUT, 10), torch.randn(OUT), torch.randn(12, B, 10), torch.randn(12, B, OUT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = tp.RowParallelLinear(10, OUT, sequence_parallel=sp, input_is_parallel=input_is_parallel,
+                                     partition_sizes=sizes)
+    actual = layer.partition_sizes or [10 // n] * n
+    mine = slice(sum(actual[:r]), sum(actual[:r + 1]))
+    with torch.no_grad():
+        layer.weight.copy_(weight[:, mine])
+        layer.bias.copy_(bias)
+    x_local = (x[..., mine] if input_is_parallel else x).clone().requires_grad_(True)
+    out, _ = layer(x_local)
+    out.backward(grad.chunk(n, 0)[r] if sp and n > 1 else grad)
+    tp.allreduce_sequence_parallel_grads(layer)
+    ref_out, ref_dx, ref_dw, ref_db = _reference(weight, bias, x, grad)
+    _close(out, ref_out.chunk(n, 0)[r] if sp and n > 1 else ref_out, case, "output")
+    _close(x_local.grad, ref_dx[..., mine] if input_is_parallel else ref_dx, case, "input grad")
+    _close(layer.weight.grad, ref_dw[:, mine], case, "weight grad")
+    _close(layer.bias.grad, ref_db, case, "bias grad")
+
+
+def _uneven_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n, r = tp.get_tensor_model_parallel_world_size(), tp.get_tensor_model_parallel_rank()
+    # Each rank its own row, and rows n..n+2 on every rank; rank 0 also holds row n+3 alone.
+    shared = tuple([(q, q + 1), (n, n + 2)] + ([(n + 2, n + 3)] if q == 0 else []) for q in range(n))
+    count = 0
+    for sp in (False, True):
+        for gather_output in (False, True) if not sp else (False,):
+            for stride, sizes, rows in ((1, UNEVEN_SIZES[n], None), (1, None, None), (2, None, None),
+                                        (2, [(10 + q) // n for q in range(n)], None), (1, None, shared)):
+                if not (gather_output and rows):
+                    _uneven_column_case(n, r, sp=sp, gather_output=gather_output, stride=stride, sizes=sizes,
+                                        rows=rows)
+                    count += 1
+        for input_is_parallel in (True, False) if not sp else (True,):
+            for sizes in (UNEVEN_SIZES[n], None):
+                _uneven_row_case(n, r, sp=sp, input_is_parallel=input_is_parallel, sizes=sizes)
+                count += 1
+    return count
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_uneven_partitions_match_unsharded(world_size):
+    counts = run_on_ranks(_uneven_body, world_size)
+    assert counts == [counts[0]] * world_size and counts[0] == 20
+
+
+def _uneven_init_body(stride, sizes_by_tp):
+    """The shards of an uneven layout concatenate (by their rows) to the TP=1 weight."""
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n = tp.get_tensor_model_parallel_world_size()
+    torch.manual_seed(11)
+    layer = tp.ColumnParallelLinear(IN, 10 * stride, stride=stride, partition_sizes=sizes_by_tp[n])
+    full = gather_full_tensor(layer.weight, partition_dim=0, stride=stride, partition_rows=layer.partition_rows)
+    torch.manual_seed(11)
+    expected = torch.empty(10 * stride, IN)
+    init_weight_shard(expected, init_method_normal(0.02), partition_dim=0, stride=stride)
+    return torch.equal(full, expected)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_uneven_initialization_is_tp_invariant(world_size):
+    assert all(run_on_ranks(_uneven_init_body, world_size, 1, UNEVEN_SIZES))
+    assert all(run_on_ranks(_uneven_init_body, world_size, 2, {3: [4, 3, 3], 4: [3, 3, 2, 2]}))
+
+
+def test_bad_partition_sizes_are_clear_errors():
+    assert all(run_on_ranks(_bad_partition_body, 2))
+
+
+def _bad_partition_body():
+    tp.initialize_model_parallel(2)
+    for kwargs, match in ((dict(partition_sizes=[6, 3]), r"summing to output_size 10, got \[6, 3\]"),
+                          (dict(partition_sizes=[10]), "2 non-negative ints"),
+                          (dict(partition_rows=[[(0, 5)], [(6, 10)]]), "covering all 10 rows"),
+                          (dict(partition_rows=[[(0, 6)], [(4, 10)]], gradient_accumulation_fusion=True),
+                           "gradient_accumulation_fusion")):
+        with pytest.raises(ValueError, match=match):
+            tp.ColumnParallelLinear(IN, 10, **kwargs)
+    return True

@@ -198,3 +198,51 @@ def test_sequence_not_divisible_by_tp_is_a_clear_error():
 def test_mapping_before_initialize_is_a_clear_error():
     with pytest.raises(RuntimeError, match="initialize_model_parallel"):
         tp.copy_to_tensor_model_parallel_region(torch.randn(2))
+
+
+def _uneven_body():
+    """Every gather/scatter mapping with per-rank sizes (rank r: r + 1, rank 1 empty at TP 4)."""
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    n, r = tp.get_tensor_model_parallel_world_size(), tp.get_tensor_model_parallel_rank()
+    sizes = [q + 1 for q in range(n)]
+    if n == 4:
+        sizes[1] = 0
+    torch.manual_seed(0)
+    total_size = sum(sizes)
+    full_seq, full_hid = torch.randn(total_size, 2, 3), torch.randn(2, 3, total_size)
+    per_rank = [torch.randn(total_size, 2, 3) for _ in range(n)]
+    start, size = sum(sizes[:r]), sizes[r]
+    my_seq, my_hid = full_seq[start:start + size], full_hid[..., start:start + size]
+    # name, mapping, input, expected output, output grad, expected input grad
+    cases = (
+        ("scatter last", tp.scatter_to_tensor_model_parallel_region, full_hid, my_hid, my_hid * 2,
+         torch.cat([full_hid[..., sum(sizes[:q]):sum(sizes[:q + 1])] * 2 for q in range(n)], -1)),
+        ("gather last", tp.gather_from_tensor_model_parallel_region, my_hid, full_hid, full_hid * 3, my_hid * 3),
+        ("scatter seq", tp.scatter_to_sequence_parallel_region, full_seq, my_seq, my_seq, full_seq),
+        ("gather seq", tp.gather_from_sequence_parallel_region, my_seq, full_seq, per_rank[r],
+         sum(per_rank)[start:start + size]),
+        ("reduce-scatter seq", tp.reduce_scatter_to_sequence_parallel_region, per_rank[r],
+         sum(per_rank)[start:start + size], my_seq, full_seq),
+    )
+    for name, mapping, x, expected, grad, expected_grad in cases:
+        y, gx = _grad_through(mapping, x, grad, sizes=sizes)
+        torch.testing.assert_close(y, expected, msg=lambda m: f"{name} output, sizes {sizes}: {m}")
+        torch.testing.assert_close(gx, expected_grad, msg=lambda m: f"{name} input grad, sizes {sizes}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_mappings_with_unequal_sizes(world_size):
+    assert run_on_ranks(_uneven_body, world_size) == [True] * world_size
+
+
+def _uneven_ledger_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    r = tp.get_tensor_model_parallel_rank()
+    with tp.CommLedger() as ledger:
+        tp.gather_from_sequence_parallel_region(torch.ones(3 - r, 2), sizes=[3, 2])
+    return [(rec.op, rec.shape) for rec in ledger.records]
+
+
+def test_unequal_gather_travels_padded_to_the_largest_shard():
+    assert run_on_ranks(_uneven_ledger_body, 2) == [[("all_gather", (6, 2))]] * 2

@@ -511,3 +511,47 @@ def test_a_save_never_writes_through_a_planted_step_directory_link(tmp_path, nam
     with pytest.raises(RunDirError, match=rf"^{out / name} is a symlink; tensorpar never writes through links"):
         checkpoint._prepare_tmp(out / "step_4.tmp", out / "step_4")
     assert [p.name for p in victim.iterdir()] == ["precious"]
+
+
+def _uneven_reshard_body(out, phase, tp_size, vocab_multiple):
+    """Phase "save": one Adam step at ``tp_size``, a checkpoint, a second step: its full
+    weights. Phase "load": a fresh model at ``tp_size`` loads the checkpoint, takes the same
+    second step: the same full weights (6 heads over 2 K/V heads, FFN 50: uneven at TP 3 and 4;
+    with a vocab multiple of 128 the vocabulary pads to 384 rows at TP 3, 128 at TP 2 and 4)."""
+    import tensorpar as tp
+    from tensorpar.models import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=101, max_seq_len=16, num_layers=1, num_heads=6, num_query_groups=2,
+                       hidden_size=24, ffn_hidden_size=50, make_vocab_size_divisible_by=vocab_multiple, norm="rmsnorm",
+                       activation="swiglu", position_embedding="rope", bias=False, qkv_bias=True,
+                       tie_word_embeddings=False)
+    tp.initialize_model_parallel(tp_size)
+    group = tp.get_tensor_model_parallel_group()
+    tp.model_parallel_manual_seed(3 if phase == "save" else 4)
+    model = GPT(config)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-3)
+    tokens = torch.arange(24).reshape(2, 12) % 101
+
+    def step():
+        optimizer.zero_grad()
+        model(tokens, tokens.roll(-1, 1)).backward()
+        optimizer.step()
+
+    if phase == "save":
+        step()
+        checkpoint.save(out, 1, model=model, optimizer=optimizer, config={}, meta={}, tp_group=group)
+    else:
+        ckpt, _, _ = checkpoint.open_checkpoint(out)
+        checkpoint.load(ckpt, model=model, optimizer=optimizer, tp_group=group, restore_rng=False)
+    step()
+    return {name: t.float()[:101] for name, t in model.full_state_dict().items()}  # the real vocabulary's rows
+
+
+@pytest.mark.parametrize("tp_save, tp_load, vocab_multiple", [(4, 2, 8), (2, 4, 8), (4, 3, 128), (3, 4, 128)])
+def test_uneven_layouts_reshard_between_tp_sizes(tmp_path, tp_save, tp_load, vocab_multiple):
+    expected = run_on_ranks(_uneven_reshard_body, 4 if tp_save != 3 else 3, str(tmp_path), "save", tp_save,
+                            vocab_multiple)[0]
+    loaded = run_on_ranks(_uneven_reshard_body, 4 if tp_load != 3 else 3, str(tmp_path), "load", tp_load,
+                          vocab_multiple)[0]
+    for name, value in expected.items():
+        torch.testing.assert_close(loaded[name], value, rtol=1e-5, atol=1e-6, msg=name)

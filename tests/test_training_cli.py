@@ -62,12 +62,13 @@ def _train_error(capsys, *argv):
     (["--nproc", "3", "--tp", "2"], "--tp 2 does not divide --nproc 3"),
     (["--hidden", "66", "--heads", "4"],
      "the hidden size 66 (--hidden) is not divisible by the 4 attention heads (--heads)"),
-    (["--nproc", "4", "--tp", "4", "--heads", "6", "--hidden", "48"],
-     "the model's 6 attention heads are not divisible by --tp 4"),
-    (["--nproc", "4", "--tp", "4", "--ffn-hidden", "130"], "the model's FFN width 130 is not divisible by --tp 4"),
+    (["--nproc", "4", "--tp", "4", "--heads", "2", "--hidden", "48"],
+     "the model's 2 attention heads are fewer than --tp 4: every rank needs a query head"),
+    (["--heads", "6", "--kv-heads", "4", "--hidden", "48"],
+     "the 6 attention heads (--heads) are not a multiple of the 4 key/value heads (--kv-heads)"),
+    (["--rope-theta", "0"], "argument --rope-theta: must be a finite number > 0, got 0"),
     (["--overlap", "some"], "argument --overlap: expected off, auto or a positive number of chunks, got 'some'"),
     (["--interleave", "0"], "argument --interleave: must be a finite number > 0, got 0"),
-    (["--sp", "--seq-len", "33"], "--seq-len 33 is not divisible by --tp 2, as sequence parallelism (--sp) needs"),
     (["--vocab", "10"], "--vocab 10 is smaller than the data's vocabulary (257 token ids)"),
     (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1 is above --lr 0.1"),
     (["--nproc", "3", "--tp", "1", "--global-batch", "16"],
@@ -90,6 +91,24 @@ def _train_error(capsys, *argv):
 ])
 def test_bad_numbers_and_shapes(capsys, argv, message):
     assert _train_error(capsys, *argv) == message
+
+
+@pytest.mark.parametrize("argv, schedule, min_lr", [
+    (["--lr", "3e-5"], {}, 3e-6),                                           # the README's fine-tune line
+    ([], {}, 3e-4),
+    (["--min-lr", "0"], {}, 0.0),
+    ([], {"lr": 1e-3, "min_lr": 5e-5, "warmup": 3}, 5e-5),                  # a resume keeps its floor
+    (["--lr", "1e-2"], {"lr": 1e-3, "min_lr": 5e-5, "warmup": 3}, 1e-3),    # unless --lr is new
+])
+def test_min_lr_follows_lr(argv, schedule, min_lr):
+    from tensorpar.training.loop import settle_run
+    from tensorpar.training.resume import continue_settings
+
+    args = parse_train_args(argv)
+    meta = {"step": 2, "schedule": schedule} if schedule else None
+    continue_settings(args, meta)  # as the command settles a run: its settings, then its schedule
+    settle_run(args, meta=meta, dp_size=1)
+    assert args.min_lr == pytest.approx(min_lr, rel=1e-12, abs=0)
 
 
 def test_data_too_short_missing_or_empty(capsys, tmp_path):
@@ -173,6 +192,42 @@ def test_memory_check_compares_with_what_each_rank_has(capsys, monkeypatch, tmp_
         "(parameters 7.2 GiB")
 
 
+def test_the_memory_estimate_divides_by_dp_under_fsdp(capsys, monkeypatch):
+    from tensorpar.errors import UsageError
+    from tensorpar.training import memory
+
+    asked = []
+
+    def estimate(config, **settings):
+        asked.append(settings["fsdp"])
+        raise UsageError("estimated")
+
+    monkeypatch.setattr(memory, "check_memory", estimate)
+    for flags in ([], ["--fsdp"]):
+        assert _train_error(capsys, "--nproc", "4", "--tp", "2", *flags) == "estimated"
+    assert asked == [False, True]
+
+
+def test_a_missing_path_is_refused_before_the_slow_imports(tmp_path):
+    """Checked before torch.distributed.checkpoint (about a second) or transformers (seconds) is imported."""
+    nope = str(tmp_path / "nope")
+    code = f"""if True:
+        import sys
+        from tensorpar.cli import main
+        for argv in (["train", "--data", {nope!r}], ["train", "--resume", {nope!r}],
+                     ["train", "--tokenizer", {nope!r}], ["generate", "--checkpoint", {nope!r}],
+                     ["export", "--checkpoint", {nope!r}, "--to-hf", {nope!r}], ["prepare", {nope!r}, "--out", "x"]):
+            assert main(argv) == 2
+        print(sorted({{"torch.distributed.checkpoint", "transformers"}} & set(sys.modules)))
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout == "[]\n", done
+    assert done.stderr.splitlines() == [
+        f"tensorpar {command}: error: --{flag} {nope}: no such file or directory"
+        for command, flag in [("train", "data"), ("train", "resume"), ("train", "tokenizer"),
+                              ("generate", "checkpoint"), ("export", "checkpoint"), ("prepare", "data")]]
+
+
 def test_unwritable_out(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
     assert _train_error(capsys, "--out", str(tmp_path / "file" / "run")) == \
@@ -190,7 +245,7 @@ def test_resume_checks(capsys, files, tmp_path):
         "3072; hidden_size: checkpoint 32, requested 768; num_heads: checkpoint 4, requested 12; num_layers: "
         "checkpoint 2, requested 12; num_query_groups: checkpoint 4, requested 12")
     assert _train_error(capsys, "--resume", str(tmp_path / "nope")) == \
-        f"--resume: checkpoint {tmp_path / 'nope'}: no such directory"
+        f"--resume {tmp_path / 'nope'}: no such file or directory"
     assert _train_error(capsys, "--resume", str(tmp_path)) == (
         f"--resume: checkpoint {tmp_path}: no latest pointer naming a step_N directory, and not a step_N "
         "checkpoint directory itself")
@@ -200,16 +255,31 @@ def test_generate_checks(capsys, files, tmp_path):
     def error(*argv):
         return _fails(capsys, ["generate", *argv]).removeprefix("tensorpar generate: error: ")
 
-    assert error("--checkpoint", str(tmp_path / "nope")) == f"--checkpoint: checkpoint {tmp_path / 'nope'}: no such directory"
+    assert error("--checkpoint", str(tmp_path / "nope")) == \
+        f"--checkpoint {tmp_path / 'nope'}: no such file or directory"
     assert error("--checkpoint", str(files / "run"), "--prompt", "") == \
         "--prompt is empty: give at least one token to continue"
     assert error("--checkpoint", str(files / "run"), "--nproc", "8", "--tp", "8") == \
-        "the model's 4 attention heads are not divisible by --tp 8"
+        "the model's 4 attention heads are fewer than --tp 8: every rank needs a query head"
     assert error("--checkpoint", str(files / "odd"), "--prompt", "def f") == (
         "--prompt 'def f': this checkpoint was trained on a token file, so the prompt is token ids separated by "
         "spaces (e.g. --prompt \"464 2068\"); 'def' is not one")
     assert error("--checkpoint", str(files / "odd"), "--prompt", "5 300") == \
         "--prompt: token id 300 is outside the model's vocabulary of 300"
+
+
+@pytest.mark.parametrize("argv, fits, world", [([], True, (1, 1)), ([], False, (2, 2)),
+                                                ([], None, (1, 1)), (["--nproc", "2"], True, (2, 2))])
+def test_generate_of_a_small_checkpoint_runs_in_this_process(files, monkeypatch, capsys, argv, fits, world):
+    import tensorpar.training.cli as training_cli
+
+    started = []
+    monkeypatch.setattr(training_cli, "_run_in_world", lambda entry, args, nproc: started.append(
+        (nproc, args.tp)) or {0: "text"})
+    if fits is not None:
+        monkeypatch.setattr(training_cli, "_fits_one_device", lambda ckpt: fits)
+    assert main(["generate", "--checkpoint", str(files / "run"), *argv]) == 0
+    assert started == [world] and capsys.readouterr().out == "text\n"
 
 
 def test_export_checks(capsys, files, tmp_path):
@@ -248,8 +318,28 @@ def test_export_writes_eos_inside_the_vocabulary_and_files_the_umask_allows(file
         assert stat.S_IMODE((tmp_path / "hf" / name).stat().st_mode) == 0o666 & ~umask, name
 
 
-def test_unknown_flag_is_one_line(capsys):
-    assert _fails(capsys, ["train", "--bogus"]) == "tensorpar: error: unrecognized arguments: --bogus"
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--bogus"], "tensorpar train: error: unrecognized arguments: --bogus; see tensorpar train --help"),
+    (["train", "--bf16"], "tensorpar train: error: unrecognized arguments: --bf16 (did you mean --dtype bf16?); "
+                          "see tensorpar train --help"),
+    (["train", "--seqlen", "64"], "tensorpar train: error: unrecognized arguments: --seqlen 64 (did you mean "
+                                  "--seq-len?); see tensorpar train --help"),
+    (["comm", "--layer", "mlp", "--sequence-parallel"], "tensorpar comm: error: unrecognized arguments: "
+                                                        "--sequence-parallel; see tensorpar comm --help"),
+    (["export", "--checkpoint", "x", "--to-hf", "y", "--timeout=0.5", "extra"],
+     "tensorpar export: error: argument --timeout: must be a finite number in [1, 604800), got 0.5"),
+    (["generate", "--checkpoint", "x", "--seed", "1e23"],
+     "tensorpar generate: error: argument --seed: expected an integer in [0, 4294967296), got '1e23'"),
+    (["train", "--seed", "100000000000000000000000"],
+     "tensorpar train: error: argument --seed: must be a finite number in [0, 4294967296), got "
+     "100000000000000000000000"),
+    (["train", "--timeout", "1e300"], "tensorpar train: error: argument --timeout: must be a finite number in "
+                                      "[1, 604800), got 1e300"),
+    (["train", "--timeout", "1e-9"], "tensorpar train: error: argument --timeout: must be a finite number in "
+                                     "[1, 604800), got 1e-9"),
+])
+def test_unknown_flags_and_out_of_range_values_are_one_line(capsys, argv, message):
+    assert _fails(capsys, argv) == message
 
 
 def test_token_file_sidecar_is_validated(tmp_path):
@@ -296,7 +386,9 @@ def test_under_torchrun_each_rank_prints_its_message_once(tmp_path):
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode != 0
     ours = [line for line in done.stderr.splitlines() if line.startswith("tensorpar train: error:")]
-    assert ours == ["tensorpar train: error: --tp 4 does not divide the torchrun world size 2"] * 2, done.stderr
+    # Each rank prints it at most once; torchrun stops a rank still starting when its peer has failed.
+    line = "tensorpar train: error: --tp 4 does not divide the torchrun world size 2"
+    assert ours in ([line], [line, line]), done.stderr
     # torchrun's own failure summary shows the line too; no traceback passes through tensorpar's code.
     assert "traceback : --tp 4 does not divide the torchrun world size 2" in done.stderr
     assert not re.search(r'File "[^"]*tensorpar[/\\]', done.stderr), done.stderr

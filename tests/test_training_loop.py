@@ -276,3 +276,16 @@ def test_train_and_generate_calibrate_overlap_auto(tmp_path):
     texts = run_on_ranks(_generate_body, 2, ["--checkpoint", str(tmp_path / "run"), "--tp", "2",
                                              "--prompt", "def ", "--max-new-tokens", "3"])
     assert texts[0] == texts[1] and texts[0].startswith("def ")
+
+
+def test_uneven_heads_kv_heads_ffn_and_sp_sequence_at_tp3_train_like_tp1(tmp_path):
+    """Issue 17 from scratch: 6 heads over 2 K/V heads and an FFN of 200 at TP 3 (uneven heads,
+    replicated K/V heads, uneven FFN), under SP at a sequence of 31 (padded): TP=1's losses."""
+    shape = ["--heads", "6", "--kv-heads", "2", "--hidden", "48", "--ffn-hidden", "200", "--norm", "rmsnorm",
+             "--activation", "swiglu", "--position-embedding", "rope", "--rope-theta", "1e6", "--seq-len", "31"]
+    a, _ = _train(1, 1, 4, tmp_path / "a", *shape)
+    b, _ = _train(3, 3, 4, tmp_path / "b", "--sp", *shape)
+    assert list(a) == list(b) == [1, 2, 3, 4, 5, 6]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+    assert a[6] < a[1] - 0.5

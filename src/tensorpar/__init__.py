@@ -13,6 +13,7 @@ from .comm import CommLedger, CommRecord
 from .comm_model import calibrate_overlap
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
+from .fsdp import fully_shard
 from .grads import (
     DataParallelGradReducer,
     MasterWeights,

@@ -8,6 +8,7 @@ failure); ``--debug`` or ``TENSORPAR_DEBUG=1`` adds the tracebacks.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
@@ -70,13 +71,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _suggestion(parser: argparse.ArgumentParser, flag: str) -> str | None:
+    """What ``flag`` (unknown to ``parser``) most likely meant: ``--bf16`` is ``--dtype bf16``,
+    ``--seqlen`` is ``--seq-len``."""
+    name = flag.split("=", 1)[0]
+    for action in parser._actions:
+        if action.option_strings and action.choices and name.lstrip("-") in action.choices:
+            return f"{action.option_strings[-1]} {name.lstrip('-')}"
+    options = [option for action in parser._actions for option in action.option_strings]
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; arguments no parser knows end the command with one line from the subcommand,
+    suggesting the flag meant."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+        flag = next((arg for arg in unknown if arg.startswith("-")), None)
+        meant = _suggestion(sub, flag) if flag else None
+        hint = f" (did you mean {meant}?)" if meant else ""
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}{hint}; see {sub.prog} --help")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``tensorpar`` with ``argv``; returns the exit status."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import record
 
     try:
-        args = build_parser().parse_args(argv)
+        args = _parse(argv)
     except SystemExit as exc:  # --help, --version, or a flag argparse rejected (already printed)
         return exc.code or 0
     if args.debug:

@@ -208,18 +208,62 @@ def _on_host(collective, tensor: torch.Tensor, out: torch.Tensor | None, async_o
     return _done(result, async_op)
 
 
+def _uneven(sizes, group, what: str) -> bool:
+    """Whether ``sizes`` (one extent per rank) are unequal."""
+    if sizes is None:
+        return False
+    sizes = list(sizes)
+    if len(sizes) != group_size(group) or any(not isinstance(s, int) or s < 0 for s in sizes):
+        raise ValueError(f"{what}: sizes must be one non-negative int per rank of the group of "
+                         f"{group_size(group)}, got {sizes}")
+    return len(set(sizes)) > 1
+
+
+def _padded(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``tensor`` zero-padded at the end of ``dim`` to ``size``."""
+    pad = size - tensor.shape[dim]
+    if pad == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = pad
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+
+
+def _gather_uneven(tensor: torch.Tensor, group, dim: int, sizes, async_op: bool):
+    """All-gather of shards of unequal ``sizes``: each padded to the largest, the padding cut."""
+    if tensor.shape[dim] != sizes[group_rank(group)]:
+        raise ValueError(f"all_gather: this rank's tensor has {tensor.shape[dim]} along dimension {dim}, "
+                         f"sizes say {sizes[group_rank(group)]}")
+    largest = max(sizes)
+    inner = all_gather(_padded(tensor, dim, largest), group, dim=dim, async_op=async_op)
+
+    def unpad(gathered: torch.Tensor) -> torch.Tensor:
+        return torch.cat([piece.narrow(dim, 0, size) for piece, size in zip(gathered.split(largest, dim), sizes)],
+                         dim=dim)
+
+    if async_op:
+        return Handle(inner, None, lambda _: unpad(inner.wait()))
+    return unpad(inner)
+
+
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
-               async_op: bool = False, out: torch.Tensor | None = None):
+               async_op: bool = False, out: torch.Tensor | None = None, sizes=None):
     """Concatenate every rank's ``tensor`` along ``dim``.
 
     ``out`` (dim 0 only) is a preallocated result, e.g. a ``GlobalMemoryBuffer`` tensor.
+    ``sizes`` (every rank's extent along ``dim``) allows shards of unequal size: each travels
+    padded to the largest (the ledger records the padded collective).
     """
+    dim = dim % tensor.dim()
+    if _uneven(sizes, group, "all_gather"):
+        if out is not None:
+            raise ValueError("all_gather: `out` is not supported with unequal sizes")
+        return _gather_uneven(tensor, group, dim, list(sizes), async_op)
     n = group_size(group)
     if n == 1:
         return _done(tensor if out is None else out.copy_(tensor), async_op)
     if _staged_on_host("all_gather", tensor, group):
         return _on_host(lambda t: all_gather(t, group, dim=dim), tensor, out, async_op)
-    dim = dim % tensor.dim()
     shape = list(tensor.shape)
     shape[dim] *= n
     _record("all_gather", shape, tensor.dtype, n, async_op)
@@ -245,17 +289,33 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
 
 
 def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
-                   async_op: bool = False, op: str = "sum", out: torch.Tensor | None = None):
+                   async_op: bool = False, op: str = "sum", out: torch.Tensor | None = None, sizes=None):
     """Sum ``tensor`` over ``group`` and keep this rank's slice along ``dim``.
 
     ``out`` (dim 0 only) is a preallocated contiguous result, e.g. a slice of a larger output.
+    ``sizes`` (every rank's slice along ``dim``, summing to the tensor's) allows unequal
+    slices: each travels padded to the largest.
     """
+    dim = dim % tensor.dim()
+    if _uneven(sizes, group, "reduce_scatter"):
+        sizes = list(sizes)
+        if sum(sizes) != tensor.shape[dim]:
+            raise ValueError(f"reduce_scatter: sizes {sizes} do not sum to dimension {dim} of shape "
+                             f"{list(tensor.shape)}")
+        largest, rank = max(sizes), group_rank(group)
+        padded = torch.cat([_padded(piece, dim, largest) for piece in tensor.split(sizes, dim)], dim=dim)
+        inner = reduce_scatter(padded, group, dim=dim, async_op=async_op, op=op)
+
+        def unpad(result: torch.Tensor) -> torch.Tensor:
+            mine = result.narrow(dim, 0, sizes[rank])
+            return mine.contiguous() if out is None else out.copy_(mine)
+
+        return Handle(inner, None, lambda _: unpad(inner.wait())) if async_op else unpad(inner)
     n = group_size(group)
     if n == 1:
         return _done(tensor if out is None else out.copy_(tensor), async_op)
     if _staged_on_host("reduce_scatter", tensor, group):
         return _on_host(lambda t: reduce_scatter(t, group, dim=dim, op=op), tensor, out, async_op)
-    dim = dim % tensor.dim()
     check_divisible(tensor.shape[dim], n, f"reduce-scatter dimension {dim} of shape {list(tensor.shape)}")
     _record("reduce_scatter", tensor.shape, tensor.dtype, n, async_op, op)
     if out is not None and dim != 0:

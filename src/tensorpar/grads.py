@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from . import comm
 from .initialization import param_is_not_tensor_parallel_duplicate
-from .parallel_state import resolve_tp_group
+from .parallel_state import get_data_parallel_group, resolve_tp_group
 
 
 def _grad_of(param: nn.Parameter) -> torch.Tensor | None:
-    return param.main_grad if hasattr(param, "main_grad") else param.grad
+    """``main_grad`` or ``.grad``; for an FSDP shard (a DTensor) this rank's local piece of it."""
+    grad = param.main_grad if hasattr(param, "main_grad") else param.grad
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, *, tp_group=None) -> None:
@@ -19,7 +22,9 @@ def allreduce_sequence_parallel_grads(module: nn.Module, *, tp_group=None) -> No
 
     Under SP each rank sees 1/TP of the tokens, so the gradient of a parameter replicated over
     TP (LayerNorm weights, the row-parallel bias) is partial until summed. One all-reduce of a
-    flat buffer covers all of them. Uses ``main_grad`` where a parameter has one.
+    flat buffer covers all of them. Uses ``main_grad`` where a parameter has one. On a model
+    under :func:`tensorpar.fully_shard` it sums the DP shards (every TP rank holds the same
+    slice of a replicated parameter), after FSDP's reduce-scatter.
     """
     group = resolve_tp_group(tp_group)
     grads = [g for p in module.parameters()
@@ -212,34 +217,62 @@ class MasterWeights:
         self._versions = self._model_versions()
 
 
-@torch.no_grad()
-def get_grad_norm(params, *, tp_group=None) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient (fp32 scalar), identical on every TP rank.
+def _without_duplicate_rows(grad: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """``grad`` with zeros at the rows an earlier TP rank holds too (replicated K/V heads)."""
+    rows = getattr(param, "tp_duplicate_rows", None)
+    if rows is None or rows.numel() == 0:
+        return grad
+    return grad.index_fill(0, rows.to(grad.device), 0)
 
-    Each parameter is counted once: TP shards by every rank, replicated parameters by TP
-    rank 0 only, and the squares are summed over TP. Uses ``main_grad`` where present. One
-    ``torch._foreach_norm`` over all gradients, and no host synchronisation.
+
+def _square(grads: list[torch.Tensor], group) -> torch.Tensor:
+    """The sum of squares of ``grads`` (fp32), on ``group``'s collective device when there are none."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=comm.collective_device(group))
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+
+
+@torch.no_grad()
+def get_grad_norm(params, *, tp_group=None, dp_group=None) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient (fp32 scalar), identical on every TP x DP rank.
+
+    Each element is counted once: TP shards by every rank, replicated parameters by TP
+    rank 0 only, rows several ranks hold (``tp_duplicate_rows``: replicated K/V heads) by the
+    first of them, and the squares are summed over TP. FSDP shards (DTensor gradients, see
+    :func:`tensorpar.fully_shard`) are summed over ``dp_group`` too (default: the DP
+    group); plain gradients are replicated over DP and counted as they are. Uses
+    ``main_grad`` where present. One ``torch._foreach_norm`` per kind, and no host
+    synchronisation.
     """
     group = resolve_tp_group(tp_group)
-    grads = [g for p in params
-             if (g := _grad_of(p)) is not None and param_is_not_tensor_parallel_duplicate(p, group)]
-    if grads:
-        square = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
-    else:
-        square = torch.zeros((), dtype=torch.float32, device=comm.collective_device(group))
+    plain, sharded = [], []
+    for p in params:
+        grad = p.main_grad if hasattr(p, "main_grad") else p.grad
+        if grad is not None and param_is_not_tensor_parallel_duplicate(p, group):
+            if isinstance(grad, DTensor):
+                sharded.append(grad)
+            else:
+                plain.append(_without_duplicate_rows(grad, p))
+    square = _square(plain, group)
+    if sharded:
+        dp_group = dp_group if dp_group is not None else get_data_parallel_group()
+        shard_square = _square([g.to_local() for g in sharded], dp_group)
+        comm.all_reduce(shard_square, dp_group)
+        square = square + shard_square
     comm.all_reduce(square, group)
     return square.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, *, tp_group=None) -> torch.Tensor:
-    """Scale gradients so the TP-aware total norm is at most ``max_norm``; returns the norm.
+def clip_grad_norm_(params, max_norm: float, *, tp_group=None, dp_group=None) -> torch.Tensor:
+    """Scale gradients so the TP x DP-aware total norm (:func:`get_grad_norm`) is at most
+    ``max_norm``; returns the norm. Works on FSDP shards as on plain gradients.
 
     The scale is clamped on the device and applied to every gradient (by 1 when the norm is
     already small): the CPU never waits for the norm.
     """
     params = list(params)
-    norm = get_grad_norm(params, tp_group=tp_group)
+    norm = get_grad_norm(params, tp_group=tp_group, dp_group=dp_group)
     grads = [g for p in params if (g := _grad_of(p)) is not None]
     if grads:
         torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))

@@ -81,6 +81,20 @@ def shard_rows(full_rows: int, tp_size: int, tp_rank: int, stride: int) -> list[
             for block in range(stride)]
 
 
+def balanced_sizes(total: int, parts: int, granularity: int = 1) -> list[int]:
+    """``total`` split into ``parts`` contiguous sizes, multiples of ``granularity``, as even as
+    possible with the larger ones first: ``balanced_sizes(6, 4) == [2, 2, 1, 1]``."""
+    units, extra = divmod(total // granularity, parts)
+    return [(units + (i < extra)) * granularity for i in range(parts)]
+
+
+def partition_ranges(sizes, rank: int, stride: int = 1) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` rows a rank holds when each of ``stride`` equal blocks is split
+    into the per-rank ``sizes``; :func:`shard_rows` for equal sizes."""
+    block, start = sum(sizes), sum(sizes[:rank])
+    return [(b * block + start, b * block + start + sizes[rank]) for b in range(stride)]
+
+
 def slab_seed(base: int, slab: int) -> int:
     """The seed of slab (or block) ``slab`` under one ``base`` draw of the default stream."""
     return (base + slab * _SEED_MIX) % (1 << 63)
@@ -88,9 +102,11 @@ def slab_seed(base: int, slab: int) -> int:
 
 @torch.no_grad()
 def init_weight_shard(weight: torch.Tensor, init_method: InitMethod, *, partition_dim: int,
-                      stride: int = 1, tp_group=None) -> None:
+                      stride: int = 1, tp_group=None, rows=None, full_rows=None) -> None:
     """Fill ``weight`` (this rank's shard) with its part of the TP-invariant full weight.
 
+    ``rows`` (with ``full_rows``, the full partition dimension) lists the ``[start, stop)``
+    rows of the full weight this shard holds, in order, for shards other than the equal split.
     Draws exactly one number from the default generator, on every rank alike.
     """
     tp_size = 1 if tp_group is None else comm.group_size(tp_group)
@@ -98,13 +114,17 @@ def init_weight_shard(weight: torch.Tensor, init_method: InitMethod, *, partitio
     base = int(torch.randint(0, 1 << 62, (1,), device="cpu").item())
     shard = weight.movedim(partition_dim, 0)
     local_rows = shard.shape[0]
-    full_rows = local_rows * tp_size
-    comm.check_divisible(full_rows, tp_size * stride, f"partition size {full_rows} with stride {stride}")
+    if rows is None:
+        full_rows = local_rows * tp_size
+        comm.check_divisible(full_rows, tp_size * stride, f"partition size {full_rows} with stride {stride}")
+        rows = shard_rows(full_rows, tp_size, tp_rank, stride)
     row_numel = max(1, shard[0].numel()) if local_rows else 1
     rows_per_slab = max(1, SLAB_ELEMENTS // row_numel)
     devices = [weight.device] if weight.device.type != "cpu" else []
     offset = 0
-    for start, stop in shard_rows(full_rows, tp_size, tp_rank, stride):
+    for start, stop in rows:
+        if stop == start:
+            continue
         first_slab, last_slab = start // rows_per_slab, (stop - 1) // rows_per_slab
         for slab in range(first_slab, last_slab + 1):
             slab_start = slab * rows_per_slab

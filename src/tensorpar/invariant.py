@@ -192,6 +192,12 @@ def check_gpt_sizes(config, *, tp_size: int, seq_len: int | None = None) -> None
     if BLOCKS % tp_size:
         raise ValueError(f"the tensor-parallel size {tp_size} does not divide the {BLOCKS} fixed blocks "
                          f"(supported: 1, 2, 4, 8)")
+    uneven = [f"{name} {value}" for name, value in (("num_heads", config.num_heads),
+                                                    ("num_query_groups", config.num_query_groups))
+              if value % tp_size]
+    if uneven:
+        raise ValueError(f"{', '.join(uneven)} not divisible by the tensor-parallel size {tp_size} "
+                         "(uneven or replicated heads are not supported)")
     widths = {"hidden_size": config.hidden_size,
               "num_query_groups x head_dim": config.num_query_groups * config.head_dim,
               "ffn_hidden_size": config.ffn_hidden_size,
@@ -377,8 +383,11 @@ def _block_squares(grad: torch.Tensor, param: nn.Parameter, blocks: int) -> list
 
 
 @torch.no_grad()
-def get_grad_norm(params, *, tp_group=None) -> torch.Tensor:
+def get_grad_norm(params, *, tp_group=None, dp_group=None) -> torch.Tensor:
     """The L2 norm of the gradient (fp32), the same bits at every TP size.
+
+    Gradients are whole on every DP rank (the mode does not shard them: no FSDP), so
+    ``dp_group`` is not used; it keeps :func:`tensorpar.get_grad_norm`'s signature.
 
     TP-sharded parameters: squares summed per fixed block, block ``i`` of every parameter folded
     in parameter order, then a tree over the blocks (a rank's blocks form a subtree, finished
@@ -408,7 +417,7 @@ def get_grad_norm(params, *, tp_group=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, *, tp_group=None) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, *, tp_group=None, dp_group=None) -> torch.Tensor:
     """:func:`tensorpar.clip_grad_norm_` with the norm of :func:`get_grad_norm`."""
     params = list(params)
     norm = get_grad_norm(params, tp_group=tp_group)

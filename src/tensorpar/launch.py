@@ -17,6 +17,7 @@ import faulthandler
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -189,12 +190,61 @@ def _first_failure(exc) -> LaunchError:
                        traceback=info.get("traceback"))
 
 
+class PeerStopped(RuntimeError):
+    """A collective timed out because a peer's process is stopped (SIGSTOP), not busy or gone."""
+
+
+def _pid_file() -> Path | None:
+    """Where this rank notes its rank and PID: beside its elastic error file, one folder per local rank."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    return Path(error_file).with_name("rank_pid") if error_file else None
+
+
+def _stopped_peers() -> dict[int, int]:
+    """{rank: pid} of this node's other ranks whose process is stopped (state T in Linux's /proc)."""
+    own = _pid_file()
+    stopped = {}
+    for note in own.parent.parent.glob("*/rank_pid") if own else ():
+        try:
+            rank, pid = (int(word) for word in note.read_text().split())
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2].split()[0]
+        except (OSError, ValueError, IndexError):
+            continue  # not written yet, gone, or no /proc
+        if pid != os.getpid() and state == "T":
+            stopped[rank] = pid
+    return stopped
+
+
+def _run_rank(entry, *args):
+    """``entry(*args)``; a collective timeout caused by a stopped peer is reported as that.
+
+    The stopped peer is then continued, so that it meets the failure and exits: the launcher
+    could not end it (a stopped process ignores SIGTERM until continued).
+    """
+    try:
+        return entry(*args)
+    except Exception as exc:
+        stopped = _stopped_peers() if "timed out" in str(exc).lower() else {}
+        if not stopped:
+            raise
+        for pid in stopped.values():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+        ranks = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in sorted(stopped.items()))
+        raise PeerStopped(f"{ranks} stopped responding: its process was stopped (SIGSTOP); a collective "
+                          "timed out waiting for it") from exc
+
+
 def _elastic_entry(entry, *args):
     from torch.distributed.elastic.multiprocessing.errors import record
 
     set_threads()
+    note = _pid_file()
+    if note is not None:
+        with contextlib.suppress(OSError):
+            note.write_text(f"{os.environ['RANK']} {os.getpid()}")
     try:
-        return record(entry, error_handler=OneLineErrorHandler())(*args)
+        return record(_run_rank, error_handler=OneLineErrorHandler())(entry, *args)
     except Exception as exc:  # noqa: BLE001 - recorded above, for the launcher to report
         if _lost_a_peer(exc):
             # Most likely a peer died first without recording anything (a signal, the OOM

@@ -25,8 +25,10 @@ from torch import nn
 from . import comm
 from .buffers import get_global_memory_buffer
 from .initialization import (
+    balanced_sizes,
     init_method_normal,
     init_weight_shard,
+    partition_ranges,
     set_tensor_model_parallel_attributes,
 )
 from .mappings import (
@@ -37,6 +39,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
     start_reduction_from_tensor_model_parallel_region,
+    sum_grad_over_replicas,
 )
 from .overlap import all_gather_matmul, matmul_reduce
 from .parallel_state import default_device, resolve_tp_group
@@ -397,13 +400,63 @@ def _resolve_sequence_parallel(sequence_parallel: bool, tp_size: int, name: str)
     return sequence_parallel
 
 
+def _partition_layout(name, split_name, split_size, stride, tp_size, partition_sizes, partition_rows):
+    """Every rank's ``[start, stop)`` rows of the full partition dimension, or None for the
+    equal split (today's layout and code path)."""
+    if partition_rows is not None:
+        if partition_sizes is not None:
+            raise ValueError(f"{name}: pass partition_sizes or partition_rows, not both")
+        rows = tuple(tuple((int(a), int(b)) for a, b in ranges) for ranges in partition_rows)
+        held = [0] * split_size
+        for ranges in rows:
+            for a, b in ranges:
+                if not 0 <= a <= b <= split_size:
+                    raise ValueError(f"{name}: partition_rows range ({a}, {b}) is outside [0, {split_size}]")
+                held[a:b] = [h + 1 for h in held[a:b]]
+        if len(rows) != tp_size or 0 in held:
+            raise ValueError(f"{name}: partition_rows must give each of the {tp_size} ranks its rows, covering "
+                             f"all {split_size} rows of {split_name}")
+        return rows
+    if partition_sizes is None:
+        if split_size % (tp_size * stride) == 0:
+            return None
+        if split_size % stride:
+            raise ValueError(f"{name}: {split_name} {split_size} is not divisible by stride {stride}")
+        partition_sizes = balanced_sizes(split_size // stride, tp_size)
+    sizes = list(partition_sizes)
+    if len(sizes) != tp_size or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in sizes) \
+            or sum(sizes) * stride != split_size:
+        raise ValueError(f"{name}: partition_sizes must be {tp_size} non-negative ints (one per rank) summing to "
+                         f"{split_name} {split_size}" + (f" / stride {stride}" if stride > 1 else "") +
+                         f", got {partition_sizes!r}")
+    if len(set(sizes)) == 1:
+        return None
+    return tuple(tuple(partition_ranges(sizes, rank, stride)) for rank in range(tp_size))
+
+
+def _replicas(rows, rank: int):
+    """For rows several ranks hold: (this rank's local indices of them, their index among the
+    shared rows, how many are shared, local indices of those an earlier rank holds too)."""
+    holders: dict[int, list[int]] = {}
+    for r, ranges in enumerate(rows):
+        for a, b in ranges:
+            for row in range(a, b):
+                holders.setdefault(row, []).append(r)
+    shared = {row: i for i, row in enumerate(sorted(row for row, rs in holders.items() if len(rs) > 1))}
+    local = [row for a, b in rows[rank] for row in range(a, b)]
+    mine = [(i, shared[row]) for i, row in enumerate(local) if row in shared]
+    duplicates = [i for i, row in enumerate(local) if holders[row][0] != rank]
+    return (torch.tensor([i for i, _ in mine], dtype=torch.long), torch.tensor([j for _, j in mine], dtype=torch.long),
+            len(shared), torch.tensor(duplicates, dtype=torch.long))
+
+
 class _ParallelLinear(nn.Module):
     """Shared construction of the column and row layers: sharded weight, optional bias."""
 
     def __init__(self, input_size, output_size, *, partition_dim, bias, bias_is_parallel, init_method,
                  stride, skip_bias_add, sequence_parallel, gradient_accumulation_fusion, is_expert,
                  params_dtype, device, tp_group, perform_initialization, config, keep_master_weight_for_test,
-                 skip_weight_param_allocation=False):
+                 skip_weight_param_allocation=False, partition_sizes=None, partition_rows=None):
         super().__init__()
         name = type(self).__name__
         settings = resolve_config(config, name, params_dtype=params_dtype, sequence_parallel=sequence_parallel,
@@ -420,22 +473,33 @@ class _ParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         split_size = output_size if partition_dim == 0 else input_size
         split_name = "output_size" if partition_dim == 0 else "input_size"
-        if split_size % (self.tp_size * stride) != 0:
-            raise ValueError(f"{name}: {split_name} {split_size} is not divisible by tensor-parallel size "
-                             f"{self.tp_size}" + (f" x stride {stride}" if stride > 1 else ""))
+        rows = _partition_layout(name, split_name, split_size, stride, self.tp_size, partition_sizes, partition_rows)
+        # None: the equal split. Else every rank's rows of the full partition dimension.
+        self.partition_rows = rows
+        self.partition_sizes = None if rows is None else [sum(b - a for a, b in ranges) for ranges in rows]
+        rank = comm.group_rank(self.tp_group)
+        local_size = split_size // self.tp_size if rows is None else self.partition_sizes[rank]
+        self._replicas = None
+        if rows is not None:
+            local_rows, shared_rows, num_shared, self._duplicate_rows = _replicas(rows, rank)
+            if num_shared:
+                if gradient_accumulation_fusion:
+                    raise ValueError(f"{name}: rows held by several ranks (partition_rows) cannot be combined with "
+                                     "gradient_accumulation_fusion")
+                self._replicas = dict(local_rows=local_rows, shared_rows=shared_rows, num_shared=num_shared)
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = _resolve_sequence_parallel(sequence_parallel, self.tp_size, name)
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.is_expert = is_expert
         device = default_device() if device is None else torch.device(device)
-        shape = [output_size // self.tp_size, input_size] if partition_dim == 0 else \
-            [output_size, input_size // self.tp_size]
+        shape = [local_size, input_size] if partition_dim == 0 else [output_size, local_size]
         self.weight_shape = tuple(shape)
         if skip_weight_param_allocation:
             self.register_parameter("weight", None)  # forward(input_, weight=) brings it
         else:
             self.weight = nn.Parameter(torch.empty(shape, dtype=params_dtype, device=device))
             set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=partition_dim, stride=stride)
+            self._set_partition_attributes(self.weight)
             # Megatron's marker for the DP grad reduction: expert weights are reduced elsewhere.
             self.weight.allreduce = not is_expert
             init_method = init_method or init_method_normal(0.02)
@@ -447,14 +511,31 @@ class _ParallelLinear(nn.Module):
                     init_weight_shard(self.master_weight, init_method, partition_dim=partition_dim, stride=stride)
             if perform_initialization:
                 init_weight_shard(self.weight, init_method, partition_dim=partition_dim, stride=stride,
-                                  tp_group=self.tp_group)
+                                  tp_group=self.tp_group, full_rows=split_size,
+                                  rows=None if rows is None else rows[rank])
         if bias:
             bias_size = shape[0]
             self.bias = nn.Parameter(torch.zeros(bias_size, dtype=params_dtype, device=device))
             set_tensor_model_parallel_attributes(self.bias, is_parallel=bias_is_parallel, dim=0, stride=stride)
+            if bias_is_parallel:
+                self._set_partition_attributes(self.bias)
             self.bias.allreduce = not is_expert
         else:
             self.register_parameter("bias", None)
+
+    def _set_partition_attributes(self, param: nn.Parameter) -> None:
+        """Uneven layouts: every rank's rows (for checkpoints) and the rows another rank holds
+        too (counted once by the gradient norm)."""
+        if self.partition_rows is not None:
+            param.partition_rows = self.partition_rows
+            if self._replicas is not None:
+                param.tp_duplicate_rows = self._duplicate_rows
+
+    def _summed_over_replicas(self, param):
+        """``param`` whose gradient rows held by several ranks are summed over their holders."""
+        if self._replicas is None or param is None:
+            return param
+        return sum_grad_over_replicas(param, self.tp_group, **self._replicas)
 
     def _linear(self, input_, weight, bias, *, allreduce_dgrad, sequence_parallel, grad_output_buffer=None,
                 wgrad_deferral_limit=0, overlap_chunks=1, output_reduction=None):
@@ -511,9 +592,16 @@ class ColumnParallelLinear(_ParallelLinear):
     ``defer_wgrad_compute`` fills; ``tp_comm_buffer_name`` is unused (as in Megatron without
     Transformer Engine).
 
+    ``partition_sizes`` (one per rank, default the equal split, else as even as possible) gives
+    ranks unequal shares of the output rows (of each of the ``stride`` blocks); ``partition_rows``
+    lists each rank's ``[start, stop)`` rows of the full weight instead (``stride`` then only
+    names the blocks), and may overlap: a row several ranks hold is replicated and its gradient
+    summed over exactly those ranks.
+
     Example::
 
         qkv = tp.ColumnParallelLinear(h, 3 * h, stride=3)   # heads split across TP ranks
+        fc = tp.ColumnParallelLinear(h, 200, partition_sizes=[72, 64, 64])   # at TP=3
         out, _ = qkv(x)                                      # [s, b, 3h/TP]
     """
 
@@ -524,8 +612,9 @@ class ColumnParallelLinear(_ParallelLinear):
                  perform_initialization=True,
                  defer_wgrad_compute=False, wgrad_deferral_limit=0, overlap="off", config=None,
                  keep_master_weight_for_test=False, embedding_activation_buffer=None, grad_output_buffer=None,
-                 tp_comm_buffer_name=None):
+                 tp_comm_buffer_name=None, partition_sizes=None, partition_rows=None):
         super().__init__(input_size, output_size, partition_dim=0, bias=bias, bias_is_parallel=True,
+                         partition_sizes=partition_sizes, partition_rows=partition_rows,
                          init_method=init_method, stride=stride, skip_bias_add=skip_bias_add,
                          sequence_parallel=sequence_parallel,
                          gradient_accumulation_fusion=gradient_accumulation_fusion, is_expert=is_expert,
@@ -542,6 +631,9 @@ class ColumnParallelLinear(_ParallelLinear):
         self.explicit_expert_comm = is_expert and self.tp_size > 1
         self.allreduce_dgrad = (allreduce_dgrad and self.tp_size > 1 and not self.sequence_parallel
                                 and not disable_grad_reduce and not self.explicit_expert_comm)
+        if (defer_wgrad_compute or gather_output) and self._replicas is not None:
+            raise ValueError("ColumnParallelLinear: rows held by several ranks (partition_rows) cannot be combined "
+                             "with defer_wgrad_compute or gather_output")
         self.defer_wgrad_compute = defer_wgrad_compute
         self.wgrad_deferral_limit = wgrad_deferral_limit
         self.overlap = _resolve_overlap(overlap, "ColumnParallelLinear")
@@ -557,11 +649,11 @@ class ColumnParallelLinear(_ParallelLinear):
             if self.weight is None:
                 raise ValueError("ColumnParallelLinear: built with skip_weight_param_allocation=True, so "
                                  "forward needs the weight: call it as layer(input_, weight=w)")
-            weight = self.weight
+            weight = self._summed_over_replicas(self.weight)
         elif tuple(weight.shape) != self.weight_shape:
             raise ValueError(f"ColumnParallelLinear: the weight passed to forward has shape {list(weight.shape)}, "
                              f"expected {list(self.weight_shape)}")
-        bias = self.bias if not self.skip_bias_add else None
+        bias = self._summed_over_replicas(self.bias) if not self.skip_bias_add else None
         sequence_parallel = self.sequence_parallel and not self.explicit_expert_comm
         if self.allreduce_dgrad or sequence_parallel or self.explicit_expert_comm or self.disable_grad_reduce:
             input_parallel = input_  # the autograd function (or nobody) reduces dgrad
@@ -587,7 +679,8 @@ class ColumnParallelLinear(_ParallelLinear):
                                        overlap_chunks=chunks)
         self._deferred_weight = weight if grad_output_buffer is not None else None
         if self.gather_output if runtime_gather_output is None else runtime_gather_output:
-            output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+            output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group,
+                                                              sizes=self.partition_sizes)
         else:
             output = output_parallel
         return output, (self.bias if self.skip_bias_add else None)
@@ -640,8 +733,8 @@ class RowParallelLinear(_ParallelLinear):
     ``overlap`` (as for :class:`ColumnParallelLinear`) chunks the exit reduction against the GEMM
     and, under SP, the backward all-gather of the output grad against the dgrad GEMM;
     :meth:`start` leaves the exit reduction in flight for interleaving (Domino). Megatron's
-    ``config=``, ``keep_master_weight_for_test`` and ``tp_comm_buffer_name`` as for
-    :class:`ColumnParallelLinear`.
+    ``config=``, ``keep_master_weight_for_test``, ``tp_comm_buffer_name`` and ``partition_sizes``
+    (of the input columns) as for :class:`ColumnParallelLinear`.
 
     Example::
 
@@ -653,8 +746,9 @@ class RowParallelLinear(_ParallelLinear):
                  stride=1, skip_bias_add=False, sequence_parallel=False, gradient_accumulation_fusion=False,
                  is_expert=False, params_dtype=torch.float32, device=None, tp_group=None,
                  perform_initialization=True, overlap="off", config=None, keep_master_weight_for_test=False,
-                 tp_comm_buffer_name=None):
+                 tp_comm_buffer_name=None, partition_sizes=None):
         super().__init__(input_size, output_size, partition_dim=1, bias=bias, bias_is_parallel=False,
+                         partition_sizes=partition_sizes,
                          init_method=init_method, stride=stride, skip_bias_add=skip_bias_add,
                          sequence_parallel=sequence_parallel,
                          gradient_accumulation_fusion=gradient_accumulation_fusion, is_expert=is_expert,
@@ -675,7 +769,8 @@ class RowParallelLinear(_ParallelLinear):
         if self.input_is_parallel:
             input_parallel = input_
         else:
-            input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+            input_parallel = scatter_to_tensor_model_parallel_region(input_, group=self.tp_group,
+                                                                     sizes=self.partition_sizes)
         return self._linear(input_parallel, self.weight, None, allreduce_dgrad=False, sequence_parallel=False,
                             **overlap)
 

@@ -24,10 +24,15 @@ from . import comm
 from .parallel_state import resolve_tp_group
 
 
-def split_along_dim(tensor: torch.Tensor, group, dim: int, what: str = "tensor") -> torch.Tensor:
-    """This rank's contiguous slice of ``tensor`` along ``dim``."""
+def split_along_dim(tensor: torch.Tensor, group, dim: int, what: str = "tensor", sizes=None) -> torch.Tensor:
+    """This rank's contiguous slice of ``tensor`` along ``dim`` (of ``sizes[rank]`` if given)."""
     n, rank = comm.group_size(group), comm.group_rank(group)
     dim = dim % tensor.dim()
+    if sizes is not None:
+        if len(sizes) != n or sum(sizes) != tensor.shape[dim]:
+            raise ValueError(f"{what} dimension {dim} of shape {list(tensor.shape)} cannot be split into "
+                             f"sizes {list(sizes)} over {n} ranks")
+        return tensor.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
     comm.check_divisible(tensor.shape[dim], n, f"{what} dimension {dim} of shape {list(tensor.shape)}")
     return tensor.chunk(n, dim=dim)[rank].contiguous()
 
@@ -67,43 +72,43 @@ class _SplitRegion(torch.autograd.Function):
     """Keep this rank's slice along ``dim``; backward all-gathers it."""
 
     @staticmethod
-    def forward(ctx, input_, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return split_along_dim(input_, group, dim)
+    def forward(ctx, input_, group, dim, sizes):
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        return split_along_dim(input_, group, dim, sizes=sizes)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return comm.all_gather(grad_output, ctx.group, dim=ctx.dim), None, None
+        return comm.all_gather(grad_output, ctx.group, dim=ctx.dim, sizes=ctx.sizes), None, None, None
 
 
 class _GatherRegion(torch.autograd.Function):
     """All-gather along ``dim``; backward keeps this rank's slice (or reduce-scatters it)."""
 
     @staticmethod
-    def forward(ctx, input_, group, dim, reduce_grad):
-        ctx.group, ctx.dim, ctx.reduce_grad = group, dim, reduce_grad
-        return comm.all_gather(input_, group, dim=dim)
+    def forward(ctx, input_, group, dim, reduce_grad, sizes):
+        ctx.group, ctx.dim, ctx.reduce_grad, ctx.sizes = group, dim, reduce_grad, sizes
+        return comm.all_gather(input_, group, dim=dim, sizes=sizes)
 
     @staticmethod
     def backward(ctx, grad_output):
         if ctx.reduce_grad:
-            grad = comm.reduce_scatter(grad_output, ctx.group, dim=ctx.dim)
+            grad = comm.reduce_scatter(grad_output, ctx.group, dim=ctx.dim, sizes=ctx.sizes)
         else:
-            grad = split_along_dim(grad_output, ctx.group, ctx.dim, "gradient")
-        return grad, None, None, None
+            grad = split_along_dim(grad_output, ctx.group, ctx.dim, "gradient", sizes=ctx.sizes)
+        return grad, None, None, None, None
 
 
 class _ReduceScatterRegion(torch.autograd.Function):
     """Reduce-scatter along ``dim``; backward all-gathers."""
 
     @staticmethod
-    def forward(ctx, input_, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return comm.reduce_scatter(input_, group, dim=dim)
+    def forward(ctx, input_, group, dim, sizes):
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        return comm.reduce_scatter(input_, group, dim=dim, sizes=sizes)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return comm.all_gather(grad_output, ctx.group, dim=ctx.dim), None, None
+        return comm.all_gather(grad_output, ctx.group, dim=ctx.dim, sizes=ctx.sizes), None, None, None
 
 
 class _StartReduction(torch.autograd.Function):
@@ -176,6 +181,11 @@ def _single(group) -> bool:
     return comm.group_size(group) == 1
 
 
+def _sizes(sizes):
+    """Unequal per-rank sizes as a list, else None (the equal split's path)."""
+    return None if sizes is None or len(set(sizes)) <= 1 else list(sizes)
+
+
 def copy_to_tensor_model_parallel_region(input_, group=None, *, inplace_grad=False):
     """f: forward identity, backward all-reduce over TP.
 
@@ -218,25 +228,28 @@ def start_reduction_from_tensor_model_parallel_region(input_, group=None, *, seq
     return PendingReduction(_StartReduction.apply(input_, group, sequence_parallel, handles), handles, then)
 
 
-def scatter_to_tensor_model_parallel_region(input_, group=None):
-    """Keep this rank's slice of the last dim; backward all-gathers the last dim."""
+def scatter_to_tensor_model_parallel_region(input_, group=None, *, sizes=None):
+    """Keep this rank's slice of the last dim; backward all-gathers the last dim.
+
+    ``sizes`` (one per rank; default equal) gives every mapping here slices of unequal size.
+    """
     group = resolve_tp_group(group)
-    return input_ if _single(group) else _SplitRegion.apply(input_, group, -1)
+    return input_ if _single(group) else _SplitRegion.apply(input_, group, -1, _sizes(sizes))
 
 
-def gather_from_tensor_model_parallel_region(input_, group=None):
+def gather_from_tensor_model_parallel_region(input_, group=None, *, sizes=None):
     """All-gather the last dim; backward keeps this rank's slice."""
     group = resolve_tp_group(group)
-    return input_ if _single(group) else _GatherRegion.apply(input_, group, -1, False)
+    return input_ if _single(group) else _GatherRegion.apply(input_, group, -1, False, _sizes(sizes))
 
 
-def scatter_to_sequence_parallel_region(input_, group=None):
+def scatter_to_sequence_parallel_region(input_, group=None, *, sizes=None):
     """Keep this rank's slice of the sequence (dim 0); backward all-gathers it."""
     group = resolve_tp_group(group)
-    return input_ if _single(group) else _SplitRegion.apply(input_, group, 0)
+    return input_ if _single(group) else _SplitRegion.apply(input_, group, 0, _sizes(sizes))
 
 
-def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None):
+def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None, *, sizes=None):
     """All-gather the sequence (dim 0); Megatron's positional order, so ported calls work.
 
     Backward reduce-scatters when the consumer is TP-parallel (each rank holds a partial
@@ -250,25 +263,62 @@ def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=Tru
     group = resolve_tp_group(group)
     if _single(group):
         return input_
-    return _GatherRegion.apply(input_, group, 0, tensor_parallel_output_grad)
+    return _GatherRegion.apply(input_, group, 0, tensor_parallel_output_grad, _sizes(sizes))
 
 
-def reduce_scatter_to_sequence_parallel_region(input_, group=None):
+def reduce_scatter_to_sequence_parallel_region(input_, group=None, *, sizes=None):
     """Sum partial results over TP and keep this rank's sequence slice; backward all-gathers."""
     group = resolve_tp_group(group)
-    return input_ if _single(group) else _ReduceScatterRegion.apply(input_, group, 0)
+    return input_ if _single(group) else _ReduceScatterRegion.apply(input_, group, 0, _sizes(sizes))
 
 
-def all_gather_last_dim_from_tensor_parallel_region(input_, group=None):
+def all_gather_last_dim_from_tensor_parallel_region(input_, group=None, *, sizes=None):
     """All-gather the last dim; backward reduce-scatters it."""
     group = resolve_tp_group(group)
-    return input_ if _single(group) else _GatherRegion.apply(input_, group, -1, True)
+    return input_ if _single(group) else _GatherRegion.apply(input_, group, -1, True, _sizes(sizes))
 
 
-def reduce_scatter_last_dim_to_tensor_parallel_region(input_, group=None):
+def reduce_scatter_last_dim_to_tensor_parallel_region(input_, group=None, *, sizes=None):
     """Reduce-scatter the last dim; backward all-gathers it."""
     group = resolve_tp_group(group)
-    return input_ if _single(group) else _ReduceScatterRegion.apply(input_, group, -1)
+    return input_ if _single(group) else _ReduceScatterRegion.apply(input_, group, -1, _sizes(sizes))
+
+
+class _SumOverReplicas(torch.autograd.Function):
+    """Identity forward; backward sums the gradient rows that several ranks hold."""
+
+    @staticmethod
+    def forward(ctx, input_, group, local_rows, shared_rows, num_shared):
+        ctx.group, ctx.local_rows, ctx.shared_rows, ctx.num_shared = group, local_rows, shared_rows, num_shared
+        return input_.view_as(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        local_rows = ctx.local_rows.to(grad_output.device)
+        shared_rows = ctx.shared_rows.to(grad_output.device)
+        shared = grad_output.new_zeros((ctx.num_shared, *grad_output.shape[1:]))
+        shared.index_copy_(0, shared_rows, grad_output.index_select(0, local_rows))
+        comm.all_reduce(shared, ctx.group)
+        return grad_output.index_copy(0, local_rows, shared.index_select(0, shared_rows)), None, None, None, None
+
+
+def sum_grad_over_replicas(input_, group=None, *, local_rows, shared_rows, num_shared):
+    """Identity forward; backward sums over ``group`` the gradient rows held by several ranks.
+
+    For a parameter some of whose rows (dim 0) are replicated on several ranks, each of which
+    computes a partial gradient: ``local_rows[i]`` (this rank's row) is shared row
+    ``shared_rows[i]`` of ``num_shared``. One all-reduce of ``[num_shared, ...]``, in which a
+    rank's rows it does not hold are zero, so each shared row is summed over exactly its holders.
+
+    Example::
+
+        w = sum_grad_over_replicas(self.weight, local_rows=torch.tensor([4, 5]),
+                                   shared_rows=torch.tensor([0, 1]), num_shared=2)
+    """
+    group = resolve_tp_group(group)
+    if _single(group) or num_shared == 0:
+        return input_
+    return _SumOverReplicas.apply(input_, group, local_rows, shared_rows, num_shared)
 
 
 def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None, *, output_split_sizes=None):

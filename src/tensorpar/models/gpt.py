@@ -95,6 +95,9 @@ class GPTConfig:
     ``interleave`` > 1 splits each block's micro-batch into that many parts and interleaves
     them (Domino), so one part's row-layer reductions travel while another part computes.
 
+    Every size works at every TP size with at least one query head per rank: heads, K/V heads
+    (also fewer than TP: replicated), FFN and vocabulary need not divide by TP.
+
     Llama-family options: ``num_query_groups`` is the number of K/V heads (grouped-query
     attention; default ``num_heads``); ``qkv_bias`` defaults to ``bias`` (Qwen2 has biases on
     Q, K and V only); ``rope_scaling`` is Llama 3's ``{"rope_type": "llama3", "factor",
@@ -347,27 +350,48 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with this rank's ``num_query_groups / TP`` K/V heads and their queries.
+    """Causal self-attention with this rank's query heads and the K/V heads they read.
 
     The fused QKV weight is ``p + 2`` equal blocks of ``num_query_groups`` heads each, ``p`` the
     query heads per group: block ``j`` holds every group's ``j``-th query head, then come K and
-    V. ``stride=p+2`` gives each rank the rows of its own groups in every block (``p = 1``, no
-    grouped-query attention, is plain Q|K|V). Each rank attends with its own heads only.
+    V. When TP divides both head counts, ``stride=p+2`` gives each rank the rows of its own
+    groups in every block (``p = 1``, no grouped-query attention, is plain Q|K|V). Otherwise the
+    query heads are split as evenly as possible in contiguous runs and each rank holds the K/V
+    heads its queries read (:func:`layout.attention_layout`): a K/V head several ranks read is
+    replicated on each, its gradient summed over them by the QKV layer. Each rank attends with
+    its own heads only.
     """
 
     def __init__(self, config: GPTConfig, parallel: _Parallel, layer_number: int) -> None:
         super().__init__()
         self.config, self.layer_number = config, layer_number
-        self.local_groups = config.num_query_groups // parallel.size
-        p, d = config.queries_per_group, config.head_dim
-        self.qkv = parallel.column(config.hidden_size, (p + 2) * config.num_query_groups * d,
-                                   bias=config.qkv_bias, stride=p + 2,
-                                   init_method=init_method_normal(config.init_std),
+        n, p, d = parallel.size, config.queries_per_group, config.head_dim
+        groups = config.num_query_groups
+        self.even = config.num_heads % n == 0 and groups % n == 0
+        qkv_layout, proj_layout = dict(stride=p + 2), {}
+        if self.even:
+            self.local_heads, self.local_groups = config.num_heads // n, groups // n
+        else:
+            heads = layout.attention_layout(config.num_heads, groups, d, n)
+            (first, stop), _ = heads[parallel.rank]
+            self.local_heads = stop - first
+            self.local_groups = (stop - 1) // p + 1 - first // p
+            # stride still names the p + 2 blocks (checkpoints store them alike at every TP size).
+            qkv_layout["partition_rows"] = [rows for _, rows in heads]
+            proj_layout = dict(partition_sizes=[(b - a) * d for (a, b), _ in heads])
+            # Local query head i reads local K/V head group_of_head[i].
+            group_of_head = torch.tensor([h // p - first // p for h in range(first, stop)])
+            uniform = group_of_head.equal(torch.arange(self.local_groups).repeat_interleave(
+                self.local_heads // self.local_groups))
+            self.register_buffer("group_of_head", None if uniform else group_of_head.to(parallel.device),
+                                 persistent=False)
+        self.qkv = parallel.column(config.hidden_size, (p + 2) * groups * d, bias=config.qkv_bias,
+                                   init_method=init_method_normal(config.init_std), **qkv_layout,
                                    **parallel.linear_kwargs(config))
         self.proj = parallel.row(config.num_heads * d, config.hidden_size, bias=config.bias,
                                  input_is_parallel=True,
                                  init_method=scaled_init_method_normal(config.init_std, config.num_layers),
-                                 **parallel.linear_kwargs(config))
+                                 **proj_layout, **parallel.linear_kwargs(config))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
@@ -385,14 +409,23 @@ class Attention(nn.Module):
         qkv, _ = self.qkv(x)                                        # [s, b, (p+2) groups/TP d]
         s, b = qkv.shape[:2]
         p, g, d = self.config.queries_per_group, self.local_groups, self.config.head_dim
-        qkv = qkv.view(s, b, p + 2, g, d)
-        # [b, heads/TP, s, d] with the query heads of one group adjacent (Hugging Face's order).
-        q = qkv[:, :, :p].permute(1, 3, 2, 0, 4).reshape(b, g * p, s, d)
-        k, v = qkv[:, :, p].permute(1, 2, 0, 3), qkv[:, :, p + 1].permute(1, 2, 0, 3)   # [b, groups/TP, s, d]
+        if self.even:
+            qkv = qkv.view(s, b, p + 2, g, d)
+            # [b, heads/TP, s, d] with the query heads of one group adjacent (Hugging Face's order).
+            q = qkv[:, :, :p].permute(1, 3, 2, 0, 4).reshape(b, g * p, s, d)
+            k, v = qkv[:, :, p].permute(1, 2, 0, 3), qkv[:, :, p + 1].permute(1, 2, 0, 3)   # [b, groups/TP, s, d]
+        else:
+            # This rank's query heads in order, then its K heads, then its V heads.
+            q, k, v = (t.unflatten(-1, (-1, d)).permute(1, 2, 0, 3)
+                       for t in qkv.split([self.local_heads * d, g * d, g * d], dim=-1))
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer_number, k, v)         # every position so far
+        gqa = q.shape[1] != k.shape[1]
+        if not self.even and self.group_of_head is not None:
+            # Query heads reading their K/V heads unevenly: SDPA's enable_gqa needs equal runs.
+            k, v, gqa = k.index_select(1, self.group_of_head), v.index_select(1, self.group_of_head), False
         keys = k.shape[2]
         if mask is None and keys > s:
             # SDPA's is_causal aligns the causal mask top-left; after cached keys, query i is
@@ -404,7 +437,7 @@ class Attention(nn.Module):
         with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
             # enable_gqa: query head i reads K/V head i // p, with no copy.
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                 is_causal=mask is None, enable_gqa=p > 1)
+                                                 is_causal=mask is None, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)            # [s, b, heads/TP d]
 
 
@@ -492,15 +525,11 @@ class GPT(nn.Module):
         self.tp_group = resolve_tp_group(tp_group)
         parallel = _Parallel(config, self.tp_group, torch.device(device) if device is not None else default_device())
         self.parallel = parallel
-        if config.num_heads % parallel.size != 0:
-            raise ValueError(f"num_heads ({config.num_heads}) is not divisible by the tensor-parallel size "
-                             f"({parallel.size})")
-        if config.num_query_groups % parallel.size != 0:
-            raise ValueError(f"num_query_groups ({config.num_query_groups} K/V heads) is not divisible by the "
-                             f"tensor-parallel size ({parallel.size})")
-        if config.ffn_hidden_size % parallel.size != 0:
-            raise ValueError(f"ffn_hidden_size ({config.ffn_hidden_size}) is not divisible by the "
-                             f"tensor-parallel size ({parallel.size})")
+        if config.num_heads < parallel.size:
+            raise ValueError(f"num_heads ({config.num_heads}) is smaller than the tensor-parallel size "
+                             f"({parallel.size}): every rank needs a query head")
+        if config.tp_invariant:
+            invariant.check_gpt_sizes(config, tp_size=parallel.size)
         self.padded_vocab_size = config.padded_vocab_size(parallel.size)
         self.embedding = Embedding(config, parallel)
         self.blocks = nn.ModuleList(Block(config, parallel, i) for i in range(config.num_layers))
@@ -514,6 +543,10 @@ class GPT(nn.Module):
             # The fused head writes main_grad and hands autograd zeros, to which the embedding's
             # gradient is added: the DP reducer adds that .grad to main_grad too.
             self.embedding.word.weight.zero_out_wgrad = True
+        # Rows past the vocabulary are padding whose size depends on TP (checkpoints re-pad them).
+        for weight in (self.embedding.word.weight, self.lm_head.weight):
+            if weight is not None:
+                weight.unpadded_rows = config.vocab_size
         self._rotary_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         for param in self.parameters():
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)
@@ -527,7 +560,18 @@ class GPT(nn.Module):
         ``attn_mask`` (boolean ``[b, 1, s, keys]``, True = attend; default causal), ``kv_cache``
         and ``last_position_only`` (the logits of the last position alone, except under SP,
         whose sequence is split) serve generation (see :meth:`generate`)."""
-        self._check_input(tokens, labels)
+        self._check_input(tokens, labels, padding_allowed=attn_mask is None and kv_cache is None)
+        seq_len = tokens.shape[1]
+        pad = -seq_len % self.parallel.size if self.parallel.sequence_parallel else 0
+        if pad:
+            # SP splits the sequence evenly: padded at the end, which no real position sees (causal),
+            # with labels ignored, so loss and gradients are the unpadded sequence's.
+            if position_ids is None:
+                position_ids = torch.arange(seq_len + pad, device=tokens.device).clamp(max=self.config.max_seq_len - 1)
+            else:
+                position_ids = F.pad(position_ids, (0, pad))
+            tokens = F.pad(tokens, (0, pad))
+            labels = None if labels is None else F.pad(labels, (0, pad), value=-100)
         rotary = (None, None)
         if self.config.position_embedding == "rope":
             cos, sin = self._rotary(position_ids, tokens.shape[1], tokens.device)
@@ -551,7 +595,7 @@ class GPT(nn.Module):
         # f (or the SP all-gather) inside. Logits stay split over the vocab: never gathered.
         logits, _ = self.lm_head(x, weight=self.embedding.word.weight if self.config.tie_word_embeddings else None)
         if labels is None:
-            return logits.transpose(0, 1)                           # [b, s, V_pad/TP]
+            return logits.transpose(0, 1)[:, :seq_len]              # [b, s, V_pad/TP]
         labels = labels.t()
         cross_entropy = invariant.vocab_parallel_cross_entropy if self.config.tp_invariant \
             else vocab_parallel_cross_entropy
@@ -573,16 +617,17 @@ class GPT(nn.Module):
             return tuple(t[:seq_len] for t in tables)
         return tuple(t[position_ids] for t in tables)
 
-    def _check_input(self, tokens: torch.Tensor, labels: torch.Tensor | None) -> None:
+    def _check_input(self, tokens: torch.Tensor, labels: torch.Tensor | None, *, padding_allowed: bool) -> None:
         if tokens.dim() != 2 or tokens.is_floating_point() or tokens.dtype == torch.bool:
             raise ValueError(f"tokens must be an integer tensor [batch, seq], got {tokens.dtype} "
                              f"of shape {list(tokens.shape)}")
         seq_len = tokens.shape[1]
         if seq_len > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq_len} is longer than max_seq_len {self.config.max_seq_len}")
-        if self.parallel.sequence_parallel and seq_len % self.parallel.size != 0:
+        if self.parallel.sequence_parallel and seq_len % self.parallel.size != 0 and not padding_allowed:
             raise ValueError(f"sequence length {seq_len} is not divisible by the tensor-parallel size "
-                             f"{self.parallel.size} (needed by sequence parallelism)")
+                             f"{self.parallel.size}, as sequence parallelism with an attention mask or a KV "
+                             "cache needs")
         check_index_range(tokens, self.config.vocab_size, "token id",
                           f"outside the vocabulary [0, {self.config.vocab_size})")
         if labels is not None and labels.shape != tokens.shape:
@@ -591,7 +636,7 @@ class GPT(nn.Module):
     def new_kv_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty :class:`KVCache` for ``batch`` sequences of up to ``capacity`` positions."""
         weight = self.embedding.word.weight
-        shape = (batch, self.config.num_query_groups // self.parallel.size, capacity, self.config.head_dim)
+        shape = (batch, self.blocks[0].attention.local_groups, capacity, self.config.head_dim)
         return KVCache(num_layers=self.config.num_layers, shape=shape, dtype=weight.dtype, device=weight.device)
 
     @torch.no_grad()

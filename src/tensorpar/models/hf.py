@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 
 from .. import comm
-from ..initialization import shard_rows
 from .gpt import GPT, GPTConfig
 from .hf_files import (INDEX, SafetensorsReader, check_weights, config_from_hf, config_from_hf_dir, family_of,
                        model_dir, tensor_key)
@@ -215,9 +214,7 @@ def _load_shards(model: GPT, reader) -> None:
     n, rank = comm.group_size(model.tp_group), comm.group_rank(model.tp_group)
     for layout in model.parameter_layouts():
         dim = layout.partition_dim % len(layout.full_shape) if layout.tensor_model_parallel else 0
-        full_rows = layout.full_shape[dim]
-        ranges = (shard_rows(full_rows, n, rank, layout.partition_stride) if layout.tensor_model_parallel
-                  else [(0, full_rows)])
+        ranges = layout.ranges(rank, n) if layout.tensor_model_parallel else [(0, layout.full_shape[dim])]
         _copy_shard(reader, pieces[layout.name], layout, ranges, dim)
 
 

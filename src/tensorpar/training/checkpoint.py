@@ -12,6 +12,10 @@ records each rank's chunk offsets and no rank ever materialises a full tensor. A
 ``partition_stride`` k (fused Q|K|V, gate|up) is k blocks each split over TP; it is stored
 viewed as ``[k, rows/k, ...]``, which makes every rank's strided shard one box of that view
 while keeping the TP=1 element order. Loading at another TP size asks DCP for the new boxes.
+A parameter of an uneven layout (``partition_rows``: heads, K/V heads or FFN rows TP does not
+divide) is stored whole in the same global shape, gathered at save and sharded after load.
+The vocabulary's padding depends on TP (a multiple of lcm(make_vocab_size_divisible_by, TP)):
+loading at a TP size that pads it otherwise reads the saved rows whole and keeps the real ones.
 
 Atomicity: DCP writes into ``step_N.tmp``; rank 0 adds the JSON files, renames the directory
 to ``step_N`` and only then replaces ``latest`` (itself via rename). A save killed at any
@@ -57,6 +61,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .. import comm
 from ..errors import UsageError
+from ..fsdp import full_box, gather_dp_shards, reshard, scatter_dp_shard, tp_dp_mesh
+from ..models.layout import gather_full_tensor, shard_full_tensor
 from ..random import get_rng_tracker
 from .rundir import check_dir, write_file
 from .schema import SchemaError, check_config, check_meta
@@ -158,6 +164,37 @@ def _sharded(tensor: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None)
                               shape=torch.Size(global_shape), stride=tuple(global_stride))
 
 
+def _stored(tensor: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None, tp_group):
+    """``tensor`` as DCP should store it: :func:`_sharded`, or for an uneven layout
+    (``partition_rows``, which no DTensor placement describes) the full tensor, gathered, in
+    the same global shape, so a checkpoint moves between even and uneven TP sizes."""
+    rows = getattr(param, "partition_rows", None)
+    if rows is None or mesh is None:
+        return _sharded(tensor, param, mesh)
+    full = gather_full_tensor(tensor, partition_dim=param.partition_dim, stride=param.partition_stride,
+                              tp_group=tp_group, partition_rows=rows)
+    dim, stride, shape = param.partition_dim % full.dim(), param.partition_stride, list(full.shape)
+    return full if stride == 1 else full.view(shape[:dim] + [stride, shape[dim] // stride] + shape[dim + 1:])
+
+
+@torch.no_grad()
+def _unstore(state: dict, model: torch.nn.Module, optimizer, tp_group) -> None:
+    """Copy the loaded full tensors of uneven layouts into this rank's shards."""
+    for name, p in model.named_parameters():
+        rows = getattr(p, "partition_rows", None)
+        if rows is None or comm.group_size(tp_group) == 1:
+            continue
+        targets = {f"model.{name}": p.data}
+        if optimizer is not None:
+            targets.update({f"optim.{name}.{key}": optimizer.state[p][key] for key in _ADAM_MOMENTS})
+        for key, target in targets.items():
+            dim = p.partition_dim % target.dim()
+            full_shape = list(target.shape)
+            full_shape[dim] = max(b for ranges in rows for _, b in ranges)
+            target.copy_(shard_full_tensor(state[key].reshape(full_shape), partition_dim=dim,
+                                           tp_group=tp_group, partition_rows=rows))
+
+
 def _tp_mesh(tp_group) -> DeviceMesh | None:
     if comm.group_size(tp_group) == 1:
         return None
@@ -200,19 +237,44 @@ def _rng_spec() -> dict[str, list[int]]:
 def build_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                      tp_group, with_rng: bool) -> dict:
     """The flat DCP state dict: ``model.*``, ``optim.*`` and (optionally) this rank's ``rng.*``."""
+    return _state_dict(model, optimizer, tp_group=tp_group, with_rng=with_rng)[0]
+
+
+@torch.no_grad()
+def _state_dict(model, optimizer, *, tp_group, with_rng: bool) -> tuple[dict, list]:
+    """:func:`build_state_dict`, and the (FSDP shard, gathered copy) pairs a load copies back.
+
+    Under :func:`tensorpar.fully_shard` each FSDP shard is saved as its box of the TP=1
+    tensor on the (TP, DP) mesh, so the files are the same with and without FSDP; a strided
+    weight's DP shard is no such box: it is gathered over DP to its TP shard first (and copied
+    back after a load), which a save or load holds on every rank for a moment.
+    """
     mesh = _tp_mesh(tp_group)
-    state = {}
+    # FSDP keeps the root unit gathered after a forward with no backward (an evaluation): its
+    # registered parameters are then the gathered copies, not the shards the optimizer steps.
+    reshard(model)
+    fsdp_mesh = tp_dp_mesh(tp_group) if any(isinstance(p, DTensor) for p in model.parameters()) else None
+    state, gathered = {}, []
+
+    def entry(tensor, param):
+        if isinstance(tensor, DTensor) and (box := full_box(tensor, param, fsdp_mesh)) is not None:
+            return box
+        whole = gather_dp_shards(tensor)
+        if whole is not tensor:
+            gathered.append((tensor, whole))
+        return _stored(whole, param, mesh, tp_group)
+
     for name, p in model.named_parameters():
-        state[f"model.{name}"] = _sharded(p.data, p, mesh)
+        state[f"model.{name}"] = entry(p.data, p)
         if optimizer is not None:
             moments = optimizer.state[p]
             state[f"optim.{name}.step"] = moments["step"]
             for key in _ADAM_MOMENTS:
-                state[f"optim.{name}.{key}"] = _sharded(moments[key], p, mesh)
+                state[f"optim.{name}.{key}"] = entry(moments[key], p)
     if with_rng:
         for key, value in _rng_state().items():
             state[f"rng.rank{dist.get_rank()}.{key}"] = value
-    return state
+    return state, gathered
 
 
 # --- saving -------------------------------------------------------------------------------
@@ -557,11 +619,13 @@ def _spec(value: torch.Tensor) -> tuple[torch.dtype, list[int]]:
     return value.dtype, list(value.shape)  # a DTensor's shape is its global shape
 
 
-def _expected_entries(model, meta: dict, tp_group) -> dict[str, tuple[torch.dtype, list[int]]]:
-    """Every entry the checkpoint must hold: model, optimizer and every saving rank's RNG states."""
-    model_state = build_state_dict(model, None, tp_group=tp_group, with_rng=False)
+def _expected_entries(state: dict, meta: dict) -> dict[str, tuple[torch.dtype, list[int]]]:
+    """Every entry the checkpoint must hold (the ``model.*`` entries of ``state`` say which):
+    model, optimizer and every saving rank's RNG states."""
     expected = {}
-    for key, value in model_state.items():
+    for key, value in state.items():
+        if not key.startswith("model."):
+            continue
         name = key.removeprefix("model.")
         expected[key] = _spec(value)
         expected[f"optim.{name}.step"] = (torch.float32, [])
@@ -613,6 +677,39 @@ class _TensorsOnlyPlanner(DefaultLoadPlanner):
         raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn} is not a tensor; refusing it")
 
 
+def _other_padding(state: dict, expected: dict, stored: dict, model, optimizer) -> list:
+    """Vocabulary rows padded to another size by the saving TP size (parameters marked with
+    ``unpadded_rows``, the real vocabulary): each such entry is loaded whole at its stored
+    shape, and its real rows are copied into this rank's shard afterwards.
+
+    Returns ``(loaded, target, real rows)`` for each; updates ``state`` and ``expected``.
+    """
+    repadded = []
+    for name, p in model.named_parameters():
+        real = getattr(p, "unpadded_rows", None)
+        if real is None:
+            continue
+        targets = {f"model.{name}": p.data}
+        if optimizer is not None:
+            targets.update({f"optim.{name}.{key}": optimizer.state[p][key] for key in _ADAM_MOMENTS})
+        for key, target in targets.items():
+            entry, (dtype, shape) = stored.get(key), expected[key]
+            if not isinstance(entry, TensorStorageMetadata):
+                continue
+            size = list(entry.size)
+            # Anything but other padding of the same real rows is left for _mismatch to name.
+            if size == shape or len(size) != len(shape) or size[1:] != shape[1:] or size[0] < real:
+                continue
+            if isinstance(target, DTensor):
+                raise CheckpointError(f"{key} is padded to {size[0]} rows in the checkpoint and {shape[0]} here "
+                                      "(another TP size pads the vocabulary otherwise), which a model under FSDP "
+                                      "cannot load: resume without --fsdp, or at the saving TP size")
+            expected[key] = (dtype, size)
+            state[key] = torch.empty(size, dtype=dtype, device=target.device)
+            repadded.append((state[key], target, real))
+    return repadded
+
+
 def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
     """Load a verified checkpoint into ``model``/``optimizer`` (any TP/DP size), collectively.
 
@@ -622,15 +719,16 @@ def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
     """
     if optimizer is not None:
         _init_adam_state(optimizer)
-    state = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=restore_rng)
-    metadata, error = None, None
+    state, gathered = _state_dict(model, optimizer, tp_group=tp_group, with_rng=restore_rng)
+    metadata, error, repadded = None, None, []
     try:
         meta = read_json(ckpt)[1]
-        expected = _expected_entries(model, meta, tp_group)
+        expected = _expected_entries(state, meta)
         if restore_rng and meta["rng"] != _rng_spec():
             raise CheckpointError(f"checkpoint {ckpt}: its RNG states {sorted(meta['rng'])} are not "
                                   f"this process's {sorted(_rng_spec())}")
         metadata = read_metadata(ckpt, listed=set(_manifest(ckpt)))
+        repadded = _other_padding(state, expected, metadata.state_dict_metadata, model, optimizer)
         problem = _mismatch(metadata.state_dict_metadata, expected)
         if problem is not None:
             raise CheckpointError(f"checkpoint {ckpt} {problem}; refusing to load it")
@@ -641,6 +739,16 @@ def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
         dcp.load(state, storage_reader=_ValidatedReader(ckpt, metadata), planner=_TensorsOnlyPlanner())
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"loading checkpoint {ckpt} failed: {_describe(exc)}") from exc
+    _unstore(state, model, optimizer, tp_group)
+    rank = comm.group_rank(tp_group)
+    with torch.no_grad():
+        for loaded, target, real in repadded:
+            start = rank * target.shape[0]
+            stop = min(start + target.shape[0], real)
+            if stop > start:
+                target[:stop - start].copy_(loaded[start:stop])
+    for shard, whole in gathered:
+        scatter_dp_shard(shard, whole)
     if restore_rng:
         prefix = f"rng.rank{dist.get_rank()}."
         _set_rng_state({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})

@@ -23,7 +23,7 @@ DEFAULT_OUT = "tensorpar-run"
 def _number(kind, *, low: float, low_inclusive: bool = True, high: float | None = None):
     """An argparse type: a finite ``kind`` in ``[low, high)`` (``(low, high)`` unless ``low_inclusive``)."""
     bound = (f"{'>=' if low_inclusive else '>'} {low:g}" if high is None
-             else f"in {'[' if low_inclusive else '('}{low:g}, {high:g})")
+             else f"in {'[' if low_inclusive else '('}{low:g}, {high:{'d' if kind is int else 'g'}})")
 
     def parse(text: str):
         try:
@@ -55,15 +55,21 @@ def _non_negative(kind):
     return _number(kind, low=0)
 
 
-def _add_world_flags(parser: argparse.ArgumentParser) -> None:
+# A collective needs a second to connect; a week is longer than any step waits for a peer.
+_TIMEOUT = _number(float, low=1, high=7 * 24 * 3600)
+# torch seeds are 64-bit; the streams add small offsets (TP rank, resumed step) to the seed.
+_SEED = _number(int, low=0, high=2**32)
+
+
+def _add_world_flags(parser: argparse.ArgumentParser, *, nproc_default: str = "the GPU count, or 2 on CPU") -> None:
     parser.add_argument("--nproc", type=_positive(int), default=None,
-                        help="local processes to start (default: the GPU count, or 2 on CPU); "
+                        help=f"local processes to start (default: {nproc_default}); "
                              "ignored under torchrun, which sets the world")
     parser.add_argument("--tp", type=_positive(int), default=None,
                         help="tensor-parallel size (default: 2 if the world is even, else 1); "
                              "the rest of the world is data parallel")
-    parser.add_argument("--timeout", type=_positive(float), default=300.0,
-                        help="seconds before a collective that does not complete is an error")
+    parser.add_argument("--timeout", type=_TIMEOUT, default=300.0,
+                        help="seconds before a collective that does not complete is an error, in [1, 604800)")
 
 
 _PRESET_HELP = ("model preset (default: tiny): tiny (4 layers, width 128, 4 heads), llama-tiny (tiny with "
@@ -87,6 +93,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                           "(its latest); any TP/DP size. The run keeps every setting it had (data, sequence "
                           "length, schedule, batch, logging, ...) unless a flag gives another value, and says "
                           "so (default: start a new run)")
+    run.add_argument("--fsdp", action="store_true",
+                     help="shard parameters, gradients and optimizer state over the data-parallel ranks "
+                          "(FSDP2, ZeRO-3): --nproc N --tp T gives T-way TP and N/T-way FSDP")
     run.add_argument("--overwrite", action="store_true",
                      help="start over in an --out that holds a run: its files are removed once this run's "
                           "first checkpoint is written")
@@ -99,7 +108,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--log-every", type=_positive(int), default=None,
                      help="metrics.jsonl row every N steps, and a log line when the output is not a terminal "
                           "(default: 10)")
-    run.add_argument("--seed", type=int, default=None, help="seed of the weights, dropout and batches (default: 1234)")
+    run.add_argument("--seed", type=_SEED, default=None,
+                     help="seed of the weights, dropout and batches, in [0, 2^32) (default: 1234)")
     run.add_argument("--no-progress", action="store_true",
                      help="log lines instead of a progress bar, also on a terminal")
     run.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
@@ -132,13 +142,18 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--init-from", default=None, metavar="CKPT",
                        help="start a new run from a tensorpar checkpoint's weights (a step_N directory or an output "
                             "directory: its latest), at any TP size: its model and tokenizer, with a fresh optimizer "
-                            "and schedule from step 0 (to continue that run instead: --resume)")
+                            "and schedule from step 0 (to continue that run instead: --resume; default: random initialization)")
     model.add_argument("--layers", type=_positive(int), default=None, help="transformer layers (default: the preset's)")
     model.add_argument("--hidden", type=_positive(int), default=None, help="hidden size (default: the preset's)")
     model.add_argument("--heads", type=_positive(int), default=None,
-                       help="attention heads, divisible by --tp (default: the preset's)")
+                       help="attention heads, at least --tp (default: the preset's)")
+    model.add_argument("--kv-heads", type=_positive(int), default=None,
+                       help="key/value heads (grouped-query attention), dividing --heads; any number against "
+                            "--tp: fewer are replicated (default: --heads)")
     model.add_argument("--ffn-hidden", type=_positive(int), default=None,
-                       help="MLP width, divisible by --tp (default: 4 x hidden)")
+                       help="MLP width, any size (default: 4 x hidden)")
+    model.add_argument("--rope-theta", type=_positive(float), default=None,
+                       help="rotary base with --position-embedding rope (default: 10000)")
     model.add_argument("--vocab", type=_positive(int), default=None,
                        help="vocabulary size, at least the data's (default: the data's)")
     model.add_argument("--norm", choices=("layernorm", "rmsnorm"), default=None,
@@ -167,7 +182,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     optim = parser.add_argument_group("optimizer")
     optim.add_argument("--lr", type=_positive(float), default=None, help="peak learning rate (default: 3e-3)")
     optim.add_argument("--min-lr", type=_non_negative(float), default=None,
-                       help="learning rate at the end of the decay (default: 3e-4)")
+                       help="learning rate at the end of the decay (default: a tenth of --lr; a resumed run's own "
+                            "unless --lr is given)")
     optim.add_argument("--warmup", type=_non_negative(int), default=None, help="linear warmup steps (default: 30)")
     optim.add_argument("--lr-decay-steps", type=_positive(int), default=None,
                        help="step at which the cosine decay reaches --min-lr (default: --steps of a new run)")
@@ -216,6 +232,14 @@ def _run_in_world(entry, args, nproc: int) -> dict:
         set_threads()
         return {int(os.environ["RANK"]): entry(args)}
     return launch_local(entry, args, nproc=nproc)
+
+
+def _check_paths(args) -> None:
+    """Refuse a path flag that names nothing, before the slow imports (checkpoint, transformers)."""
+    for name in ("data", "resume", "checkpoint", "tokenizer"):
+        path = getattr(args, name, None)
+        if path is not None and not os.path.exists(path):
+            raise UsageError(f"--{name} {path}: no such file or directory")
 
 
 # --- train ---------------------------------------------------------------------------------
@@ -272,12 +296,19 @@ def _check_train_args(args, world: int) -> None:
     resolve_tokenizer(args, meta or init_meta)
     tokens, vocab_size, source = inspect_data(args.data, tokenizer=args.tokenizer)
     config = build_config(args, vocab_size=vocab_size, saved=saved, origin=origin)
+    if args.fsdp and config.gradient_accumulation_fusion:
+        raise UsageError("--fsdp cannot combine with gradient-accumulation fusion (--grad-fusion, or the resumed "
+                         "run's setting): FSDP reduces the gradients itself; drop one of them")
+    if args.fsdp and config.tp_invariant:
+        raise UsageError("--fsdp cannot combine with --tp-invariant (or the resumed run's setting): FSDP's "
+                         "reductions do not follow the invariant mode's fixed orders; drop one of them")
     seq_len = default_seq_len(args, config)
     check_fits(config, tp=args.tp, seq_len=seq_len)
     train_token_count(tokens, val_fraction=VAL_FRACTION, seq_len=seq_len, source=source)
     settle_run(args, meta=meta, dp_size=world // args.tp)
     check_memory(config, tp=args.tp, dp=world // args.tp, seq_len=seq_len, micro_batch=args.micro_batch,
-                 dtype=args.dtype, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if _under_torchrun() else world)
+                 dtype=args.dtype, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if _under_torchrun() else world,
+                 fsdp=args.fsdp)
     args.out = args.out or DEFAULT_OUT
     _check_writable_dir(Path(args.out), "--out")
     if not _under_torchrun():
@@ -294,6 +325,7 @@ def train_entry(args):
 
 
 def _cmd_train(args) -> int:
+    _check_paths(args)
     world = _resolve_world(args)
     _check_train_args(args, world)
     started = datetime.datetime.now()
@@ -320,12 +352,31 @@ def generate_entry(args):
     return generate(args)
 
 
+def _fits_one_device(ckpt: Path) -> bool:
+    """Whether the checkpoint's tensor files (weights and optimizer state: more than generating
+    needs) fit in half the memory free on one device (unknown: no)."""
+    import torch
+
+    need = sum(path.stat().st_size for path in ckpt.glob("*.distcp"))
+    if torch.cuda.is_available():
+        free = torch.cuda.mem_get_info()[0]
+    else:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return False
+    return need <= free // 2
+
+
 def _cmd_generate(args) -> int:
+    _check_paths(args)
     from .inference import encode_prompt
     from .loop import check_fits, config_from_json
 
+    ckpt, saved, meta = _open_checkpoint("--checkpoint", args.checkpoint)
+    if args.nproc is None and args.tp is None and not _under_torchrun() and _fits_one_device(ckpt):
+        args.nproc = args.tp = 1  # this process generates at once; starting ranks takes seconds each
     world = _resolve_world(args)
-    _, saved, meta = _open_checkpoint("--checkpoint", args.checkpoint)
     config = config_from_json(saved)
     check_fits(config, tp=args.tp, seq_len=1)
     if args.tokenizer is not None:
@@ -347,6 +398,7 @@ def export_entry(args):
 
 
 def _cmd_export(args) -> int:
+    _check_paths(args)
     from ..models.hf import hf_config_of
     from .loop import config_from_json
 
@@ -371,6 +423,7 @@ def _cmd_export(args) -> int:
 # --- prepare -------------------------------------------------------------------------------
 
 def _cmd_prepare(args) -> int:
+    _check_paths(args)
     from .data import prepare
 
     out = Path(args.out)
@@ -419,8 +472,9 @@ def register(subparsers) -> None:
     gen.add_argument("--temperature", type=_non_negative(float), default=0.8,
                      help="sampling temperature (0: greedy)")
     gen.add_argument("--top-k", type=_positive(int), default=40, help="sample among the k likeliest tokens")
-    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
-    _add_world_flags(gen)
+    gen.add_argument("--seed", type=_SEED, default=0, help="seed of the sampling, in [0, 2^32)")
+    _add_world_flags(gen, nproc_default="1 with --tp 1 when the checkpoint's tensor files fit in half the memory "
+                                        "free on one device, else the GPU count, or 2 on CPU")
     gen.set_defaults(func=_cmd_generate)
 
     export = subparsers.add_parser("export", help="write a checkpoint as a transformers model directory",
@@ -431,6 +485,6 @@ def register(subparsers) -> None:
     export.add_argument("--to-hf", required=True, metavar="OUT",
                         help="directory to create for config.json + model.safetensors")
     export.add_argument("--overwrite", action="store_true", help="write into OUT even if it is not empty")
-    export.add_argument("--timeout", type=_positive(float), default=300.0,
-                        help="seconds before a collective that does not complete is an error")
+    export.add_argument("--timeout", type=_TIMEOUT, default=300.0,
+                        help="seconds before a collective that does not complete is an error, in [1, 604800)")
     export.set_defaults(func=_cmd_export)

@@ -4,7 +4,8 @@
 launcher, or a test's process group). Each step: this DP rank's micro-batches (the same on
 every TP rank of the group), forward under autocast when ``--dtype bf16`` (the weights stay
 fp32 and are the optimizer's master copy), backward with the DP all-reduces launched bucket by
-bucket as gradients appear, SP grads summed over TP, TP-aware clipping, AdamW, then metrics,
+bucket as gradients appear (with ``--fsdp``: FSDP2's reduce-scatters, see
+:mod:`tensorpar.fsdp`), SP grads summed over TP, TP-aware clipping, AdamW, then metrics,
 evaluation and checkpoints as asked.
 """
 
@@ -26,6 +27,7 @@ from .. import comm, invariant, parallel_state as ps
 from .. import grads as tp_grads
 from ..comm_model import calibrate_overlap
 from ..errors import UsageError
+from ..fsdp import ShardedGradSync, bytes_per_rank, fully_shard
 from ..models.gpt import GPT, GPTConfig
 from ..random import model_parallel_manual_seed
 from . import checkpoint, rundir
@@ -43,7 +45,8 @@ RUNTIME_FIELDS = frozenset({"sequence_parallel", "recompute", "distribute_saved_
 # CLI flag -> GPTConfig field, for the model-shape overrides.
 MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
                "ffn_hidden": "ffn_hidden_size", "vocab": "vocab_size", "norm": "norm",
-               "activation": "activation", "position_embedding": "position_embedding"}
+               "activation": "activation", "position_embedding": "position_embedding",
+               "kv_heads": "num_query_groups", "rope_theta": "rope_theta"}
 
 
 class TrainingDiverged(FloatingPointError):
@@ -132,13 +135,18 @@ def _config(**fields) -> GPTConfig:
     if hidden % heads:
         raise UsageError(f"the hidden size {hidden} (--hidden) is not divisible by the {heads} attention "
                          "heads (--heads)")
+    kv_heads = fields.get("num_query_groups")
+    if kv_heads is not None and heads % kv_heads:
+        raise UsageError(f"the {heads} attention heads (--heads) are not a multiple of the {kv_heads} key/value "
+                         "heads (--kv-heads)")
     try:
         return GPTConfig(**fields)
     except ValueError as exc:
         raise UsageError(f"invalid model: {exc}") from exc
 
 
-DEFAULT_SCHEDULE = {"lr": 3e-3, "min_lr": 3e-4, "warmup": 30}
+DEFAULT_SCHEDULE = {"lr": 3e-3, "warmup": 30}
+MIN_LR_FRACTION = 0.1  # --min-lr, unless given, is this fraction of --lr
 DEFAULT_MICRO_BATCH = 16
 
 
@@ -157,9 +165,13 @@ def settle_run(args, *, meta: dict | None, dp_size: int) -> None:
         raise UsageError(f"--steps {args.steps} is the run's total, and the checkpoint is already at step "
                          f"{start}: pass --steps above {start} to train further")
     saved = (meta or {}).get("schedule", {})
+    if args.min_lr is None and args.lr is None:  # a new --lr brings its own floor
+        args.min_lr = saved.get("min_lr")
     for name, default in DEFAULT_SCHEDULE.items():
         if getattr(args, name) is None:
             setattr(args, name, saved.get(name, default))
+    if args.min_lr is None:
+        args.min_lr = args.lr * MIN_LR_FRACTION
     if args.lr_decay_steps is None:
         args.lr_decay_steps = saved.get("decay_steps", saved.get("steps", args.steps))
     if args.min_lr > args.lr:
@@ -240,17 +252,12 @@ def default_seq_len(args, config: GPTConfig) -> int:
 
 
 def check_fits(config: GPTConfig, *, tp: int, seq_len: int) -> None:
-    """What the TP layers need to divide, and a sequence the model's positions cover."""
-    if config.num_heads % tp:
-        raise UsageError(f"the model's {config.num_heads} attention heads are not divisible by --tp {tp}")
-    if config.num_query_groups % tp:
-        raise UsageError(f"the model's {config.num_query_groups} key/value heads are not divisible by --tp {tp}")
-    if config.ffn_hidden_size % tp:
-        raise UsageError(f"the model's FFN width {config.ffn_hidden_size} is not divisible by --tp {tp}")
+    """What TP needs of the model (a query head per rank), and a sequence the model's positions cover."""
+    if config.num_heads < tp:
+        raise UsageError(f"the model's {config.num_heads} attention heads are fewer than --tp {tp}: every rank "
+                         "needs a query head")
     if seq_len > config.max_seq_len:
         raise UsageError(f"--seq-len {seq_len} is longer than the model's max_seq_len {config.max_seq_len}")
-    if config.sequence_parallel and seq_len % tp:
-        raise UsageError(f"--seq-len {seq_len} is not divisible by --tp {tp}, as sequence parallelism (--sp) needs")
     if config.tp_invariant:
         try:
             invariant.check_gpt_sizes(config, tp_size=tp, seq_len=seq_len)
@@ -488,11 +495,14 @@ def _train(args, signals: _Signals) -> RunResult:
             raise UsageError(f"--init-from-hf: {exc}") from None
     elif init:
         checkpoint.load(init[0], model=model, optimizer=None, tp_group=tp_group, restore_rng=False)
+    fsdp = getattr(args, "fsdp", False)
+    if fsdp:
+        fully_shard(model, dp_group=dp_group)
     optimizer = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(0.9, 0.95), eps=1e-8)
     # TP-invariant mode: the same reductions, in orders that do not depend on the TP size.
     grads = invariant if config.tp_invariant else tp_grads
-    reducer = grads.DataParallelGradReducer(model.parameters(), dp_group=dp_group)
+    reducer = ShardedGradSync(model) if fsdp else grads.DataParallelGradReducer(model.parameters(), dp_group=dp_group)
     params = list(model.parameters())
     start = 0
     out = Path(args.out) if args.out else None
@@ -516,6 +526,9 @@ def _train(args, signals: _Signals) -> RunResult:
         print(f"tensorpar train: {count_parameters(model) / 1e6:.2f}M parameters, TP={tp_size} DP={dp_size}, "
               f"global batch {args.global_batch} sequences ({args.micro_batch} per micro-batch x {dp_size} DP "
               f"x {args.grad_accum} accumulation) = {tokens_per_step:,} tokens/step, data: {corpus.source}",
+              flush=True)
+        memory = ", ".join(f"{what} {n / 2**20:.2f} MiB" for what, n in bytes_per_rank(model).items())
+        print(f"tensorpar train: per rank {memory}" + (f" (FSDP: 1/{dp_size} of each TP shard)" if fsdp else ""),
               flush=True)
         if resumed:
             header, note = resume_header(args, resumed[2], ckpt=resumed[0], tp=tp_size, dp=dp_size,
@@ -549,8 +562,8 @@ def _train(args, signals: _Signals) -> RunResult:
             reducer.finish()
             if config.sequence_parallel:
                 grads.allreduce_sequence_parallel_grads(model)
-            grad_norm = (grads.clip_grad_norm_(params, args.clip_grad) if args.clip_grad > 0
-                         else grads.get_grad_norm(params))
+            grad_norm = (grads.clip_grad_norm_(params, args.clip_grad, dp_group=dp_group) if args.clip_grad > 0
+                         else grads.get_grad_norm(params, dp_group=dp_group))
             optimizer.step()
             comm.all_reduce(loss_sum, dp_group)
             done = step + 1

@@ -1,0 +1,270 @@
+"""Sharded data parallelism (ZeRO-3) composed with TP: torch's FSDP2 over the DP group.
+
+Each rank holds a TP shard of every TP-parallel weight; FSDP2 (``torch.distributed.fsdp.
+fully_shard``) shards that local tensor once more along dim 0 over the DP group, so
+parameters, gradients and optimizer state end up 1/DP per rank. Before a unit's forward and
+backward FSDP all-gathers its parameters over DP; after backward it reduce-scatters (and
+averages) their gradients. The TP layers see ordinary tensors in between.
+
+Mixed precision is FSDP's: parameters stay fp32 (the sharded fp32 parameters are the master
+weights), ``mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=
+torch.float32)`` gathers them in bf16 for compute and reduces and accumulates gradients in
+fp32. So there is no ``main_grad``, no :class:`~tensorpar.grads.DataParallelGradReducer` and
+no :class:`~tensorpar.grads.MasterWeights` under FSDP, and ``gradient_accumulation_fusion``
+(which writes ``main_grad`` from inside the layer) cannot combine with it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as _torch_fully_shard
+# FSDP2's hook for custom collectives (FSDPModule.set_custom_all_gather/_reduce_scatter): the
+# defaults, subclassed, keep FSDP's own paths and let CommLedger see each call.
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from . import comm
+from .parallel_state import get_data_parallel_group
+
+__all__ = ["fully_shard", "reshard", "is_fully_sharded", "dp_mesh", "gather_dp_shards", "scatter_dp_shard",
+           "tp_dp_mesh", "full_box", "ShardedGradSync", "bytes_per_rank"]
+
+
+def _device_type(group: dist.ProcessGroup) -> str:
+    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+
+
+def dp_mesh(dp_group: dist.ProcessGroup) -> DeviceMesh:
+    """A 1-D ``DeviceMesh`` over ``dp_group`` on the backend's device type."""
+    return DeviceMesh.from_group(dp_group, _device_type(dp_group))
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered FSDP unit of ``model``, so its parameters are the shards again."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def is_fully_sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are FSDP shards (DTensors)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def gather_dp_shards(tensor: torch.Tensor, *, dp_group=None) -> torch.Tensor:
+    """This rank's whole TP shard from an FSDP shard (a DTensor split on dim 0 over ``dp_group``,
+    default the DP group; collective).
+
+    One all-gather of the dim-0 pieces padded to equal size, as FSDP pads them. Other tensors
+    come back as they are.
+    """
+    if not isinstance(tensor, DTensor):
+        return tensor
+    group = dp_group if dp_group is not None else get_data_parallel_group()
+    rows, local = tensor.shape[0], tensor.to_local()
+    per_rank = -(-rows // comm.group_size(group))
+    padded = local.new_zeros((per_rank, *local.shape[1:]))
+    padded[:local.shape[0]] = local
+    return comm.all_gather(padded, group, dim=0)[:rows]
+
+
+@torch.no_grad()
+def scatter_dp_shard(shard: DTensor, whole: torch.Tensor, *, dp_group=None) -> None:
+    """Copy this rank's dim-0 piece of ``whole`` (as :func:`gather_dp_shards` returns) into ``shard``."""
+    group = dp_group if dp_group is not None else get_data_parallel_group()
+    local = shard.to_local()
+    start = comm.group_rank(group) * -(-whole.shape[0] // comm.group_size(group))
+    local.copy_(whole[start:start + local.shape[0]])
+
+
+class _RecordedAllGather(DefaultAllGather):
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        comm._record("all_gather", output_tensor.shape, output_tensor.dtype, comm.group_size(group), async_op)
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _RecordedReduceScatter(DefaultReduceScatter):
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        comm._record("reduce_scatter", input_tensor.shape, input_tensor.dtype, comm.group_size(group), async_op,
+                     "avg" if op == dist.ReduceOp.AVG else "sum")
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.insert(0, running)
+        running *= size
+    return tuple(strides)
+
+
+def tp_dp_mesh(tp_group) -> DeviceMesh | None:
+    """The (TP, DP) mesh of tensorpar's layout (global rank = DP rank x TP + TP rank); None at TP=1."""
+    tp = comm.group_size(tp_group)
+    if tp == 1:
+        return None
+    dp_group = get_data_parallel_group()
+    grid = torch.arange(tp * comm.group_size(dp_group)).view(-1, tp).t()
+    return DeviceMesh.from_group([tp_group, dp_group], _device_type(tp_group), mesh=grid, mesh_dim_names=("tp", "dp"))
+
+
+def full_box(tensor: DTensor, param, mesh: DeviceMesh | None) -> DTensor | None:
+    """An FSDP shard as a box of the TP=1 tensor on the (TP, DP) ``mesh`` (:func:`tp_dp_mesh`),
+    without communication, as DCP saves and loads it; None for a strided weight (fused Q|K|V,
+    gate|up), whose DP shard is no box of it."""
+    parallel = getattr(param, "tensor_model_parallel", False)
+    if parallel and param.partition_stride != 1:
+        return None
+    if mesh is None:
+        return tensor  # at TP=1 the FSDP DTensor already is one
+    shape = list(tensor.shape)
+    if parallel:
+        dim = param.partition_dim % len(shape)
+        shape[dim] *= mesh.size(0)
+        placements = [Shard(dim), Shard(0)]   # a dim-0 DP split inside a dim-0 TP split nests
+    else:
+        placements = [Replicate(), Shard(0)]
+    return DTensor.from_local(tensor.to_local(), mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_stride(shape))
+
+
+def _default_units(model: nn.Module) -> list[nn.Module]:
+    """A GPT's transformer blocks (any model with a ``blocks`` ModuleList)."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"fully_shard: units= is required for a {type(model).__name__} "
+                         "(the default, one unit per transformer block, knows a GPT's `blocks`)")
+    return list(blocks)
+
+
+def _refuse(model: nn.Module, units: list[nn.Module]) -> None:
+    """One line naming what cannot combine with FSDP."""
+    if is_fully_sharded(model):
+        raise ValueError("fully_shard: the model is already fully sharded")
+    fused = sorted({name for name, m in model.named_modules() if getattr(m, "gradient_accumulation_fusion", False)})
+    if fused:
+        raise ValueError(f"fully_shard: gradient_accumulation_fusion=True ({fused[0]}) writes main_grad, which "
+                         "FSDP does not use: build the model with gradient_accumulation_fusion=False")
+    for name, p in model.named_parameters():
+        if hasattr(p, "main_grad"):
+            raise ValueError(f"fully_shard: parameter {name} has a main_grad: FSDP reduces gradients itself; "
+                             "create no DataParallelGradReducer or MasterWeights for a sharded model")
+        if getattr(p, "partition_rows", None) is not None:
+            raise ValueError(f"fully_shard: parameter {name} has an uneven TP layout (heads, K/V heads or FFN rows "
+                             "that TP does not divide), which FSDP cannot shard yet: choose a --tp that divides them")
+        if p.is_floating_point() and p.dtype != torch.float32:
+            raise ValueError(f"fully_shard: parameter {name} is {p.dtype}; keep parameters float32 and pass "
+                             "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
+    seen: dict[int, int] = {}
+    for index, unit in enumerate(units):
+        for p in unit.parameters():
+            if seen.setdefault(id(p), index) != index:
+                raise ValueError(f"fully_shard: units {seen[id(p)]} and {index} share a parameter (a tied "
+                                 "weight): leave it to one unit or to the root")
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    embedding = getattr(getattr(model, "embedding", None), "word", None)
+    if tied and embedding is not None and id(embedding.weight) in seen:
+        raise ValueError("fully_shard: the tied embedding weight is also the LM head's; it must stay in the "
+                         "root unit, not in units=")
+
+
+def fully_shard(model: nn.Module, *, dp_group=None, units=None, reshard_after_forward: bool = True,
+                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """Shard ``model`` over ``dp_group`` (default: the DP group) with FSDP2, composed with TP.
+
+    One FSDP unit per module of ``units`` (default for a :class:`~tensorpar.models.GPT`: one
+    per transformer block), then the root: the embedding, final norm and (tied) LM head stay
+    together in it, gathered from forward through backward. ``reshard_after_forward=False``
+    keeps each unit gathered between its forward and backward (ZeRO-2-like: more memory, one
+    all-gather less). TP attributes (``tensor_model_parallel``, ``sequence_parallel``, ...)
+    carry over to the sharded parameters, so ``allreduce_sequence_parallel_grads``,
+    ``clip_grad_norm_`` and checkpoints keep working (given another ``dp_group`` than the DP
+    group, pass it to ``clip_grad_norm_`` too); :class:`~tensorpar.CommLedger` records FSDP's
+    all-gathers and reduce-scatters. Returns the model.
+
+    Example::
+
+        model = tp.fully_shard(GPT(config))
+        optimizer = torch.optim.AdamW(model.parameters())   # states are 1/DP shards too
+        model(tokens, labels).backward()
+        tp.allreduce_sequence_parallel_grads(model)          # under SP
+        tp.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    """
+    group = dp_group if dp_group is not None else get_data_parallel_group()
+    units = _default_units(model) if units is None else list(units)
+    _refuse(model, units)
+    attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}
+    mesh = dp_mesh(group)
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    for unit in units:
+        _torch_fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    # The root keeps FSDP's default: gathered after forward, since backward needs it at once.
+    _torch_fully_shard(model, mesh=mesh, mp_policy=policy,
+                       **({} if reshard_after_forward else {"reshard_after_forward": False}))
+    for unit in [*units, model]:
+        unit.set_custom_all_gather(_RecordedAllGather())
+        unit.set_custom_reduce_scatter(_RecordedReduceScatter())
+    for name, p in model.named_parameters():
+        for key, value in attributes[name].items():
+            setattr(p, key, value)
+    return model
+
+
+class ShardedGradSync:
+    """:class:`~tensorpar.grads.DataParallelGradReducer`'s step interface for a fully sharded model.
+
+    FSDP reduce-scatters each unit's gradients during backward; ``sync=False`` (the micro-batches
+    before the last of an accumulation step) keeps them unsharded and unreduced until then.
+
+    Example::
+
+        grads = ShardedGradSync(model)
+        grads.zero_grad()
+        for k, batch in enumerate(micro_batches):
+            grads.sync = k == len(micro_batches) - 1
+            loss(batch).backward()
+        grads.finish()
+        optimizer.step()
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._sync = True
+
+    @property
+    def sync(self) -> bool:
+        return self._sync
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self._sync = value
+        self.model.set_requires_gradient_sync(value)
+
+    def zero_grad(self) -> None:
+        """Drop the gradients; a unit an evaluation left gathered (FSDP keeps the root so after a
+        forward no backward follows) is resharded, so the step starts from the shards."""
+        reshard(self.model)
+        for p in self.model.parameters():
+            p.grad = None
+
+    def finish(self) -> None:
+        """Nothing to wait for: FSDP's last reduce-scatter completes inside backward."""
+
+    def remove_hooks(self) -> None:
+        """FSDP's hooks stay with the model."""
+
+
+def bytes_per_rank(model: nn.Module) -> dict[str, int]:
+    """This rank's bytes of parameters, fp32 gradients and AdamW's two fp32 moments.
+
+    Counts the local piece of FSDP shards; plain parameters are whole on every DP rank.
+    """
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters() if p.requires_grad]
+    numel = sum(t.numel() for t in local)
+    return {"parameters": sum(t.numel() * t.element_size() for t in local),
+            "gradients": 4 * numel, "optimizer state": 8 * numel}

@@ -1,0 +1,352 @@
+"""tp.fully_shard (FSDP2 over the DP group) composed with TP, against plain DP at TP 2 x DP 2."""
+
+import math
+
+import pytest
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+import tensorpar as tp
+from tensorpar.fsdp import bytes_per_rank, gather_dp_shards
+from tensorpar.grads import DataParallelGradReducer, allreduce_sequence_parallel_grads, clip_grad_norm_
+from tensorpar.models import GPT, GPTConfig
+from tensorpar.models.layout import gather_full_tensor
+from tests.harness import run_on_ranks
+
+BASE = dict(vocab_size=40, max_seq_len=8, num_layers=2, num_heads=2, hidden_size=16, dropout=0.0)
+
+
+def _build(config, seed=3):
+    tp.model_parallel_manual_seed(seed)
+    torch.manual_seed(seed)
+    return GPT(config)
+
+
+_full = gather_dp_shards
+
+
+def _unsharded_norm(model) -> torch.Tensor:
+    """The norm of the TP=1 gradient, from every parameter's gradient gathered over DP and TP."""
+    tp_group = tp.get_tensor_model_parallel_group()
+    squares = []
+    for p in model.parameters():
+        grad = _full(p.grad)
+        if getattr(p, "tensor_model_parallel", False):
+            grad = gather_full_tensor(grad, partition_dim=p.partition_dim, stride=p.partition_stride,
+                                      tp_group=tp_group)
+        squares.append(grad.double().square().sum())
+    return torch.stack(squares).sum().sqrt()
+
+
+def _batch(step: int, micro: int, dp_rank: int):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + dp_rank)
+    tokens = torch.randint(0, BASE["vocab_size"], (2, 8), generator=g)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def _versus_plain_dp_body(overrides: dict, accumulate: int, reshard: bool):
+    tp.initialize_model_parallel(2)
+    dp_rank, dp_group = tp.get_data_parallel_rank(), tp.get_data_parallel_group()
+    config = GPTConfig(**{**BASE, **overrides})
+    plain, sharded = _build(config), tp.fully_shard(_build(config), reshard_after_forward=reshard)
+    assert all(isinstance(p, DTensor) for p in sharded.parameters())
+    reducer = DataParallelGradReducer(plain.parameters(), dp_group=dp_group)
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    opt_sharded = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+    for step in range(3):
+        reducer.zero_grad()
+        opt_sharded.zero_grad()
+        for k in range(accumulate):
+            tokens, labels = _batch(step, k, dp_rank)
+            last = k == accumulate - 1
+            reducer.sync = last
+            sharded.set_requires_gradient_sync(last)
+            loss_plain = plain(tokens, labels) / accumulate
+            loss_sharded = sharded(tokens, labels) / accumulate
+            torch.testing.assert_close(loss_sharded, loss_plain, rtol=1e-5, atol=1e-5)
+            loss_plain.backward()
+            loss_sharded.backward()
+        reducer.finish()
+        allreduce_sequence_parallel_grads(plain)
+        allreduce_sequence_parallel_grads(sharded)
+        expected_norm = _unsharded_norm(sharded)
+        # A small max_norm, so clipping scales every gradient.
+        norm_plain = clip_grad_norm_(plain.parameters(), 0.05)
+        norm_sharded = clip_grad_norm_(sharded.parameters(), 0.05, dp_group=dp_group)
+        torch.testing.assert_close(norm_sharded.double(), expected_norm, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(norm_sharded, norm_plain, rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(_full(p.grad), q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        opt_plain.step()
+        opt_sharded.step()
+    for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(_full(p.data), q.data, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("overrides, accumulate, reshard", [
+    ({}, 1, True),
+    ({"sequence_parallel": True}, 1, True),
+    ({"sequence_parallel": True, "recompute": True}, 2, True),
+    ({"tie_word_embeddings": False, "norm": "rmsnorm", "activation": "swiglu", "position_embedding": "rope",
+      "bias": False}, 2, False),
+], ids=["plain", "sp", "sp-recompute-accumulate", "untied-llama-zero2"])
+def test_fsdp_matches_plain_data_parallel(overrides, accumulate, reshard):
+    assert run_on_ranks(_versus_plain_dp_body, 4, overrides, accumulate, reshard) == [True] * 4
+
+
+def _layout_body():
+    tp.initialize_model_parallel(2)
+    model = tp.fully_shard(_build(GPTConfig(**BASE, sequence_parallel=True)))
+    dp = tp.get_data_parallel_world_size()
+    word = model.embedding.word.weight
+    # The TP shard is sharded once more over DP along dim 0: [V/TP, h] -> [V/(TP*DP), h] here.
+    assert word.to_local().shape[0] == word.shape[0] // dp and word.shape[0] == model.padded_vocab_size // 2
+    assert word.tensor_model_parallel and word.partition_dim == 0
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    assert norms and all(p.sequence_parallel for p in norms)
+    # The tied weight lives in the root unit (the LM head owns no parameter).
+    assert not isinstance(model.embedding, FSDPModule) and not isinstance(model.lm_head, FSDPModule)
+    assert all(isinstance(block, FSDPModule) for block in model.blocks) and isinstance(model, FSDPModule)
+    return True
+
+
+def test_tp_attributes_survive_sharding_and_the_tied_weight_stays_in_the_root():
+    assert run_on_ranks(_layout_body, 4) == [True] * 4
+
+
+def _refusal_body():
+    tp.initialize_model_parallel(1)
+    cases = {
+        "gradient_accumulation_fusion=True": lambda: _build(GPTConfig(**BASE, gradient_accumulation_fusion=True)),
+        "torch.bfloat16": lambda: _build(GPTConfig(**BASE, params_dtype=torch.bfloat16)),
+        "main_grad": lambda: _with_reducer(_build(GPTConfig(**BASE))),
+    }
+    messages = {}
+    for needle, make in cases.items():
+        with pytest.raises(ValueError, match=needle.replace("(", r"\(")) as info:
+            tp.fully_shard(make())
+        messages[needle] = str(info.value)
+    model = _build(GPTConfig(**BASE))
+    with pytest.raises(ValueError, match="tied embedding"):
+        tp.fully_shard(model, units=[model.embedding, *model.blocks])
+    with pytest.raises(ValueError, match="units= is required"):
+        tp.fully_shard(torch.nn.Linear(2, 2))
+    uneven = tp.ColumnParallelLinear(4, 6, partition_rows=[[(0, 6)]])  # loads write into the TP shard
+    with pytest.raises(ValueError, match="has an uneven TP layout"):
+        tp.fully_shard(torch.nn.Sequential(uneven), units=[uneven])
+    assert all("\n" not in m for m in messages.values())
+    return True
+
+
+def _with_reducer(model):
+    DataParallelGradReducer(model.parameters(), dp_group=tp.get_data_parallel_group())
+    return model
+
+
+def test_what_cannot_combine_with_fsdp_is_refused_in_one_line():
+    assert run_on_ranks(_refusal_body, 1) == [True]
+
+
+def _memory_body():
+    tp.initialize_model_parallel(2)
+    config = GPTConfig(**BASE)
+    plain, sharded = _build(config), tp.fully_shard(_build(config))
+    DataParallelGradReducer(plain.parameters(), dp_group=tp.get_data_parallel_group())
+    ratios = {k: v / bytes_per_rank(plain)[k] for k, v in bytes_per_rank(sharded).items()}
+    # Measured: AdamW's state after one step, as allocated.
+    optimizer = torch.optim.AdamW(sharded.parameters())
+    tokens, labels = _batch(0, 0, tp.get_data_parallel_rank())
+    sharded(tokens, labels).backward()
+    optimizer.step()
+    state = sum(v.to_local().numel() * 4 for s in optimizer.state.values() for v in s.values() if v.dim())
+    assert state == bytes_per_rank(sharded)["optimizer state"]
+    return ratios
+
+
+def test_parameters_gradients_and_optimizer_state_are_about_half_at_dp2():
+    for ratios in run_on_ranks(_memory_body, 4):
+        assert set(ratios) == {"parameters", "gradients", "optimizer state"}
+        assert all(0.45 <= r <= 0.55 for r in ratios.values()), ratios
+
+
+# --- tensorpar train --fsdp: equal to plain DP, and checkpoints that resume in either layout ----
+
+TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--steps", "6", "--warmup", "2",
+        "--lr", "1e-2", "--eval-every", "0", "--no-progress", "--seed", "7", "--global-batch", "4"]
+
+
+def _train_body(argv):
+    from tensorpar.training.cli import parse_train_args
+    from tensorpar.training.loop import train
+
+    return train(parse_train_args(argv)).losses
+
+
+def _train(world, tp_size, out, *extra):
+    return run_on_ranks(_train_body, world, TINY + ["--tp", str(tp_size), "--out", str(out), *extra])[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp_runs")
+    # Evaluations in between: a forward that no backward follows must leave FSDP's state intact.
+    plain = _train(4, 2, root / "plain", "--sp", "--save-every", "3", "--eval-every", "2", "--eval-iters", "1")
+    fsdp = _train(4, 2, root / "fsdp", "--sp", "--fsdp", "--save-every", "3", "--eval-every", "2", "--eval-iters", "1")
+    resumed = {
+        # FSDP checkpoint -> no FSDP at TP1 x DP1, and -> FSDP at TP1 x DP4.
+        "fsdp->tp1": _train(1, 1, root / "r1", "--resume", str(root / "fsdp" / "step_3")),
+        "fsdp->fsdp-tp1-dp4": _train(4, 1, root / "r2", "--fsdp", "--resume", str(root / "fsdp" / "step_3")),
+        # Plain checkpoint -> FSDP at the same sizes.
+        "plain->fsdp": _train(4, 2, root / "r3", "--fsdp", "--resume", str(root / "plain" / "step_3")),
+    }
+    return plain, fsdp, resumed
+
+
+def test_train_fsdp_matches_plain_data_parallel(runs):
+    plain, fsdp, _ = runs
+    assert list(fsdp) == list(plain) == [1, 2, 3, 4, 5, 6]
+    for step in plain:
+        assert fsdp[step] == pytest.approx(plain[step], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["fsdp->tp1", "fsdp->fsdp-tp1-dp4", "plain->fsdp"])
+def test_checkpoints_resume_with_or_without_fsdp_at_other_sizes(runs, name):
+    plain, _, resumed = runs
+    assert list(resumed[name]) == [4, 5, 6]
+    for step, loss in resumed[name].items():
+        assert loss == pytest.approx(plain[step], rel=2e-5)
+
+
+def test_fsdp_with_grad_fusion_is_a_usage_error(capsys):
+    from tensorpar.cli import main
+
+    assert main(["train", "--fsdp", "--grad-fusion", "--nproc", "1", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--fsdp cannot combine with gradient-accumulation fusion" in err, err
+
+
+def _ledger_body(reshard: bool):
+    tp.initialize_model_parallel(2)
+    dp = tp.get_data_parallel_world_size()
+    model = tp.fully_shard(_build(GPTConfig(**BASE)), reshard_after_forward=reshard)
+    tokens, labels = _batch(0, 0, tp.get_data_parallel_rank())
+    with tp.CommLedger() as ledger:
+        with ledger.phase("forward"):
+            loss = model(tokens, labels)
+        with ledger.phase("backward"):
+            loss.backward()
+    units = BASE["num_layers"] + 1  # the blocks and the root
+    # Each unit's parameters travel as one flat buffer of dim-0 shards padded to equal size.
+    padded = sum(-(-p.shape[0] // dp) * math.prod(p.shape[1:]) for p in model.parameters()) * dp * 4
+    assert ledger.count("all_gather", phase="forward") == units
+    assert ledger.total_bytes("all_gather", phase="forward") == padded
+    # Resharded blocks are gathered again for backward; the root never is.
+    assert ledger.count("all_gather", phase="backward") == (BASE["num_layers"] if reshard else 0)
+    assert ledger.count("reduce_scatter", phase="backward") == units
+    assert ledger.total_bytes("reduce_scatter", phase="backward") == padded
+    return True
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_comm_ledger_records_fsdp_all_gathers_and_reduce_scatters(reshard):
+    assert run_on_ranks(_ledger_body, 4, reshard) == [True] * 4
+
+
+def _bf16_body():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    tp.initialize_model_parallel(2)
+    config = GPTConfig(**BASE, sequence_parallel=True)
+    plain = _build(config)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    sharded = tp.fully_shard(_build(config), mp_policy=policy)
+    tokens, labels = _batch(0, 0, tp.get_data_parallel_rank())
+    loss_plain, loss_sharded = plain(tokens, labels), sharded(tokens, labels)
+    assert loss_sharded.dtype == torch.float32  # the vocab-parallel cross entropy is fp32
+    loss_sharded.backward()
+    allreduce_sequence_parallel_grads(sharded)
+    # bf16 compute, but the sharded parameters (the masters) and their gradients stay fp32.
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in sharded.parameters())
+    torch.testing.assert_close(loss_sharded, loss_plain, rtol=2e-2, atol=2e-2)
+    return True
+
+
+def test_bf16_compute_keeps_fp32_masters_and_fp32_gradients():
+    assert run_on_ranks(_bf16_body, 4) == [True] * 4
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = tp.ColumnParallelLinear(8, 32)
+        self.fc2 = tp.RowParallelLinear(32, 8, input_is_parallel=True)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)[0]))[0]
+
+
+def _units_body():
+    tp.initialize_model_parallel(2)
+    dp_rank, dp_group = tp.get_data_parallel_rank(), tp.get_data_parallel_group()
+    models = []
+    for _ in range(2):
+        tp.model_parallel_manual_seed(5)
+        models.append(_MLP())
+    plain, sharded = models[0], tp.fully_shard(models[1], units=[models[1].fc1, models[1].fc2])
+    reducer = DataParallelGradReducer(plain.parameters(), dp_group=dp_group)
+    x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(dp_rank))
+    reducer.zero_grad()
+    plain(x).square().mean().backward()
+    reducer.finish()
+    sharded(x).square().mean().backward()
+    for p, q in zip(sharded.parameters(), plain.parameters()):
+        torch.testing.assert_close(_full(p.grad), q.grad, rtol=1e-5, atol=1e-6)
+    return True
+
+
+def test_units_shard_any_model_built_from_tp_layers():
+    assert run_on_ranks(_units_body, 4) == [True] * 4
+
+
+# A training run's meta.json fields (a checkpoint's meta is checked against their schema).
+_META = {"step": 1, "tokens_seen": 0, "steps": 1, "global_batch": 2, "micro_batch": 1,
+         "schedule": {"lr": 1e-2, "min_lr": 0.0, "warmup": 0, "decay_steps": 1},
+         "data": {"position": 1, "seed": 0, "source": "embedded"}, "world": {"tp": 2, "dp": 2},
+         "dtype": "fp32", "tokenizer": None}
+
+
+def _checkpoint_body(out: str):
+    from tensorpar.training import checkpoint
+    from tensorpar.training.loop import config_to_json
+
+    tp.initialize_model_parallel(2)
+    tp_group = tp.get_tensor_model_parallel_group()
+    # 9 positions: dim-0 FSDP shards of unequal size (5 + 4) on DP 2.
+    config = GPTConfig(**{**BASE, "max_seq_len": 9, "tie_word_embeddings": False})
+    tokens, labels = _batch(0, 0, tp.get_data_parallel_rank())
+    tokens, labels = torch.cat([tokens, tokens[:, :1]], 1), torch.cat([labels, labels[:, :1]], 1)
+    models = {"fsdp": tp.fully_shard(_build(config)), "plain": _build(config), "fsdp2": tp.fully_shard(_build(config))}
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-2) for name, m in models.items()}
+    models["fsdp"](tokens, labels).backward()
+    optimizers["fsdp"].step()
+    checkpoint.save(out, 1, model=models["fsdp"], optimizer=optimizers["fsdp"], config=config_to_json(config),
+                    meta=_META, tp_group=tp_group)
+    ckpt = checkpoint.open_checkpoint(out)[0]
+    # Only the strided weights (fused Q|K|V) are gathered over DP; every other shard is saved as it is.
+    gathered = checkpoint._state_dict(models["fsdp"], None, tp_group=tp_group, with_rng=False)[1]
+    strided = [p for p in models["fsdp"].parameters() if getattr(p, "partition_stride", 1) != 1]
+    assert len(gathered) == len(strided) > 0
+    for name in ("plain", "fsdp2"):
+        checkpoint.load(ckpt, model=models[name], optimizer=optimizers[name], tp_group=tp_group, restore_rng=False)
+        for (key, p), q in zip(models["fsdp"].named_parameters(), models[name].parameters()):
+            torch.testing.assert_close(_full(q.data), _full(p.data), rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+            for moment in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(_full(optimizers[name].state[q][moment]),
+                                           _full(optimizers["fsdp"].state[p][moment]), rtol=0, atol=0)
+    return True
+
+
+def test_an_fsdp_checkpoint_with_uneven_shards_loads_with_and_without_fsdp(tmp_path):
+    assert run_on_ranks(_checkpoint_body, 4, str(tmp_path / "run")) == [True] * 4

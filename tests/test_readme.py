@@ -1,0 +1,156 @@
+"""Every command in README.md runs, in the README's order, in one directory: the fenced ``bash``
+blocks (shortened by the flags in SHORTER) must succeed, and each ``$ command`` transcript must
+print what the README shows (a line ``...`` there stands for lines left out). A README command
+this test does not know fails it: run it here, or list it in NOT_RUN with the reason.
+"""
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+# Commands (by their first words) that this test does not run, and why.
+NOT_RUN = {
+    "pip install": "installs packages; .ci/run runs the install line on a clean machine",
+    "python -m pytest": "the test suite itself; .ci/run runs it",
+    "tensorboard --logdir": "starts a server; the fine-tune run's --tensorboard files are checked instead",
+    "torchrun": "two nodes; test_training_cli.py::test_two_torchrun_nodes_on_localhost_train_together runs two "
+                "torchrun launchers on one machine",
+    "python -m tensorpar.gpu_check": "needs CUDA; test_gpu_check.py runs the same checks with --cpu",
+}
+
+TINY = ["--layers", "1", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--micro-batch", "2",
+        "--eval-iters", "1", "--log-every", "100"]
+# Flags appended to a README command (argparse keeps a flag's last value), by the command as the
+# README writes it, so that the whole README runs in about a minute on two cores. The quick start
+# keeps its 600 steps (the transcripts name the step) on a tiny model; the rest run a few steps on
+# one or two processes (generate runs a small model in one by itself). Every key must be a README command.
+SHORTER = {
+    "tensorpar train": [*TINY, "--nproc", "1"],
+    "tensorpar generate --checkpoint tensorpar-run --prompt 'def '": ["--max-new-tokens", "8"],
+    "tensorpar train --resume tensorpar-run --steps 1000 --nproc 4 --tp 4": ["--steps", "610", "--nproc", "2",
+                                                                             "--tp", "2"],
+    "tensorpar train --init-from-hf my-llama --data notes.bin --nproc 2 --tp 2 --steps 200 --lr 3e-5 --seq-len 512 "
+    "--tensorboard --out ft-run": ["--steps", "2", "--seq-len", "16", "--micro-batch", "2", "--eval-iters", "1"],
+    "tensorpar generate --checkpoint ft-run --prompt 'Once upon' --temperature 0": ["--max-new-tokens", "8"],
+}
+# Transcripts of a new run: run in an empty directory (the README's own would hold the quick start's run).
+IN_EMPTY_DIR = {"tensorpar train --lr 1e30"}
+# What a README command promises to write.
+WRITES = {
+    "tensorpar train": ["tensorpar-run/metrics.jsonl", "tensorpar-run/loss.png", "tensorpar-run/step_600",
+                        "tensorpar-run/latest"],
+    "tensorpar export --checkpoint tensorpar-run --to-hf gpt2-out": ["gpt2-out/config.json",
+                                                                     "gpt2-out/model.safetensors"],
+    "tensorpar prepare notes.txt --tokenizer my-llama --out notes.bin": ["notes.bin", "notes.bin.json"],
+    "tensorpar export --checkpoint ft-run --to-hf ft-hf": ["ft-hf/config.json", "ft-hf/tokenizer.json"],
+}
+
+
+def _commands(block: str) -> list[list[str]]:
+    """The commands of a bash block: continuation lines joined, comments dropped, ``&&`` split."""
+    commands = []
+    for line in block.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        while words:
+            cut = words.index("&&") if "&&" in words else len(words)
+            commands.append(words[:cut])
+            words = words[cut + 1:]
+    return commands
+
+
+def _transcripts(block: str) -> list[tuple[list[str], list[str]]]:
+    """``$ command`` lines of a block and the output lines after each."""
+    pairs = []
+    for line in block.splitlines():
+        if line.startswith("$ "):
+            pairs.append((shlex.split(line[2:]), []))
+        elif pairs:
+            pairs[-1][1].append(line.rstrip())
+    return pairs
+
+
+def readme_steps() -> list[tuple[str, list[str], list[str] | None]]:
+    """("run" or "transcript", command, expected output) in README order."""
+    steps = []
+    for language, block in re.findall(r"^```(\w*)\n(.*?)^```", README.read_text(), flags=re.M | re.S):
+        if language == "bash":
+            steps += [("run", words, None) for words in _commands(block)]
+        elif block.startswith("$ "):
+            steps += [("transcript", words, expected) for words, expected in _transcripts(block)]
+    return steps
+
+
+def _not_run(words: list[str]) -> str | None:
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # VAR=value before the command
+        words = words[1:]
+    return next((why for start, why in NOT_RUN.items() if words[:len(start.split())] == start.split()), None)
+
+
+def _normalized(text: str) -> str:
+    """Output as compared: trailing blanks dropped; which rank fails first is a race."""
+    text = "\n".join(line.rstrip() for line in text.splitlines()).strip("\n")
+    return re.sub(r"\(rank \d+\)", "(rank N)", text)
+
+
+def _shows(expected: list[str], output: str) -> bool:
+    """Whether ``output`` is what a transcript shows; a line ``...`` there stands for one or more lines."""
+    pattern = "\n".join(r".*(?:\n.*)*" if line == "..." else re.escape(line)
+                        for line in _normalized("\n".join(expected)).splitlines())
+    return re.fullmatch(pattern, _normalized(output)) is not None
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, local_llama):
+    """The directory the README's commands run in, with what they name: my-llama and notes.txt."""
+    model_dir, text, _ = local_llama
+    root = tmp_path_factory.mktemp("readme")
+    shutil.copytree(model_dir, root / "my-llama")
+    shutil.copy(text, root / "notes.txt")
+    return root
+
+
+from tests.test_training_tokenizer import local_llama  # noqa: E402,F401 - the fixture
+
+
+def test_every_readme_command_runs_and_prints_what_the_readme_shows(workdir):
+    steps = readme_steps()
+    written = {shlex.join(words) for _, words, _ in steps}
+    assert set(SHORTER) <= written and set(WRITES) <= written and IN_EMPTY_DIR <= written, \
+        sorted((set(SHORTER) | set(WRITES) | IN_EMPTY_DIR) - written)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(README.parent / "src"), env.get("PYTHONPATH")]))
+    ran = []
+    for kind, words, expected in steps:
+        if _not_run(words):
+            continue
+        command = shlex.join(words)
+        if words[0] == "tensorpar":
+            argv = [sys.executable, "-m", "tensorpar", *words[1:], *SHORTER.get(command, [])]
+        elif words[:2] == ["python", "-c"]:
+            argv = [sys.executable, *words[1:]]
+        else:
+            pytest.fail(f"README command {command!r}: run it in this test, or list it in NOT_RUN with the reason")
+        cwd = workdir / "empty" if command in IN_EMPTY_DIR else workdir
+        cwd.mkdir(exist_ok=True)
+        done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        ran.append(command)
+        if kind == "run":
+            assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+        else:
+            shown = done.stdout if done.returncode == 0 else done.stderr
+            assert _shows(expected, shown), (command, done.stdout, done.stderr)
+        for path in WRITES.get(command, []):
+            assert (workdir / path).exists(), (command, path)
+    assert (workdir / "ft-run" / "tensorboard").is_dir()
+    assert len(ran) >= 14, ran
