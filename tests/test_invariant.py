@@ -123,20 +123,25 @@ def test_sizes_the_fixed_blocks_do_not_divide_are_named():
     invariant.check_gpt_sizes(GPT2, tp_size=4, seq_len=16)
     with pytest.raises(ValueError, match="tensor-parallel size 3 does not divide the 8 fixed blocks"):
         invariant.check_gpt_sizes(GPT2, tp_size=3)
+    with pytest.raises(ValueError, match="num_heads 2, num_query_groups 2 not divisible by the tensor-parallel "
+                                         "size 4 .uneven or replicated heads are not supported."):
+        invariant.check_gpt_sizes(dataclasses.replace(GPT2, num_heads=2, num_query_groups=2), tp_size=4)
     narrow = dataclasses.replace(GPT2, hidden_size=36, ffn_hidden_size=68, num_heads=4)
     with pytest.raises(ValueError, match="hidden_size 36, num_query_groups x head_dim 36, ffn_hidden_size 68, "
                                          "the sequence length 12 not divisible by the 8 fixed blocks"):
         invariant.check_gpt_sizes(narrow, tp_size=2, seq_len=12)
 
 
-def test_train_refuses_an_unsupported_tp_invariant_run_before_launch(capsys):
+@pytest.mark.parametrize("flags, message", [
+    (["--seq-len", "12"], "--tp-invariant: the sequence length 12 not divisible by the 8 fixed blocks"),
+    (["--fsdp"], "--fsdp cannot combine with --tp-invariant")])
+def test_train_refuses_an_unsupported_tp_invariant_run_before_launch(capsys, flags, message):
     from tensorpar.cli import main
 
-    assert main(["train", "--tp", "2", "--tp-invariant", "--seq-len", "12", "--layers", "1", "--hidden", "32",
-                 "--heads", "4", "--steps", "1"]) == 2
+    assert main(["train", "--tp", "2", "--tp-invariant", "--layers", "1", "--hidden", "32", "--heads", "4",
+                 "--steps", "1", *flags]) == 2
     err = capsys.readouterr().err
-    assert "--tp-invariant: the sequence length 12 not divisible by the 8 fixed blocks" in err
-    assert "Traceback" not in err
+    assert message in err and "Traceback" not in err
 
 
 TRAIN = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--steps", "6", "--micro-batch", "2",
