@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import tensorpar as tp
 from tensorpar import invariant
@@ -199,3 +200,49 @@ def test_dp_reduction_keeps_tp_sizes_bit_identical_at_dp4(tmp_path):
     assert runs[1][0] == runs[2][0]
     reference, weights = (run_on_ranks(_weights_body, 1, str(runs[n][1]))[0] for n in (1, 2))
     assert [name for name in weights if not torch.equal(weights[name], reference[name])] == []
+
+
+def _layers_body():
+    """ColumnLinear (stride 3, SP) -> RowLinear (SP) against the unsharded F.linear pair, at TP 1, 2, 4."""
+    errors = {}
+    for size in (1, 2, 4):
+        group = _group(size)
+        if dist.get_rank() >= size:
+            continue
+        rank, sp = dist.get_rank(), size > 1
+        torch.manual_seed(0)
+        x = torch.randn(16, 2, 32, requires_grad=True)
+        w1, b1 = (torch.randn(3 * 64, 32) / 6).requires_grad_(), torch.randn(3 * 64, requires_grad=True)
+        w2, b2 = (torch.randn(32, 3 * 64) / 14).requires_grad_(), torch.randn(32, requires_grad=True)
+        grad = torch.randn(16, 2, 32)
+        y = F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+        y.backward(grad)
+        column = invariant.ColumnLinear(32, 3 * 64, stride=3, sequence_parallel=sp, tp_group=group, device="cpu")
+        row = invariant.RowLinear(3 * 64, 32, input_is_parallel=True, sequence_parallel=sp, tp_group=group,
+                                  device="cpu")
+
+        def column_shard(t):  # this rank's part of each of the 3 stride pieces
+            return torch.cat([piece.chunk(size)[rank] for piece in t.chunk(3)])
+
+        with torch.no_grad():
+            column.weight.copy_(column_shard(w1))
+            column.bias.copy_(column_shard(b1))
+            row.weight.copy_(column_shard(w2.t()).t())   # the column layer's features, in its order
+            row.bias.copy_(b2)
+        shard = (lambda t: t.chunk(size)[rank]) if sp else (lambda t: t)
+        x_local = shard(x.detach()).requires_grad_()
+        y_local, _ = row(F.gelu(column(x_local)[0]))
+        y_local.backward(shard(grad))
+        pairs = {"output": (y_local, shard(y)), "input grad": (x_local.grad, shard(x.grad)),
+                 "column weight grad": (column.weight.grad, column_shard(w1.grad)),
+                 "column bias grad": (column.bias.grad, column_shard(b1.grad)),
+                 "row weight grad": (row.weight.grad, column_shard(w2.grad.t()).t()),
+                 "row bias grad": (row.bias.grad, b2.grad)}
+        errors[size] = {name: (a - b).abs().max().item() for name, (a, b) in pairs.items()}
+    return errors
+
+
+def test_invariant_layers_match_the_unsharded_computation():
+    for errors in run_on_ranks(_layers_body, 4):
+        for size, per_name in errors.items():
+            assert all(error < 1e-5 for error in per_name.values()), (size, per_name)

@@ -72,12 +72,11 @@ def all_reduce_tree(tensor: torch.Tensor, group) -> torch.Tensor:
     return total[:tensor.numel()].view(tensor.shape)
 
 
-def _blocks(size: int, tp_size: int, stride: int, what: str) -> int:
-    """Rows of one fixed block of a dimension of ``size`` split over TP in ``stride`` pieces."""
+def _check_blocks(size: int, stride: int, what: str) -> None:
+    """Refuse a dimension of ``size`` (``stride`` pieces) that ``BLOCKS`` blocks per piece do not divide."""
     if size % (stride * BLOCKS):
         raise ValueError(f"tp_invariant: {what} ({size}) is not divisible by {stride * BLOCKS} "
                          f"({BLOCKS} fixed blocks" + (f" x stride {stride})" if stride > 1 else ")"))
-    return size // (stride * BLOCKS)
 
 
 def _grouped(t: torch.Tensor, stride: int, groups: int) -> torch.Tensor:
@@ -211,7 +210,7 @@ def check_gpt_sizes(config, *, tp_size: int, seq_len: int | None = None) -> None
 def check_layer(layer: nn.Module) -> None:
     """Refuse what the invariant layers do not do, naming it."""
     name = type(layer).__name__
-    if layer.tp_size not in (1, 2, 4, 8) or BLOCKS % layer.tp_size:
+    if BLOCKS % layer.tp_size:
         raise ValueError(f"tp_invariant: the tensor-parallel size {layer.tp_size} must divide {BLOCKS}")
     if layer.gradient_accumulation_fusion:
         raise ValueError(f"{name}: tp_invariant does not support gradient_accumulation_fusion")
@@ -233,12 +232,15 @@ class ColumnLinear(ColumnParallelLinear):
         check_layer(self)
         if self.defer_wgrad_compute:
             raise ValueError("ColumnLinear: tp_invariant does not support defer_wgrad_compute=True")
-        _blocks(output_size, self.tp_size, kwargs.get("stride", 1), "ColumnParallelLinear output_size")
+        if self.weight_shape[0] * self.tp_size != output_size:
+            raise ValueError(f"ColumnLinear: tp_invariant does not support uneven partitions "
+                             f"({self.weight_shape[0]} of {output_size} rows on this rank)")
+        _check_blocks(output_size, kwargs.get("stride", 1), "ColumnParallelLinear output_size")
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
-        _blocks(weight.shape[0] * self.tp_size, self.tp_size, getattr(weight, "partition_stride", 1),
-                "the column weight's rows")
+        _check_blocks(weight.shape[0] * self.tp_size, getattr(weight, "partition_stride", 1),
+                      "the column weight's rows")
         bias = None if self.skip_bias_add else self.bias
         output = _Column.apply(input_, weight, bias, getattr(weight, "partition_stride", 1),
                                self.sequence_parallel, self.tp_group)
@@ -259,7 +261,10 @@ class RowLinear(RowParallelLinear):
         check_layer(self)
         if not self.input_is_parallel:
             raise ValueError("RowLinear: tp_invariant needs input_is_parallel=True")
-        _blocks(input_size, self.tp_size, 1, "RowParallelLinear input_size")
+        if self.weight_shape[1] * self.tp_size != input_size:
+            raise ValueError(f"RowLinear: tp_invariant does not support uneven partitions "
+                             f"({self.weight_shape[1]} of {input_size} columns on this rank)")
+        _check_blocks(input_size, 1, "RowParallelLinear input_size")
         if self.bias is not None:
             self.bias.sequence_parallel = False
 
@@ -341,7 +346,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
     normaliser summed over ``BLOCKS`` fixed vocab blocks, across ranks in the same tree."""
     tp_size = comm.group_size(tp_group)
     padded = logits.shape[-1] * tp_size
-    block = _blocks(padded, tp_size, 1, "the padded vocabulary")
+    _check_blocks(padded, 1, "the padded vocabulary")
+    block = padded // BLOCKS
     _check_targets(target, ignore_index, vocab_size)
 
     def sum_exp(exp):
