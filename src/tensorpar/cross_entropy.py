@@ -35,7 +35,9 @@ def _local_target(target, vocab_start, local_vocab, ignore_index):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, group, vocab_size):
+    def forward(ctx, logits, target, label_smoothing, ignore_index, group, vocab_size, sums=None):
+        # sums: (local sum of exponentials, sum of the stats over TP); tensorpar.invariant's fixed trees.
+        sum_exp, sum_over_tp = sums or (lambda exp: exp.sum(dim=-1), lambda stats: comm.all_reduce(stats, group))
         local_vocab = logits.shape[-1]
         vocab_start = comm.group_rank(group) * local_vocab
         pad = _padding_mask(local_vocab, vocab_start, vocab_size, logits.device)
@@ -59,8 +61,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp_()
         if label_smoothing > 0 and pad is not None:
             exp.masked_fill_(pad, 0.0)      # exp(0) of the padding zeroed above
-        stats[0] = exp.sum(dim=-1)
-        stats = comm.all_reduce(torch.stack(stats), group)
+        stats[0] = sum_exp(exp)
+        stats = sum_over_tp(torch.stack(stats))
 
         log_z = stats[0].log()
         loss = log_z - stats[1]
@@ -95,7 +97,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -(1.0 - eps) * owned.unsqueeze(-1).to(grad.dtype))
         scale = grad_loss.float().masked_fill(target == ctx.ignore_index, 0.0)
         grad.mul_(scale.unsqueeze(-1))
-        return grad.to(logits.dtype), None, None, None, None, None
+        return grad.to(logits.dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm
+from .. import comm, invariant
 from ..cross_entropy import vocab_parallel_cross_entropy
 from ..embedding import VocabParallelEmbedding
 from ..errors import check_index_range
@@ -140,6 +140,7 @@ class GPTConfig:
     params_dtype: torch.dtype = torch.float32
     overlap: int | str = "off"
     interleave: int = 1
+    tp_invariant: bool = False
 
     PRESETS = tuple(_PRESETS)
 
@@ -178,6 +179,13 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
         if isinstance(self.interleave, bool) or not isinstance(self.interleave, int) or self.interleave < 1:
             raise ValueError(f"GPTConfig.interleave must be a positive int (1: off), got {self.interleave!r}")
+        if self.tp_invariant:
+            unsupported = {"overlap": self.overlap != "off", "interleave": self.interleave > 1,
+                           "gradient_accumulation_fusion": self.gradient_accumulation_fusion,
+                           "attention_dropout": self.attention_dropout > 0}
+            named = [f"{k}={getattr(self, k)!r}" for k, bad in unsupported.items() if bad]
+            if named:
+                raise ValueError(f"GPTConfig.tp_invariant=True does not support {', '.join(named)}")
         if self.distribute_saved_activations and (self.sequence_parallel or not self.recompute):
             raise ValueError("distribute_saved_activations needs recompute=True and sequence_parallel=False "
                              "(under SP the saved block inputs are already split over TP)")
@@ -209,15 +217,22 @@ class GPTConfig:
         return cls(**{**_PRESETS[name], **overrides})
 
 
-def _norm(config: GPTConfig, device, sequence_parallel: bool) -> nn.Module:
+def _norm(config: GPTConfig, parallel: "_Parallel") -> nn.Module:
+    device, sequence_parallel = parallel.device, parallel.sequence_parallel
     kwargs = dict(eps=config.layernorm_epsilon, device=device, dtype=config.params_dtype)
+    rms, layer = (nn.RMSNorm, nn.LayerNorm)
+    if config.tp_invariant:
+        rms, layer = invariant.RMSNorm, invariant.LayerNorm
+        kwargs["row_blocks"] = invariant.BLOCKS // (parallel.size if sequence_parallel else 1)
+        kwargs["tp_group"] = parallel.group if sequence_parallel else None
     if config.norm == "rmsnorm":
-        norm = nn.RMSNorm(config.hidden_size, **kwargs)
+        norm = rms(config.hidden_size, **kwargs)
     else:
-        norm = nn.LayerNorm(config.hidden_size, bias=config.bias, **kwargs)
-    # Under SP each rank normalises its own tokens: the weight grads are partial sums over TP.
+        norm = layer(config.hidden_size, bias=config.bias, **kwargs)
+    # Under SP each rank normalises its own tokens: the weight grads are partial sums over TP
+    # (the invariant norms sum them in backward).
     for param in norm.parameters():
-        param.sequence_parallel = sequence_parallel
+        param.sequence_parallel = sequence_parallel and not config.tp_invariant
     return norm
 
 
@@ -259,6 +274,8 @@ class _Parallel:
         # One rank has no sequence to split.
         self.sequence_parallel = config.sequence_parallel and self.size > 1
         self.device = device
+        self.column, self.row = ((invariant.ColumnLinear, invariant.RowLinear) if config.tp_invariant
+                                 else (ColumnParallelLinear, RowParallelLinear))
 
     def linear_kwargs(self, config: GPTConfig) -> dict:
         return dict(sequence_parallel=self.sequence_parallel,
@@ -368,13 +385,13 @@ class Attention(nn.Module):
                 self.local_heads // self.local_groups))
             self.register_buffer("group_of_head", None if uniform else group_of_head.to(parallel.device),
                                  persistent=False)
-        self.qkv = ColumnParallelLinear(config.hidden_size, (p + 2) * groups * d, bias=config.qkv_bias,
-                                        init_method=init_method_normal(config.init_std), **qkv_layout,
-                                        **parallel.linear_kwargs(config))
-        self.proj = RowParallelLinear(config.num_heads * d, config.hidden_size, bias=config.bias,
-                                      input_is_parallel=True,
-                                      init_method=scaled_init_method_normal(config.init_std, config.num_layers),
-                                      **proj_layout, **parallel.linear_kwargs(config))
+        self.qkv = parallel.column(config.hidden_size, (p + 2) * groups * d, bias=config.qkv_bias,
+                                   init_method=init_method_normal(config.init_std), **qkv_layout,
+                                   **parallel.linear_kwargs(config))
+        self.proj = parallel.row(config.num_heads * d, config.hidden_size, bias=config.bias,
+                                 input_is_parallel=True,
+                                 init_method=scaled_init_method_normal(config.init_std, config.num_layers),
+                                 **proj_layout, **parallel.linear_kwargs(config))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
@@ -433,13 +450,13 @@ class MLP(nn.Module):
         self.activation = config.activation
         width = 2 * config.ffn_hidden_size if self.swiglu else config.ffn_hidden_size
         # stride=2 for SwiGLU: the full weight is gate|up, each split across ranks.
-        self.fc = ColumnParallelLinear(config.hidden_size, width, bias=config.bias, stride=2 if self.swiglu else 1,
-                                       init_method=init_method_normal(config.init_std),
-                                       **parallel.linear_kwargs(config))
-        self.proj = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, bias=config.bias,
-                                      input_is_parallel=True,
-                                      init_method=scaled_init_method_normal(config.init_std, config.num_layers),
-                                      **parallel.linear_kwargs(config))
+        self.fc = parallel.column(config.hidden_size, width, bias=config.bias, stride=2 if self.swiglu else 1,
+                                  init_method=init_method_normal(config.init_std),
+                                  **parallel.linear_kwargs(config))
+        self.proj = parallel.row(config.ffn_hidden_size, config.hidden_size, bias=config.bias,
+                                 input_is_parallel=True,
+                                 init_method=scaled_init_method_normal(config.init_std, config.num_layers),
+                                 **parallel.linear_kwargs(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self._hidden(x))[0]                        # g inside
@@ -464,9 +481,9 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, parallel: _Parallel, layer_number: int) -> None:
         super().__init__()
         self.config, self.parallel = config, parallel
-        self.norm1 = _norm(config, parallel.device, parallel.sequence_parallel)
+        self.norm1 = _norm(config, parallel)
         self.attention = Attention(config, parallel, layer_number)
-        self.norm2 = _norm(config, parallel.device, parallel.sequence_parallel)
+        self.norm2 = _norm(config, parallel)
         self.mlp = MLP(config, parallel)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
@@ -511,13 +528,15 @@ class GPT(nn.Module):
         if config.num_heads < parallel.size:
             raise ValueError(f"num_heads ({config.num_heads}) is smaller than the tensor-parallel size "
                              f"({parallel.size}): every rank needs a query head")
+        if config.tp_invariant:
+            invariant.check_gpt_sizes(config, tp_size=parallel.size)
         self.padded_vocab_size = config.padded_vocab_size(parallel.size)
         self.embedding = Embedding(config, parallel)
         self.blocks = nn.ModuleList(Block(config, parallel, i) for i in range(config.num_layers))
-        self.final_norm = _norm(config, parallel.device, parallel.sequence_parallel)
+        self.final_norm = _norm(config, parallel)
         tied = config.tie_word_embeddings
         # Tied: the head allocates no weight; forward hands it the embedding's.
-        self.lm_head = ColumnParallelLinear(
+        self.lm_head = parallel.column(
             config.hidden_size, self.padded_vocab_size, bias=False, skip_weight_param_allocation=tied,
             init_method=init_method_normal(config.init_std), **parallel.linear_kwargs(config))
         if tied and config.gradient_accumulation_fusion:
@@ -578,8 +597,9 @@ class GPT(nn.Module):
         if labels is None:
             return logits.transpose(0, 1)[:, :seq_len]              # [b, s, V_pad/TP]
         labels = labels.t()
-        losses = vocab_parallel_cross_entropy(logits, labels, tp_group=self.tp_group,
-                                              vocab_size=self.config.vocab_size)
+        cross_entropy = invariant.vocab_parallel_cross_entropy if self.config.tp_invariant \
+            else vocab_parallel_cross_entropy
+        losses = cross_entropy(logits, labels, tp_group=self.tp_group, vocab_size=self.config.vocab_size)
         return losses.sum() / (labels != -100).sum()
 
     def _rotary(self, position_ids: torch.Tensor | None, seq_len: int, device: torch.device):

@@ -174,6 +174,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                        help="split each block's micro-batch into this many interleaved parts (2: Domino; default: 1)")
     model.add_argument("--compile", action="store_true",
                        help="torch.compile the model (one graph per micro-batch shape; default: eager)")
+    model.add_argument("--tp-invariant", action=argparse.BooleanOptionalAction, default=None,
+                       help="bit-identical losses and weights at every TP size (1, 2, 4, 8; same machine), "
+                            "at extra GEMM launches (default: off)")
     model.add_argument("--grad-fusion", action=argparse.BooleanOptionalAction, default=None,
                        help="linear layers accumulate weight grads straight into fp32 main_grad (default: off)")
     model.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
@@ -298,6 +301,9 @@ def _check_train_args(args, world: int) -> None:
     if args.fsdp and config.gradient_accumulation_fusion:
         raise UsageError("--fsdp cannot combine with gradient-accumulation fusion (--grad-fusion, or the resumed "
                          "run's setting): FSDP reduces the gradients itself; drop one of them")
+    if args.fsdp and config.tp_invariant:
+        raise UsageError("--fsdp cannot combine with --tp-invariant (or the resumed run's setting): FSDP's "
+                         "reductions do not follow the invariant mode's fixed orders; drop one of them")
     seq_len = default_seq_len(args, config)
     check_fits(config, tp=args.tp, seq_len=seq_len)
     train_token_count(tokens, val_fraction=VAL_FRACTION, seq_len=seq_len, source=source)

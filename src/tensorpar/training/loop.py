@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import comm, parallel_state as ps
+from .. import comm, invariant, parallel_state as ps
+from .. import grads as tp_grads
 from ..comm_model import calibrate_overlap
 from ..errors import UsageError
 from ..fsdp import ShardedGradSync, bytes_per_rank, fully_shard
-from ..grads import DataParallelGradReducer, allreduce_sequence_parallel_grads, clip_grad_norm_, get_grad_norm
 from ..models.gpt import GPT, GPTConfig
 from ..random import model_parallel_manual_seed
 from . import checkpoint, rundir
@@ -41,7 +41,7 @@ DEFAULT_SEQ_LEN = 128
 # GPTConfig fields that only change how the model runs, not its weights: free to differ on resume.
 RUNTIME_FIELDS = frozenset({"sequence_parallel", "recompute", "distribute_saved_activations",
                             "gradient_accumulation_fusion", "dropout", "attention_dropout", "params_dtype",
-                            "overlap", "interleave"})
+                            "overlap", "interleave", "tp_invariant"})
 # CLI flag -> GPTConfig field, for the model-shape overrides.
 MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
                "ffn_hidden": "ffn_hidden_size", "vocab": "vocab_size", "norm": "norm",
@@ -107,7 +107,8 @@ def build_config(args, *, vocab_size: int, saved: dict | None, origin: str = "th
         raise ConfigMismatch(f"--vocab {requested['vocab_size']} is smaller than the data's vocabulary "
                              f"({vocab_size} token ids)")
     runtime = dict(sequence_parallel=args.sp, recompute=args.recompute, dropout=args.dropout,
-                   gradient_accumulation_fusion=args.grad_fusion, overlap=args.overlap, interleave=args.interleave)
+                   gradient_accumulation_fusion=args.grad_fusion, overlap=args.overlap, interleave=args.interleave,
+                   tp_invariant=args.tp_invariant)
     if saved is None:
         base = {k: v for k, v in _preset_fields(args.model or "tiny", requested).items()
                 if k not in RUNTIME_FIELDS}
@@ -122,7 +123,10 @@ def build_config(args, *, vocab_size: int, saved: dict | None, origin: str = "th
     if mismatched:
         raise ConfigMismatch(f"{origin}'s model config differs from the one requested: "
                              + "; ".join(mismatched))
-    return dataclasses.replace(config, **runtime)
+    try:
+        return dataclasses.replace(config, **runtime)
+    except ValueError as exc:
+        raise UsageError(f"invalid model: {exc}") from exc
 
 
 def _config(**fields) -> GPTConfig:
@@ -254,6 +258,11 @@ def check_fits(config: GPTConfig, *, tp: int, seq_len: int) -> None:
                          "needs a query head")
     if seq_len > config.max_seq_len:
         raise UsageError(f"--seq-len {seq_len} is longer than the model's max_seq_len {config.max_seq_len}")
+    if config.tp_invariant:
+        try:
+            invariant.check_gpt_sizes(config, tp_size=tp, seq_len=seq_len)
+        except ValueError as exc:
+            raise UsageError(f"--tp-invariant: {exc}") from None
 
 
 def count_parameters(model: GPT) -> int:
@@ -491,7 +500,9 @@ def _train(args, signals: _Signals) -> RunResult:
         fully_shard(model, dp_group=dp_group)
     optimizer = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(0.9, 0.95), eps=1e-8)
-    reducer = ShardedGradSync(model) if fsdp else DataParallelGradReducer(model.parameters(), dp_group=dp_group)
+    # TP-invariant mode: the same reductions, in orders that do not depend on the TP size.
+    grads = invariant if config.tp_invariant else tp_grads
+    reducer = ShardedGradSync(model) if fsdp else grads.DataParallelGradReducer(model.parameters(), dp_group=dp_group)
     # Training steps run the compiled model; evaluation and checkpoints use the module itself.
     step_model = torch.compile(model) if getattr(args, "compile", False) else model
     params = list(model.parameters())
@@ -552,9 +563,9 @@ def _train(args, signals: _Signals) -> RunResult:
                 loss_sum += loss.detach().double()
             reducer.finish()
             if config.sequence_parallel:
-                allreduce_sequence_parallel_grads(model)
-            grad_norm = (clip_grad_norm_(params, args.clip_grad, dp_group=dp_group) if args.clip_grad > 0
-                         else get_grad_norm(params, dp_group=dp_group))
+                grads.allreduce_sequence_parallel_grads(model)
+            grad_norm = (grads.clip_grad_norm_(params, args.clip_grad, dp_group=dp_group) if args.clip_grad > 0
+                         else grads.get_grad_norm(params, dp_group=dp_group))
             optimizer.step()
             comm.all_reduce(loss_sum, dp_group)
             done = step + 1

@@ -1,0 +1,446 @@
+"""TP-invariant mode: every floating-point sum in an order, every GEMM in a shape, that does not
+depend on the TP size, so training at TP = 1, 2, 4, 8 gives the same bits (``GPTConfig(tp_invariant=True)``).
+
+Each TP-split dimension is cut into ``BLOCKS`` fixed blocks (``BLOCKS`` a multiple of every TP
+size supported); at TP = t a rank owns ``BLOCKS / t`` whole blocks of every stride piece.
+
+* GEMMs run one block at a time, each with the shape it has at TP = 1. A sum over blocks (the
+  row layer's partial outputs, the column layer's input grad) is a pairwise tree over the
+  blocks: a rank's tree over its own blocks is a subtree of TP = 1's, and the cross-rank step
+  finishes the same tree.
+* A cross-rank sum is an all-to-all of the partial sums plus the same tree on each rank's
+  slice (the bytes of a ring reduce-scatter), then an all-gather where every rank needs the
+  whole sum (the bytes of a ring all-reduce).
+* Norm weights' grads are summed over fixed sequence blocks, the vocab-parallel softmax's
+  normaliser over fixed vocab blocks, the grad norm over the same weight blocks.
+
+Example::
+
+    model = GPT(GPTConfig.preset("tiny", tp_invariant=True))     # the same bits at any TP size
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from . import grads as grads_module
+from .cross_entropy import _check_targets, _VocabParallelCrossEntropy
+from .linear import ColumnParallelLinear, RowParallelLinear, _compute_dtype
+from .grads import _grad_of
+from .mappings import gather_from_tensor_model_parallel_region
+from .parallel_state import resolve_tp_group
+
+# Fixed blocks per TP-split dimension: TP = 1, 2, 4 and 8 own whole blocks.
+BLOCKS = 8
+
+
+def tree_sum(parts) -> torch.Tensor:
+    """``((p0 + p1) + (p2 + p3)) + ...``: pairwise, over a power-of-two number of parts."""
+    parts = list(parts)
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def reduce_scatter_tree(partial: torch.Tensor, group, *, dim: int = 0) -> torch.Tensor:
+    """Sum ``partial`` over ``group`` in rank order (a pairwise tree), keeping this rank's slice along ``dim``.
+
+    An all-to-all of the slices, then :func:`tree_sum` of the ``TP`` slices received.
+    """
+    n = comm.group_size(group)
+    if n == 1:
+        return partial
+    comm.check_divisible(partial.shape[dim], n, f"dimension {dim} of shape {list(partial.shape)}")
+    slices = partial.movedim(dim, 0)
+    slices = slices.reshape(n, slices.shape[0] // n, *slices.shape[1:])
+    received = comm.all_to_all(slices, group)
+    return tree_sum(received.unbind(0)).movedim(0, dim)
+
+
+def all_reduce_tree(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``tensor`` over ``group`` in rank order: :func:`reduce_scatter_tree` of the flat
+    tensor, then an all-gather (the bytes of a ring all-reduce)."""
+    n = comm.group_size(group)
+    if n == 1:
+        return tensor
+    flat = tensor.reshape(-1)
+    flat = F.pad(flat, (0, -flat.numel() % n))
+    total = comm.all_gather(reduce_scatter_tree(flat, group), group)
+    return total[:tensor.numel()].view(tensor.shape)
+
+
+def _check_blocks(size: int, stride: int, what: str) -> None:
+    """Refuse a dimension of ``size`` (``stride`` pieces) that ``BLOCKS`` blocks per piece do not divide."""
+    if size % (stride * BLOCKS):
+        raise ValueError(f"tp_invariant: {what} ({size}) is not divisible by {stride * BLOCKS} "
+                         f"({BLOCKS} fixed blocks" + (f" x stride {stride})" if stride > 1 else ")"))
+
+
+def _grouped(t: torch.Tensor, stride: int, groups: int) -> torch.Tensor:
+    """Local rows ``[stride pieces x groups x rows]`` regrouped as ``[groups, stride x rows, ...]``:
+    group ``i`` holds block ``i`` of every piece (the same GEMM at every TP size)."""
+    rest = t.shape[1:]
+    return t.reshape(stride, groups, -1, *rest).transpose(0, 1).reshape(groups, -1, *rest)
+
+
+def _ungrouped(t: torch.Tensor, stride: int) -> torch.Tensor:
+    """Inverse of :func:`_grouped`."""
+    groups, rest = t.shape[0], t.shape[2:]
+    return t.reshape(groups, stride, -1, *rest).transpose(0, 1).reshape(-1, *rest)
+
+
+def _column_groups(t2d: torch.Tensor, stride: int, groups: int):
+    """The columns of ``t2d`` (``[M, local columns]``) of each group, ``[M, stride x rows]`` each."""
+    rows = t2d.shape[0]
+    return t2d.view(rows, stride, groups, -1).transpose(1, 2).reshape(rows, groups, -1).unbind(1)
+
+
+class _Column(torch.autograd.Function):
+    """``x W^T + b`` by fixed column groups; dgrad summed over the groups (and ranks) in a tree."""
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias, stride, sequence_parallel, group):
+        dtype = _compute_dtype(input_)
+        input_, compute_weight = input_.to(dtype), weight.to(dtype)
+        total = comm.all_gather(input_, group, dim=0) if sequence_parallel else input_
+        groups = BLOCKS // comm.group_size(group)
+        x2d = total.reshape(-1, total.shape[-1])
+        with torch.autocast(input_.device.type, enabled=False):
+            outs = [F.linear(x2d, w.contiguous()) for w in _grouped(compute_weight, stride, groups)]
+        # [M, groups, stride, rows] -> this rank's column order [M, stride, groups, rows].
+        output = torch.stack(outs, dim=1).view(x2d.shape[0], groups, stride, -1).transpose(1, 2)
+        output = output.reshape(x2d.shape[0], -1)
+        if bias is not None:
+            output = output + bias.to(dtype)
+        ctx.save_for_backward(input_, compute_weight)
+        ctx.stride, ctx.sequence_parallel, ctx.group, ctx.has_bias = stride, sequence_parallel, group, bias is not None
+        ctx.weight_dtype = weight.dtype
+        return output.view(*total.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        group, stride = ctx.group, ctx.stride
+        groups = BLOCKS // comm.group_size(group)
+        total = comm.all_gather(input_, group, dim=0) if ctx.sequence_parallel else input_
+        x2d = total.reshape(-1, total.shape[-1])
+        g2d = grad_output.reshape(-1, grad_output.shape[-1]).to(weight.dtype)
+        g_groups = [g.contiguous() for g in _column_groups(g2d, stride, groups)]
+        w_groups = [w.contiguous() for w in _grouped(weight, stride, groups)]
+        grad_input = tree_sum(g.matmul(w) for g, w in zip(g_groups, w_groups)).view_as(total)
+        if ctx.sequence_parallel:
+            grad_input = reduce_scatter_tree(grad_input, group, dim=0)
+        else:
+            grad_input = all_reduce_tree(grad_input, group)
+        grad_weight = _ungrouped(torch.stack([g.t().matmul(x2d) for g in g_groups]), stride)
+        grad_bias = None
+        if ctx.has_bias:
+            grad_bias = _ungrouped(torch.stack([g.sum(dim=0) for g in g_groups]), stride)
+        return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None
+
+
+class _Row(torch.autograd.Function):
+    """``x A + b`` by fixed K blocks summed in a tree, across ranks too; the bias grad from the
+    whole (gathered) output grad, so it is complete on every rank."""
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias, sequence_parallel, group):
+        dtype = _compute_dtype(input_)
+        input_, compute_weight = input_.to(dtype), weight.to(dtype)
+        x2d = input_.reshape(-1, input_.shape[-1])
+        blocks = BLOCKS // comm.group_size(group)
+        xs, ws = x2d.chunk(blocks, dim=1), compute_weight.chunk(blocks, dim=1)
+        with torch.autocast(input_.device.type, enabled=False):
+            partial = tree_sum(F.linear(x.contiguous(), w.contiguous()) for x, w in zip(xs, ws))
+        partial = partial.view(*input_.shape[:-1], -1)
+        if sequence_parallel:
+            output = reduce_scatter_tree(partial, group, dim=0)
+        else:
+            output = all_reduce_tree(partial, group)
+        if bias is not None:
+            output = output + bias.to(dtype)
+        ctx.save_for_backward(input_, compute_weight)
+        ctx.sequence_parallel, ctx.group, ctx.has_bias = sequence_parallel, group, bias is not None
+        ctx.weight_dtype = weight.dtype
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        group = ctx.group
+        if ctx.sequence_parallel:
+            grad_output = comm.all_gather(grad_output.contiguous(), group, dim=0)
+        g2d = grad_output.reshape(-1, grad_output.shape[-1]).to(weight.dtype)
+        x2d = input_.reshape(-1, input_.shape[-1])
+        blocks = BLOCKS // comm.group_size(group)
+        ws = [w.contiguous() for w in weight.chunk(blocks, dim=1)]
+        xs = [x.contiguous() for x in x2d.chunk(blocks, dim=1)]
+        grad_input = torch.cat([g2d.matmul(w) for w in ws], dim=1).view_as(input_)
+        g_t = g2d.t().contiguous()
+        grad_weight = torch.cat([g_t.matmul(x) for x in xs], dim=1)
+        grad_bias = g2d.sum(dim=0) if ctx.has_bias else None
+        return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None
+
+
+def check_gpt_sizes(config, *, tp_size: int, seq_len: int | None = None) -> None:
+    """Refuse (ValueError naming the values) a GPT config whose TP-split sizes or sequence length
+    the fixed blocks do not divide, or a TP size that does not divide ``BLOCKS``."""
+    if BLOCKS % tp_size:
+        raise ValueError(f"the tensor-parallel size {tp_size} does not divide the {BLOCKS} fixed blocks "
+                         f"(supported: 1, 2, 4, 8)")
+    uneven = [f"{name} {value}" for name, value in (("num_heads", config.num_heads),
+                                                    ("num_query_groups", config.num_query_groups))
+              if value % tp_size]
+    if uneven:
+        raise ValueError(f"{', '.join(uneven)} not divisible by the tensor-parallel size {tp_size} "
+                         "(uneven or replicated heads are not supported)")
+    widths = {"hidden_size": config.hidden_size,
+              "num_query_groups x head_dim": config.num_query_groups * config.head_dim,
+              "ffn_hidden_size": config.ffn_hidden_size,
+              "the padded vocabulary": config.padded_vocab_size(tp_size),
+              "the sequence length": seq_len}
+    bad = [f"{name} {value}" for name, value in widths.items() if value is not None and value % BLOCKS]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} not divisible by the {BLOCKS} fixed blocks of tp_invariant")
+
+
+def check_layer(layer: nn.Module) -> None:
+    """Refuse what the invariant layers do not do, naming it."""
+    name = type(layer).__name__
+    if BLOCKS % layer.tp_size:
+        raise ValueError(f"tp_invariant: the tensor-parallel size {layer.tp_size} must divide {BLOCKS}")
+    if layer.gradient_accumulation_fusion:
+        raise ValueError(f"{name}: tp_invariant does not support gradient_accumulation_fusion")
+    if layer.overlap not in ("off", 1):
+        raise ValueError(f"{name}: tp_invariant does not support overlap={layer.overlap!r}")
+    if layer.is_expert:
+        raise ValueError(f"{name}: tp_invariant does not support is_expert=True")
+
+
+class ColumnLinear(ColumnParallelLinear):
+    """:class:`~tensorpar.ColumnParallelLinear` whose GEMMs and sums do not depend on the TP size.
+
+    Needs ``output_size`` divisible by ``BLOCKS x stride``; no overlap, gradient-accumulation
+    fusion or deferred wgrads.
+    """
+
+    def __init__(self, input_size, output_size, **kwargs) -> None:
+        super().__init__(input_size, output_size, **kwargs)
+        check_layer(self)
+        if self.defer_wgrad_compute:
+            raise ValueError("ColumnLinear: tp_invariant does not support defer_wgrad_compute=True")
+        if self.weight_shape[0] * self.tp_size != output_size:
+            raise ValueError(f"ColumnLinear: tp_invariant does not support uneven partitions "
+                             f"({self.weight_shape[0]} of {output_size} rows on this rank)")
+        _check_blocks(output_size, kwargs.get("stride", 1), "ColumnParallelLinear output_size")
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        weight = self.weight if weight is None else weight
+        _check_blocks(weight.shape[0] * self.tp_size, getattr(weight, "partition_stride", 1),
+                      "the column weight's rows")
+        bias = None if self.skip_bias_add else self.bias
+        output = _Column.apply(input_, weight, bias, getattr(weight, "partition_stride", 1),
+                               self.sequence_parallel, self.tp_group)
+        if self.gather_output if runtime_gather_output is None else runtime_gather_output:
+            output = gather_from_tensor_model_parallel_region(output, group=self.tp_group)
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class RowLinear(RowParallelLinear):
+    """:class:`~tensorpar.RowParallelLinear` whose GEMMs and sums do not depend on the TP size.
+
+    Needs ``input_is_parallel=True`` and ``input_size`` divisible by ``BLOCKS``. Under SP its
+    bias grad is whole on every rank (not marked ``sequence_parallel``).
+    """
+
+    def __init__(self, input_size, output_size, **kwargs) -> None:
+        super().__init__(input_size, output_size, **kwargs)
+        check_layer(self)
+        if not self.input_is_parallel:
+            raise ValueError("RowLinear: tp_invariant needs input_is_parallel=True")
+        if self.weight_shape[1] * self.tp_size != input_size:
+            raise ValueError(f"RowLinear: tp_invariant does not support uneven partitions "
+                             f"({self.weight_shape[1]} of {input_size} columns on this rank)")
+        _check_blocks(input_size, 1, "RowParallelLinear input_size")
+        if self.bias is not None:
+            self.bias.sequence_parallel = False
+
+    def forward(self, input_):
+        bias = None if self.skip_bias_add else self.bias
+        output = _Row.apply(input_, self.weight, bias, self.sequence_parallel, self.tp_group)
+        return output, (self.bias if self.skip_bias_add else None)
+
+    def start(self, input_):
+        raise ValueError("RowLinear: tp_invariant does not support interleave (Domino)")
+
+
+class _BlockAffine(torch.autograd.Function):
+    """``x_hat * weight (+ bias)``; the parameters' grads summed over ``blocks`` fixed row blocks
+    (dim 0, the sequence) in a tree. Under SP (``group``) a rank's blocks are a subtree, finished
+    across ranks here, in backward: summed after gradient accumulation instead, the micro-batches'
+    partial sums would be added in another order than at TP = 1."""
+
+    @staticmethod
+    def forward(ctx, x_hat, weight, bias, blocks, group):
+        ctx.save_for_backward(x_hat, weight)
+        ctx.blocks, ctx.has_bias, ctx.group = blocks, bias is not None, group
+        output = x_hat * weight
+        return output if bias is None else output + bias
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x_hat, weight = ctx.saved_tensors
+        width = grad_output.shape[-1]
+        grads = [g.reshape(-1, width) for g in grad_output.chunk(ctx.blocks, dim=0)]
+        inputs = [x.reshape(-1, width) for x in x_hat.chunk(ctx.blocks, dim=0)]
+        grad_weight = tree_sum((g * x).sum(dim=0) for g, x in zip(grads, inputs))
+        grad_bias = tree_sum(g.sum(dim=0) for g in grads) if ctx.has_bias else None
+        if ctx.group is not None:
+            summed = all_reduce_tree(torch.stack([grad_weight] + ([grad_bias] if ctx.has_bias else [])), ctx.group)
+            grad_weight, grad_bias = summed[0], (summed[1] if ctx.has_bias else None)
+        return grad_output * weight, grad_weight.to(weight.dtype), grad_bias, None, None
+
+
+class _NormBlocks:
+    """Normalise without the affine, then :class:`_BlockAffine` over ``row_blocks`` sequence blocks."""
+
+    def _affine(self, x_hat: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x_hat.shape[0] % self.row_blocks:
+            raise ValueError(f"tp_invariant: this rank's sequence length {x_hat.shape[0]} is not divisible by "
+                             f"its {self.row_blocks} fixed sequence blocks (the sequence length must divide "
+                             f"by {BLOCKS})")
+        return _BlockAffine.apply(x_hat, self.weight, self.bias, self.row_blocks, self.tp_group)
+
+
+class LayerNorm(_NormBlocks, nn.LayerNorm):
+    """``nn.LayerNorm`` whose weight and bias grads are summed over ``row_blocks`` fixed sequence
+    blocks, and over ``tp_group`` (SP: this rank holds a slice of the sequence) in backward."""
+
+    def __init__(self, *args, row_blocks: int, tp_group=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.row_blocks, self.tp_group = row_blocks, tp_group
+
+    def forward(self, x):
+        return self._affine(F.layer_norm(x, self.normalized_shape, None, None, self.eps))
+
+
+class RMSNorm(_NormBlocks, nn.RMSNorm):
+    """``nn.RMSNorm`` whose weight grad is summed as :class:`LayerNorm`'s."""
+
+    bias = None
+
+    def __init__(self, *args, row_blocks: int, tp_group=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.row_blocks, self.tp_group = row_blocks, tp_group
+
+    def forward(self, x):
+        return self._affine(F.rms_norm(x, self.normalized_shape, None, self.eps))
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_size: int,
+                                 tp_group, ignore_index: int = -100) -> torch.Tensor:
+    """:func:`tensorpar.vocab_parallel_cross_entropy` (no label smoothing) with the softmax
+    normaliser summed over ``BLOCKS`` fixed vocab blocks, across ranks in the same tree."""
+    tp_size = comm.group_size(tp_group)
+    padded = logits.shape[-1] * tp_size
+    _check_blocks(padded, 1, "the padded vocabulary")
+    block = padded // BLOCKS
+    _check_targets(target, ignore_index, vocab_size)
+
+    def sum_exp(exp):
+        return tree_sum(b.contiguous().sum(dim=-1) for b in exp.split(block, dim=-1))
+
+    return _VocabParallelCrossEntropy.apply(logits, target, 0.0, ignore_index, tp_group, vocab_size,
+                                            (sum_exp, lambda stats: all_reduce_tree(stats, tp_group)))
+
+
+def allreduce_sequence_parallel_grads(module: nn.Module, *, tp_group=None) -> None:
+    """:func:`tensorpar.allreduce_sequence_parallel_grads` summing over TP in rank order (a tree)."""
+    group = resolve_tp_group(tp_group)
+    grads = [g for p in module.parameters()
+             if getattr(p, "sequence_parallel", False) and (g := _grad_of(p)) is not None]
+    if not grads or comm.group_size(group) == 1:
+        return
+    for dtype in sorted({g.dtype for g in grads}, key=str):
+        same = [g for g in grads if g.dtype == dtype]
+        flat = all_reduce_tree(torch.cat([g.reshape(-1) for g in same]), group)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _block_squares(grad: torch.Tensor, param: nn.Parameter, blocks: int) -> list[torch.Tensor]:
+    """Per local block group ``i``: the sum of squares of block ``i`` of every stride piece (in order)."""
+    stride = getattr(param, "partition_stride", 1)
+    pieces = grad.movedim(param.partition_dim, 0)
+    pieces = pieces.reshape(stride, blocks, pieces.shape[0] // (stride * blocks), *pieces.shape[1:])
+    sums = []
+    for i in range(blocks):
+        total = None
+        for j in range(stride):
+            square = pieces[j, i].contiguous().square().sum()
+            total = square if total is None else total + square
+        sums.append(total)
+    return sums
+
+
+@torch.no_grad()
+def get_grad_norm(params, *, tp_group=None, dp_group=None) -> torch.Tensor:
+    """The L2 norm of the gradient (fp32), the same bits at every TP size.
+
+    Gradients are whole on every DP rank (the mode does not shard them: no FSDP), so
+    ``dp_group`` is not used; it keeps :func:`tensorpar.get_grad_norm`'s signature.
+
+    TP-sharded parameters: squares summed per fixed block, block ``i`` of every parameter folded
+    in parameter order, then a tree over the blocks (a rank's blocks form a subtree, finished
+    across ranks); replicated parameters are then added in parameter order on every rank.
+    """
+    group = resolve_tp_group(tp_group)
+    blocks = BLOCKS // comm.group_size(group)
+    sharded: list[torch.Tensor | None] = [None] * blocks
+    replicated = None
+    for param in params:
+        grad = _grad_of(param)
+        if grad is None:
+            continue
+        grad = grad.float()
+        if getattr(param, "tensor_model_parallel", False):
+            for i, square in enumerate(_block_squares(grad, param, blocks)):
+                sharded[i] = square if sharded[i] is None else sharded[i] + square
+        else:
+            square = grad.square().sum()
+            replicated = square if replicated is None else replicated + square
+    device = comm.collective_device(group)
+    local = tree_sum(s if s is not None else torch.zeros((), device=device) for s in sharded)
+    total = all_reduce_tree(local.reshape(1).to(device), group)[0]
+    if replicated is not None:
+        total = total + replicated.to(device)
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, *, tp_group=None, dp_group=None) -> torch.Tensor:
+    """:func:`tensorpar.clip_grad_norm_` with the norm of :func:`get_grad_norm`."""
+    params = list(params)
+    norm = get_grad_norm(params, tp_group=tp_group)
+    grads = [g for p in params if (g := _grad_of(p)) is not None]
+    if grads:
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
+class DataParallelGradReducer(grads_module.DataParallelGradReducer):
+    """:class:`tensorpar.DataParallelGradReducer` summing each bucket over DP in rank order (a
+    tree), so an element's sum does not depend on where the TP layout puts it in a bucket."""
+
+    def _launch(self, bucket) -> None:
+        for p in bucket.params:
+            p.main_grad_reduced = True
+        if self.dp_size > 1:
+            bucket.buffer.div_(self.dp_size)
+        bucket.buffer.copy_(all_reduce_tree(bucket.buffer, self.group))
+        bucket.handle = comm.Handle(None, bucket.buffer)

@@ -1,0 +1,248 @@
+"""TP-invariant mode (tensorpar.invariant): the same bits at TP = 1, 2, 4, with and without SP.
+
+Bit equality across TP sizes is asserted here because the mode makes every GEMM's shape and
+every sum's order independent of the TP size, and all runs compared share one machine and
+its kernels (see the README). Against the default mode it is compared to rounding only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import tensorpar as tp
+from tensorpar import invariant
+from tensorpar.models import GPT, GPTConfig
+from tests.harness import run_on_ranks
+
+GPT2 = GPTConfig(vocab_size=96, max_seq_len=16, num_layers=2, num_heads=4, hidden_size=64, dropout=0.1,
+                 attention_dropout=0.0, tp_invariant=True)
+LLAMA = GPTConfig(vocab_size=96, max_seq_len=16, num_layers=2, num_heads=8, num_query_groups=4, hidden_size=64,
+                  norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
+                  tie_word_embeddings=False, dropout=0.1, attention_dropout=0.0, tp_invariant=True)
+LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]
+STEPS = 3
+
+_GROUPS: dict = {}
+
+
+def _group(size: int):
+    """The group of ranks ``0..size-1`` (every rank creates every group, once, in one order)."""
+    if not _GROUPS:
+        for n in (1, 2, 4):
+            _GROUPS[n] = dist.new_group(list(range(n)))
+        for rank in range(dist.get_world_size()):
+            _GROUPS["dp", rank] = dist.new_group([rank])
+    return _GROUPS[size]
+
+
+def _batch(step: int, config: GPTConfig):
+    generator = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, config.vocab_size, (2, config.max_seq_len + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _train(config: GPTConfig, group, steps, *, model=None, optimizer=None, first_step=0):
+    """Train ``steps`` AdamW steps as the training loop does; returns (losses, model, optimizer)."""
+    if model is None:
+        tp.model_parallel_manual_seed(1234, tp_group=group)
+        model = GPT(config, tp_group=group, device="cpu")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    reducer = invariant.DataParallelGradReducer(model.parameters(), dp_group=_GROUPS["dp", dist.get_rank()])
+    losses = []
+    for step in range(first_step, first_step + steps):
+        reducer.zero_grad()
+        tokens, labels = _batch(step, config)
+        loss = model(tokens, labels)
+        loss.backward()
+        reducer.finish()
+        invariant.allreduce_sequence_parallel_grads(model, tp_group=group)
+        invariant.clip_grad_norm_(list(model.parameters()), 0.5, tp_group=group)
+        optimizer.step()
+        losses.append(loss.item())
+    reducer.remove_hooks()
+    return losses, model, optimizer
+
+
+def _mismatch(reference, losses, weights) -> str | None:
+    ref_losses, ref_weights = reference
+    if losses != ref_losses:
+        return f"losses {losses} != TP=1's {ref_losses}"
+    for name, value in weights.items():
+        if not torch.equal(value, ref_weights[name]):
+            diff = (value - ref_weights[name]).abs().max().item()
+            return f"{name} differs from TP=1's by up to {diff:g}"
+    return None
+
+
+def _invariance_body(config: GPTConfig):
+    results = {}
+    for size, sp in LAYOUTS:
+        group = _group(size)  # every rank takes part in creating it
+        if dist.get_rank() >= size:
+            continue
+        losses, model, _ = _train(dataclasses.replace(config, sequence_parallel=sp), group, STEPS)
+        results[(size, sp)] = (losses, model.full_state_dict())
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return None
+    reference = results[(1, False)]
+    report = {layout: _mismatch(reference, *results[layout]) for layout in LAYOUTS[1:]}
+    # The default mode sums in other orders: the same training to rounding only.
+    losses, model, _ = _train(dataclasses.replace(config, tp_invariant=False), _group(1), STEPS)
+    default = (losses, model.full_state_dict())
+    return report, reference, default
+
+
+@pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama-gqa"])
+def test_training_is_bit_identical_at_every_tp_size(config):
+    report, (losses, weights), (default_losses, default_weights) = \
+        run_on_ranks(_invariance_body, 4, config, timeout=300)[0]
+    assert report == {layout: None for layout in LAYOUTS[1:]}
+    assert losses == pytest.approx(default_losses, rel=1e-5)
+    # atol: AdamW normalises gradients, and the key bias's is pure rounding (softmax ignores a
+    # shift of every key): its steps are rounding amplified, still far below lr x steps = 3e-2.
+    for name, value in weights.items():
+        torch.testing.assert_close(value, default_weights[name], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(overlap=2), "overlap=2"), (dict(interleave=2), "interleave=2"),
+    (dict(gradient_accumulation_fusion=True), "gradient_accumulation_fusion=True"),
+    (dict(attention_dropout=0.1), "attention_dropout=0.1")])
+def test_unsupported_combinations_are_refused_by_name(change, named):
+    with pytest.raises(ValueError, match=f"tp_invariant=True does not support {named}"):
+        dataclasses.replace(GPT2, **change)
+
+
+def test_sizes_the_fixed_blocks_do_not_divide_are_named():
+    invariant.check_gpt_sizes(GPT2, tp_size=4, seq_len=16)
+    with pytest.raises(ValueError, match="tensor-parallel size 3 does not divide the 8 fixed blocks"):
+        invariant.check_gpt_sizes(GPT2, tp_size=3)
+    with pytest.raises(ValueError, match="num_heads 2, num_query_groups 2 not divisible by the tensor-parallel "
+                                         "size 4 .uneven or replicated heads are not supported."):
+        invariant.check_gpt_sizes(dataclasses.replace(GPT2, num_heads=2, num_query_groups=2), tp_size=4)
+    narrow = dataclasses.replace(GPT2, hidden_size=36, ffn_hidden_size=68, num_heads=4)
+    with pytest.raises(ValueError, match="hidden_size 36, num_query_groups x head_dim 36, ffn_hidden_size 68, "
+                                         "the sequence length 12 not divisible by the 8 fixed blocks"):
+        invariant.check_gpt_sizes(narrow, tp_size=2, seq_len=12)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seq-len", "12"], "--tp-invariant: the sequence length 12 not divisible by the 8 fixed blocks"),
+    (["--fsdp"], "--fsdp cannot combine with --tp-invariant")])
+def test_train_refuses_an_unsupported_tp_invariant_run_before_launch(capsys, flags, message):
+    from tensorpar.cli import main
+
+    assert main(["train", "--tp", "2", "--tp-invariant", "--layers", "1", "--hidden", "32", "--heads", "4",
+                 "--steps", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+TRAIN = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--steps", "6", "--micro-batch", "2",
+         "--grad-accum", "2", "--warmup", "2", "--lr", "1e-2", "--eval-every", "0", "--no-progress", "--seed", "7",
+         "--tp-invariant"]
+
+
+def _train_body(argv):
+    from tensorpar.training.cli import parse_train_args
+    from tensorpar.training.loop import train
+
+    result = train(parse_train_args(argv))
+    return result.losses, result.checkpoint
+
+
+def _weights_body(ckpt):
+    from tensorpar.training import checkpoint
+    from tensorpar.training.loop import config_from_json
+
+    tp.initialize_model_parallel(1)
+    path, config, _ = checkpoint.open_checkpoint(ckpt)
+    model = GPT(config_from_json(config), device="cpu")
+    checkpoint.load(path, model=model, optimizer=None, tp_group=tp.get_tensor_model_parallel_group(),
+                    restore_rng=False)
+    return model.full_state_dict()
+
+
+def test_train_and_a_resume_at_another_tp_size_are_bit_identical(tmp_path):
+    """--tp-invariant: TP=1 for 6 steps; TP=2 +SP saved at step 3 and resumed at TP=4: the same
+    losses (==) at every step and the same final weights (torch.equal)."""
+    def train(world, out, *extra):
+        return run_on_ranks(_train_body, world, TRAIN + ["--tp", str(world), "--out", str(out), *extra],
+                            timeout=300)[0]
+
+    a, a_ckpt = train(1, tmp_path / "a")
+    b, _ = train(2, tmp_path / "b", "--sp", "--save-every", "3")
+    resumed, resumed_ckpt = train(4, tmp_path / "c", "--resume", str(tmp_path / "b" / "step_3"))
+    assert list(a) == [1, 2, 3, 4, 5, 6] and list(resumed) == [4, 5, 6]
+    assert b == a
+    assert {step: a[step] for step in resumed} == resumed
+    reference, weights = (run_on_ranks(_weights_body, 1, str(c))[0] for c in (a_ckpt, resumed_ckpt))
+    assert weights.keys() == reference.keys()
+    assert [name for name in weights if not torch.equal(weights[name], reference[name])] == []
+
+
+def test_dp_reduction_keeps_tp_sizes_bit_identical_at_dp4(tmp_path):
+    """At DP=4 (a tree over the DP ranks too), bf16 autocast and recompute, TP=2 +SP equals TP=1:
+    losses ==, weights torch.equal."""
+    runs = {tp_size: run_on_ranks(_train_body, 4 * tp_size, TRAIN + ["--tp", str(tp_size), "--steps", "3",
+                                                                     "--dtype", "bf16", "--recompute",
+                                                                     "--out", str(tmp_path / str(tp_size)),
+                                                                     *(["--sp"] if tp_size > 1 else [])],
+                                  timeout=300)[0]
+            for tp_size in (1, 2)}
+    assert runs[1][0] == runs[2][0]
+    reference, weights = (run_on_ranks(_weights_body, 1, str(runs[n][1]))[0] for n in (1, 2))
+    assert [name for name in weights if not torch.equal(weights[name], reference[name])] == []
+
+
+def _layers_body():
+    """ColumnLinear (stride 3, SP) -> RowLinear (SP) against the unsharded F.linear pair, at TP 1, 2, 4."""
+    errors = {}
+    for size in (1, 2, 4):
+        group = _group(size)
+        if dist.get_rank() >= size:
+            continue
+        rank, sp = dist.get_rank(), size > 1
+        torch.manual_seed(0)
+        x = torch.randn(16, 2, 32, requires_grad=True)
+        w1, b1 = (torch.randn(3 * 64, 32) / 6).requires_grad_(), torch.randn(3 * 64, requires_grad=True)
+        w2, b2 = (torch.randn(32, 3 * 64) / 14).requires_grad_(), torch.randn(32, requires_grad=True)
+        grad = torch.randn(16, 2, 32)
+        y = F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+        y.backward(grad)
+        column = invariant.ColumnLinear(32, 3 * 64, stride=3, sequence_parallel=sp, tp_group=group, device="cpu")
+        row = invariant.RowLinear(3 * 64, 32, input_is_parallel=True, sequence_parallel=sp, tp_group=group,
+                                  device="cpu")
+
+        def column_shard(t):  # this rank's part of each of the 3 stride pieces
+            return torch.cat([piece.chunk(size)[rank] for piece in t.chunk(3)])
+
+        with torch.no_grad():
+            column.weight.copy_(column_shard(w1))
+            column.bias.copy_(column_shard(b1))
+            row.weight.copy_(column_shard(w2.t()).t())   # the column layer's features, in its order
+            row.bias.copy_(b2)
+        shard = (lambda t: t.chunk(size)[rank]) if sp else (lambda t: t)
+        x_local = shard(x.detach()).requires_grad_()
+        y_local, _ = row(F.gelu(column(x_local)[0]))
+        y_local.backward(shard(grad))
+        pairs = {"output": (y_local, shard(y)), "input grad": (x_local.grad, shard(x.grad)),
+                 "column weight grad": (column.weight.grad, column_shard(w1.grad)),
+                 "column bias grad": (column.bias.grad, column_shard(b1.grad)),
+                 "row weight grad": (row.weight.grad, column_shard(w2.grad.t()).t()),
+                 "row bias grad": (row.bias.grad, b2.grad)}
+        errors[size] = {name: (a - b).abs().max().item() for name, (a, b) in pairs.items()}
+    return errors
+
+
+def test_invariant_layers_match_the_unsharded_computation():
+    for errors in run_on_ranks(_layers_body, 4):
+        for size, per_name in errors.items():
+            assert all(error < 1e-5 for error in per_name.values()), (size, per_name)
