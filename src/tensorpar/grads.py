@@ -26,6 +26,12 @@ def allreduce_sequence_parallel_grads(module: nn.Module, *, tp_group=None) -> No
     under :func:`tensorpar.fully_shard` it sums the DP shards (every TP rank holds the same
     slice of a replicated parameter), after FSDP's reduce-scatter.
     """
+    sum_sequence_parallel_grads(module, tp_group=tp_group, summed=comm.all_reduce)
+
+
+def sum_sequence_parallel_grads(module: nn.Module, *, tp_group, summed) -> None:
+    """:func:`allreduce_sequence_parallel_grads` with ``summed(flat, group)`` (returning the sum
+    over TP) as the reduction: one flat buffer per dtype."""
     group = resolve_tp_group(tp_group)
     grads = [g for p in module.parameters()
              if getattr(p, "sequence_parallel", False) and (g := _grad_of(p)) is not None]
@@ -34,7 +40,7 @@ def allreduce_sequence_parallel_grads(module: nn.Module, *, tp_group=None) -> No
     for dtype in sorted({g.dtype for g in grads}, key=str):
         same = [g for g in grads if g.dtype == dtype]
         flat = torch.cat([g.reshape(-1) for g in same])
-        comm.all_reduce(flat, group)
+        flat = summed(flat, group)
         offset = 0
         for g in same:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))

@@ -359,18 +359,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, *, tp_group=None) -> None:
     """:func:`tensorpar.allreduce_sequence_parallel_grads` summing over TP in rank order (a tree)."""
-    group = resolve_tp_group(tp_group)
-    grads = [g for p in module.parameters()
-             if getattr(p, "sequence_parallel", False) and (g := _grad_of(p)) is not None]
-    if not grads or comm.group_size(group) == 1:
-        return
-    for dtype in sorted({g.dtype for g in grads}, key=str):
-        same = [g for g in grads if g.dtype == dtype]
-        flat = all_reduce_tree(torch.cat([g.reshape(-1) for g in same]), group)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+    grads_module.sum_sequence_parallel_grads(module, tp_group=tp_group, summed=all_reduce_tree)
 
 
 def _block_squares(grad: torch.Tensor, param: nn.Parameter, blocks: int) -> list[torch.Tensor]:
