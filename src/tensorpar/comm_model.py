@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import bytes_sent_per_rank
+from .initialization import balanced_sizes
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .overlap import chunk_sizes, measure_link
 from .parallel_state import default_device
@@ -85,6 +86,7 @@ class CommConfig:
     hidden: int = 4096
     ffn_hidden: int | None = None
     heads: int = 32
+    kv_heads: int | None = None
     seq_len: int = 2048
     batch: int = 1
     vocab: int = 50304
@@ -100,11 +102,13 @@ class CommConfig:
     def __post_init__(self) -> None:
         if self.ffn_hidden is None and isinstance(self.hidden, int):
             object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
         if self.layer not in LAYERS:
             raise ValueError(f"unknown layer kind {self.layer!r}; choose one of {', '.join(LAYERS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        for name in ("hidden", "ffn_hidden", "heads", "seq_len", "batch", "vocab", "layers", "tp",
+        for name in ("hidden", "ffn_hidden", "heads", "kv_heads", "seq_len", "batch", "vocab", "layers", "tp",
                      *(("overlap_chunks",) if self.overlap_chunks != "auto" else ())):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -121,20 +125,21 @@ class CommConfig:
             raise ValueError(f"recompute does not apply to --layer {self.layer}")
 
     def _divisibility(self) -> list[tuple[str, int, str]]:
-        """(size, divisor, divisor's name) the layer kind needs; under SP the sequence splits."""
+        """(size, divisor, divisor's name) the layer kind needs. The GPT's pieces split heads,
+        FFN and vocab unevenly; a lone layer's sequence splits evenly under SP (the GPT pads it)."""
         tp = "the tensor-parallel size"
-        attention = [("hidden", self.heads, "heads"), ("heads", self.tp, tp)]
+        attention = [("hidden", self.heads, "heads"), ("heads", self.kv_heads, "kv_heads")]
         needs = {
             "column": [("hidden", self.tp, tp)],
             "row": [("hidden", self.tp, tp)],
-            "mlp": [("ffn_hidden", self.tp, tp)],
+            "mlp": [],
             "attention": attention,
             "embedding": [("vocab", self.tp, tp)],
             "loss": [("vocab", self.tp, tp)],
-            "gpt-layer": attention + [("ffn_hidden", self.tp, tp)],
-            "gpt-step": attention + [("ffn_hidden", self.tp, tp), ("vocab", self.tp, tp)],
+            "gpt-layer": attention,
+            "gpt-step": attention,
         }[self.layer]
-        return needs + ([("seq_len", self.tp, tp)] if self.sp else [])
+        return needs + ([("seq_len", self.tp, tp)] if self.sp and self.layer != "gpt-step" else [])
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -199,7 +204,8 @@ class _Builder:
 
     def __init__(self, cfg: CommConfig, link: LinkModel | None) -> None:
         self.cfg, self.link = cfg, link
-        self.s, self.b = cfg.seq_len, cfg.batch
+        # The GPT pads a sequence SP does not split evenly (a lone layer's must split evenly).
+        self.s, self.b = cfg.seq_len + (-cfg.seq_len % cfg.tp if cfg.sp else 0), cfg.batch
         self.plan: list[dict] = []  # per chunkable collective: the chunks and predicted exposed time
 
     def op(self, layer, phase, op, shape, what, *, dtype=None, reduce_op="sum") -> CommOp:
@@ -261,8 +267,19 @@ class _Builder:
 
     def attention(self, prefix: str) -> _Comm:
         # Core attention runs on this rank's heads: no communication between the two linears.
-        h = self.cfg.hidden
-        return _chain(self.column(f"{prefix}qkv", h, 3 * h), self.row(f"{prefix}proj", h, h))
+        # Grouped-query attention: the QKV weight has the query heads and 2 x kv_heads more.
+        h, d, kv = self.cfg.hidden, self.cfg.hidden // self.cfg.heads, self.cfg.kv_heads
+        qkv = self.column(f"{prefix}qkv", h, h + 2 * kv * d)
+        rows = 2 * d * _shared_kv_heads(self.cfg.heads, kv, self.cfg.tp)
+        if rows:
+            # K/V heads read by several ranks' queries are replicated on each: after the QKV
+            # layer's backward, its bias grad (the GPT's QKV has one) and weight grad are summed
+            # over the ranks, one all-reduce of every shared row each.
+            name = f"{prefix}qkv"
+            qkv = _chain(_Comm(backward=(self.op(name, "backward", "all_reduce", (rows,), "replicated K/V bias grad"),
+                                         self.op(name, "backward", "all_reduce", (rows, h),
+                                                 "replicated K/V weight grad"))), qkv)
+        return _chain(qkv, self.row(f"{prefix}proj", h, h))
 
     def embedding(self, name: str) -> _Comm:
         """Partial lookups summed over TP: all-reduce of ``[b, s, h]``; under SP a
@@ -302,11 +319,24 @@ class _Builder:
             # sequence_parallel: per block both LayerNorms' weight and bias and both row biases,
             # the final LayerNorm, and the learned position table (each rank adds its own
             # tokens' positions; the table is taken to be --seq-len long).
-            numel = self.cfg.layers * 6 * h + 2 * h + self.s * h
+            numel = self.cfg.layers * 6 * h + 2 * h + self.cfg.seq_len * h
             grads = (self.op("sp_grads", "grads", "all_reduce", (numel,), "sequence-parallel param grads"),)
         # The training loop's gradient norm (for clipping and logging): squares summed over TP.
         grads += (self.op("grad_norm", "grads", "all_reduce", (), "grad norm", dtype=torch.float32),)
         return step, grads
+
+
+def _shared_kv_heads(heads: int, kv_heads: int, tp: int) -> int:
+    """How many K/V heads the query heads of more than one rank read, as the GPT splits them:
+    query heads in contiguous runs as even as possible (none when TP divides both counts)."""
+    if heads % tp == 0 and kv_heads % tp == 0:
+        return 0
+    per_group, readers, first = heads // kv_heads, [0] * kv_heads, 0
+    for size in balanced_sizes(heads, tp):
+        for group in range(first // per_group, (first + size - 1) // per_group + 1) if size else ():
+            readers[group] += 1
+        first += size
+    return sum(r > 1 for r in readers)
 
 
 def collectives(cfg: CommConfig, *, link: LinkModel | None = None) -> list[CommOp]:
