@@ -10,9 +10,10 @@ import torch
 
 import tensorpar as tp
 from tensorpar import cli
-from tensorpar.comm_model import CommConfig, activation_memory, collectives, overlap_plan, summarize
+from tensorpar.comm_model import CommConfig, collectives, overlap_plan, summarize
 from tensorpar.comm_model import LinkModel
 from tensorpar.comm_report import format_measured, measure_on_this_rank, record_key, scaled
+from tensorpar.memory_model import activation_memory
 from tests.harness import run_on_ranks
 
 MiB = 1 << 20
@@ -108,7 +109,7 @@ def _parameters_body(configs):
 
 def test_training_memory_counts_the_parameters_a_rank_builds():
     from tensorpar import models
-    from tensorpar.comm_model import gpt_parameters_per_rank, gpt_training_memory
+    from tensorpar.memory_model import gpt_parameters_per_rank, gpt_training_memory
 
     configs = [models.GPTConfig.preset("tiny", vocab_size=300, num_layers=2),
                models.GPTConfig.preset("llama-tiny", vocab_size=300, num_layers=2, num_query_groups=2,

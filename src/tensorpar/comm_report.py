@@ -29,7 +29,6 @@ from .comm_model import (
     WGRAD_REGATHER,
     CommConfig,
     LinkModel,
-    activation_memory,
     collectives,
     overlap_plan,
     summarize,
@@ -40,6 +39,7 @@ from .errors import UsageError
 from .grads import allreduce_sequence_parallel_grads, get_grad_norm
 from .launch import launch_local
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .memory_model import activation_memory
 from .models.gpt import GPT, GPTConfig
 from .parallel_state import destroy_model_parallel, initialize_model_parallel
 from .random import checkpoint, model_parallel_manual_seed
