@@ -293,8 +293,11 @@ QWEN2 = dict(hidden=48, heads=6, kv_heads=2, ffn_hidden=200, vocab=101, seq_len=
 
 
 def _uneven_cases(world_size):
-    return [CommConfig(**QWEN2, layer=layer, tp=world_size, sp=sp)
-            for layer, sp in (("attention", False), ("gpt-layer", False), ("gpt-step", False), ("gpt-step", True))]
+    cases = [dict(layer=layer, sp=sp) for layer, sp in (("attention", False), ("gpt-layer", False),
+                                                         ("gpt-step", False), ("gpt-step", True))]
+    # Recompute replays no replica-grad reduction; 3 chunks split each rank's padded SP slice.
+    cases += [dict(layer="gpt-step", sp=True, recompute=True), dict(layer="gpt-step", sp=True, overlap_chunks=3)]
+    return [CommConfig(**QWEN2, tp=world_size, **case) for case in cases]
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
