@@ -10,7 +10,7 @@ import torch
 
 import tensorpar as tp
 from tensorpar import cli
-from tensorpar.comm_model import CommConfig, collectives, overlap_plan, summarize
+from tensorpar.comm_model import CommConfig, collectives, forward_flops_per_rank, overlap_plan, summarize
 from tensorpar.comm_model import LinkModel
 from tensorpar.comm_report import format_measured, measure_on_this_rank, record_key, scaled
 from tensorpar.memory_model import activation_memory
@@ -318,6 +318,10 @@ def test_replicated_kv_heads_add_one_grad_all_reduce_and_sp_pads_the_sequence():
     # TP dividing both head counts replicates nothing.
     even = collectives(CommConfig(**{**QWEN2, "heads": 4, "kv_heads": 2}, layer="attention", tp=2))
     assert not [op for op in even if op.what.startswith("replicated")]
+    # Grouped-query attention: QKV's K and V are 2 heads of 8 wide, not 6.
+    gqa, mha = (CommConfig(**{**QWEN2, "kv_heads": kv}, layer="attention", tp=4) for kv in (2, 6))
+    assert forward_flops_per_rank(mha) - forward_flops_per_rank(gqa) == 2 * 30 * 2 * (2 * 4 * 8) * 48 / 4
+    assert activation_memory(mha) - activation_memory(gqa) == 2 * 4 * 8 * 30 * 2 * 4 / 4
     # SP pads 30 tokens to 32 over 4 ranks; the sequence collectives carry the padding.
     step = collectives(CommConfig(**QWEN2, layer="gpt-step", tp=4, sp=True))
     assert {op.shape for op in step if op.op == "reduce_scatter"} == {(32, 2, 48)}

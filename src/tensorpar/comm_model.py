@@ -390,7 +390,8 @@ def forward_flops_per_rank(cfg: CommConfig) -> float:
     """
     tokens, h, f, n = cfg.seq_len * cfg.batch, cfg.hidden, cfg.ffn_hidden, cfg.tp
     mlp = 2 * tokens * 2 * h * f / n
-    attention = 2 * tokens * (3 * h * h + h * h) / n + 2 * 2 * cfg.batch * cfg.seq_len ** 2 * h / n
+    qkv = h + 2 * cfg.kv_heads * (h // cfg.heads)  # grouped-query attention: fewer K/V heads
+    attention = 2 * tokens * (qkv * h + h * h) / n + 2 * 2 * cfg.batch * cfg.seq_len ** 2 * h / n
     return {
         "column": 2 * tokens * h * h / n,
         "row": 2 * tokens * h * h / n,

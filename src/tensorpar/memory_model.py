@@ -43,7 +43,8 @@ def saved_activations(cfg: CommConfig, *, fused_attention: bool = False) -> list
                if fused_attention else
                [Activation("softmax output", scores, e, True), Activation("attention dropout mask", scores, 1, True),
                 Activation("attention dropout output", scores, e, True)])
-    attention = [Activation("qkv input", sbh, e, False), Activation("q, k, v", 3 * sbh, e, True), *softmax,
+    qkv = sbh + 2 * s * b * cfg.kv_heads * (h // a)  # grouped-query attention: fewer K/V heads
+    attention = [Activation("qkv input", sbh, e, False), Activation("q, k, v", qkv, e, True), *softmax,
                  Activation("attention proj input", sbh, e, True)]
     layer = [Activation("ln1 input", sbh, e, False), *attention,
              Activation("attention residual dropout mask", sbh, 1, False),
@@ -107,8 +108,8 @@ def gpt_training_memory(config, *, tp: int, dp: int = 1, seq_len: int, micro_bat
     param_bytes = config.params_dtype.itemsize
     grad_bytes = 4 if config.gradient_accumulation_fusion else param_bytes  # fused: fp32 main_grad
     layer = CommConfig(layer="gpt-layer", hidden=config.hidden_size, ffn_hidden=config.ffn_hidden_size,
-                       heads=config.num_heads, seq_len=seq_len, batch=micro_batch, tp=1,
-                       dtype="bf16" if dtype == "bf16" else "fp32")
+                       heads=config.num_heads, kv_heads=config.num_query_groups, seq_len=seq_len,
+                       batch=micro_batch, tp=1, dtype="bf16" if dtype == "bf16" else "fp32")
 
     def kept(recompute: bool) -> float:
         saved = saved_activations(dataclasses.replace(layer, recompute=recompute), fused_attention=True)
