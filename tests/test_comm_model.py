@@ -10,9 +10,10 @@ import torch
 
 import tensorpar as tp
 from tensorpar import cli
-from tensorpar.comm_model import CommConfig, activation_memory, collectives, overlap_plan, summarize
+from tensorpar.comm_model import CommConfig, collectives, forward_flops_per_rank, overlap_plan, summarize
 from tensorpar.comm_model import LinkModel
 from tensorpar.comm_report import format_measured, measure_on_this_rank, record_key, scaled
+from tensorpar.memory_model import activation_memory
 from tests.harness import run_on_ranks
 
 MiB = 1 << 20
@@ -108,7 +109,7 @@ def _parameters_body(configs):
 
 def test_training_memory_counts_the_parameters_a_rank_builds():
     from tensorpar import models
-    from tensorpar.comm_model import gpt_parameters_per_rank, gpt_training_memory
+    from tensorpar.memory_model import gpt_parameters_per_rank, gpt_training_memory
 
     configs = [models.GPTConfig.preset("tiny", vocab_size=300, num_layers=2),
                models.GPTConfig.preset("llama-tiny", vocab_size=300, num_layers=2, num_query_groups=2,
@@ -147,8 +148,7 @@ def test_scale_divides_sizes_and_refuses_a_remainder():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(layer="column", hidden=4095, tp=2), r"hidden \(4095\) is not divisible by the tensor-parallel size \(2\)"),
-    (dict(layer="mlp", ffn_hidden=1001, tp=4), r"ffn_hidden \(1001\) is not divisible by the tensor-parallel"),
-    (dict(layer="attention", hidden=4800, heads=12, tp=8), r"heads \(12\) is not divisible by the tensor-parallel size \(8\)"),
+    (dict(layer="attention", hidden=48, heads=6, kv_heads=4), r"heads \(6\) is not divisible by kv_heads \(4\)"),
     (dict(layer="attention", hidden=1000, heads=16), r"hidden \(1000\) is not divisible by heads \(16\)"),
     (dict(layer="row", seq_len=2049, sp=True), r"seq_len \(2049\) is not divisible by the tensor-parallel"),
     (dict(layer="embedding", vocab=50257), r"vocab \(50257\) is not divisible"),
@@ -285,3 +285,51 @@ def test_model_equals_commledger_record(world_size, case):
     # Every rank issues the same collectives.
     assert all(rank[case] == got for rank in per_rank)
     assert got == [record_key(op) for op in collectives(cfg)]
+
+
+# --- uneven shapes: heads, K/V heads and FFN TP does not divide, a sequence SP pads -------------
+
+QWEN2 = dict(hidden=48, heads=6, kv_heads=2, ffn_hidden=200, vocab=101, seq_len=30, batch=2, layers=1, dtype="fp32")
+
+
+def _uneven_cases(world_size):
+    cases = [dict(layer=layer, sp=sp) for layer, sp in (("attention", False), ("gpt-layer", False),
+                                                         ("gpt-step", False), ("gpt-step", True))]
+    # Recompute replays no replica-grad reduction; 3 chunks split each rank's padded SP slice.
+    cases += [dict(layer="gpt-step", sp=True, recompute=True), dict(layer="gpt-step", sp=True, overlap_chunks=3)]
+    return [CommConfig(**QWEN2, tp=world_size, **case) for case in cases]
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_model_equals_commledger_record_for_uneven_shapes(world_size):
+    per_rank = run_on_ranks(_measure_body, world_size, _uneven_cases(world_size))
+    for case, cfg in enumerate(_uneven_cases(world_size)):
+        got = per_rank[0][case]
+        assert not isinstance(got, str), f"running {_case_id(cfg)} failed:\n{got}"
+        assert all(rank[case] == got for rank in per_rank)
+        assert got == [record_key(op) for op in collectives(cfg)], _case_id(cfg)
+
+
+def test_replicated_kv_heads_add_one_grad_all_reduce_and_sp_pads_the_sequence():
+    # 6 query heads over 4 ranks (2, 2, 1, 1): both K/V heads (8 wide) are read by two ranks.
+    ops = collectives(CommConfig(**QWEN2, layer="attention", tp=4))
+    assert [(op.op, op.shape) for op in ops if op.what.startswith("replicated")] == [
+        ("all_reduce", (32,)), ("all_reduce", (32, 48))]
+    # TP dividing both head counts replicates nothing.
+    even = collectives(CommConfig(**{**QWEN2, "heads": 4, "kv_heads": 2}, layer="attention", tp=2))
+    assert not [op for op in even if op.what.startswith("replicated")]
+    # Grouped-query attention: QKV's K and V are 2 heads of 8 wide, not 6.
+    gqa, mha = (CommConfig(**{**QWEN2, "kv_heads": kv}, layer="attention", tp=4) for kv in (2, 6))
+    assert forward_flops_per_rank(mha) - forward_flops_per_rank(gqa) == 2 * 30 * 2 * (2 * 4 * 8) * 48 / 4
+    assert activation_memory(mha) - activation_memory(gqa) == 2 * 4 * 8 * 30 * 2 * 4 / 4
+    # SP pads 30 tokens to 32 over 4 ranks; the sequence collectives carry the padding.
+    step = collectives(CommConfig(**QWEN2, layer="gpt-step", tp=4, sp=True))
+    assert {op.shape for op in step if op.op == "reduce_scatter"} == {(32, 2, 48)}
+
+
+def test_measure_on_the_command_line_agrees_for_uneven_heads(capsys):
+    argv = ["comm", "--layer", "gpt-step", "--hidden", "48", "--heads", "6", "--kv-heads", "2",
+            "--ffn-hidden", "200", "--vocab", "101", "--seq-len", "30", "--batch", "1", "--layers", "1",
+            "--tp", "4", "--sp", "--dtype", "fp32", "--measure"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("all agree")

@@ -6,8 +6,7 @@ collective tensorpar issues, in issue order, with the phase it belongs to (``for
 training loop's post-backward all-reduces), the full tensor's shape and bytes (as
 :class:`tensorpar.CommRecord` counts them) and the bytes each rank sends under a ring
 algorithm. :func:`summarize` adds time estimates from a link model and the FLOPs of the
-step, :func:`activation_memory` the activations a GPT layer keeps per rank, and
-:func:`gpt_training_memory` the bytes one rank needs to train a GPT. :class:`LinkModel` is the
+step (:mod:`tensorpar.memory_model` estimates the memory). :class:`LinkModel` is the
 overlap cost model: the chunk count ``overlap="auto"`` picks.
 
 Pure arithmetic, except :func:`calibrate_overlap`, which measures a link model on the TP group.
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import bytes_sent_per_rank
+from .initialization import balanced_sizes
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .overlap import chunk_sizes, measure_link
 from .parallel_state import default_device
@@ -85,6 +85,7 @@ class CommConfig:
     hidden: int = 4096
     ffn_hidden: int | None = None
     heads: int = 32
+    kv_heads: int | None = None
     seq_len: int = 2048
     batch: int = 1
     vocab: int = 50304
@@ -100,11 +101,13 @@ class CommConfig:
     def __post_init__(self) -> None:
         if self.ffn_hidden is None and isinstance(self.hidden, int):
             object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
         if self.layer not in LAYERS:
             raise ValueError(f"unknown layer kind {self.layer!r}; choose one of {', '.join(LAYERS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        for name in ("hidden", "ffn_hidden", "heads", "seq_len", "batch", "vocab", "layers", "tp",
+        for name in ("hidden", "ffn_hidden", "heads", "kv_heads", "seq_len", "batch", "vocab", "layers", "tp",
                      *(("overlap_chunks",) if self.overlap_chunks != "auto" else ())):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -121,20 +124,21 @@ class CommConfig:
             raise ValueError(f"recompute does not apply to --layer {self.layer}")
 
     def _divisibility(self) -> list[tuple[str, int, str]]:
-        """(size, divisor, divisor's name) the layer kind needs; under SP the sequence splits."""
+        """(size, divisor, divisor's name) the layer kind needs. The GPT's pieces split heads,
+        FFN and vocab unevenly; a lone layer's sequence splits evenly under SP (the GPT pads it)."""
         tp = "the tensor-parallel size"
-        attention = [("hidden", self.heads, "heads"), ("heads", self.tp, tp)]
+        attention = [("hidden", self.heads, "heads"), ("heads", self.kv_heads, "kv_heads")]
         needs = {
             "column": [("hidden", self.tp, tp)],
             "row": [("hidden", self.tp, tp)],
-            "mlp": [("ffn_hidden", self.tp, tp)],
+            "mlp": [],
             "attention": attention,
             "embedding": [("vocab", self.tp, tp)],
             "loss": [("vocab", self.tp, tp)],
-            "gpt-layer": attention + [("ffn_hidden", self.tp, tp)],
-            "gpt-step": attention + [("ffn_hidden", self.tp, tp), ("vocab", self.tp, tp)],
+            "gpt-layer": attention,
+            "gpt-step": attention,
         }[self.layer]
-        return needs + ([("seq_len", self.tp, tp)] if self.sp else [])
+        return needs + ([("seq_len", self.tp, tp)] if self.sp and self.layer != "gpt-step" else [])
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -199,7 +203,8 @@ class _Builder:
 
     def __init__(self, cfg: CommConfig, link: LinkModel | None) -> None:
         self.cfg, self.link = cfg, link
-        self.s, self.b = cfg.seq_len, cfg.batch
+        # The GPT pads a sequence SP does not split evenly (a lone layer's must split evenly).
+        self.s, self.b = cfg.seq_len + (-cfg.seq_len % cfg.tp if cfg.sp else 0), cfg.batch
         self.plan: list[dict] = []  # per chunkable collective: the chunks and predicted exposed time
 
     def op(self, layer, phase, op, shape, what, *, dtype=None, reduce_op="sum") -> CommOp:
@@ -261,8 +266,19 @@ class _Builder:
 
     def attention(self, prefix: str) -> _Comm:
         # Core attention runs on this rank's heads: no communication between the two linears.
-        h = self.cfg.hidden
-        return _chain(self.column(f"{prefix}qkv", h, 3 * h), self.row(f"{prefix}proj", h, h))
+        # Grouped-query attention: the QKV weight has the query heads and 2 x kv_heads more.
+        h, d, kv = self.cfg.hidden, self.cfg.hidden // self.cfg.heads, self.cfg.kv_heads
+        qkv = self.column(f"{prefix}qkv", h, h + 2 * kv * d)
+        rows = 2 * d * _shared_kv_heads(self.cfg.heads, kv, self.cfg.tp)
+        if rows:
+            # K/V heads read by several ranks' queries are replicated on each: after the QKV
+            # layer's backward, its bias grad (the GPT's QKV has one) and weight grad are summed
+            # over the ranks, one all-reduce of every shared row each.
+            name = f"{prefix}qkv"
+            qkv = _chain(_Comm(backward=(self.op(name, "backward", "all_reduce", (rows,), "replicated K/V bias grad"),
+                                         self.op(name, "backward", "all_reduce", (rows, h),
+                                                 "replicated K/V weight grad"))), qkv)
+        return _chain(qkv, self.row(f"{prefix}proj", h, h))
 
     def embedding(self, name: str) -> _Comm:
         """Partial lookups summed over TP: all-reduce of ``[b, s, h]``; under SP a
@@ -302,11 +318,24 @@ class _Builder:
             # sequence_parallel: per block both LayerNorms' weight and bias and both row biases,
             # the final LayerNorm, and the learned position table (each rank adds its own
             # tokens' positions; the table is taken to be --seq-len long).
-            numel = self.cfg.layers * 6 * h + 2 * h + self.s * h
+            numel = self.cfg.layers * 6 * h + 2 * h + self.cfg.seq_len * h
             grads = (self.op("sp_grads", "grads", "all_reduce", (numel,), "sequence-parallel param grads"),)
         # The training loop's gradient norm (for clipping and logging): squares summed over TP.
         grads += (self.op("grad_norm", "grads", "all_reduce", (), "grad norm", dtype=torch.float32),)
         return step, grads
+
+
+def _shared_kv_heads(heads: int, kv_heads: int, tp: int) -> int:
+    """How many K/V heads the query heads of more than one rank read, as the GPT splits them:
+    query heads in contiguous runs as even as possible (none when TP divides both counts)."""
+    if heads % tp == 0 and kv_heads % tp == 0:
+        return 0
+    per_group, readers, first = heads // kv_heads, [0] * kv_heads, 0
+    for size in balanced_sizes(heads, tp):
+        for group in range(first // per_group, (first + size - 1) // per_group + 1) if size else ():
+            readers[group] += 1
+        first += size
+    return sum(r > 1 for r in readers)
 
 
 def collectives(cfg: CommConfig, *, link: LinkModel | None = None) -> list[CommOp]:
@@ -361,7 +390,8 @@ def forward_flops_per_rank(cfg: CommConfig) -> float:
     """
     tokens, h, f, n = cfg.seq_len * cfg.batch, cfg.hidden, cfg.ffn_hidden, cfg.tp
     mlp = 2 * tokens * 2 * h * f / n
-    attention = 2 * tokens * (3 * h * h + h * h) / n + 2 * 2 * cfg.batch * cfg.seq_len ** 2 * h / n
+    qkv = h + 2 * cfg.kv_heads * (h // cfg.heads)  # grouped-query attention: fewer K/V heads
+    attention = 2 * tokens * (qkv * h + h * h) / n + 2 * 2 * cfg.batch * cfg.seq_len ** 2 * h / n
     return {
         "column": 2 * tokens * h * h / n,
         "row": 2 * tokens * h * h / n,
@@ -384,116 +414,6 @@ def step_flops_per_rank(cfg: CommConfig) -> float:
             recomputed -= 2 * cfg.seq_len * cfg.batch * cfg.hidden * cfg.vocab / cfg.tp
         return 3 * forward + recomputed
     return 3 * forward
-
-
-@dataclasses.dataclass(frozen=True)
-class Activation:
-    """A tensor kept for backward; ``tp_sharded`` ones live inside the TP region."""
-
-    name: str
-    numel: int
-    element_size: int
-    tp_sharded: bool
-
-    def bytes_per_rank(self, *, tp: int, sp: bool) -> float:
-        # Under SP the tensors outside the TP region hold only this rank's tokens.
-        return self.numel * self.element_size / (tp if self.tp_sharded or sp else 1)
-
-
-def saved_activations(cfg: CommConfig, *, fused_attention: bool = False) -> list[Activation]:
-    """What ``cfg.layer`` keeps for backward (per GPT layer for ``gpt-step``), input first.
-
-    The accounting of Korthikanti et al. 2022, section 4.1: linear and LayerNorm inputs, the
-    GELU input, softmax output and its dropout, and 1-byte dropout masks. With recompute only
-    the input of the checkpointed unit is kept. Embedding and loss are not modelled (empty).
-    ``fused_attention`` (a flash-attention kernel) keeps the attention output and fp32 row
-    statistics instead of the ``s x s`` softmax tensors.
-    """
-    s, b, h, a, e = cfg.seq_len, cfg.batch, cfg.hidden, cfg.heads, cfg.element_size
-    sbh, sbf, scores = s * b * h, s * b * cfg.ffn_hidden, b * a * s * s
-    mlp = [Activation("mlp fc input", sbh, e, False), Activation("gelu input", sbf, e, True),
-           Activation("mlp proj input", sbf, e, True)]
-    softmax = ([Activation("attention output", sbh, e, True), Activation("softmax statistics", b * a * s, 4, True)]
-               if fused_attention else
-               [Activation("softmax output", scores, e, True), Activation("attention dropout mask", scores, 1, True),
-                Activation("attention dropout output", scores, e, True)])
-    attention = [Activation("qkv input", sbh, e, False), Activation("q, k, v", 3 * sbh, e, True), *softmax,
-                 Activation("attention proj input", sbh, e, True)]
-    layer = [Activation("ln1 input", sbh, e, False), *attention,
-             Activation("attention residual dropout mask", sbh, 1, False),
-             Activation("ln2 input", sbh, e, False), *mlp,
-             Activation("mlp residual dropout mask", sbh, 1, False)]
-    kept = {
-        "column": [Activation("input", sbh, e, False)],
-        "row": [Activation("input", sbh, e, True)],
-        "mlp": mlp,
-        "attention": attention,
-        "embedding": [],
-        "loss": [],
-        "gpt-layer": layer,
-        "gpt-step": layer,
-    }[cfg.layer]
-    return kept[:1] if cfg.recompute else kept
-
-
-def activation_memory(cfg: CommConfig) -> float:
-    """Activation bytes :func:`saved_activations` keeps on each rank.
-
-    Example (Korthikanti et al.'s ``sbh(10 + 24/t + 5as/(ht))`` bytes at bf16, TP only)::
-
-        activation_memory(CommConfig(layer="gpt-layer", hidden=4096, seq_len=2048, tp=8))
-    """
-    return sum(a.bytes_per_rank(tp=cfg.tp, sp=cfg.sp) for a in saved_activations(cfg))
-
-
-def gpt_parameters_per_rank(config, *, tp: int) -> float:
-    """Parameters one TP rank holds of a GPT ``config`` (a :class:`~tensorpar.models.GPTConfig` or
-    any object with its fields), the padded vocabulary included; nothing is built."""
-    h, f, layers = config.hidden_size, config.ffn_hidden_size, config.num_layers
-    head_dim = h // config.num_heads
-    multiple = math.lcm(config.make_vocab_size_divisible_by, tp)
-    vocab = -(-config.vocab_size // multiple) * multiple
-    norm = 2 * h if config.norm == "layernorm" else h
-    qkv = (config.num_heads + 2 * config.num_query_groups) * head_dim
-    fc = 2 * f if config.activation == "swiglu" else f
-    sharded = h * (qkv + h + fc + f)
-    sharded += (qkv if config.qkv_bias else 0) + (fc if config.bias else 0)
-    replicated = 2 * norm + (2 * h if config.bias else 0)  # norms, row-layer biases
-    embeddings = vocab * h / tp * (1 if config.tie_word_embeddings else 2)
-    positions = config.max_seq_len * h if config.position_embedding == "learned" else 0
-    return layers * (sharded / tp + replicated) + embeddings + positions + norm
-
-
-def gpt_training_memory(config, *, tp: int, dp: int = 1, seq_len: int, micro_batch: int, dtype: str = "fp32",
-                        fsdp: bool = False) -> dict[str, float]:
-    """Bytes one rank holds to train a GPT ``config`` (fields as :class:`~tensorpar.models.GPTConfig`)
-    with AdamW: ``parameters``, ``gradients``, ``optimizer``, ``activations`` and ``total``.
-
-    Activations are one micro-batch's (:func:`saved_activations` per layer with fused attention,
-    plus the fp32 softmax of the vocab-parallel loss); with ``fsdp`` parameters, gradients and
-    optimizer state are divided over the ``dp`` ranks. An estimate made before anything is built.
-
-    Example::
-
-        gpt_training_memory(GPTConfig.preset("small", vocab_size=50257), tp=2, seq_len=1024, micro_batch=8)
-    """
-    params = gpt_parameters_per_rank(config, tp=tp) / (dp if fsdp else 1)
-    param_bytes = config.params_dtype.itemsize
-    grad_bytes = 4 if config.gradient_accumulation_fusion else param_bytes  # fused: fp32 main_grad
-    layer = CommConfig(layer="gpt-layer", hidden=config.hidden_size, ffn_hidden=config.ffn_hidden_size,
-                       heads=config.num_heads, seq_len=seq_len, batch=micro_batch, tp=1,
-                       dtype="bf16" if dtype == "bf16" else "fp32")
-
-    def kept(recompute: bool) -> float:
-        saved = saved_activations(dataclasses.replace(layer, recompute=recompute), fused_attention=True)
-        return sum(a.bytes_per_rank(tp=tp, sp=config.sequence_parallel) for a in saved)
-
-    activations = config.num_layers * kept(config.recompute) + (kept(False) if config.recompute else 0)
-    activations += seq_len * micro_batch * config.vocab_size / tp * 4
-    memory = {"parameters": params * param_bytes, "gradients": params * grad_bytes,
-              "optimizer": 2 * params * param_bytes, "activations": activations}
-    memory["total"] = sum(memory.values())
-    return memory
 
 
 def summarize(cfg: CommConfig, ops: list[CommOp], *, bandwidth_gbps: float, latency_us: float,

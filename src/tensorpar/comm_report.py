@@ -29,7 +29,6 @@ from .comm_model import (
     WGRAD_REGATHER,
     CommConfig,
     LinkModel,
-    activation_memory,
     collectives,
     overlap_plan,
     summarize,
@@ -40,6 +39,7 @@ from .errors import UsageError
 from .grads import allreduce_sequence_parallel_grads, get_grad_norm
 from .launch import launch_local
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .memory_model import activation_memory
 from .models.gpt import GPT, GPTConfig
 from .parallel_state import destroy_model_parallel, initialize_model_parallel
 from .random import checkpoint, model_parallel_manual_seed
@@ -124,6 +124,7 @@ def _workload(cfg: CommConfig):
 def _gpt_config(cfg: CommConfig) -> GPTConfig:
     """The GPT whose blocks the mlp, attention, gpt-layer and gpt-step workloads are."""
     return GPTConfig(vocab_size=cfg.vocab, max_seq_len=cfg.seq_len, num_layers=cfg.layers, num_heads=cfg.heads,
+                     num_query_groups=cfg.kv_heads,
                      hidden_size=cfg.hidden, ffn_hidden_size=cfg.ffn_hidden, sequence_parallel=cfg.sp,
                      recompute=cfg.recompute, make_vocab_size_divisible_by=1, params_dtype=cfg.torch_dtype,
                      overlap=cfg.overlap_chunks)
@@ -136,8 +137,6 @@ def check_measurable(cfg: CommConfig) -> None:
     what = f"--measure runs --layer {cfg.layer} as part of a GPT block"
     if cfg.hidden % cfg.heads:
         raise ValueError(f"{what}: --hidden {cfg.hidden} is not divisible by --heads {cfg.heads}")
-    if cfg.heads % cfg.tp:
-        raise ValueError(f"{what}: --heads {cfg.heads} is not divisible by --tp {cfg.tp}")
     _gpt_config(cfg)
 
 
@@ -401,6 +400,8 @@ def register(subparsers) -> None:
     p.add_argument("--hidden", type=_positive_int, default=4096, help="hidden size")
     p.add_argument("--ffn-hidden", type=_positive_int, default=None, help="MLP width (default: 4 x hidden)")
     p.add_argument("--heads", type=_positive_int, default=32, help="attention heads")
+    p.add_argument("--kv-heads", type=_positive_int, default=None,
+                   help="K/V heads, grouped-query attention (default: --heads)")
     p.add_argument("--seq-len", type=_positive_int, default=2048, help="sequence length")
     p.add_argument("--batch", type=_positive_int, default=1, help="micro-batch size")
     p.add_argument("--vocab", type=_positive_int, default=50304, help="padded vocabulary size")
@@ -431,7 +432,7 @@ def register(subparsers) -> None:
 
 def _config(args, **overrides) -> CommConfig:
     fields = dict(layer=args.layer, hidden=args.hidden, ffn_hidden=args.ffn_hidden, heads=args.heads,
-                  seq_len=args.seq_len, batch=args.batch, vocab=args.vocab, layers=args.layers, tp=args.tp,
+                  kv_heads=args.kv_heads, seq_len=args.seq_len, batch=args.batch, vocab=args.vocab, layers=args.layers, tp=args.tp,
                   dtype=args.dtype, sp=args.sp, recompute=args.recompute, gather_output=args.gather_output,
                   input_is_parallel=args.input_is_parallel, overlap_chunks=args.overlap_chunks)
     fields.update(overrides)

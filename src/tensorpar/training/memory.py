@@ -1,6 +1,6 @@
 """Before launch: whether a run fits the memory of this machine.
 
-:func:`check_memory` compares :func:`tensorpar.comm_model.gpt_training_memory` (parameters,
+:func:`check_memory` compares :func:`tensorpar.memory_model.gpt_training_memory` (parameters,
 gradients, AdamW state and activations per rank, estimated from the config alone) with the
 memory each rank has: a CUDA device's, or on CPU the host's available memory shared by its
 local ranks (``MemAvailable`` of ``/proc/meminfo``, else ``os.sysconf``).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from ..comm_model import gpt_training_memory
+from ..memory_model import gpt_training_memory
 from ..errors import UsageError
 
 
