@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-LAUNCHER_SIDE = ("torch.distributed.elastic", "tensorpar.launch", "tensorpar.cli", "tensorpar.training")
+LAUNCHER_SIDE = ("torch.distributed.elastic", "tensorpar.tools", "tensorpar.cli", "tensorpar.training")
 
 
 def test_import_tensorpar_loads_no_launcher_elastic_or_cli_module():
@@ -16,6 +16,17 @@ def test_import_tensorpar_loads_no_launcher_elastic_or_cli_module():
 
 def test_errors_keeps_the_names_the_library_and_commands_use():
     from tensorpar.errors import UsageError, check_index_range, exit_code, one_line, report  # noqa: F401
-    from tensorpar.launch import OneLineErrorHandler  # noqa: F401
+    from tensorpar.tools.launch import OneLineErrorHandler  # noqa: F401
 
     assert exit_code(UsageError("--tp 3")) == 2 and one_line(UsageError("a\nb")) == "a b"
+
+
+def test_the_moved_entry_points_still_work_and_say_they_moved():
+    code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            "try:\n    import tensorpar.cli\nexcept DeprecationWarning as w:\n    print(w)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "tensorpar.tools.cli" in done.stdout, done.stdout + done.stderr
+    for old in ("tensorpar.cli", "tensorpar.gpu_check"):
+        done = subprocess.run([sys.executable, "-m", old, "--help"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and "usage:" in done.stdout, (old, done.stderr)
+        assert "deprecated" in done.stderr, (old, done.stderr)

@@ -3,7 +3,7 @@
 The library's layers raise :class:`UsageError` (and :func:`check_index_range`'s ``ValueError``);
 the command the user ran prints :func:`one_line` of it with :func:`report`. ``--debug`` (or
 ``TENSORPAR_DEBUG=1``) prints the tracebacks too. Nothing here imports torch's launcher: the
-elastic error-file handler of the ranks lives in :mod:`tensorpar.launch`.
+elastic error-file handler of the ranks lives in :mod:`tensorpar.tools.launch`.
 
 Example::
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from .errors import debug_enabled, exit_code, one_line
+from ..errors import debug_enabled, exit_code, one_line
 
 
 PEER_FAILURE_GRACE_S = 2.0
