@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from tensorpar.errors import UsageError, one_line
+from tensorpar.errors import UsageError
+from tensorpar.tools.errors import one_line
 from tensorpar.tools.launch import LaunchError, launch_local
 
 PG_TIMEOUT_S = 300

@@ -17,7 +17,8 @@ def test_import_tensorpar_loads_no_launcher_elastic_or_cli_module():
 
 
 def test_errors_keeps_the_names_the_library_and_commands_use():
-    from tensorpar.errors import UsageError, check_index_range, exit_code, one_line, report  # noqa: F401
+    from tensorpar.errors import UsageError, check_index_range  # noqa: F401
+    from tensorpar.tools.errors import exit_code, one_line, report  # noqa: F401
     from tensorpar.tools.launch import OneLineErrorHandler  # noqa: F401
 
     assert exit_code(UsageError("--tp 3")) == 2 and one_line(UsageError("a\nb")) == "a b"

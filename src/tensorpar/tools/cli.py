@@ -15,7 +15,8 @@ import sys
 import textwrap
 
 from .. import __version__
-from ..errors import DEBUG_ENV, report
+from ..errors import DEBUG_ENV
+from .errors import report
 from .launch import OneLineErrorHandler
 
 # Each module defines ``register(subparsers)``, which adds its subcommands and sets ``func``.
