@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    from tensorpar.launch import launch_local
+    from tensorpar.tools.launch import launch_local
 
     results = launch_local(run, args, nproc=args.nproc)
     if args.json:

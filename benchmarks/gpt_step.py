@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
-    from tensorpar.launch import launch_local
+    from tensorpar.tools.launch import launch_local
 
     results = launch_local(run, args, nproc=args.tp)
     print(json.dumps({"args": vars(args), "tokens_per_s": results[0]["tokens_per_s"],

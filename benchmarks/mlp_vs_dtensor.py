@@ -5,7 +5,7 @@
 
 import sys
 
-from tensorpar.bench import main
+from tensorpar.tools.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
-    from tensorpar.launch import launch_local
+    from tensorpar.tools.launch import launch_local
 
     out = launch_local(run, args, nproc=args.tp)[0]
     step_s, sent = out["step_s"], out["bytes_sent_per_rank"]

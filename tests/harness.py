@@ -19,7 +19,7 @@ import os
 import queue
 import traceback
 
-from tensorpar.launch import free_port
+from tensorpar.tools.launch import free_port
 
 DEFAULT_TIMEOUT = float(os.environ.get("TENSORPAR_TEST_TIMEOUT", "120"))
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("TENSORPAR_COLLECTIVE_TIMEOUT", "30"))

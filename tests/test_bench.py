@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar import bench
-from tensorpar.cli import main
+from tensorpar.tools import bench, bench_variants
+from tensorpar.tools.cli import main
 from tests.harness import run_on_ranks
 
 TINY = dict(tp=2, seq=4, batch=2, hidden=8, ffn_mult=2, rounds=1, warmup=1, iters=1, gpt_layers=1, gpt_heads=2,
@@ -62,7 +62,7 @@ def _overlap_variants_body():
 
     tp.initialize_model_parallel(torch.distributed.get_world_size())
     with strict_collective_device(tp.get_tensor_model_parallel_group()):
-        return bench.measure_overlap_variants(torch.device("cpu"), hidden=16, seq=8, batch=2, dtype=torch.float32,
+        return bench_variants.measure_overlap_variants(torch.device("cpu"), hidden=16, seq=8, batch=2, dtype=torch.float32,
                                               iters=1)
 
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from tensorpar import __version__
-from tensorpar.cli import main
+from tensorpar.tools.cli import main
 
 
 def test_version_and_python_dash_m():
@@ -57,7 +57,7 @@ def test_unexpected_exceptions_are_one_line_with_their_type(capsys, monkeypatch)
 def _subcommands():
     import argparse
 
-    from tensorpar.cli import build_parser
+    from tensorpar.tools.cli import build_parser
 
     parser = build_parser()
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

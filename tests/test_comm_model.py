@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar import cli
+from tensorpar.tools import cli
 from tensorpar.comm_model import CommConfig, collectives, forward_flops_per_rank, overlap_plan, summarize
 from tensorpar.comm_model import LinkModel
-from tensorpar.comm_report import format_measured, measure_on_this_rank, record_key, scaled
+from tensorpar.tools.comm_report import format_measured, measure_on_this_rank, record_key, scaled
 from tensorpar.memory_model import activation_memory
 from tests.harness import run_on_ranks
 

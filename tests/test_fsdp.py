@@ -221,7 +221,7 @@ def test_checkpoints_resume_with_or_without_fsdp_at_other_sizes(runs, name):
 
 
 def test_fsdp_with_grad_fusion_is_a_usage_error(capsys):
-    from tensorpar.cli import main
+    from tensorpar.tools.cli import main
 
     assert main(["train", "--fsdp", "--grad-fusion", "--nproc", "1", "--steps", "1"]) == 2
     err = capsys.readouterr().err

@@ -1,6 +1,6 @@
 """The GPU check's parts on CPU (every CI run), and on CUDA where there is one (marked ``gpu``).
 
-``python -m tensorpar.gpu_check`` runs the same functions on a GPU machine; here they run on
+``python -m tensorpar.tools.gpu_check`` runs the same functions on a GPU machine; here they run on
 the harness's gloo worlds with CPU tensors, so everything in it that can run on CPU does.
 """
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar import comm, gpu_check
+from tensorpar import comm
+from tensorpar.tools import gpu_check
 from tests.harness import run_on_ranks
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

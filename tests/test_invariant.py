@@ -137,7 +137,7 @@ def test_sizes_the_fixed_blocks_do_not_divide_are_named():
     (["--seq-len", "12"], "--tp-invariant: the sequence length 12 not divisible by the 8 fixed blocks"),
     (["--fsdp"], "--fsdp cannot combine with --tp-invariant")])
 def test_train_refuses_an_unsupported_tp_invariant_run_before_launch(capsys, flags, message):
-    from tensorpar.cli import main
+    from tensorpar.tools.cli import main
 
     assert main(["train", "--tp", "2", "--tp-invariant", "--layers", "1", "--hidden", "32", "--heads", "4",
                  "--steps", "1", *flags]) == 2

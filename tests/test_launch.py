@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from tensorpar.errors import UsageError, one_line
-from tensorpar.launch import LaunchError, launch_local
+from tensorpar.errors import UsageError
+from tensorpar.tools.errors import one_line
+from tensorpar.tools.launch import LaunchError, launch_local
 
 PG_TIMEOUT_S = 300
 

@@ -26,7 +26,7 @@ NOT_RUN = {
     "tensorboard --logdir": "starts a server; the fine-tune run's --tensorboard files are checked instead",
     "torchrun": "two nodes; test_training_cli.py::test_two_torchrun_nodes_on_localhost_train_together runs two "
                 "torchrun launchers on one machine",
-    "python -m tensorpar.gpu_check": "needs CUDA; test_gpu_check.py runs the same checks with --cpu",
+    "python -m tensorpar.tools.gpu_check": "needs CUDA; test_gpu_check.py runs the same checks with --cpu",
 }
 
 TINY = ["--layers", "1", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--micro-batch", "2",

@@ -387,7 +387,7 @@ def _set(name, field, value):
 ])
 def test_config_and_meta_are_checked_before_launch_naming_file_and_field(ckpt_run, tmp_path, capsys, name,
                                                                        edit, message):
-    from tensorpar.cli import main
+    from tensorpar.tools.cli import main
 
     run = tmp_path / "run"
     shutil.copytree(ckpt_run, run)
@@ -458,7 +458,7 @@ def save_then_die(state, storage_writer):
     if "step_4" in str(storage_writer.path):
         os.kill(os.getpid(), signal.SIGKILL)   # after the data, before the rename and `latest`
 checkpoint.dcp.save = save_then_die
-from tensorpar.cli import main
+from tensorpar.tools.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -479,7 +479,7 @@ def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path):
 
 
 def _cli(*argv, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tensorpar.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tensorpar", *argv], capture_output=True, text=True,
                           timeout=timeout)
 
 

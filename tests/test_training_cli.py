@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tensorpar.cli import main
+from tensorpar.tools.cli import main
 from tensorpar.training.cli import parse_train_args
 from tensorpar.training.data import DataError, load_corpus, write_token_file
 from tests.harness import free_port, run_on_ranks
@@ -213,7 +213,7 @@ def test_a_missing_path_is_refused_before_the_slow_imports(tmp_path):
     nope = str(tmp_path / "nope")
     code = f"""if True:
         import sys
-        from tensorpar.cli import main
+        from tensorpar.tools.cli import main
         for argv in (["train", "--data", {nope!r}], ["train", "--resume", {nope!r}],
                      ["train", "--tokenizer", {nope!r}], ["generate", "--checkpoint", {nope!r}],
                      ["export", "--checkpoint", {nope!r}, "--to-hf", {nope!r}], ["prepare", {nope!r}, "--out", "x"]):
@@ -358,7 +358,7 @@ def test_two_torchrun_nodes_on_localhost_train_together(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-              "-m", "tensorpar.cli", "train", "--tp", "2", "--steps", "3", *TINY, "--out", str(tmp_path / "run")]
+              "-m", "tensorpar", "train", "--tp", "2", "--steps", "3", *TINY, "--out", str(tmp_path / "run")]
     nodes = [subprocess.Popen(launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]

@@ -27,7 +27,7 @@ def _cli(*argv, fault=None, stamp=None):
     if fault:
         env.update(TENSORPAR_FAULT=fault, TENSORPAR_FAULT_STAMP=str(stamp),
                    PYTHONPATH=os.pathsep.join([str(FAULTS), env.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, "-m", "tensorpar.cli", *argv], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "tensorpar", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
 

@@ -84,7 +84,7 @@ def test_torchrun_ranks_leave_the_directory_check_to_rank_0s_lock(tmp_path, monk
 
 
 def _cli(*argv, env=None, **kwargs):
-    return subprocess.Popen([sys.executable, "-m", "tensorpar.cli", *argv], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "tensorpar", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, **kwargs)
 
 
@@ -255,7 +255,7 @@ def test_resuming_an_older_checkpoint_never_silently_replaces_newer_ones(tmp_pat
     with pytest.raises(rundir.RunDirError) as refused:
         rundir.check(out, resume=True, overwrite=False, resume_from=out / "step_2")
     assert str(refused.value) == message
-    from tensorpar.cli import main
+    from tensorpar.tools.cli import main
 
     assert main(["train", *TINY, "--steps", "3", "--nproc", "1", "--resume", str(out / "step_2")]) == 2  # out: RUN
     assert capsys.readouterr().err == f"tensorpar train: error: {message}\n"  # before any rank starts

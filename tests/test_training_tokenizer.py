@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tensorpar.cli import main
+from tensorpar.tools.cli import main
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -53,7 +53,7 @@ def test_prepare_with_a_tokenizer_or_a_new_bpe(local_llama, tmp_path, capsys):
 
 
 def _cli(*argv) -> str:
-    proc = subprocess.run([sys.executable, "-m", "tensorpar.cli", *argv], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "tensorpar", *argv], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -80,7 +80,7 @@ def test_fine_tune_a_local_llama_end_to_end(local_llama, tmp_path):
 
 
 def _cli_in(cwd, *argv) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tensorpar.cli", *argv], capture_output=True, text=True, timeout=300,
+    return subprocess.run([sys.executable, "-m", "tensorpar", *argv], capture_output=True, text=True, timeout=300,
                           cwd=cwd)
 
 

@@ -1,23 +1,17 @@
-"""How a failure reaches the user: one line naming the cause, a traceback only on request.
+"""The errors the library raises: :class:`UsageError` for input that cannot work, and
+:func:`check_index_range` for out-of-range token ids and labels, both naming the offending value.
 
-The library's layers raise :class:`UsageError` (and :func:`check_index_range`'s ``ValueError``);
-the command the user ran prints :func:`one_line` of it with :func:`report`. ``--debug`` (or
-``TENSORPAR_DEBUG=1``) prints the tracebacks too. Nothing here imports torch's launcher: the
-elastic error-file handler of the ranks lives in :mod:`tensorpar.launch`.
+How they reach the user (one line, exit codes, ``--debug``) is :mod:`tensorpar.tools.errors`.
 
 Example::
 
-    try:
-        run()
-    except Exception as exc:
-        sys.exit(report("train", exc))            # "tensorpar train: error: ..." on stderr
+    if tp > world:
+        raise UsageError(f"--tp {tp} is larger than --nproc {world}")
 """
 
 from __future__ import annotations
 
 import os
-import sys
-import traceback
 
 DEBUG_ENV = "TENSORPAR_DEBUG"
 
@@ -64,27 +58,3 @@ def check_index_range(index, size: int, what: str, where: str, *, ignore: int | 
     else:
         torch._assert_async(((index >= 0) & (index < size)).all(),
                             f"a {what} is {where} (TENSORPAR_DEBUG=1 names it)")
-
-
-def exit_code(exc: BaseException) -> int:
-    """2 for bad input (argparse's convention), 1 for any other failure."""
-    return getattr(exc, "exit_code", 1)
-
-
-def one_line(exc: BaseException) -> str:
-    """The exception's own message on one line; the type is named unless it is one of ours."""
-    message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-    if type(exc).__module__.startswith("tensorpar") and message:
-        return message
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-
-
-def report(command: str, exc: BaseException) -> int:
-    """Print ``tensorpar <command>: error: <message>`` (and tracebacks under debug); the exit code."""
-    if debug_enabled():
-        traceback.print_exception(exc, file=sys.stderr)
-        remote = getattr(exc, "traceback", None)
-        if remote:
-            print(remote, file=sys.stderr, end="" if remote.endswith("\n") else "\n")
-    print(f"tensorpar {command}: error: {one_line(exc)}", file=sys.stderr, flush=True)
-    return exit_code(exc)

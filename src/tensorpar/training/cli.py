@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from ..errors import UsageError
-from ..launch import launch_local, set_threads
+from ..tools.launch import launch_local, set_threads
 
 DEFAULT_OUT = "tensorpar-run"
 

@@ -22,8 +22,8 @@ import sys
 import torch
 from torch import nn
 
-from .comm import CommLedger
-from .comm_model import (
+from ..comm import CommLedger
+from ..comm_model import (
     DTYPES,
     LAYERS,
     WGRAD_REGATHER,
@@ -33,16 +33,16 @@ from .comm_model import (
     overlap_plan,
     summarize,
 )
-from .cross_entropy import vocab_parallel_cross_entropy
-from .embedding import VocabParallelEmbedding
-from .errors import UsageError
-from .grads import allreduce_sequence_parallel_grads, get_grad_norm
+from ..cross_entropy import vocab_parallel_cross_entropy
+from ..embedding import VocabParallelEmbedding
+from ..errors import UsageError
+from ..grads import allreduce_sequence_parallel_grads, get_grad_norm
+from ..linear import ColumnParallelLinear, RowParallelLinear
+from ..memory_model import activation_memory
+from ..models.gpt import GPT, GPTConfig
+from ..parallel_state import destroy_model_parallel, initialize_model_parallel
+from ..random import checkpoint, model_parallel_manual_seed
 from .launch import launch_local
-from .linear import ColumnParallelLinear, RowParallelLinear
-from .memory_model import activation_memory
-from .models.gpt import GPT, GPTConfig
-from .parallel_state import destroy_model_parallel, initialize_model_parallel
-from .random import checkpoint, model_parallel_manual_seed
 
 _MEASURE_TIMEOUT_S = 120
 

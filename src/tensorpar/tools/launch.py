@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from .errors import debug_enabled, exit_code, one_line
+from ..errors import debug_enabled
+from .errors import exit_code, one_line
 
 
 PEER_FAILURE_GRACE_S = 2.0
@@ -47,14 +48,14 @@ class LaunchError(RuntimeError):
 
 
 class OneLineErrorHandler(ErrorHandler):
-    """torch elastic's error file, with :func:`tensorpar.errors.one_line` as the message.
+    """torch elastic's error file, with :func:`.errors.one_line` as the message.
 
     A rank records the exception it dies of in the file ``TORCHELASTIC_ERROR_FILE`` names (set by
     ``torchrun`` and by :func:`launch_local`) through torch's ``record`` with this handler; the
     launcher reads it back, so the command the user ran prints the line. ``message`` is a string
     (a layout torch's launchers read), so ``torchrun``'s failure summary shows that line rather
     than a traceback. Under ``tensorpar``: ``time`` (sub-second) orders failures of ranks that
-    died within the same second, ``exit_code`` is :func:`tensorpar.errors.exit_code`,
+    died within the same second, ``exit_code`` is :func:`.errors.exit_code`,
     ``traceback`` is for ``--debug``.
     """
 
