@@ -1,10 +1,12 @@
-"""The tensor-parallel linear layers and the autograd function behind them.
+"""The tensor-parallel linear layers: ``ColumnParallelLinear`` and ``RowParallelLinear``.
 
 ``ColumnParallelLinear`` holds ``W`` split by output rows (``[out/TP, in]``): its input is
 replicated (or sequence-sharded under SP) and its output is sharded on the last dim.
 ``RowParallelLinear`` holds ``W`` split by input columns (``[out, in/TP]``): its input is
 sharded on the last dim and its partial outputs are summed over TP (the paper's ``g``). A
-column layer followed by a row layer communicates once forward and once backward.
+column layer followed by a row layer communicates once forward and once backward: the
+autograd function that carries it is in :mod:`tensorpar.linear_function` (its names are
+importable from here too), the region mappings f and g in :mod:`tensorpar.mappings`.
 
 Example (an MLP block)::
 
