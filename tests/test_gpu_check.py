@@ -150,7 +150,7 @@ def test_gpu_check_command_on_this_gpu(tmp_path):
 @cuda
 def test_fused_wgrad_accumulation_on_this_gpu_matches_the_upcast_path(monkeypatch):
     """Whatever the probe finds on this GPU and torch, main_grad is the exact fp32 sum."""
-    from tensorpar import linear
+    from tensorpar import linear_function as linear
 
     for dtype in (torch.bfloat16, torch.float16):
         torch.manual_seed(0)

@@ -497,7 +497,7 @@ def _addmm_variant(name, calls):
 def test_fused_wgrad_accumulation_probes_addmm_and_stays_exact(monkeypatch, variant, fused):
     """Item 1: addmm's out_dtype overload is used only where a probe finds it correct; every
     branch sums bf16 products into the fp32 main_grad exactly."""
-    from tensorpar import linear
+    from tensorpar import linear_function as linear
 
     monkeypatch.setattr(linear, "_FUSED_ADDMM_SUPPORTED", {})
     calls = []
@@ -533,7 +533,7 @@ def test_fused_wgrad_fallback_multiplies_at_tf32_and_probes_each_dtype(monkeypat
     """Without addmm's out_dtype kernel (CPU; CUDA torch < 2.10) the upcast operands are multiplied
     at TF32, not at full fp32 (about 10x slower on a GPU): exact, as bf16 and fp16 values are TF32
     numbers. The probe is asked per device type and dtype."""
-    from tensorpar import linear
+    from tensorpar import linear_function as linear
 
     probed = []
     monkeypatch.setattr(linear, "_FUSED_ADDMM_SUPPORTED", {})

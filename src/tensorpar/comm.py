@@ -151,15 +151,30 @@ torch.library._register_effectful_op("tensorpar::record_collective", torch.libra
 
 
 class Handle:
-    """An in-flight collective; ``wait()`` finishes it and returns its result tensor."""
+    """Work in flight; ``wait()`` finishes it and returns its result.
 
-    def __init__(self, work, result: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        self._work, self._result, self._finish = work, result, finish
+    ``work`` is None, one thing with ``wait()`` (a collective's work, another handle) or a list
+    of them; ``wait()`` waits for each, then gives ``finish(result)`` (``result`` without
+    ``finish``). Every in-flight result in tensorpar is one: a collective with ``async_op=True``,
+    a chunked pipeline (:mod:`tensorpar.overlap`), a reduction started for interleaving
+    (:func:`tensorpar.start_reduction_from_tensor_model_parallel_region`). Waiting again returns
+    the same result.
 
-    def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+    Example::
+
+        handle = comm.all_reduce(grad, group, async_op=True)
+        other = compute()                  # runs while the sum travels
+        grad = handle.wait()
+    """
+
+    def __init__(self, work, result, finish: Callable | None = None):
+        self._work = [] if work is None else list(work) if isinstance(work, (list, tuple)) else [work]
+        self._result, self._finish = result, finish
+
+    def wait(self):
+        for work in self._work:
+            work.wait()
+        self._work = []
         if self._finish is not None:
             self._result, self._finish = self._finish(self._result), None
         return self._result

@@ -136,3 +136,53 @@ def init_weight_shard(weight: torch.Tensor, init_method: InitMethod, *, partitio
             lo, hi = max(start, slab_start), min(stop, slab_stop)
             shard[offset:offset + hi - lo].copy_(values[lo - slab_start:hi - slab_start])
             offset += hi - lo
+
+
+def partition_layout(name, split_name, split_size, stride, tp_size, partition_sizes, partition_rows):
+    """Every rank's ``[start, stop)`` rows of the full partition dimension, or None for the
+    equal split (today's layout and code path)."""
+    if partition_rows is not None:
+        if partition_sizes is not None:
+            raise ValueError(f"{name}: pass partition_sizes or partition_rows, not both")
+        rows = tuple(tuple((int(a), int(b)) for a, b in ranges) for ranges in partition_rows)
+        held = [0] * split_size
+        for ranges in rows:
+            for a, b in ranges:
+                if not 0 <= a <= b <= split_size:
+                    raise ValueError(f"{name}: partition_rows range ({a}, {b}) is outside [0, {split_size}]")
+                held[a:b] = [h + 1 for h in held[a:b]]
+        if len(rows) != tp_size or 0 in held:
+            raise ValueError(f"{name}: partition_rows must give each of the {tp_size} ranks its rows, covering "
+                             f"all {split_size} rows of {split_name}")
+        return rows
+    if partition_sizes is None:
+        if split_size % (tp_size * stride) == 0:
+            return None
+        if split_size % stride:
+            raise ValueError(f"{name}: {split_name} {split_size} is not divisible by stride {stride}")
+        partition_sizes = balanced_sizes(split_size // stride, tp_size)
+    sizes = list(partition_sizes)
+    if len(sizes) != tp_size or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in sizes) \
+            or sum(sizes) * stride != split_size:
+        raise ValueError(f"{name}: partition_sizes must be {tp_size} non-negative ints (one per rank) summing to "
+                         f"{split_name} {split_size}" + (f" / stride {stride}" if stride > 1 else "") +
+                         f", got {partition_sizes!r}")
+    if len(set(sizes)) == 1:
+        return None
+    return tuple(tuple(partition_ranges(sizes, rank, stride)) for rank in range(tp_size))
+
+
+def replica_rows(rows, rank: int):
+    """For rows several ranks hold: (this rank's local indices of them, their index among the
+    shared rows, how many are shared, local indices of those an earlier rank holds too)."""
+    holders: dict[int, list[int]] = {}
+    for r, ranges in enumerate(rows):
+        for a, b in ranges:
+            for row in range(a, b):
+                holders.setdefault(row, []).append(r)
+    shared = {row: i for i, row in enumerate(sorted(row for row, rs in holders.items() if len(rs) > 1))}
+    local = [row for a, b in rows[rank] for row in range(a, b)]
+    mine = [(i, shared[row]) for i, row in enumerate(local) if row in shared]
+    duplicates = [i for i, row in enumerate(local) if holders[row][0] != rank]
+    return (torch.tensor([i for i, _ in mine], dtype=torch.long), torch.tensor([j for _, j in mine], dtype=torch.long),
+            len(shared), torch.tensor(duplicates, dtype=torch.long))

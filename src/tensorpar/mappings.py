@@ -152,17 +152,6 @@ class _FinishReduction(torch.autograd.Function):
         return grad_output, None
 
 
-class PendingReduction:
-    """A reduction in flight: ``wait()`` returns the reduced tensor (passed through ``then``)."""
-
-    def __init__(self, tensor, handles, then=None) -> None:
-        self._tensor, self._handles, self._then = tensor, handles, then
-
-    def wait(self):
-        reduced = _FinishReduction.apply(self._tensor, self._handles) if self._handles else self._tensor
-        return reduced if self._then is None else self._then(reduced)
-
-
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_, group, output_split_sizes, input_split_sizes):
@@ -209,7 +198,7 @@ def reduce_from_tensor_model_parallel_region(input_, group=None, *, inplace=Fals
 
 
 def start_reduction_from_tensor_model_parallel_region(input_, group=None, *, sequence_parallel=False,
-                                                     then=None) -> PendingReduction:
+                                                     then=None) -> comm.Handle:
     """g (or under ``sequence_parallel`` the reduce-scatter of the sequence) without waiting.
 
     Sums ``input_`` (a fresh partial result nothing else reads) in place; compute on other data
@@ -224,9 +213,15 @@ def start_reduction_from_tensor_model_parallel_region(input_, group=None, *, seq
     """
     group = resolve_tp_group(group)
     if _single(group):
-        return PendingReduction(input_, [], then)
+        return comm.Handle(None, input_, then)
     handles: list = []
-    return PendingReduction(_StartReduction.apply(input_, group, sequence_parallel, handles), handles, then)
+    started = _StartReduction.apply(input_, group, sequence_parallel, handles)
+
+    def finish(output):
+        reduced = _FinishReduction.apply(output, handles)
+        return reduced if then is None else then(reduced)
+
+    return comm.Handle(None, started, finish)
 
 
 def scatter_to_tensor_model_parallel_region(input_, group=None, *, sizes=None):
@@ -337,28 +332,28 @@ def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None, 
     return _AllToAll.apply(input_, group, output_split_sizes_, input_split_sizes)
 
 
-def all_to_all_sp2hp(input_, group=None):
-    """``[tokens/TP, H]`` (sequence-parallel) -> ``[tokens, H/TP]`` (hidden-parallel)."""
+def _switch_split(input_, group, *, to_hidden: bool):
+    """``input_`` as ``[tokens, hidden]`` re-split over TP from tokens to hidden (or back)."""
     group = resolve_tp_group(group)
     n = comm.group_size(group)
     if n == 1:
         return input_
     hidden = input_.shape[-1]
-    comm.check_divisible(hidden, n, "all_to_all_sp2hp hidden size")
     input_ = input_.reshape(-1, hidden)
-    # Rank i must receive the i-th hidden slice of every rank's tokens.
-    send = torch.cat(input_.split(hidden // n, dim=1), dim=0)
-    return all_to_all(group, send)
+    if to_hidden:
+        comm.check_divisible(hidden, n, "all_to_all_sp2hp hidden size")
+        # Rank i must receive the i-th hidden slice of every rank's tokens.
+        return all_to_all(group, torch.cat(input_.split(hidden // n, dim=1), dim=0))
+    comm.check_divisible(input_.shape[0], n, "all_to_all_hp2sp token count")
+    received = all_to_all(group, input_)
+    return torch.cat(received.split(input_.shape[0] // n, dim=0), dim=1)
+
+
+def all_to_all_sp2hp(input_, group=None):
+    """``[tokens/TP, H]`` (sequence-parallel) -> ``[tokens, H/TP]`` (hidden-parallel)."""
+    return _switch_split(input_, group, to_hidden=True)
 
 
 def all_to_all_hp2sp(input_, group=None):
     """``[tokens, H/TP]`` (hidden-parallel) -> ``[tokens/TP, H]`` (sequence-parallel)."""
-    group = resolve_tp_group(group)
-    n = comm.group_size(group)
-    if n == 1:
-        return input_
-    hidden = input_.shape[-1]
-    input_ = input_.reshape(-1, hidden)
-    comm.check_divisible(input_.shape[0], n, "all_to_all_hp2sp token count")
-    received = all_to_all(group, input_)
-    return torch.cat(received.split(input_.shape[0] // n, dim=0), dim=1)
+    return _switch_split(input_, group, to_hidden=False)

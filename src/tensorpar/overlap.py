@@ -51,18 +51,23 @@ import torch
 from . import comm
 from .buffers import get_global_memory_buffer
 
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device``'s accelerator (CPU work is done when it returns),
+    so that a clock read after it times that work."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
 def _seconds(fn, device: torch.device, reps: int = 5) -> float:
     """Median seconds of ``fn()`` after one warm-up call."""
-    def sync():
-        if device.type != "cpu":
-            torch.accelerator.synchronize()
     fn()
     times = []
     for _ in range(reps):
-        sync()
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        sync()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -108,19 +113,6 @@ def chunk_sizes(rows: int, chunks: int) -> list[int]:
     parts = max(1, min(chunks, rows))
     base, extra = divmod(rows, parts)
     return [base + (i < extra) for i in range(parts)]
-
-
-class Pending:
-    """Collectives in flight whose results fill ``result``; ``wait()`` returns it."""
-
-    def __init__(self, handles: list, result: torch.Tensor) -> None:
-        self._handles, self._result = handles, result
-
-    def wait(self) -> torch.Tensor:
-        for handle in self._handles:
-            handle.wait()
-        self._handles = []
-        return self._result
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -183,7 +175,7 @@ def matmul_reduce(x: torch.Tensor, rhs: torch.Tensor, group, *, chunks: int, sca
     ``x``: ``[s, ..., k]``; ``rhs``: ``[k, n]``. Chunk ``i``'s collective is in flight while
     chunk ``i + 1``'s GEMM runs. Under ``scatter`` each chunk is rows ``i`` of every rank's
     sequence slice, GEMM'd into a scratch buffer and reduce-scattered into this rank's result.
-    With ``async_op`` returns a :class:`Pending` (the last chunks may still be in flight).
+    With ``async_op`` returns a :class:`tensorpar.comm.Handle` (the last chunks may still be in flight).
     """
     x = x.contiguous()
     n = comm.group_size(group)
@@ -213,7 +205,7 @@ def matmul_reduce(x: torch.Tensor, rhs: torch.Tensor, group, *, chunks: int, sca
                       out=part.view(n, size * inner, rhs.shape[1]))
             handles.append(comm.reduce_scatter(part, group, async_op=True, out=out[start:start + size]))
             start += size
-    pending = Pending(handles, out)
+    pending = comm.Handle(handles, out)
     return pending if async_op else pending.wait()
 
 
