@@ -44,7 +44,7 @@ LAYERS = (
     ("tensorpar.overlap",),
     ("tensorpar.mappings",),
     ("tensorpar.initialization",),
-    ("tensorpar.linear",),
+    ("tensorpar.linear_function", "tensorpar.linear"),
     ("tensorpar.embedding", "tensorpar.cross_entropy", "tensorpar.random"),
     ("tensorpar.grads",),
     ("tensorpar.fsdp", "tensorpar.invariant"),

@@ -23,7 +23,7 @@ from ..comm_model import calibrate_overlap
 from ..grads import allreduce_sequence_parallel_grads
 from ..linear import ColumnParallelLinear, RowParallelLinear
 from ..models.gpt import GPT, GPTConfig
-from ..overlap import interleave
+from ..overlap import interleave, synchronize
 from ..parallel_state import (
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
@@ -321,10 +321,6 @@ def measure_overlap_variants(device: torch.device, *, hidden: int, seq: int, bat
     n = get_tensor_model_parallel_world_size()
     rank = get_tensor_model_parallel_rank()
 
-    def sync():
-        if device.type != "cpu":
-            torch.accelerator.synchronize()
-
     def tensorpar_block(sp, overlap, interleaved):
         model_parallel_manual_seed(0, device=device)
         fc1 = ColumnParallelLinear(hidden, 4 * hidden, sequence_parallel=sp, overlap=overlap, params_dtype=dtype,
@@ -366,10 +362,10 @@ def measure_overlap_variants(device: torch.device, *, hidden: int, seq: int, bat
             torch.testing.assert_close(x.grad, reference[key][1], **tol, msg=lambda m, name=name: f"{name}: {m}")
         times = []
         for _ in range(iters):
-            sync()
+            synchronize(device)
             begin = time.perf_counter()
             step()
-            sync()
+            synchronize(device)
             times.append(time.perf_counter() - begin)
         elapsed = comm.scalars(statistics.median(times) * 1e3, dtype=torch.float64)
         results[name] = comm.all_reduce(elapsed, None, op="max").item()
