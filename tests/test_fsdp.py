@@ -312,8 +312,8 @@ def test_units_shard_any_model_built_from_tp_layers():
 
 
 def _checkpoint_body(out: str):
-    from tensorpar.training import checkpoint
-    from tensorpar.training.loop import config_to_json
+    from tensorpar.training import checkpoint, checkpoint_files, checkpoint_state
+    from tensorpar.training.model_config import config_to_json
 
     tp.initialize_model_parallel(2)
     tp_group = tp.get_tensor_model_parallel_group()
@@ -327,9 +327,9 @@ def _checkpoint_body(out: str):
     optimizers["fsdp"].step()
     checkpoint.save(out, 1, model=models["fsdp"], optimizer=optimizers["fsdp"], config=config_to_json(config),
                     meta=checkpoint_meta(step=1, tp=2, dp=2), tp_group=tp_group)
-    ckpt = checkpoint.open_checkpoint(out)[0]
+    ckpt = checkpoint_files.open_checkpoint(out)[0]
     # Only the strided weights (fused Q|K|V) are gathered over DP; every other shard is saved as it is.
-    gathered = checkpoint._state_dict(models["fsdp"], None, tp_group=tp_group, with_rng=False)[1]
+    gathered = checkpoint_state.build_state_dict(models["fsdp"], None, tp_group=tp_group, with_rng=False)[1]
     strided = [p for p in models["fsdp"].parameters() if getattr(p, "partition_stride", 1) != 1]
     assert len(gathered) == len(strided) > 0
     for name in ("plain", "fsdp2"):

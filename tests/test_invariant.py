@@ -159,11 +159,11 @@ def _train_body(argv):
 
 
 def _weights_body(ckpt):
-    from tensorpar.training import checkpoint
-    from tensorpar.training.loop import config_from_json
+    from tensorpar.training import checkpoint, checkpoint_files
+    from tensorpar.training.model_config import config_from_json
 
     tp.initialize_model_parallel(1)
-    path, config, _ = checkpoint.open_checkpoint(ckpt)
+    path, config, _ = checkpoint_files.open_checkpoint(ckpt)
     model = GPT(config_from_json(config), device="cpu")
     checkpoint.load(path, model=model, optimizer=None, tp_group=tp.get_tensor_model_parallel_group(),
                     restore_rng=False)

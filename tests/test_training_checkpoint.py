@@ -15,8 +15,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from tensorpar.training import checkpoint
+from tensorpar.training import checkpoint, checkpoint_files
+from tensorpar.training.checkpoint_format import CheckpointError, sha256
 from tensorpar.training.cli import parse_train_args
+from tensorpar.training.dcp_metadata import read_metadata
 from tests.harness import run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
@@ -53,7 +55,7 @@ def _failing_save_body(argv, as_format_error=False):
     FileSystemWriter.write_data = disk_full
     try:
         loop.train(parse_train_args(argv))
-    except checkpoint.CheckpointError as exc:
+    except CheckpointError as exc:
         return str(exc)
     finally:
         FileSystemWriter.write_data, shutil.disk_usage = real_write, real_usage
@@ -68,7 +70,7 @@ def ckpt_run(tmp_path_factory):
 
 
 def _open_body(path):
-    ckpt, config, meta = checkpoint.open_checkpoint(path)
+    ckpt, config, meta = checkpoint_files.open_checkpoint(path)
     return str(ckpt), meta["step"]
 
 
@@ -80,7 +82,7 @@ def _copy(ckpt_run, tmp_path, name="copy"):
 
 def _rewrite_manifest(step_dir):
     """What an attacker who edits files also does: a manifest that matches them."""
-    files = {p.relative_to(step_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": checkpoint._sha256(p)}
+    files = {p.relative_to(step_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256(p)}
              for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != "manifest.json"}
     (step_dir / "manifest.json").write_text(json.dumps({"format": "tensorpar-checkpoint", "files": files}))
 
@@ -138,7 +140,7 @@ def _damage_cases():
         _shard(d).unlink()
 
     def metadata_outside(d, _):
-        metadata = checkpoint.read_metadata(d, listed=set(json.loads((d / "manifest.json").read_text())["files"]))
+        metadata = read_metadata(d, listed=set(json.loads((d / "manifest.json").read_text())["files"]))
         for info in metadata.storage_data.values():
             info.relative_path = "/etc/hostname"
         (d / ".metadata").write_bytes(pickle.dumps(metadata))
@@ -178,13 +180,13 @@ def test_damaged_checkpoint_is_refused_naming_the_file(ckpt_run, tmp_path, name,
     outside = tmp_path / "outside"
     outside.mkdir()
     damage(copy, outside)
-    with pytest.raises(checkpoint.CheckpointError, match=message):
-        checkpoint.verify(copy)
+    with pytest.raises(CheckpointError, match=message):
+        checkpoint_files.verify(copy)
 
 
 def test_every_rank_hashes_a_share_and_all_refuse_together(ckpt_run, tmp_path):
     files = json.loads((ckpt_run / "step_2" / "manifest.json").read_text())["files"]
-    shares = [checkpoint._share(files, rank, 2) for rank in range(2)]
+    shares = [checkpoint_files._share(files, rank, 2) for rank in range(2)]
     assert sorted(shares[0] + shares[1]) == sorted(files) and shares[0] and shares[1]
     assert not set(shares[0]) & set(shares[1])
     copy = _copy(ckpt_run, tmp_path)
@@ -195,8 +197,8 @@ def test_every_rank_hashes_a_share_and_all_refuse_together(ckpt_run, tmp_path):
 
 def _open_or_refuse_body(path):
     try:
-        checkpoint.open_checkpoint(path)
-    except checkpoint.CheckpointError as exc:
+        checkpoint_files.open_checkpoint(path)
+    except CheckpointError as exc:
         return str(exc)
     return None
 
@@ -214,8 +216,8 @@ def test_latest_must_name_a_sibling_step_dir(ckpt_run, tmp_path, pointer, messag
     out = tmp_path / "run"
     shutil.copytree(ckpt_run, out)
     (out / "latest").write_text(pointer + "\n")
-    with pytest.raises(checkpoint.CheckpointError, match=message):
-        checkpoint.resolve(out)
+    with pytest.raises(CheckpointError, match=message):
+        checkpoint_files.resolve(out)
 
 
 def test_symlinked_latest_or_step_dir_is_refused(ckpt_run, tmp_path):
@@ -223,15 +225,15 @@ def test_symlinked_latest_or_step_dir_is_refused(ckpt_run, tmp_path):
     shutil.copytree(ckpt_run, out)
     (out / "latest").unlink()
     (out / "latest").symlink_to(ckpt_run / "latest")
-    with pytest.raises(checkpoint.CheckpointError, match=r"latest is not a plain file"):
-        checkpoint.resolve(out)
+    with pytest.raises(CheckpointError, match=r"latest is not a plain file"):
+        checkpoint_files.resolve(out)
     (out / "latest").unlink()
     (out / "latest").write_text("step_3\n")
     (out / "step_3").symlink_to(ckpt_run / "step_2", target_is_directory=True)
-    with pytest.raises(checkpoint.CheckpointError, match=r"names 'step_3', which is not a step_N directory"):
-        checkpoint.resolve(out)
-    with pytest.raises(checkpoint.CheckpointError, match=r"step_3 is a symlink"):
-        checkpoint.verify(out / "step_3")
+    with pytest.raises(CheckpointError, match=r"names 'step_3', which is not a step_N directory"):
+        checkpoint_files.resolve(out)
+    with pytest.raises(CheckpointError, match=r"step_3 is a symlink"):
+        checkpoint_files.verify(out / "step_3")
 
 
 class _Payload:
@@ -249,9 +251,9 @@ def test_code_in_metadata_is_never_run(ckpt_run, tmp_path):
     marker = tmp_path / "pwned"
     (copy / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     _rewrite_manifest(copy)
-    with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata is refused: checkpoint metadata refers "
-                                                          r"to posix\.mkdir, which a checkpoint never contains"):
-        checkpoint.verify(copy)
+    with pytest.raises(CheckpointError, match=r"\.metadata is refused: checkpoint metadata refers "
+                                              r"to posix\.mkdir, which a checkpoint never contains"):
+        checkpoint_files.verify(copy)
     assert run_on_ranks(_open_or_refuse_body, 1, str(copy))[0].endswith("refusing to load it")
     assert not marker.exists()
 
@@ -269,7 +271,7 @@ def _resume_refusal_body(argv):
 
     try:
         train(parse_train_args(argv))
-    except checkpoint.CheckpointError as exc:
+    except CheckpointError as exc:
         return str(exc)
     return None
 
@@ -277,7 +279,7 @@ def _resume_refusal_body(argv):
 def _craft(step_dir, edit):
     """Rewrite DCP's metadata (and the manifest to match) with ``edit(metadata)``."""
     listed = set(json.loads((step_dir / "manifest.json").read_text())["files"])
-    metadata = checkpoint.read_metadata(step_dir, listed=listed)
+    metadata = read_metadata(step_dir, listed=listed)
     edit(metadata)
     (step_dir / ".metadata").write_bytes(pickle.dumps(metadata))
     _rewrite_manifest(step_dir)
@@ -546,7 +548,7 @@ def _uneven_reshard_body(out, phase, tp_size, vocab_multiple):
 
     import tensorpar as tp
     from tensorpar.models import GPT, GPTConfig
-    from tensorpar.training.loop import config_to_json
+    from tensorpar.training.model_config import config_to_json
 
     config = GPTConfig(vocab_size=101, max_seq_len=16, num_layers=1, num_heads=6, num_query_groups=2,
                        hidden_size=24, ffn_hidden_size=50, make_vocab_size_divisible_by=vocab_multiple, norm="rmsnorm",
@@ -569,7 +571,7 @@ def _uneven_reshard_body(out, phase, tp_size, vocab_multiple):
         checkpoint.save(out, 1, model=model, optimizer=optimizer, config=config_to_json(config),
                         meta=checkpoint_meta(step=1, tp=tp_size, dp=dist.get_world_size() // tp_size), tp_group=group)
     else:
-        ckpt, _, _ = checkpoint.open_checkpoint(out)
+        ckpt, _, _ = checkpoint_files.open_checkpoint(out)
         checkpoint.load(ckpt, model=model, optimizer=optimizer, tp_group=group, restore_rng=False)
     step()
     return {name: t.float()[:101] for name, t in model.full_state_dict().items()}  # the real vocabulary's rows

@@ -101,7 +101,7 @@ def test_bad_numbers_and_shapes(capsys, argv, message):
     (["--lr", "1e-2"], {"lr": 1e-3, "min_lr": 5e-5, "warmup": 3}, 1e-3),    # unless --lr is new
 ])
 def test_min_lr_follows_lr(argv, schedule, min_lr):
-    from tensorpar.training.loop import settle_run
+    from tensorpar.training.schedule import settle_run
     from tensorpar.training.resume import continue_settings
 
     args = parse_train_args(argv)
@@ -160,7 +160,7 @@ def test_a_resumed_checkpoint_config_beyond_memory_is_refused(capsys, files, tmp
     import json
     import shutil
 
-    from tensorpar.training.checkpoint import _sha256
+    from tensorpar.training.checkpoint_format import sha256
 
     run = tmp_path / "run"
     shutil.copytree(files / "run", run)
@@ -169,7 +169,7 @@ def test_a_resumed_checkpoint_config_beyond_memory_is_refused(capsys, files, tmp
     (step / "config.json").write_text(json.dumps({**config, "num_layers": 10_000_000}))
     manifest = json.loads((step / "manifest.json").read_text())
     manifest["files"]["config.json"] = {"bytes": (step / "config.json").stat().st_size,
-                                        "sha256": _sha256(step / "config.json")}
+                                        "sha256": sha256(step / "config.json")}
     (step / "manifest.json").write_text(json.dumps(manifest))
     assert re.match(r"^the model \(10,000,000 layers, hidden 32, vocabulary 257\) needs an estimated [\d.]+ TiB per "
                     r"rank at --tp 2 \(parameters" + ".*" + _MORE_THAN,

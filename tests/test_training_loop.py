@@ -83,7 +83,8 @@ def test_outputs_metrics_plot_and_tp_independent_checkpoint(runs):
 
 
 def _mismatch_body(argv):
-    from tensorpar.training.loop import ConfigMismatch, train
+    from tensorpar.training.loop import train
+    from tensorpar.training.model_config import ConfigMismatch
 
     with pytest.raises(ConfigMismatch, match=r"hidden_size: checkpoint 32, requested 64.*num_layers: "
                                              r"checkpoint 2, requested 3"):
@@ -170,7 +171,7 @@ def test_training_reads_losses_back_only_when_logging():
 def _count_body(tp):
     import tensorpar
     from tensorpar.models.gpt import GPT, GPTConfig
-    from tensorpar.training.loop import count_parameters
+    from tensorpar.training.model_config import count_parameters
 
     tensorpar.initialize_model_parallel(tp)
     model = GPT(GPTConfig.preset("tiny", vocab_size=257))
@@ -188,7 +189,7 @@ def _evaluate_body():
     import warnings
 
     from tensorpar.training.data import BatchSampler
-    from tensorpar.training.loop import evaluate
+    from tensorpar.training.evaluation import evaluate
 
     class Probe(torch.nn.Module):
         def __init__(self):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorpar.training import checkpoint
+from tensorpar.training import checkpoint_files
 from tensorpar.training.cli import parse_train_args
 from tests.harness import run_on_ranks
 
@@ -92,7 +92,7 @@ def test_disk_full_on_a_small_tmpfs(tmpfs):
     assert "No space left on device" in err and "saving checkpoint step 4" in err, err
     assert ended - began < 100, err  # a 300 s collective timeout would show
     assert sorted(p.name for p in out.iterdir()) == [".tensorpar.lock", "latest", "metrics.jsonl", "step_2"]
-    checkpoint.verify(out / "step_2")
+    checkpoint_files.verify(out / "step_2")
 
 
 def _signal_body(argv, signum, at_step, ranks):
@@ -197,4 +197,4 @@ def test_sigterm_to_the_ranks_checkpoints_says_where_and_exits_0(tmp_path):
     assert step >= 3 and "Traceback" not in err
     assert (f"tensorpar train: stopped by SIGTERM after step {step}; checkpoint {out}/step_{step} "
             f"(continue with --resume {out})") in err.splitlines(), err
-    checkpoint.verify(out / f"step_{step}")
+    checkpoint_files.verify(out / f"step_{step}")

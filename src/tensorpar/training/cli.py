@@ -258,7 +258,8 @@ def _check_writable_dir(out: Path, flag: str) -> None:
 
 def _open_checkpoint(flag: str, path: str) -> tuple[Path, dict, dict]:
     """(directory, config, meta) of a checkpoint the user named, verified; errors name the flag."""
-    from .checkpoint import CheckpointError, read_json, resolve, verify
+    from .checkpoint_files import read_json, resolve, verify
+    from .checkpoint_format import CheckpointError
 
     try:
         ckpt = resolve(path)
@@ -270,10 +271,11 @@ def _open_checkpoint(flag: str, path: str) -> tuple[Path, dict, dict]:
 
 def _check_train_args(args, world: int) -> None:
     from ..models.gpt import GPTConfig
-    from .data import inspect_data, train_token_count
+    from .data import VAL_FRACTION, inspect_data, train_token_count
     from .memory import check_memory
-    from .loop import (VAL_FRACTION, build_config, check_fits, default_seq_len, hf_init_config, resolve_tokenizer,
-                       settle_run)
+    from .model_config import build_config, check_fits, default_seq_len, hf_init_config
+    from .schedule import settle_run
+    from .tokenizer import resolve_tokenizer
     from .resume import continue_settings
     from . import rundir
 
@@ -373,7 +375,7 @@ def _fits_one_device(ckpt: Path) -> bool:
 def _cmd_generate(args) -> int:
     _check_paths(args)
     from .inference import encode_prompt
-    from .loop import check_fits, config_from_json
+    from .model_config import check_fits, config_from_json
 
     ckpt, saved, meta = _open_checkpoint("--checkpoint", args.checkpoint)
     if args.nproc is None and args.tp is None and not _under_torchrun() and _fits_one_device(ckpt):
@@ -402,7 +404,7 @@ def export_entry(args):
 def _cmd_export(args) -> int:
     _check_paths(args)
     from ..models.hf import hf_config_of
-    from .loop import config_from_json
+    from .model_config import config_from_json
 
     _, saved, _ = _open_checkpoint("--checkpoint", args.checkpoint)
     try:

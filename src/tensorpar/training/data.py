@@ -40,6 +40,7 @@ from .schema import Rule, SchemaError, TEXT, check_fields, choice, integer
 EOT = 256
 BYTE_VOCAB_SIZE = 257
 TOKEN_FILE_FORMAT = "tensorpar-tokens"
+VAL_FRACTION = 0.05  # of a run's data held out for evaluation
 _TOKEN_DTYPES = {"uint8": torch.uint8, "uint16": torch.uint16, "int32": torch.int32}
 # The largest vocabulary each dtype holds, smallest dtype first.
 _TOKEN_LIMITS = {"uint8": 1 << 8, "uint16": 1 << 16, "int32": (1 << 31) - 1}

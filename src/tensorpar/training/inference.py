@@ -13,13 +13,14 @@ from ..comm_model import calibrate_overlap
 from ..errors import UsageError
 from ..models.gpt import GPT
 from . import checkpoint
+from .checkpoint_files import open_checkpoint
 from .data import EOT, decode, encode
-from .loop import config_from_json
+from .model_config import config_from_json
 
 
 def load_model(path, *, tp_group) -> tuple[GPT, dict]:
     """The checkpoint's model at the current TP size (no SP, no recompute), in eval mode."""
-    ckpt, config, meta = checkpoint.open_checkpoint(path)
+    ckpt, config, meta = open_checkpoint(path)
     config = dataclasses.replace(config_from_json(config), sequence_parallel=False, recompute=False,
                                  distribute_saved_activations=False, gradient_accumulation_fusion=False,
                                  dropout=0.0, attention_dropout=0.0)

@@ -41,6 +41,19 @@ def load_tokenizer(directory, *, flag: str = "--tokenizer"):
         raise UsageError(f"{flag} {directory}: cannot load the tokenizer ({exc})") from None
 
 
+
+def resolve_tokenizer(args, meta: dict | None) -> None:
+    """``args.tokenizer``: ``--tokenizer``, else that of the run ``meta`` describes (resumed or
+    ``--init-from``), else the ``--init-from-hf`` directory's when it has one (as an absolute
+    path), else None (byte tokens for text)."""
+    if args.tokenizer is None and meta is not None and meta.get("tokenizer") not in (None, "bytes"):
+        args.tokenizer = meta["tokenizer"]
+    if args.tokenizer is None and args.init_from_hf is not None and has_tokenizer(args.init_from_hf):
+        args.tokenizer = args.init_from_hf
+    if args.tokenizer is not None:
+        args.tokenizer = str(Path(args.tokenizer).resolve())
+
+
 def tokenize_files(files: list[Path], tokenizer) -> torch.Tensor:
     """Every file's tokens (no special tokens added), each document followed by EOS if the
     tokenizer has one, as one int32 tensor (only one document's ids are a Python list at a time)."""

@@ -1,0 +1,159 @@
+"""The TP-independent state dict DCP saves and loads: model, Adam state and every rank's RNG.
+
+Every TP-sharded tensor is a DTensor over the TP group whose global shape is what the TP=1
+model holds; a strided weight (``partition_stride`` k) is viewed as ``[k, rows/k, ...]`` so
+each rank's shard is one box of it; an uneven layout (``partition_rows``) is stored whole and
+sharded again after a load. Under FSDP each shard is its box of the TP=1 tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from .. import comm
+from ..fsdp import full_box, gather_dp_shards, reshard, tp_dp_mesh
+from ..models.layout import gather_full_tensor, shard_full_tensor
+from ..random import get_rng_tracker
+from .checkpoint_format import ADAM_MOMENTS
+
+
+def _sharded(tensor: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None):
+    """``tensor`` (shaped like ``param``'s shard) as DCP should store it."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return tensor
+    dim, stride = param.partition_dim % tensor.dim(), param.partition_stride
+    tp = 1 if mesh is None else mesh.size()
+    shape = list(tensor.shape)
+    if stride == 1:
+        local, shard_dim = tensor, dim
+        global_shape = shape[:dim] + [shape[dim] * tp] + shape[dim + 1:]
+    else:
+        local = tensor.view(shape[:dim] + [stride, shape[dim] // stride] + shape[dim + 1:])
+        shard_dim = dim + 1
+        global_shape = shape[:dim] + [stride, shape[dim] * tp // stride] + shape[dim + 1:]
+    if mesh is None:
+        return local
+    global_stride, running = [], 1
+    for size in reversed(global_shape):
+        global_stride.insert(0, running)
+        running *= size
+    return DTensor.from_local(local, mesh, [Shard(shard_dim)], run_check=False,
+                              shape=torch.Size(global_shape), stride=tuple(global_stride))
+
+
+def _stored(tensor: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None, tp_group):
+    """``tensor`` as DCP should store it: :func:`_sharded`, or for an uneven layout
+    (``partition_rows``, which no DTensor placement describes) the full tensor, gathered, in
+    the same global shape, so a checkpoint moves between even and uneven TP sizes."""
+    rows = getattr(param, "partition_rows", None)
+    if rows is None or mesh is None:
+        return _sharded(tensor, param, mesh)
+    full = gather_full_tensor(tensor, partition_dim=param.partition_dim, stride=param.partition_stride,
+                              tp_group=tp_group, partition_rows=rows)
+    dim, stride, shape = param.partition_dim % full.dim(), param.partition_stride, list(full.shape)
+    return full if stride == 1 else full.view(shape[:dim] + [stride, shape[dim] // stride] + shape[dim + 1:])
+
+
+def param_targets(name: str, param: torch.Tensor, optimizer) -> dict[str, torch.Tensor]:
+    """The state-dict keys of parameter ``name`` and the tensors a load fills: its data and,
+    with an optimizer, its Adam moments."""
+    targets = {f"model.{name}": param.data}
+    if optimizer is not None:
+        targets.update({f"optim.{name}.{key}": optimizer.state[param][key] for key in ADAM_MOMENTS})
+    return targets
+
+
+@torch.no_grad()
+def unstore(state: dict, model: torch.nn.Module, optimizer, tp_group) -> None:
+    """Copy the loaded full tensors of uneven layouts into this rank's shards."""
+    for name, p in model.named_parameters():
+        rows = getattr(p, "partition_rows", None)
+        if rows is None or comm.group_size(tp_group) == 1:
+            continue
+        for key, target in param_targets(name, p, optimizer).items():
+            dim = p.partition_dim % target.dim()
+            full_shape = list(target.shape)
+            full_shape[dim] = max(b for ranges in rows for _, b in ranges)
+            target.copy_(shard_full_tensor(state[key].reshape(full_shape), partition_dim=dim,
+                                           tp_group=tp_group, partition_rows=rows))
+
+
+def _tp_mesh(tp_group) -> DeviceMesh | None:
+    if comm.group_size(tp_group) == 1:
+        return None
+    device_type = "cuda" if dist.get_backend(tp_group) == "nccl" else "cpu"
+    return DeviceMesh.from_group(tp_group, device_type)
+
+
+def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create zero Adam state for parameters that have none, so DCP can load into it."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                for key in ADAM_MOMENTS:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    for name, state in get_rng_tracker().get_states().items():
+        states[f"tracker.{name}"] = state
+    return states
+
+
+def set_rng_state(states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states.pop("cpu"))
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states.pop("cuda"))
+    get_rng_tracker().set_states({k.removeprefix("tracker."): v for k, v in states.items()})
+
+
+def rng_spec() -> dict[str, list[int]]:
+    """This rank's RNG entries and their shapes, as ``meta.json`` records them."""
+    return {name: list(state.shape) for name, state in _rng_state().items()}
+
+
+@torch.no_grad()
+def build_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                     tp_group, with_rng: bool) -> tuple[dict, list]:
+    """The flat DCP state dict (``model.*``, ``optim.*`` and, with ``with_rng``, this rank's
+    ``rng.*``), and the (FSDP shard, gathered copy) pairs a load copies back.
+
+    Under :func:`tensorpar.fully_shard` each FSDP shard is saved as its box of the TP=1
+    tensor on the (TP, DP) mesh, so the files are the same with and without FSDP; a strided
+    weight's DP shard is no such box: it is gathered over DP to its TP shard first (and copied
+    back after a load), which a save or load holds on every rank for a moment.
+    """
+    mesh = _tp_mesh(tp_group)
+    # FSDP keeps the root unit gathered after a forward with no backward (an evaluation): its
+    # registered parameters are then the gathered copies, not the shards the optimizer steps.
+    reshard(model)
+    fsdp_mesh = tp_dp_mesh(tp_group) if any(isinstance(p, DTensor) for p in model.parameters()) else None
+    state, gathered = {}, []
+
+    def entry(tensor, param):
+        if isinstance(tensor, DTensor) and (box := full_box(tensor, param, fsdp_mesh)) is not None:
+            return box
+        whole = gather_dp_shards(tensor)
+        if whole is not tensor:
+            gathered.append((tensor, whole))
+        return _stored(whole, param, mesh, tp_group)
+
+    for name, p in model.named_parameters():
+        state[f"model.{name}"] = entry(p.data, p)
+        if optimizer is not None:
+            moments = optimizer.state[p]
+            state[f"optim.{name}.step"] = moments["step"]
+            for key in ADAM_MOMENTS:
+                state[f"optim.{name}.{key}"] = entry(moments[key], p)
+    if with_rng:
+        for key, value in _rng_state().items():
+            state[f"rng.rank{dist.get_rank()}.{key}"] = value
+    return state, gathered

@@ -1,0 +1,79 @@
+"""A run's learning-rate schedule and batch: settled from the flags, the resumed run or the
+defaults, and the learning rate at each step.
+
+Example::
+
+    settle_run(args, meta=None, dp_size=2)     # fills args.lr, args.global_batch, args.grad_accum, ...
+    lr = lr_at(step, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, total=args.lr_decay_steps)
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import UsageError
+
+DEFAULT_SCHEDULE = {"lr": 3e-3, "warmup": 30}
+MIN_LR_FRACTION = 0.1  # --min-lr, unless given, is this fraction of --lr
+DEFAULT_MICRO_BATCH = 16
+
+
+def settle_run(args, *, meta: dict | None, dp_size: int) -> None:
+    """Fill in the run's schedule and batch from the resumed run (``meta``) or the defaults; check them.
+
+    ``--steps`` is the run's total, so a resumed run must still have steps to go. The learning
+    rate schedule (``--lr``, ``--min-lr``, ``--warmup``, ``--lr-decay-steps``) is the resumed
+    run's unless given; a fresh run decays over ``--steps``. The global batch (sequences per
+    optimizer step) and the micro-batch are the resumed run's unless given, and gradient
+    accumulation is what makes the global batch at this DP size. Idempotent: the ranks settle
+    again what the command line settled.
+    """
+    start = meta["step"] if meta else 0
+    if args.steps <= start:
+        raise UsageError(f"--steps {args.steps} is the run's total, and the checkpoint is already at step "
+                         f"{start}: pass --steps above {start} to train further")
+    saved = (meta or {}).get("schedule", {})
+    if args.min_lr is None and args.lr is None:  # a new --lr brings its own floor
+        args.min_lr = saved.get("min_lr")
+    for name, default in DEFAULT_SCHEDULE.items():
+        if getattr(args, name) is None:
+            setattr(args, name, saved.get(name, default))
+    if args.min_lr is None:
+        args.min_lr = args.lr * MIN_LR_FRACTION
+    if args.lr_decay_steps is None:
+        args.lr_decay_steps = saved.get("decay_steps", saved.get("steps", args.steps))
+    if args.min_lr > args.lr:
+        raise UsageError(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}")
+
+    micro = args.micro_batch or (meta or {}).get("micro_batch", DEFAULT_MICRO_BATCH)
+    batch = args.global_batch or (meta or {}).get("global_batch") or micro * (args.grad_accum or 1) * dp_size
+    what = "--global-batch" if args.global_batch else "the resumed run's global batch"
+    if batch % dp_size:
+        raise UsageError(f"{what} {batch} cannot be split evenly over {dp_size} data-parallel ranks: "
+                         f"choose --nproc/--tp so that the DP size divides {batch}")
+    per_rank = batch // dp_size
+    if args.micro_batch is None:  # the largest that fits, up to the default
+        args.micro_batch = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
+    elif per_rank % args.micro_batch:
+        raise UsageError(f"{what} {batch} over {dp_size} data-parallel ranks is {per_rank} sequences "
+                         f"per rank, not a multiple of --micro-batch {args.micro_batch}: choose a "
+                         f"--micro-batch dividing {per_rank}")
+    if args.interleave > args.micro_batch:
+        raise UsageError(f"--interleave {args.interleave} splits each micro-batch into {args.interleave} parts, but "
+                         f"--micro-batch is {args.micro_batch}: choose a --micro-batch of at least {args.interleave}")
+    accum = batch // (dp_size * args.micro_batch)
+    if args.grad_accum is not None and args.grad_accum != accum:
+        raise UsageError(f"--grad-accum {args.grad_accum} x --micro-batch {args.micro_batch} x {dp_size} "
+                         f"data-parallel ranks is {args.grad_accum * args.micro_batch * dp_size} sequences per "
+                         f"step, not {what} {batch}: leave --grad-accum out to adapt it")
+    args.global_batch, args.grad_accum = batch, accum
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int) -> float:
+    """Linear warmup to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr`` at ``total``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if total <= warmup:
+        return lr
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)

@@ -1,0 +1,61 @@
+"""Signals during training: SIGTERM stops every rank after the same step (with a checkpoint),
+SIGINT stops this one at once.
+
+Example::
+
+    with Signals() as signals:
+        ...
+        if stop_requested(signals, control_group()):   # collective: any rank's SIGTERM
+            break
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+
+
+class Signals:
+    """SIGTERM asks to stop after the current step, with a checkpoint; SIGINT stops at once.
+
+    Handlers are installed only in the main thread (Python's rule) and restored on exit.
+    """
+
+    def __init__(self) -> None:
+        self.term = self.interrupted = False
+        self._previous = {}
+
+    def __enter__(self) -> Signals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_term),
+                              signal.SIGINT: signal.signal(signal.SIGINT, self._on_int)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _on_term(self, signum, frame) -> None:
+        self.term = True
+
+    def _on_int(self, signum, frame) -> None:
+        if not self.interrupted:  # a launcher forwarding the same Ctrl-C must not interrupt the exit
+            self.interrupted = True
+            raise KeyboardInterrupt
+
+
+def control_group():
+    """The world as a CPU (gloo) group, so agreeing on a flag never waits for the device."""
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+def stop_requested(signals: Signals, group) -> bool:
+    """Whether any rank got SIGTERM (agreed over ``group``): all ranks then stop after the same step."""
+    flag = torch.tensor([1 if signals.term else 0], dtype=torch.int32)
+    comm.all_reduce(flag, group, op="max")
+    return bool(flag.item())
