@@ -42,7 +42,7 @@ def test_an_error_is_one_line_and_debug_adds_the_traceback(capsys, monkeypatch):
 
 
 def test_unexpected_exceptions_are_one_line_with_their_type(capsys, monkeypatch):
-    import tensorpar.training.cli as training_cli
+    import tensorpar.tools.training_cli as training_cli
 
     monkeypatch.setenv("TENSORPAR_DEBUG", "0")
 
@@ -107,7 +107,7 @@ def test_comm_and_bench_sizes_that_do_not_divide(capsys, argv, message):
 def test_a_signal_to_the_launcher_is_one_line_and_128_plus_the_signal(capsys, monkeypatch):
     import signal
 
-    import tensorpar.training.cli as training_cli
+    import tensorpar.tools.training_cli as training_cli
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     def interrupted(args):

@@ -157,7 +157,7 @@ def test_compiled_mappings_match_eager():
 
 
 def _train_body(argv):
-    from tensorpar.training.cli import parse_train_args
+    from tensorpar.tools.training_cli import parse_train_args
     from tensorpar.training.loop import train
 
     torch._dynamo.reset()

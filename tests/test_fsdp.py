@@ -179,7 +179,7 @@ TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "-
 
 
 def _train_body(argv):
-    from tensorpar.training.cli import parse_train_args
+    from tensorpar.tools.training_cli import parse_train_args
     from tensorpar.training.loop import train
 
     return train(parse_train_args(argv)).losses

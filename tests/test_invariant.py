@@ -151,7 +151,7 @@ TRAIN = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16", "
 
 
 def _train_body(argv):
-    from tensorpar.training.cli import parse_train_args
+    from tensorpar.tools.training_cli import parse_train_args
     from tensorpar.training.loop import train
 
     result = train(parse_train_args(argv))

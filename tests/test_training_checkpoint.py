@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from tensorpar.training import checkpoint, checkpoint_files
 from tensorpar.training.checkpoint_format import CheckpointError, sha256
-from tensorpar.training.cli import parse_train_args
+from tensorpar.tools.training_cli import parse_train_args
 from tensorpar.training.dcp_metadata import read_metadata
 from tests.harness import run_on_ranks
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tensorpar.tools.cli import main
-from tensorpar.training.cli import parse_train_args
+from tensorpar.tools.training_cli import parse_train_args
 from tensorpar.training.data import DataError, load_corpus, write_token_file
 from tests.harness import free_port, run_on_ranks
 
@@ -271,7 +271,7 @@ def test_generate_checks(capsys, files, tmp_path):
 @pytest.mark.parametrize("argv, fits, world", [([], True, (1, 1)), ([], False, (2, 2)),
                                                 ([], None, (1, 1)), (["--nproc", "2"], True, (2, 2))])
 def test_generate_of_a_small_checkpoint_runs_in_this_process(files, monkeypatch, capsys, argv, fits, world):
-    import tensorpar.training.cli as training_cli
+    import tensorpar.tools.training_cli as training_cli
 
     started = []
     monkeypatch.setattr(training_cli, "_run_in_world", lambda entry, args, nproc: started.append(

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tensorpar.training.cli import parse_train_args
+from tensorpar.tools.training_cli import parse_train_args
 from tests.harness import run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--steps", "6",
@@ -262,7 +262,7 @@ def test_a_resume_continues_every_setting_of_the_run_and_names_what_changed(tmp_
 def _generate_body(argv):
     import argparse
 
-    from tensorpar.training.cli import register
+    from tensorpar.tools.training_cli import register
     from tensorpar.training.inference import generate
 
     parser = argparse.ArgumentParser()

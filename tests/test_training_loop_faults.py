@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tensorpar.training import checkpoint_files
-from tensorpar.training.cli import parse_train_args
+from tensorpar.tools.training_cli import parse_train_args
 from tests.harness import run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",

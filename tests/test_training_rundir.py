@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tensorpar.training import rundir
-from tensorpar.training.cli import parse_train_args
+from tensorpar.tools.training_cli import parse_train_args
 from tests.harness import run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
@@ -67,7 +67,7 @@ def test_every_rank_refuses_a_locked_directory(holder):
 def test_torchrun_ranks_leave_the_directory_check_to_rank_0s_lock(tmp_path, monkeypatch):
     """Under torchrun (two nodes sharing --out) every rank checks its flags while rank 0 already
     holds the lock and writes the run: that must not refuse the run on the other ranks."""
-    from tensorpar.training.cli import _check_train_args
+    from tensorpar.tools.training_cli import _check_train_args
 
     out = tmp_path / "run"
     lock = rundir.RunLock(out).acquire()          # rank 0, already training

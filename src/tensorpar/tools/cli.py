@@ -20,7 +20,7 @@ from .errors import report
 from .launch import OneLineErrorHandler
 
 # Each module defines ``register(subparsers)``, which adds its subcommands and sets ``func``.
-_COMMAND_MODULES = ("tensorpar.training.cli", "tensorpar.tools.comm_report", "tensorpar.tools.bench")
+_COMMAND_MODULES = ("tensorpar.tools.training_cli", "tensorpar.tools.comm_report", "tensorpar.tools.bench")
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from ..errors import UsageError
-from ..tools.launch import launch_local, set_threads
+from .launch import launch_local, set_threads
 
 DEFAULT_OUT = "tensorpar-run"
 
@@ -258,8 +258,8 @@ def _check_writable_dir(out: Path, flag: str) -> None:
 
 def _open_checkpoint(flag: str, path: str) -> tuple[Path, dict, dict]:
     """(directory, config, meta) of a checkpoint the user named, verified; errors name the flag."""
-    from .checkpoint_files import read_json, resolve, verify
-    from .checkpoint_format import CheckpointError
+    from ..training.checkpoint_files import read_json, resolve, verify
+    from ..training.checkpoint_format import CheckpointError
 
     try:
         ckpt = resolve(path)
@@ -271,13 +271,13 @@ def _open_checkpoint(flag: str, path: str) -> tuple[Path, dict, dict]:
 
 def _check_train_args(args, world: int) -> None:
     from ..models.gpt import GPTConfig
-    from .data import VAL_FRACTION, inspect_data, train_token_count
-    from .memory import check_memory
-    from .model_config import build_config, check_fits, default_seq_len, hf_init_config
-    from .schedule import settle_run
-    from .tokenizer import resolve_tokenizer
-    from .resume import continue_settings
-    from . import rundir
+    from ..training.data import VAL_FRACTION, inspect_data, train_token_count
+    from ..training.memory import check_memory
+    from ..training.model_config import build_config, check_fits, default_seq_len, hf_init_config
+    from ..training.schedule import settle_run
+    from ..training.tokenizer import resolve_tokenizer
+    from ..training.resume import continue_settings
+    from ..training import rundir
 
     if args.model is not None and args.model not in GPTConfig.PRESETS:
         raise UsageError(f"--model {args.model!r} is not a preset; choose from {list(GPTConfig.PRESETS)}")
@@ -323,7 +323,7 @@ def _check_train_args(args, world: int) -> None:
 
 def train_entry(args):
     """One rank of ``tensorpar train``."""
-    from .loop import train
+    from ..training.loop import train
 
     return train(args)
 
@@ -351,7 +351,7 @@ def _cmd_train(args) -> int:
 
 def generate_entry(args):
     """One rank of ``tensorpar generate``: returns the decoded text (rank 0 prints it)."""
-    from .inference import generate
+    from ..training.inference import generate
 
     return generate(args)
 
@@ -374,8 +374,8 @@ def _fits_one_device(ckpt: Path) -> bool:
 
 def _cmd_generate(args) -> int:
     _check_paths(args)
-    from .inference import encode_prompt
-    from .model_config import check_fits, config_from_json
+    from ..training.inference import encode_prompt
+    from ..training.model_config import check_fits, config_from_json
 
     ckpt, saved, meta = _open_checkpoint("--checkpoint", args.checkpoint)
     if args.nproc is None and args.tp is None and not _under_torchrun() and _fits_one_device(ckpt):
@@ -384,7 +384,7 @@ def _cmd_generate(args) -> int:
     config = config_from_json(saved)
     check_fits(config, tp=args.tp, seq_len=1)
     if args.tokenizer is not None:
-        from .tokenizer import load_tokenizer
+        from ..training.tokenizer import load_tokenizer
 
         load_tokenizer(args.tokenizer)  # a bad --tokenizer is named as such
         args.tokenizer = str(Path(args.tokenizer).resolve())
@@ -396,7 +396,7 @@ def _cmd_generate(args) -> int:
 
 
 def export_entry(args):
-    from .inference import export_hf
+    from ..training.inference import export_hf
 
     return export_hf(args)
 
@@ -404,7 +404,7 @@ def export_entry(args):
 def _cmd_export(args) -> int:
     _check_paths(args)
     from ..models.hf import hf_config_of
-    from .model_config import config_from_json
+    from ..training.model_config import config_from_json
 
     _, saved, _ = _open_checkpoint("--checkpoint", args.checkpoint)
     try:
@@ -428,7 +428,7 @@ def _cmd_export(args) -> int:
 
 def _cmd_prepare(args) -> int:
     _check_paths(args)
-    from .data import prepare
+    from ..training.data import prepare
 
     out = Path(args.out)
     existing = [p for p in (out, Path(f"{out}.json"), Path(f"{out}.tokenizer")) if p.exists()]
