@@ -13,10 +13,12 @@ the uneven work against its first parent, to leave out everything else merged si
 
 Both worlds are started once and stay up; a round runs one world, then the other (the order
 alternates from round to round), so both meet the same load on shared cores. Reported per
-variant: each tree's median step time, the per-round ratio current/baseline (below 1: the
-current tree is faster) and its median. Checked: the losses of the first ``--warmup`` steps and
-every rank's final weights (after all the steps both trees ran) are bit-identical between the
-trees. Exit status 1 when they are not.
+variant: each tree's median step time (the slowest rank's wall time) and CPU time (summed
+over the ranks: what the step costs, less sensitive than wall time to other processes taking the
+cores), the per-round ratios current/baseline of both (below 1: the current tree is faster) and
+their medians. Checked: the losses of the first ``--warmup`` steps and every rank's final weights
+(after all the steps both trees ran) are bit-identical between the trees; exit status 1 when they
+are not.
 """
 
 from __future__ import annotations
@@ -66,15 +68,19 @@ def _rank(args) -> None:
         store.wait([f"{tree}/go/{r}"])
         ms = {}
         for name in (VARIANTS if r % 2 == 0 else reversed(VARIANTS)):
-            began = time.perf_counter()
+            began, cpu_began = time.perf_counter(), time.process_time()
             for _ in range(args.iters):
                 loss = steps[name]()
             float(loss.detach())  # every step's work is done
-            elapsed = torch.tensor(time.perf_counter() - began, dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
-            ms[name] = 1e3 * elapsed.item() / args.iters
+            wall = torch.tensor(time.perf_counter() - began, dtype=torch.float64)
+            cpu = torch.tensor(time.process_time() - cpu_began, dtype=torch.float64)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+            dist.all_reduce(cpu)
+            ms[name] = 1e3 * wall.item() / args.iters
+            ms[f"{name}_cpu"] = 1e3 * cpu.item() / args.iters
         if rank == 0:
             store.set(f"{tree}/done/{r}", json.dumps(ms))
+    store.wait(["finish"])  # hashing and exiting here would take cores from the other world's last round
     weights = {name: {n: hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
                       for n, p in model.named_parameters()} for name, model in models.items()}
     store.set(f"{tree}/final/{rank}", json.dumps(weights))
@@ -165,6 +171,7 @@ def _drive(args) -> dict:
                 for tree in (TREES if r % 2 == 0 else reversed(TREES)):
                     worlds.store.set(f"{tree}/go/{r}", "1")
                     ms[tree].append(json.loads(worlds.wait(tree, f"done/{r}")))
+            worlds.store.set("finish", "1")
             identical = _compare(args, worlds)
         except BaseException:
             worlds.close(stop=True)
@@ -174,11 +181,15 @@ def _drive(args) -> dict:
     report = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "src", "store_port")},
               "trees": revisions, "uptime_before_after": uptime}
     for name in VARIANTS:
-        ratios = [c[name] / b[name] for c, b in zip(ms["current"], ms["baseline"])]
-        report[name] = {"current_ms": statistics.median(c[name] for c in ms["current"]),
-                        "baseline_ms": statistics.median(b[name] for b in ms["baseline"]),
-                        "current_over_baseline_per_round": [round(x, 3) for x in ratios],
-                        "current_over_baseline": statistics.median(ratios), **identical[name]}
+        report[name] = {}
+        for measure, key in (("", name), ("cpu_", f"{name}_cpu")):
+            ratios = [c[key] / b[key] for c, b in zip(ms["current"], ms["baseline"])]
+            report[name].update({
+                f"current_{measure}ms": statistics.median(c[key] for c in ms["current"]),
+                f"baseline_{measure}ms": statistics.median(b[key] for b in ms["baseline"]),
+                f"current_over_baseline_{measure}per_round": [round(x, 3) for x in ratios],
+                f"current_over_baseline_{measure}median": statistics.median(ratios)})
+        report[name].update(identical[name])
     return report
 
 
