@@ -53,11 +53,15 @@ def _step_peak(step, device: torch.device) -> int:
     return max(e["Total Allocated"] for e in events) - start
 
 
-def run(args) -> dict:
+def build_step(args):
+    """``(step, model)``: one training step of a freshly seeded GPT built from ``args``.
+
+    ``step()`` runs forward, loss, backward, DP grad reduction, SP grad sum, clipping and AdamW
+    and returns the loss. The model parallel state must be initialised.
+    """
     import tensorpar as tp
     from tensorpar.models import GPT, GPTConfig
 
-    tp.initialize_model_parallel(args.tp)
     device = tp.parallel_state.default_device()
     tp.model_parallel_manual_seed(0)
     config = GPTConfig(vocab_size=args.vocab, max_seq_len=args.seq, num_layers=args.layers,
@@ -82,6 +86,15 @@ def run(args) -> dict:
         optimizer.step()
         return loss
 
+    return step, model
+
+
+def run(args) -> dict:
+    import tensorpar as tp
+
+    tp.initialize_model_parallel(args.tp)
+    device = tp.parallel_state.default_device()
+    step, _ = build_step(args)
     for _ in range(args.warmup):
         step()
     if device.type == "cuda":
@@ -100,10 +113,9 @@ def run(args) -> dict:
             "peak_mib": peak / MIB}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags :func:`build_step` reads, except ``--sp``."""
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--fusion", action="store_true", help="gradient accumulation fusion")
     parser.add_argument("--recompute", action="store_true")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
@@ -113,6 +125,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser)
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()

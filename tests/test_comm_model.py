@@ -147,7 +147,6 @@ def test_scale_divides_sizes_and_refuses_a_remainder():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(layer="column", hidden=4095, tp=2), r"hidden \(4095\) is not divisible by the tensor-parallel size \(2\)"),
     (dict(layer="attention", hidden=48, heads=6, kv_heads=4), r"heads \(6\) is not divisible by kv_heads \(4\)"),
     (dict(layer="attention", hidden=1000, heads=16), r"hidden \(1000\) is not divisible by heads \(16\)"),
     (dict(layer="row", seq_len=2049, sp=True), r"seq_len \(2049\) is not divisible by the tensor-parallel"),
@@ -165,7 +164,7 @@ def test_bad_config_is_a_clear_error(kwargs, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--layer", "column", "--hidden", "4095"], "hidden (4095) is not divisible by the tensor-parallel size (2)"),
+    (["--layer", "embedding", "--vocab", "4095"], "vocab (4095) is not divisible by the tensor-parallel size (2)"),
     (["--layer", "mlp", "--hidden", "0"], "argument --hidden: expected a positive integer, got 0"),
     (["--layer", "mlp", "--tp", "-2"], "argument --tp: expected a positive integer, got -2"),
     (["--layer", "mlp", "--dtype", "fp8"], "invalid choice: 'fp8'"),
@@ -287,7 +286,7 @@ def test_model_equals_commledger_record(world_size, case):
     assert got == [record_key(op) for op in collectives(cfg)]
 
 
-# --- uneven shapes: heads, K/V heads and FFN TP does not divide, a sequence SP pads -------------
+# --- uneven shapes: heads, K/V heads, FFN and lone layers' widths TP does not divide, a sequence SP pads
 
 QWEN2 = dict(hidden=48, heads=6, kv_heads=2, ffn_hidden=200, vocab=101, seq_len=30, batch=2, layers=1, dtype="fp32")
 
@@ -297,7 +296,12 @@ def _uneven_cases(world_size):
                                                          ("gpt-step", False), ("gpt-step", True))]
     # Recompute replays no replica-grad reduction; 3 chunks split each rank's padded SP slice.
     cases += [dict(layer="gpt-step", sp=True, recompute=True), dict(layer="gpt-step", sp=True, overlap_chunks=3)]
-    return [CommConfig(**QWEN2, tp=world_size, **case) for case in cases]
+    # A lone column/row layer of a width neither TP divides: its last-dim gathers travel padded.
+    cases += [dict(layer="column", hidden=50, gather_output=True),
+              dict(layer="row", hidden=50, input_is_parallel=False), dict(layer="row", hidden=50, overlap_chunks=3),
+              dict(layer="column", hidden=50, seq_len=24, sp=True),
+              dict(layer="row", hidden=50, seq_len=24, sp=True, recompute=True)]
+    return [CommConfig(**{**QWEN2, "tp": world_size, **case}) for case in cases]
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
@@ -325,6 +329,23 @@ def test_replicated_kv_heads_add_one_grad_all_reduce_and_sp_pads_the_sequence():
     # SP pads 30 tokens to 32 over 4 ranks; the sequence collectives carry the padding.
     step = collectives(CommConfig(**QWEN2, layer="gpt-step", tp=4, sp=True))
     assert {op.shape for op in step if op.op == "reduce_scatter"} == {(32, 2, 48)}
+
+
+def test_a_lone_layer_tp_does_not_divide_gathers_shards_padded_to_the_largest():
+    # 50 columns over 4 ranks (13, 13, 12, 12): each shard travels as 13, the gather is 52 wide.
+    column = collectives(CommConfig(**{**QWEN2, "hidden": 50}, layer="column", gather_output=True, tp=4))
+    row = collectives(CommConfig(**{**QWEN2, "hidden": 50}, layer="row", input_is_parallel=False, tp=4))
+    assert [(op.phase, op.op, op.shape) for op in column] == [
+        ("forward", "all_gather", (30, 2, 52)), ("backward", "all_reduce", (30, 2, 50))]
+    assert [(op.phase, op.op, op.shape) for op in row] == [
+        ("forward", "all_reduce", (30, 2, 50)), ("backward", "all_gather", (30, 2, 52))]
+
+
+def test_measure_on_the_command_line_agrees_for_a_lone_uneven_layer(capsys):
+    argv = ["comm", "--layer", "column", "--gather-output", "--hidden", "50", "--seq-len", "8", "--tp", "3",
+            "--dtype", "fp32", "--measure"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "measured 2 collectives, predicted 2: all agree"
 
 
 def test_measure_on_the_command_line_agrees_for_uneven_heads(capsys):

@@ -77,8 +77,9 @@ class CommConfig:
     """Sizes and modes of what is modelled; validated on construction.
 
     ``column`` and ``row`` alone map ``hidden -> hidden`` (so seed 002's example is
-    ``--hidden 4096``); the MLP is ``hidden -> ffn_hidden -> hidden`` (``ffn_hidden`` defaults
-    to ``4 * hidden``). ``vocab`` is the (padded) vocabulary of the embedding, loss and LM head.
+    ``--hidden 4096``), split as evenly as possible where TP does not divide it; the MLP is
+    ``hidden -> ffn_hidden -> hidden`` (``ffn_hidden`` defaults to ``4 * hidden``).
+    ``vocab`` is the (padded) vocabulary of the embedding, loss and LM head.
     """
 
     layer: str
@@ -124,13 +125,14 @@ class CommConfig:
             raise ValueError(f"recompute does not apply to --layer {self.layer}")
 
     def _divisibility(self) -> list[tuple[str, int, str]]:
-        """(size, divisor, divisor's name) the layer kind needs. The GPT's pieces split heads,
-        FFN and vocab unevenly; a lone layer's sequence splits evenly under SP (the GPT pads it)."""
+        """(size, divisor, divisor's name) the layer kind needs. The linear layers and the GPT's
+        pieces split hidden, heads, FFN and vocab unevenly; a lone layer's sequence splits evenly
+        under SP (the GPT pads it)."""
         tp = "the tensor-parallel size"
         attention = [("hidden", self.heads, "heads"), ("heads", self.kv_heads, "kv_heads")]
         needs = {
-            "column": [("hidden", self.tp, tp)],
-            "row": [("hidden", self.tp, tp)],
+            "column": [],
+            "row": [],
             "mlp": [],
             "attention": attention,
             "embedding": [("vocab", self.tp, tp)],
@@ -242,7 +244,8 @@ class _Builder:
                                    *self.chunked(name, "backward", "reduce_scatter", in_, "dgrad", in_, out)))
         forward = ()
         if self.cfg.gather_output:
-            forward = (self.op(name, "forward", "all_gather", (self.s, self.b, out), "output gather"),)
+            forward = (self.op(name, "forward", "all_gather", (self.s, self.b, _gathered(out, self.cfg.tp)),
+                               "output gather"),)
         return _Comm(forward=forward, backward=self.chunked(name, "backward", "all_reduce", in_, "dgrad", in_, out))
 
     def row(self, name: str, in_: int, out: int, *, input_is_parallel: bool = True) -> _Comm:
@@ -256,8 +259,8 @@ class _Builder:
             exit_ = _Comm(forward=self.chunked(name, "forward", "all_reduce", out, "exit", in_, out))
         if input_is_parallel:
             return exit_
-        scatter = _Comm(backward=(self.op(name, "backward", "all_gather", (self.s, self.b, in_),
-                                          "input-grad gather"),))
+        gathered = (self.s, self.b, _gathered(in_, self.cfg.tp))
+        scatter = _Comm(backward=(self.op(name, "backward", "all_gather", gathered, "input-grad gather"),))
         return _chain(scatter, exit_)
 
     def mlp(self, prefix: str) -> _Comm:
@@ -323,6 +326,12 @@ class _Builder:
         # The training loop's gradient norm (for clipping and logging): squares summed over TP.
         grads += (self.op("grad_norm", "grads", "all_reduce", (), "grad norm", dtype=torch.float32),)
         return step, grads
+
+
+def _gathered(width: int, tp: int) -> int:
+    """The last dim of an all-gather of ``width`` split over ``tp`` ranks as evenly as possible:
+    unequal shards travel padded to the largest."""
+    return tp * -(-width // tp)
 
 
 def _shared_kv_heads(heads: int, kv_heads: int, tp: int) -> int:

@@ -102,7 +102,7 @@ def _workload(cfg: CommConfig):
     if cfg.layer == "row":
         layer = RowParallelLinear(h, h, input_is_parallel=cfg.input_is_parallel, sequence_parallel=cfg.sp,
                                   params_dtype=dtype, overlap=cfg.overlap_chunks)
-        width = h // n if cfg.input_is_parallel else h
+        width = layer.weight.shape[1] if cfg.input_is_parallel else h  # this rank's share of the columns
         return _OutputOnly(layer), (torch.randn(s, b, width, dtype=dtype, requires_grad=True),)
     if cfg.layer == "embedding":
         layer = VocabParallelEmbedding(cfg.vocab, h, reduce_scatter_embeddings=cfg.sp, params_dtype=dtype)
