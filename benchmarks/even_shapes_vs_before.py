@@ -87,7 +87,10 @@ def _rank(args) -> None:
 
 
 def _worker(args) -> None:
-    from tensorpar.launch import launch_local
+    try:
+        from tensorpar.tools.launch import launch_local
+    except ImportError:  # trees before 0.4 keep the launcher at the package root
+        from tensorpar.launch import launch_local
 
     launch_local(_rank, args, nproc=args.tp)
 
