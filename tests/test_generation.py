@@ -73,6 +73,6 @@ def test_decode_issues_one_collective_per_sub_layer():
     records = run_on_ranks(_ledger_body, 2)[0]
     b, s, h, layers = 3, 6, BASE["hidden_size"], BASE["num_layers"]
     logits = ("all_gather", (b, 104))  # the gathered [b, padded vocab]
-    token = [("all_reduce", (b, h))] + [("all_reduce", (1, b, h))] * 2 * layers + [logits]
+    token = [("all_reduce", (b, h))] * (1 + 2 * layers) + [logits]
     prefill = [("all_reduce", (b, s, h))] + [("all_reduce", (s, b, h))] * 2 * layers + [logits]
     assert records == prefill + token * 2

@@ -117,68 +117,85 @@ class Decoder:
     ``is_real`` (``[b, prompt + new]``) is False at the prompts' left padding: cache slot ``i``
     holds token ``i``, so the keys a step may see are ``is_real[:, :length]`` as it stands.
     Every rank runs the same step on its own heads and columns (also under SP: one token has
-    no sequence to split).
+    no sequence to split). On CPU the step multiplies by ``[in, out]`` copies of the weights,
+    made at its first call: MKL's GEMMs of a few rows run ~1.5x faster against them than
+    against the ``[out, in]`` weights transposed (one more copy of the weights in memory while
+    generating).
     """
 
     def __init__(self, model, cache, is_real: torch.Tensor, *, prompt: int) -> None:
         self.model, self.cache, self.is_real = model, cache, is_real
         self.group, self.tp_size = model.tp_group, model.parallel.size
-        self.blocks = list(model.blocks)
         self.masked = not bool(is_real[:, :prompt].all())
         # Token i's position is i minus the padding before it (transformers' under left padding).
         self.position_offset = is_real[:, :prompt].sum(1) - prompt
-        word = model.embedding.word
-        self.word, self.vocab_range = word.weight, (word.vocab_start_index, word.vocab_end_index)
-        config = model.config
-        self.head = model.embedding.word.weight if config.tie_word_embeddings else model.lm_head.weight
+        self.vocab_range = (model.embedding.word.vocab_start_index, model.embedding.word.vocab_end_index)
         self.rotary = None
-        if config.position_embedding == "rope":
-            self.rotary = model._rotary(None, config.max_seq_len + self.tp_size, is_real.device)
+        if model.config.position_embedding == "rope":
+            self.rotary = model._rotary(None, model.config.max_seq_len + self.tp_size, is_real.device)
+        self.layers = self.head = None
+
+    def _prepare(self) -> None:
+        model = self.model
+        weight = model.embedding.word.weight
+        copy = weight.device.type == "cpu"
+
+        def right(layer, w=None):  # (the weight as the right operand, bias)
+            w = layer.weight if w is None else w
+            return (w.t().contiguous() if copy else w.t()), layer.bias
+
+        self.layers = [(block.norm1, *right(block.attention.qkv), block.attention, *right(block.attention.proj),
+                        block.norm2, *right(block.mlp.fc), block.mlp, *right(block.mlp.proj))
+                       for block in model.blocks]
+        self.head = right(model.lm_head, weight if model.config.tie_word_embeddings else None)[0]
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """The fp32 logits ``[b, vocab]`` after ``token`` (``[b]``), which the cache lacks."""
+        if self.layers is None:
+            self._prepare()
         length = self.cache.length
         if length >= self.cache.capacity:
             raise ValueError(f"KV cache of {self.cache.capacity} positions is full")
         positions = self.position_offset + length
-        x = self._embed(token, positions)                           # [1, b, h]
+        x = self._embed(token, positions)                           # [b, h]
         cos = sin = None
         if self.rotary is not None:
             cos, sin = (table[positions][:, None, None] for table in self.rotary)   # [b, 1, 1, d]
         mask = self.is_real[:, None, None, :length + 1] if self.masked else None
-        for layer, block in enumerate(self.blocks):
-            attention, mlp = block.attention, block.mlp
-            q, k, v = attention.split_heads(F.linear(block.norm1(x), attention.qkv.weight, attention.qkv.bias),
-                                            cos, sin)
+        for layer, (norm1, qkv, qkv_bias, attention, proj, proj_bias, norm2, fc, fc_bias, mlp, out, out_bias) \
+                in enumerate(self.layers):
+            q, k, v = attention.split_heads(_column(norm1(x), qkv, qkv_bias)[None], cos, sin)
             k, v = self.cache.write(layer, length, k, v)
-            x = x + self._row(attention.proj, attention.attend(q, k, v, mask, causal=False))
-            x = x + self._row(mlp.proj, mlp.activate(F.linear(block.norm2(x), mlp.fc.weight, mlp.fc.bias)))
+            x = x + self._row(attention.attend(q, k, v, mask, causal=False)[0], proj, proj_bias)
+            x = x + self._row(mlp.activate(_column(norm2(x), fc, fc_bias)), out, out_bias)
         self.cache.length = length + 1
-        local = F.linear(self.model.final_norm(x[0]), self.head)  # [b, V_pad/TP]
-        logits = gather_from_tensor_model_parallel_region(local, group=self.group)
+        logits = gather_from_tensor_model_parallel_region(self.model.final_norm(x) @ self.head, group=self.group)
         return logits[:, :self.model.config.vocab_size].float()
 
     def _embed(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The embedding of ``token`` at ``positions``, ``[1, b, h]``: the vocab-parallel lookup's
+        """The embedding of ``token`` at ``positions``, ``[b, h]``: the vocab-parallel lookup's
         one all-reduce."""
+        word = self.model.embedding.word.weight
         if self.tp_size > 1:
             first, stop = self.vocab_range
             outside = (token < first) | (token >= stop)
-            x = F.embedding((token - first).masked_fill(outside, 0), self.word).masked_fill_(outside[:, None], 0.0)
+            x = F.embedding((token - first).masked_fill(outside, 0), word).masked_fill_(outside[:, None], 0.0)
             comm.all_reduce(x, self.group)
         else:
-            x = F.embedding(token, self.word)
+            x = F.embedding(token, word)
         learned = self.model.embedding.position
-        if learned is not None:
-            x = x + learned[positions]
-        return x[None]
+        return x if learned is None else x + learned[positions]
 
-    def _row(self, layer, x: torch.Tensor) -> torch.Tensor:
+    def _row(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """A row-parallel layer: this rank's partial GEMM, one all-reduce, then the bias."""
-        y = F.linear(x, layer.weight)
+        y = x @ weight
         if self.tp_size > 1:
             comm.all_reduce(y, self.group)
-        return y if layer.bias is None else y + layer.bias
+        return y if bias is None else y + bias
+
+
+def _column(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x @ weight if bias is None else torch.addmm(bias, x, weight)
 
 
 def sample(logits: torch.Tensor, *, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
