@@ -40,15 +40,17 @@ def _decode_body():
                                             use_cache=False)
                 assert torch.equal(out, recomputed), (overrides, attention_mask)
             # Each decode step's logits are those of the whole sequence recomputed without a cache.
+            # (generate copies the weights from 16 new tokens on: here both ways.)
             is_real = F.pad(mask.bool(), (0, NEW), value=True)
-            with torch.no_grad():
-                cache = model.new_kv_cache(batch, length + NEW + 1)
-                decoder = Decoder(model, cache, is_real, prompt=length)
-                last_logits(model, out[:, :length], is_real[:, :length], cache)
-                for stop in range(length + 1, length + NEW + 1):
-                    torch.testing.assert_close(decoder.step(out[:, stop - 1]),
-                                               last_logits(model, out[:, :stop], is_real[:, :stop], None),
-                                               rtol=RTOL, atol=ATOL, msg=lambda m: f"{overrides} at {stop}: {m}")
+            for copy_weights in (False, True):
+                with torch.no_grad():
+                    cache = model.new_kv_cache(batch, length + NEW + 1)
+                    decoder = Decoder(model, cache, is_real, prompt=length, copy_weights=copy_weights)
+                    last_logits(model, out[:, :length], is_real[:, :length], cache)
+                    for stop in range(length + 1, length + NEW + 1):
+                        torch.testing.assert_close(decoder.step(out[:, stop - 1]),
+                                                   last_logits(model, out[:, :stop], is_real[:, :stop], None),
+                                                   rtol=RTOL, atol=ATOL, msg=lambda m: f"{overrides} at {stop}: {m}")
     return True
 
 

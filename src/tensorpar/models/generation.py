@@ -16,6 +16,9 @@ import torch.nn.functional as F
 from .. import comm
 from ..mappings import gather_from_tensor_model_parallel_region
 
+# New tokens from which the decode step copies the weights on CPU (see Decoder).
+_COPY_AFTER = 16
+
 
 @torch.no_grad()
 def generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
@@ -63,7 +66,9 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperature: f
         slack = parallel.size - 1 if parallel.sequence_parallel else 0
         cache = model.new_kv_cache(batch, min(prompt + max_new_tokens, window) + slack)
         if not model.config.tp_invariant:  # bit-identical at every TP size: the model's own forward
-            decoder = Decoder(model, cache, is_real, prompt=prompt)
+            # On CPU, copying the weights pays for itself after ~10 tokens (see Decoder).
+            copy = tokens.device.type == "cpu" and max_new_tokens > _COPY_AFTER
+            decoder = Decoder(model, cache, is_real, prompt=prompt, copy_weights=copy)
     length = prompt
     for _ in range(max_new_tokens):
         if cache is not None and length <= window:
@@ -117,14 +122,14 @@ class Decoder:
     ``is_real`` (``[b, prompt + new]``) is False at the prompts' left padding: cache slot ``i``
     holds token ``i``, so the keys a step may see are ``is_real[:, :length]`` as it stands.
     Every rank runs the same step on its own heads and columns (also under SP: one token has
-    no sequence to split). On CPU the step multiplies by ``[in, out]`` copies of the weights,
-    made at its first call: MKL's GEMMs of a few rows run ~1.5x faster against them than
-    against the ``[out, in]`` weights transposed (one more copy of the weights in memory while
-    generating).
+    no sequence to split). With ``copy_weights`` the step multiplies by ``[in, out]`` copies of
+    the weights, made at its first call: on CPU, MKL's GEMMs of a few rows run ~1.5x faster
+    against them than against the ``[out, in]`` weights transposed, at the cost of one more
+    copy of the weights in memory while generating, and of the copy (about 5 decode steps).
     """
 
-    def __init__(self, model, cache, is_real: torch.Tensor, *, prompt: int) -> None:
-        self.model, self.cache, self.is_real = model, cache, is_real
+    def __init__(self, model, cache, is_real: torch.Tensor, *, prompt: int, copy_weights: bool = False) -> None:
+        self.model, self.cache, self.is_real, self.copy_weights = model, cache, is_real, copy_weights
         self.group, self.tp_size = model.tp_group, model.parallel.size
         self.masked = not bool(is_real[:, :prompt].all())
         # Token i's position is i minus the padding before it (transformers' under left padding).
@@ -138,11 +143,10 @@ class Decoder:
     def _prepare(self) -> None:
         model = self.model
         weight = model.embedding.word.weight
-        copy = weight.device.type == "cpu"
 
         def right(layer, w=None):  # (the weight as the right operand, bias)
             w = layer.weight if w is None else w
-            return (w.t().contiguous() if copy else w.t()), layer.bias
+            return (w.t().contiguous() if self.copy_weights else w.t()), layer.bias
 
         self.layers = [(block.norm1, *right(block.attention.qkv), block.attention, *right(block.attention.proj),
                         block.norm2, *right(block.mlp.fc), block.mlp, *right(block.mlp.proj))
