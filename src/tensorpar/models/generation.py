@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from .. import comm
 from ..mappings import gather_from_tensor_model_parallel_region
 
-# New tokens from which the decode step copies the weights on CPU (see Decoder).
-_COPY_AFTER = 16
+# New tokens from which the decode step copies the weights on CPU: the copy costs about 5
+# steps and saves ~30% of each (see Decoder).
+_COPY_FROM = 16
 
 
 @torch.no_grad()
@@ -66,8 +67,7 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperature: f
         slack = parallel.size - 1 if parallel.sequence_parallel else 0
         cache = model.new_kv_cache(batch, min(prompt + max_new_tokens, window) + slack)
         if not model.config.tp_invariant:  # bit-identical at every TP size: the model's own forward
-            # On CPU, copying the weights pays for itself after ~10 tokens (see Decoder).
-            copy = tokens.device.type == "cpu" and max_new_tokens > _COPY_AFTER
+            copy = tokens.device.type == "cpu" and max_new_tokens >= _COPY_FROM
             decoder = Decoder(model, cache, is_real, prompt=prompt, copy_weights=copy)
     length = prompt
     for _ in range(max_new_tokens):
