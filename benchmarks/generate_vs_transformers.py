@@ -5,6 +5,8 @@ per rank).
 Prefill tokens/s = ``batch * prompt_len / T(generate 1 token)``; decode tokens/s =
 ``batch * (new_tokens - 1) / (T(generate new_tokens) - T(generate 1 token))``; each time the
 median of ``--rounds`` rounds, in which the variants of one world take turns. The generated tokens are checked equal across all variants.
+The decode time per token is also given in the rank's CPU time (``time.process_time``, one
+thread), which the machine's other load moves far less than the wall clock.
 ``transformers`` at TP=2 uses its own ``tp_plan="auto"``, where it runs on this machine.
 
     python benchmarks/generate_vs_transformers.py [--hidden 512] [--layers 4] [--batch 4]
@@ -36,21 +38,24 @@ def _rates(generators: dict, args) -> dict:
     import torch.distributed as dist
 
     times = {name: ([], []) for name in generators}
+    cpu = {name: ([], []) for name in generators}
     out = {}
     for generate in generators.values():
         generate(2)  # warm-up
     for _ in range(args.rounds):
         for name, generate in generators.items():
-            for n, series in zip((1, args.new_tokens), times[name]):
+            for n, series, cpu_series in zip((1, args.new_tokens), times[name], cpu[name]):
                 dist.barrier()
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 out[name] = generate(n)
                 series.append(time.perf_counter() - start)
+                cpu_series.append(time.process_time() - cpu_start)
     rates = {}
     for name, (first, full) in times.items():
         t1, tn = statistics.median(first), statistics.median(full)
+        cpu_ms = (statistics.median(cpu[name][1]) - statistics.median(cpu[name][0])) / (args.new_tokens - 1) * 1e3
         rates[name] = (args.batch * args.prompt_len / t1, args.batch * (args.new_tokens - 1) / (tn - t1),
-                       out[name].tolist())
+                       cpu_ms, out[name].tolist())
     return rates
 
 
@@ -107,6 +112,7 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     directory = tempfile.mkdtemp(prefix="tensorpar-generate-bench-")
     transformers.LlamaForCausalLM(_hf_config(args)).save_pretrained(directory)
+    load_before = os.getloadavg()[0]
     results = {}
     for world in (1, 2):
         results.update(launch_local(_rank, args, directory, nproc=world)[0])
@@ -115,16 +121,18 @@ def main(argv=None) -> None:
         return
     baseline = results["transformers"]
     print(f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} K/V heads, "
-          f"vocab {args.vocab}; batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy")
-    print("| variant | prefill tokens/s | decode tokens/s | decode vs transformers TP=1 | same tokens |")
-    print("|---|---|---|---|---|")
+          f"vocab {args.vocab}; batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy; "
+          f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print("| variant | prefill tokens/s | decode tokens/s | decode vs transformers TP=1 | decode CPU ms/token "
+          "| CPU time / transformers' | same tokens |")
+    print("|---|---|---|---|---|---|---|")
     for name, value in results.items():
         if isinstance(value, str):
-            print(f"| {name} | {value} | | | |")
+            print(f"| {name} | {value} | | | | | |")
             continue
-        prefill, decode, tokens = value
-        print(f"| {name} | {prefill:,.0f} | {decode:,.0f} | {decode / baseline[1]:.2f}x | "
-              f"{'yes' if tokens == baseline[2] else 'NO'} |")
+        prefill, decode, cpu_ms, tokens = value
+        print(f"| {name} | {prefill:,.0f} | {decode:,.0f} | {decode / baseline[1]:.2f}x | {cpu_ms:.2f} | "
+              f"{cpu_ms / baseline[2]:.2f}x | {'yes' if tokens == baseline[3] else 'NO'} |")
 
 
 if __name__ == "__main__":

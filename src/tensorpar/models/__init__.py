@@ -1,6 +1,8 @@
 """Models built from tensorpar layers: a GPT with Llama-family options, and Hugging Face interop."""
 
-from .gpt import GPT, GPTConfig, KVCache
+from .config import GPTConfig
+from .gpt import GPT
+from .kv_cache import KVCache
 from .hf import from_hf, hf_state_dict, to_hf
 from .layout import (
     ParamLayout,

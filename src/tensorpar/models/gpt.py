@@ -39,8 +39,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import warnings
 
 import torch
@@ -58,163 +56,13 @@ from ..initialization import (
     set_defaults_if_not_set_tensor_model_parallel_attributes,
 )
 from ..linear import ColumnParallelLinear, RowParallelLinear
-from ..mappings import gather_from_tensor_model_parallel_region
 from ..overlap import interleave
 from ..parallel_state import default_device, resolve_tp_group
 from ..random import checkpoint, dropout, get_rng_tracker
-from . import layout
-
-_CHOICES = {"norm": ("layernorm", "rmsnorm"), "activation": ("gelu", "gelu_tanh", "swiglu"),
-            "position_embedding": ("learned", "rope")}
-
-# Llama 3's rope scaling parameters (besides rope_type).
-_LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-_PRESETS = {
-    "tiny": dict(vocab_size=256, max_seq_len=256, num_layers=4, num_heads=4, hidden_size=128),
-    "small": dict(vocab_size=50257, max_seq_len=1024, num_layers=12, num_heads=12, hidden_size=768),
-    "medium": dict(vocab_size=50257, max_seq_len=1024, num_layers=24, num_heads=16, hidden_size=1024),
-    "large": dict(vocab_size=50257, max_seq_len=1024, num_layers=36, num_heads=20, hidden_size=1280),
-    "xl": dict(vocab_size=50257, max_seq_len=1024, num_layers=48, num_heads=25, hidden_size=1600),
-    "llama-tiny": dict(vocab_size=256, max_seq_len=256, num_layers=4, num_heads=4, hidden_size=128,
-                       norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
-                       tie_word_embeddings=False),
-}
-
-
-@dataclasses.dataclass
-class GPTConfig:
-    """Shape and options of a :class:`GPT`.
-
-    ``ffn_hidden_size`` defaults to ``4 * hidden_size`` (for SwiGLU too: the fused gate/up
-    layer is then ``2 * ffn_hidden_size`` wide). ``attention_dropout`` defaults to ``dropout``.
-    ``make_vocab_size_divisible_by``: see :meth:`padded_vocab_size`. ``gelu_tanh`` is GPT-2's
-    ``gelu_new``. ``distribute_saved_activations`` (recompute without SP only) keeps 1/TP of
-    each block's saved input. ``overlap`` (``"off"`` or a number of chunks) is every TP
-    linear's: its collectives chunked against its GEMMs (:mod:`tensorpar.overlap`).
-    ``interleave`` > 1 splits each block's micro-batch into that many parts and interleaves
-    them (Domino), so one part's row-layer reductions travel while another part computes.
-
-    Every size works at every TP size with at least one query head per rank: heads, K/V heads
-    (also fewer than TP: replicated), FFN and vocabulary need not divide by TP.
-
-    Llama-family options: ``num_query_groups`` is the number of K/V heads (grouped-query
-    attention; default ``num_heads``); ``qkv_bias`` defaults to ``bias`` (Qwen2 has biases on
-    Q, K and V only); ``rope_scaling`` is Llama 3's ``{"rope_type": "llama3", "factor",
-    "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``;
-    ``layernorm_epsilon`` is RMSNorm's epsilon too.
-
-    Example::
-
-        GPTConfig(vocab_size=50257, max_seq_len=1024, num_layers=12, num_heads=12, hidden_size=768)
-        GPTConfig.preset("small", sequence_parallel=True)
-        GPTConfig(vocab_size=32000, max_seq_len=4096, num_layers=32, num_heads=32, hidden_size=4096,
-                  ffn_hidden_size=14336, num_query_groups=8, norm="rmsnorm", activation="swiglu",
-                  position_embedding="rope", rope_theta=5e5, bias=False, tie_word_embeddings=False)
-    """
-
-    vocab_size: int
-    max_seq_len: int
-    num_layers: int
-    num_heads: int
-    hidden_size: int
-    ffn_hidden_size: int | None = None
-    num_query_groups: int | None = None
-    dropout: float = 0.0
-    attention_dropout: float | None = None
-    sequence_parallel: bool = False
-    recompute: bool = False
-    distribute_saved_activations: bool = False
-    make_vocab_size_divisible_by: int = 128
-    norm: str = "layernorm"
-    activation: str = "gelu"
-    position_embedding: str = "learned"
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    bias: bool = True
-    qkv_bias: bool | None = None
-    tie_word_embeddings: bool = True
-    layernorm_epsilon: float = 1e-5
-    init_std: float = 0.02
-    gradient_accumulation_fusion: bool = False
-    params_dtype: torch.dtype = torch.float32
-    overlap: int | str = "off"
-    interleave: int = 1
-    tp_invariant: bool = False
-
-    PRESETS = tuple(_PRESETS)
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "max_seq_len", "num_layers", "num_heads", "hidden_size",
-                     "make_vocab_size_divisible_by"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
-        for name, allowed in _CHOICES.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.hidden_size % self.num_heads != 0:
-            raise ValueError(f"hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads})")
-        if self.position_embedding == "rope" and self.head_dim % 2 != 0:
-            raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim}")
-        if self.num_query_groups is None:
-            self.num_query_groups = self.num_heads
-        if not isinstance(self.num_query_groups, int) or self.num_query_groups < 1 \
-                or self.num_heads % self.num_query_groups:
-            raise ValueError(f"GPTConfig.num_query_groups must be a positive divisor of num_heads "
-                             f"({self.num_heads}), got {self.num_query_groups!r}")
-        if self.qkv_bias is None:
-            self.qkv_bias = self.bias
-        if self.rope_scaling is not None:
-            keys = {"rope_type", *_LLAMA3_SCALING}
-            if self.rope_scaling.get("rope_type") != "llama3" or set(self.rope_scaling) != keys:
-                raise ValueError(f"GPTConfig.rope_scaling must be None or a dict with keys {sorted(keys)} "
-                                 f"and rope_type 'llama3', got {self.rope_scaling!r}")
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        if self.attention_dropout is None:
-            self.attention_dropout = self.dropout
-        for name in ("dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {getattr(self, name)}")
-        if isinstance(self.interleave, bool) or not isinstance(self.interleave, int) or self.interleave < 1:
-            raise ValueError(f"GPTConfig.interleave must be a positive int (1: off), got {self.interleave!r}")
-        if self.tp_invariant:
-            unsupported = {"overlap": self.overlap != "off", "interleave": self.interleave > 1,
-                           "gradient_accumulation_fusion": self.gradient_accumulation_fusion,
-                           "attention_dropout": self.attention_dropout > 0}
-            named = [f"{k}={getattr(self, k)!r}" for k, bad in unsupported.items() if bad]
-            if named:
-                raise ValueError(f"GPTConfig.tp_invariant=True does not support {', '.join(named)}")
-        if self.distribute_saved_activations and (self.sequence_parallel or not self.recompute):
-            raise ValueError("distribute_saved_activations needs recompute=True and sequence_parallel=False "
-                             "(under SP the saved block inputs are already split over TP)")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def queries_per_group(self) -> int:
-        """Query heads sharing one K/V head (1 without grouped-query attention)."""
-        return self.num_heads // self.num_query_groups
-
-    def padded_vocab_size(self, tp_size: int) -> int:
-        """``vocab_size`` rounded up to a multiple of lcm(make_vocab_size_divisible_by, TP).
-
-        The same for every TP size dividing ``make_vocab_size_divisible_by``, so checkpoints
-        move between such TP sizes unchanged.
-        """
-        multiple = math.lcm(self.make_vocab_size_divisible_by, tp_size)
-        return -(-self.vocab_size // multiple) * multiple
-
-    @classmethod
-    def preset(cls, name: str, **overrides) -> "GPTConfig":
-        """A named size: ``tiny``, ``llama-tiny`` (byte vocab), ``small``/``medium``/``large``/``xl``
-        (GPT-2's 124M/350M/774M/1.5B shapes)."""
-        if name not in _PRESETS:
-            raise ValueError(f"unknown GPTConfig preset {name!r}; choose from {list(_PRESETS)}")
-        return cls(**{**_PRESETS[name], **overrides})
+from . import generation, layout
+from .config import GPTConfig
+from .kv_cache import KVCache
+from .rotary import apply_rotary, rotary_frequencies, rotary_tables
 
 
 def _norm(config: GPTConfig, parallel: "_Parallel") -> nn.Module:
@@ -234,34 +82,6 @@ def _norm(config: GPTConfig, parallel: "_Parallel") -> nn.Module:
     for param in norm.parameters():
         param.sequence_parallel = sequence_parallel and not config.tp_invariant
     return norm
-
-
-def rotary_frequencies(config: GPTConfig) -> torch.Tensor:
-    """The ``head_dim / 2`` rotary angular frequencies, with Llama 3's scaling if configured."""
-    d = config.head_dim
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    if config.rope_scaling is None:
-        return inv_freq
-    # Llama 3: long wavelengths slowed down by `factor`, short ones kept, a smooth blend between.
-    factor, low, high, context = (config.rope_scaling[k] for k in _LLAMA3_SCALING)
-    wavelength = 2 * math.pi / inv_freq
-    smooth = (context / wavelength - low) / (high - low)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    return torch.where(wavelength > context / low, inv_freq / factor,
-                       torch.where(wavelength < context / high, inv_freq, blended))
-
-
-def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, *, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and ``sin`` of the rotary angles at ``positions``: ``[..., s, head_dim]`` each."""
-    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (``[..., s, head_dim]``) by position, pairing dim ``i`` with ``i + head_dim/2``."""
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
 class _Parallel:
@@ -322,33 +142,6 @@ class Embedding(nn.Module):
                        sequence_parallel=self.parallel.sequence_parallel, tp_group=self.parallel.group)
 
 
-class KVCache:
-    """Keys and values of every layer for this rank's K/V heads, ``[b, groups/TP, capacity, d]``.
-
-    A forward with the cache attends over the ``length`` cached positions plus its own, writes
-    its own after them and advances ``length``. Build it with :meth:`GPT.new_kv_cache`.
-    """
-
-    def __init__(self, *, num_layers: int, shape: tuple[int, int, int, int], dtype, device) -> None:
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.length = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2]
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k``, ``v`` (``[b, groups/TP, s, d]``) after the cached ones; all of them, so far."""
-        stop = self.length + k.shape[2]
-        if stop > self.capacity:
-            raise ValueError(f"KV cache of {self.capacity} positions cannot take {k.shape[2]} more "
-                             f"after {self.length}")
-        self.keys[layer][:, :, self.length:stop] = k
-        self.values[layer][:, :, self.length:stop] = v
-        return self.keys[layer][:, :, :stop], self.values[layer][:, :, :stop]
-
-
 class Attention(nn.Module):
     """Causal self-attention with this rank's query heads and the K/V heads they read.
 
@@ -406,38 +199,50 @@ class Attention(nn.Module):
                mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
         """Attention of this rank's heads, before the output projection."""
         # f (or the SP all-gather) happens inside the column layer.
-        qkv, _ = self.qkv(x)                                        # [s, b, (p+2) groups/TP d]
+        q, k, v = self.split_heads(self.qkv(x)[0], cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.append(self.layer_number, k, v)         # every position so far
+        s, keys = q.shape[2], k.shape[2]
+        if mask is None and keys > s:
+            # SDPA's is_causal aligns the causal mask top-left; after cached keys, query i is
+            # position keys - s + i and sees every key up to it (bottom-right alignment).
+            mask = torch.ones(s, keys, dtype=torch.bool, device=q.device).tril(keys - s)
+        return self.attend(q, k, v, mask, causal=mask is None)
+
+    def split_heads(self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
+        """``q`` ``[b, heads/TP, s, d]``, ``k`` and ``v`` ``[b, groups/TP, s, d]`` from the QKV
+        layer's output ``[s, b, (p+2) groups/TP d]``, ``q`` and ``k`` rotated if ``cos`` is given."""
         s, b = qkv.shape[:2]
         p, g, d = self.config.queries_per_group, self.local_groups, self.config.head_dim
         if self.even:
             qkv = qkv.view(s, b, p + 2, g, d)
             # [b, heads/TP, s, d] with the query heads of one group adjacent (Hugging Face's order).
             q = qkv[:, :, :p].permute(1, 3, 2, 0, 4).reshape(b, g * p, s, d)
-            k, v = qkv[:, :, p].permute(1, 2, 0, 3), qkv[:, :, p + 1].permute(1, 2, 0, 3)   # [b, groups/TP, s, d]
+            k, v = qkv[:, :, p].permute(1, 2, 0, 3), qkv[:, :, p + 1].permute(1, 2, 0, 3)
         else:
             # This rank's query heads in order, then its K heads, then its V heads.
             q, k, v = (t.unflatten(-1, (-1, d)).permute(1, 2, 0, 3)
                        for t in qkv.split([self.local_heads * d, g * d, g * d], dim=-1))
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if kv_cache is not None:
-            k, v = kv_cache.append(self.layer_number, k, v)         # every position so far
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+               causal: bool) -> torch.Tensor:
+        """SDPA of this rank's heads over ``k``, ``v`` (``mask``: True = attend; ``causal``:
+        top-left aligned), ``[s, b, heads/TP d]``."""
         gqa = q.shape[1] != k.shape[1]
         if not self.even and self.group_of_head is not None:
             # Query heads reading their K/V heads unevenly: SDPA's enable_gqa needs equal runs.
             k, v, gqa = k.index_select(1, self.group_of_head), v.index_select(1, self.group_of_head), False
-        keys = k.shape[2]
-        if mask is None and keys > s:
-            # SDPA's is_causal aligns the causal mask top-left; after cached keys, query i is
-            # position keys - s + i and sees every key up to it (bottom-right alignment).
-            mask = torch.ones(s, keys, dtype=torch.bool, device=q.device).tril(keys - s)
         dropout_p = self.config.attention_dropout if self.training else 0.0
         # The probabilities of different heads live on different ranks: their dropout masks
         # must be independent, so they come from the per-rank model-parallel stream.
         with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
             # enable_gqa: query head i reads K/V head i // p, with no copy.
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                 is_causal=mask is None, enable_gqa=gqa)
+                                                 is_causal=causal, enable_gqa=gqa)
+        b, _, s, _ = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)            # [s, b, heads/TP d]
 
 
@@ -466,7 +271,10 @@ class MLP(nn.Module):
         return self.proj.start(self._hidden(x))
 
     def _hidden(self, x: torch.Tensor) -> torch.Tensor:
-        hidden, _ = self.fc(x)                                      # f inside; [s, b, ffn/TP]
+        return self.activate(self.fc(x)[0])                         # f inside; [s, b, ffn/TP]
+
+    def activate(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The activation of the ``fc`` layer's output (SwiGLU: of its gate and up halves)."""
         if self.swiglu:
             gate, up = hidden.chunk(2, dim=-1)
             hidden = F.silu(gate) * up
@@ -640,82 +448,20 @@ class GPT(nn.Module):
         shape = (batch, self.blocks[0].attention.local_groups, capacity, self.config.head_dim)
         return KVCache(num_layers=self.config.num_layers, shape=shape, dtype=weight.dtype, device=weight.device)
 
-    @torch.no_grad()
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
                  use_cache: bool = True, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Append up to ``max_new_tokens`` tokens to ``tokens`` (``[b, s]``); the same on every TP rank.
-
-        A prefill of the prompts, then one token per step: each rank caches the keys and values
-        of its own heads (``use_cache=False`` recomputes the whole sequence every step). Prompts
-        of different lengths are left-padded, with ``attention_mask`` (``[b, s]``, 0 at the
-        padding) as in ``transformers``. Sampling draws from the default stream, the same on
-        every TP rank: ``temperature=0`` is greedy, else ``top_k`` and ``top_p`` (nucleus) cut
-        the distribution. A sequence that produced ``eos_token_id`` (an id or a list of ids)
-        repeats it, and generation stops once every sequence did. Past ``max_seq_len`` the
-        context slides, and is recomputed each step (every position moves). Call
-        ``model.eval()`` first.
+        """Append up to ``max_new_tokens`` tokens to ``tokens`` (``[b, s]``), the same on every TP rank
+        (:func:`tensorpar.models.generation.generate`). ``temperature=0``: greedy. Call ``eval()`` first.
 
         Example::
 
             out = model.generate(prompt, 20, temperature=0.8, top_k=40)
             out = model.generate(left_padded, 20, temperature=0, attention_mask=mask)
         """
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if attention_mask is not None and attention_mask.shape != tokens.shape:
-            raise ValueError(f"attention_mask of shape {list(attention_mask.shape)} must match tokens of shape "
-                             f"{list(tokens.shape)}")
-        is_real = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=tokens.device).reshape(-1)
-        finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-        window = self.config.max_seq_len
-        cache = None
-        if self.parallel.sequence_parallel:
-            window -= window % self.parallel.size
-        if use_cache:
-            # Under SP each step runs a multiple of TP positions: room for that padding at the end.
-            slack = self.parallel.size - 1 if self.parallel.sequence_parallel else 0
-            cache = self.new_kv_cache(tokens.shape[0], min(tokens.shape[1] + max_new_tokens, window) + slack)
-        for _ in range(max_new_tokens):
-            if cache is not None and tokens.shape[1] <= window:
-                logits = self._last_logits(tokens[:, cache.length:], is_real, cache)
-            else:
-                cache = None
-                logits = self._last_logits(tokens[:, -window:], is_real[:, -window:], None)
-            next_token = _sample(logits, temperature, top_k, top_p)
-            if eos is not None:
-                next_token = torch.where(finished, eos[0], next_token)
-                finished |= torch.isin(next_token, eos)
-            tokens = torch.cat([tokens, next_token[:, None].to(tokens.dtype)], dim=1)
-            is_real = F.pad(is_real, (0, 1), value=True)
-            if eos is not None and bool(finished.all()):
-                break
-        return tokens
-
-    def _last_logits(self, new: torch.Tensor, is_real: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """Full-vocabulary fp32 logits ``[b, vocab]`` after ``new``, the tokens ``cache`` lacks.
-
-        ``is_real`` (``[b, cached + new]``) is False at the left padding, which no token sees.
-        """
-        past, n = (cache.length if cache is not None else 0), new.shape[1]
-        pad = -n % self.parallel.size if self.parallel.sequence_parallel else 0
-        # Positions count the real tokens only, as transformers does under left padding.
-        positions = F.pad((is_real.cumsum(1) - 1).clamp(min=0)[:, past:], (0, pad))
-        keys_real = F.pad(is_real, (0, pad))
-        slots = torch.arange(past + n + pad, device=new.device)
-        queries = slots[past:, None]
-        # A token sees the real tokens up to itself, and itself (so a padding row stays finite).
-        mask = (queries >= slots) & (keys_real[:, None, :] | (queries == slots))
-        local = self(F.pad(new, (0, pad)), position_ids=positions, attn_mask=mask.unsqueeze(1),
-                     kv_cache=cache, last_position_only=True)
-        local = local[:, min(n - 1, local.shape[1] - 1)]           # the last real token's
-        if cache is not None:
-            cache.length -= pad  # the SP padding at the end is overwritten by the next step
-        logits = gather_from_tensor_model_parallel_region(local.contiguous(), group=self.tp_group)
-        return logits[:, :self.config.vocab_size].float()
+        return generation.generate(self, tokens, max_new_tokens, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, eos_token_id=eos_token_id, use_cache=use_cache,
+                                   attention_mask=attention_mask)
 
     # ------------------------------------------------- parameters and checkpoints
 
@@ -752,20 +498,3 @@ class GPT(nn.Module):
         from .hf import hf_state_dict
 
         return hf_state_dict(self)
-
-
-def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
-    """One token id per row of ``logits`` (``[b, vocab]``), drawn from the default stream."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        ordered, order = logits.sort(dim=-1, descending=True)
-        probs = ordered.softmax(dim=-1)
-        # Keep the most likely tokens until they cover top_p (the first always stays).
-        ordered = ordered.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, float("-inf"))
-        logits = logits.scatter(-1, order, ordered)
-    return torch.multinomial(logits.softmax(dim=-1), 1)[:, 0]

@@ -1,0 +1,80 @@
+"""Generation's decode step (models/generation.py) against the model's full recomputation."""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import tensorpar as tp
+from tensorpar.models import GPTConfig
+from tensorpar.models.generation import Decoder, last_logits
+from tests.harness import run_on_ranks
+from tests.test_gpt import ATOL, BASE, GQA, LLAMA, RTOL, _build, _single_rank_group
+
+NEW = 6
+# Learned positions (GPT-2), GQA with rope, one K/V head for 8 query heads (replicated on
+# every rank at TP > 1), uneven heads (6 over TP 4), and SP (a decode step does not split).
+CASES = ({}, GQA, {**GQA, "num_query_groups": 1}, {**LLAMA, "num_heads": 6, "hidden_size": 48, "num_query_groups": 2},
+         {**GQA, "sequence_parallel": True})
+
+
+def _prompt():
+    """Three prompts of 6, 4 and 1 tokens, left-padded, and their attention mask."""
+    prompt = torch.randint(1, BASE["vocab_size"], (3, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0
+    mask[2, :5] = 0
+    return prompt.masked_fill(mask == 0, 0), mask
+
+
+def _decode_body():
+    tp.initialize_model_parallel(dist.get_world_size())
+    prompt, mask = _prompt()
+    batch, length = prompt.shape
+    for overrides in CASES:
+        config = GPTConfig(**{**BASE, **overrides})
+        for group in (_single_rank_group(), tp.get_tensor_model_parallel_group()):
+            model = _build(config, group).eval()
+            for attention_mask in (None, mask):
+                out = model.generate(prompt, NEW, temperature=0, attention_mask=attention_mask)
+                recomputed = model.generate(prompt, NEW, temperature=0, attention_mask=attention_mask,
+                                            use_cache=False)
+                assert torch.equal(out, recomputed), (overrides, attention_mask)
+            # Each decode step's logits are those of the whole sequence recomputed without a cache.
+            # (generate copies the weights from 16 new tokens on: here both ways.)
+            is_real = F.pad(mask.bool(), (0, NEW), value=True)
+            for copy_weights in (False, True):
+                with torch.no_grad():
+                    cache = model.new_kv_cache(batch, length + NEW + 1)
+                    decoder = Decoder(model, cache, is_real, prompt=length, copy_weights=copy_weights)
+                    last_logits(model, out[:, :length], is_real[:, :length], cache)
+                    for stop in range(length + 1, length + NEW + 1):
+                        torch.testing.assert_close(decoder.step(out[:, stop - 1]),
+                                                   last_logits(model, out[:, :stop], is_real[:, :stop], None),
+                                                   rtol=RTOL, atol=ATOL, msg=lambda m: f"{overrides} at {stop}: {m}")
+    return True
+
+
+def test_decode_step_equals_the_recomputation_at_tp_1_2_and_4():
+    assert run_on_ranks(_decode_body, 2) == [True] * 2
+    assert run_on_ranks(_decode_body, 4) == [True] * 4
+
+
+def _ledger_body():
+    tp.initialize_model_parallel(dist.get_world_size())
+    config = GPTConfig(**{**BASE, **GQA, "num_query_groups": 1})
+    model = _build(config, tp.get_tensor_model_parallel_group()).eval()
+    prompt, mask = _prompt()
+    with tp.CommLedger() as ledger:
+        model.generate(prompt, 3, temperature=0, attention_mask=mask)
+    return [(r.op, tuple(r.shape)) for r in ledger.records]
+
+
+def test_decode_issues_one_collective_per_sub_layer():
+    """Per token after the prefill: the embedding's all-reduce, one all-reduce per attention
+    and per MLP, the all-gather of the logits; nothing else."""
+    records = run_on_ranks(_ledger_body, 2)[0]
+    b, s, h, layers = 3, 6, BASE["hidden_size"], BASE["num_layers"]
+    logits = ("all_gather", (b, 104))  # the gathered [b, padded vocab]
+    token = [("all_reduce", (b, h))] * (1 + 2 * layers) + [logits]
+    prefill = [("all_reduce", (b, s, h))] + [("all_reduce", (s, b, h))] * 2 * layers + [logits]
+    assert records == prefill + token * 2
