@@ -189,34 +189,13 @@ def test_uneven_qwen2_matches_transformers_at_tp_3_and_4(world_size):
     assert run_on_ranks(_uneven_qwen2_body, world_size) == [True] * world_size
 
 
-def _gqa_tp_body():
-    tp.initialize_model_parallel(dist.get_world_size())
-    # 0.1's constructor and (deprecated) export still work, as aliases.
-    hf = hf_model("gpt2")
-    alias, model = GPT.from_hf_gpt2(hf), from_hf(hf)
-    for a, b in zip(alias.parameters(), model.parameters()):
-        assert torch.equal(a, b)
-    with pytest.warns(DeprecationWarning, match=r"use tensorpar\.models\.hf_state_dict\(model\)"):
-        old = model.to_hf_gpt2_state_dict()
-    assert old.keys() == hf.state_dict().keys()
-    for name, tensor in hf.state_dict().items():
-        assert torch.equal(old[name], tensor), name
-    return True
-
-
-def test_the_0_1_gpt2_names():
-    assert run_on_ranks(_gqa_tp_body, 4) == [True] * 4
-
-
-def test_gpt_has_its_conversions_without_importing_or_being_patched_by_hf():
+def test_gpt_neither_imports_nor_is_patched_by_its_conversions():
     import tensorpar.models.gpt as gpt_module
 
-    # Defined in the class (hf.py assigns nothing to it), and hf.py is no name of the model's module.
-    for name in ("from_hf_gpt2", "to_hf_gpt2_state_dict"):
-        function = getattr(vars(GPT)[name], "__func__", vars(GPT)[name])
-        assert (function.__module__, function.__qualname__) == (gpt_module.__name__, f"GPT.{name}")
+    assert not hasattr(GPT, "from_hf_gpt2") and not hasattr(GPT, "to_hf_gpt2_state_dict")  # removed in 0.4
     assert not any(getattr(value, "__name__", "").startswith("tensorpar.models.hf")
                    or getattr(value, "__module__", "") == "tensorpar.models.hf" for value in vars(gpt_module).values())
+    assert all(getattr(value, "__module__", gpt_module.__name__) != "tensorpar.models.hf" for value in vars(GPT).values())
 
 
 def test_unsupported_configs_are_clear_errors(tmp_path):

@@ -39,7 +39,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -480,21 +479,3 @@ class GPT(nn.Module):
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load TP=1-shaped parameters (as :meth:`full_state_dict` gives) into this rank's shards."""
         layout.load_full_state_dict(self, state, tp_group=self.tp_group)
-
-    # ------------------------------------------- Hugging Face (0.1's names)
-    # models/hf.py imports this module, so it is imported only when one of these is called.
-
-    @classmethod
-    def from_hf_gpt2(cls, hf_model, *, tp_group=None, device=None, **overrides) -> "GPT":
-        """This rank's shard of a ``transformers`` ``GPT2LMHeadModel``: :func:`tensorpar.models.from_hf`."""
-        from .hf import from_hf
-
-        return from_hf(hf_model, tp_group=tp_group, device=device, **overrides)
-
-    def to_hf_gpt2_state_dict(self) -> dict[str, torch.Tensor]:
-        """Deprecated: :func:`tensorpar.models.hf_state_dict` of this model (collective, on every rank)."""
-        warnings.warn("GPT.to_hf_gpt2_state_dict() is deprecated; use tensorpar.models.hf_state_dict(model)",
-                      DeprecationWarning, stacklevel=2)
-        from .hf import hf_state_dict
-
-        return hf_state_dict(self)
