@@ -380,6 +380,23 @@ def test_fsdp_model_equals_commledger_record_at_tp2_dp2(case):
     assert {op.bytes_sent_per_rank / op.bytes for op in unit_ops} == {0.5}
 
 
+def test_training_memory_counts_what_fsdp_gathers_within_a_step():
+    from tensorpar import models
+    from tensorpar.memory_model import gpt_parameters_per_rank, gpt_training_memory
+
+    config = models.GPTConfig.preset("tiny", vocab_size=300, num_layers=6)
+    block = gpt_parameters_per_rank(config, tp=2) - gpt_parameters_per_rank(
+        dataclasses.replace(config, num_layers=5), tp=2)
+    rest = gpt_parameters_per_rank(config, tp=2) - 6 * block
+    memory = {reshard: gpt_training_memory(config, tp=2, dp=2, seq_len=64, micro_batch=2, fsdp=True,
+                                           reshard_after_forward=reshard) for reshard in (True, False)}
+    # ZeRO-3: the root and two blocks' parameters, the root's and one block's gradients (fp32).
+    assert memory[True]["gathered"] == 4 * (rest + 2 * block) + 4 * (rest + block)
+    # ZeRO-2-like: every block stays gathered from its forward to its backward.
+    assert memory[False]["gathered"] - memory[True]["gathered"] == 4 * 4 * block
+    assert gpt_training_memory(config, tp=2, dp=2, seq_len=64, micro_batch=2)["gathered"] == 0
+
+
 def test_fsdp_units_pad_each_shard_and_add_dp_collectives():
     config = gpt_config(CommConfig(**{**TINY, "layer": "gpt-step", "seq_len": 9}))
     root, block = units(config, tp=2)[:2]
