@@ -12,7 +12,9 @@ import tensorpar as tp
 from tensorpar.tools import cli
 from tensorpar.comm_model import CommConfig, collectives, forward_flops_per_rank, overlap_plan, summarize
 from tensorpar.comm_model import LinkModel
-from tensorpar.tools.comm_report import format_measured, measure_on_this_rank, record_key, scaled
+from tensorpar.fsdp_model import FSDPConfig, state_bytes_per_rank, step_collectives, units
+from tensorpar.tools.comm_measure import gpt_config, measure_on_this_rank, record_key, scaled
+from tensorpar.tools.comm_report import format_measured
 from tensorpar.memory_model import activation_memory
 from tests.harness import run_on_ranks
 
@@ -354,3 +356,101 @@ def test_measure_on_the_command_line_agrees_for_uneven_heads(capsys):
             "--tp", "4", "--sp", "--dtype", "fp32", "--measure"]
     assert cli.main(argv) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith("all agree")
+
+
+# --- TP x FSDP: FSDP's all-gathers and reduce-scatters among the TP collectives ------------------
+
+def _fsdp_cases():
+    cases = [(dict(sp=sp, recompute=rc), reshard) for sp in (False, True) for rc in (False, True)
+             for reshard in (True, False)]
+    # bf16 compute gathers bf16 and reduces fp32; 9 positions pad to 10 rows over DP=2.
+    cases += [(dict(sp=True, dtype="bf16"), True), (dict(seq_len=9), True)]
+    return [(CommConfig(**{**TINY, "layer": "gpt-step", "tp": 2, **case}), FSDPConfig(dp=2, reshard_after_forward=r))
+            for case, r in cases]
+
+
+def _fsdp_body(cases):
+    tp.initialize_model_parallel(2)
+    results = []
+    for cfg, fsdp in cases:
+        try:
+            results.append(measure_on_this_rank(cfg, fsdp=fsdp))
+        except Exception:
+            results.append(traceback.format_exc())
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def _fsdp_measured():
+    return run_on_ranks(_fsdp_body, 4, _fsdp_cases())
+
+
+@pytest.mark.parametrize("case", range(len(_fsdp_cases())),
+                         ids=[f"{_case_id(c)}-reshard{f.reshard_after_forward}-seq{c.seq_len}" for c, f in _fsdp_cases()])
+def test_fsdp_model_equals_commledger_record_at_tp2_dp2(case):
+    cfg, fsdp = _fsdp_cases()[case]
+    per_rank = _fsdp_measured()
+    got = per_rank[0][case]
+    assert not isinstance(got, str), f"running case {case} failed:\n{got}"
+    assert per_rank[1][case] == got  # the TP peer of DP rank 0
+    predicted = step_collectives(cfg, gpt_config(cfg), fsdp)
+    assert got == [record_key(op) for op in predicted]
+    unit_ops = [op for op in predicted if op.what.startswith("FSDP")]
+    # Forward gathers every unit, backward re-gathers each block when resharded, every unit reduce-scatters.
+    assert len(unit_ops) == 2 * (cfg.layers + 1) + (cfg.layers if fsdp.reshard_after_forward else 0)
+    assert {op.bytes_sent_per_rank / op.bytes for op in unit_ops} == {0.5}
+
+
+def test_training_memory_counts_what_fsdp_gathers_within_a_step():
+    from tensorpar import models
+    from tensorpar.memory_model import gpt_parameters_per_rank, gpt_training_memory
+
+    config = models.GPTConfig.preset("tiny", vocab_size=300, num_layers=6)
+    block = gpt_parameters_per_rank(config, tp=2) - gpt_parameters_per_rank(
+        dataclasses.replace(config, num_layers=5), tp=2)
+    rest = gpt_parameters_per_rank(config, tp=2) - 6 * block
+    memory = {reshard: gpt_training_memory(config, tp=2, dp=2, seq_len=64, micro_batch=2, fsdp=True,
+                                           reshard_after_forward=reshard) for reshard in (True, False)}
+    # ZeRO-3: the root and two blocks' parameters, the root's and one block's gradients (fp32).
+    assert memory[True]["gathered"] == 4 * (rest + 2 * block) + 4 * (rest + block)
+    # ZeRO-2-like: every block stays gathered from its forward to its backward.
+    assert memory[False]["gathered"] - memory[True]["gathered"] == 4 * 4 * block
+    assert gpt_training_memory(config, tp=2, dp=2, seq_len=64, micro_batch=2)["gathered"] == 0
+
+
+def test_fsdp_units_pad_each_shard_and_add_dp_collectives():
+    config = gpt_config(CommConfig(**{**TINY, "layer": "gpt-step", "seq_len": 9}))
+    root, block = units(config, tp=2)[:2]
+    # Root: word embedding 16 x 16 per TP rank, 9 x 16 positions padded to 10 rows, final LayerNorm.
+    assert root.padded_numel(2) == 16 * 16 + 10 * 16 + 2 * 16
+    assert root.padded_numel(4) == 16 * 16 + 12 * 16 + 2 * 16
+    assert block.padded_numel(2) == 1160
+    ops = step_collectives(CommConfig(**{**TINY, "layer": "gpt-step", "tp": 2}), config, FSDPConfig(dp=4))
+    gather = next(op for op in ops if op.layer == "blocks.0")
+    assert gather.bytes_sent_per_rank == gather.bytes * 3 / 4  # a ring over the 4 DP ranks, not TP's 2
+    assert state_bytes_per_rank(config, tp=2, dp=2)["optimizer"] == 2 * state_bytes_per_rank(
+        config, tp=2, dp=2)["parameters"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layer", "mlp", "--fsdp"], "FSDP is modelled for --layer gpt-step, not mlp"),
+    (["--layer", "gpt-step", "--dp", "4"], "--dp 4 applies with --fsdp"),
+    (["--layer", "gpt-step", "--fsdp", "--dp", "1"], "FSDP needs a DP size of at least 2"),
+    (["--layer", "gpt-step", "--fsdp", "--heads", "6", "--hidden", "48", "--tp", "4"],
+     "FSDP needs the TP size (4) to divide heads (6)"),
+])
+def test_fsdp_bad_command_line_exits_2(argv, message, capsys):
+    assert cli.main(["comm", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_fsdp_report_lists_unit_collectives(capsys):
+    argv = ["comm", "--layer", "gpt-step", "--layers", "4", "--fsdp", "--dp", "8", "--no-reshard-after-forward"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("forward", "backward")) and "FSDP" in line]
+    assert [(r[0], r[1], r[2], r[-4]) for r in rows] == [
+        ("forward", "root", "all_gather", "1"), ("forward", "blocks.*", "all_gather", "4"),
+        ("backward", "blocks.*", "reduce_scatter", "4"), ("backward", "root", "reduce_scatter", "1")]
+    assert "FSDP over DP=8 without resharding after forward" in out

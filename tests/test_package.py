@@ -48,7 +48,7 @@ LAYERS = (
     ("tensorpar.embedding", "tensorpar.cross_entropy", "tensorpar.random"),
     ("tensorpar.grads",),
     ("tensorpar.fsdp", "tensorpar.invariant"),
-    ("tensorpar.comm_model", "tensorpar.memory_model"),
+    ("tensorpar.comm_model", "tensorpar.memory_model", "tensorpar.fsdp_model"),
     ("tensorpar.models",),
     ("tensorpar",),
     ("tensorpar.training",),

@@ -76,7 +76,13 @@ def activation_memory(cfg: CommConfig) -> float:
 def gpt_parameters_per_rank(config, *, tp: int) -> float:
     """Parameters one TP rank holds of a GPT ``config`` (a :class:`~tensorpar.models.GPTConfig` or
     any object with its fields), the padded vocabulary included; nothing is built."""
-    h, f, layers = config.hidden_size, config.ffn_hidden_size, config.num_layers
+    block, rest = _block_and_rest(config, tp=tp)
+    return config.num_layers * block + rest
+
+
+def _block_and_rest(config, *, tp: int) -> tuple[float, float]:
+    """Parameters of one transformer block and of everything else (embeddings, final norm) on a TP rank."""
+    h, f = config.hidden_size, config.ffn_hidden_size
     head_dim = h // config.num_heads
     multiple = math.lcm(config.make_vocab_size_divisible_by, tp)
     vocab = -(-config.vocab_size // multiple) * multiple
@@ -88,17 +94,21 @@ def gpt_parameters_per_rank(config, *, tp: int) -> float:
     replicated = 2 * norm + (2 * h if config.bias else 0)  # norms, row-layer biases
     embeddings = vocab * h / tp * (1 if config.tie_word_embeddings else 2)
     positions = config.max_seq_len * h if config.position_embedding == "learned" else 0
-    return layers * (sharded / tp + replicated) + embeddings + positions + norm
+    return sharded / tp + replicated, embeddings + positions + norm
 
 
 def gpt_training_memory(config, *, tp: int, dp: int = 1, seq_len: int, micro_batch: int, dtype: str = "fp32",
-                        fsdp: bool = False) -> dict[str, float]:
+                        fsdp: bool = False, reshard_after_forward: bool = True) -> dict[str, float]:
     """Bytes one rank holds to train a GPT ``config`` (fields as :class:`~tensorpar.models.GPTConfig`)
-    with AdamW: ``parameters``, ``gradients``, ``optimizer``, ``activations`` and ``total``.
+    with AdamW: ``parameters``, ``gradients``, ``optimizer``, ``activations``, ``gathered`` and ``total``.
 
     Activations are one micro-batch's (:func:`saved_activations` per layer with fused attention,
     plus the fp32 softmax of the vocab-parallel loss); with ``fsdp`` parameters, gradients and
-    optimizer state are divided over the ``dp`` ranks. An estimate made before anything is built.
+    optimizer state are divided over the ``dp`` ranks, and ``gathered`` is what FSDP holds whole
+    for a while within a step: the root unit's parameters and gradients throughout, and the
+    blocks' parameters two at a time (the running one and the prefetched one), or every block's
+    from its forward to its backward without ``reshard_after_forward``, plus one block's
+    gradients before their reduce-scatter. An estimate made before anything is built.
 
     Example::
 
@@ -117,7 +127,10 @@ def gpt_training_memory(config, *, tp: int, dp: int = 1, seq_len: int, micro_bat
 
     activations = config.num_layers * kept(config.recompute) + (kept(False) if config.recompute else 0)
     activations += seq_len * micro_batch * config.vocab_size / tp * 4
+    block, rest = _block_and_rest(config, tp=tp)
+    whole_blocks = (min(2, config.num_layers) if reshard_after_forward else config.num_layers) if fsdp else 0
+    gathered = ((rest + whole_blocks * block) * param_bytes + (rest + block) * grad_bytes) if fsdp else 0
     memory = {"parameters": params * param_bytes, "gradients": params * grad_bytes,
-              "optimizer": 2 * params * param_bytes, "activations": activations}
+              "optimizer": 2 * params * param_bytes, "activations": activations, "gathered": gathered}
     memory["total"] = sum(memory.values())
     return memory

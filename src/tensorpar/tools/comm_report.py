@@ -1,8 +1,10 @@
 """``tensorpar comm``: the predicted TP collectives of a layer or GPT step, optionally measured.
 
-The prediction is :mod:`tensorpar.comm_model`'s. ``--measure`` runs the same layer on
-``--tp`` spawned gloo ranks under a :class:`tensorpar.CommLedger` (sizes divided by
-``--scale``) and prints each measured collective next to the predicted one.
+The prediction is :mod:`tensorpar.comm_model`'s; with ``--fsdp`` the GPT step's under
+:func:`tensorpar.fully_shard` over ``--dp`` ranks, FSDP's all-gathers and reduce-scatters
+included (:mod:`tensorpar.fsdp_model`). ``--measure`` runs the same layer on ``--tp`` (x ``--dp``)
+spawned gloo ranks under a :class:`tensorpar.CommLedger` (sizes divided by ``--scale``,
+:mod:`tensorpar.comm_measure`) and prints each measured collective next to the predicted one.
 
 Example (seed 002)::
 
@@ -20,9 +22,7 @@ import re
 import sys
 
 import torch
-from torch import nn
 
-from ..comm import CommLedger
 from ..comm_model import (
     DTYPES,
     LAYERS,
@@ -33,166 +33,10 @@ from ..comm_model import (
     overlap_plan,
     summarize,
 )
-from ..cross_entropy import vocab_parallel_cross_entropy
-from ..embedding import VocabParallelEmbedding
 from ..errors import UsageError
-from ..grads import allreduce_sequence_parallel_grads, get_grad_norm
-from ..linear import ColumnParallelLinear, RowParallelLinear
+from ..fsdp_model import FSDPConfig, state_bytes_per_rank, step_collectives
 from ..memory_model import activation_memory
-from ..models.gpt import GPT, GPTConfig
-from ..parallel_state import destroy_model_parallel, initialize_model_parallel
-from ..random import checkpoint, model_parallel_manual_seed
-from .launch import launch_local
-
-_MEASURE_TIMEOUT_S = 120
-
-
-# --- measurement --------------------------------------------------------------------------------
-
-class _RecomputeLabels:
-    """Labels the collectives of a checkpointed module ``recompute`` when it re-runs in backward.
-
-    A checkpointed module's forward runs once in the forward pass and once more, to recompute
-    its activations, during the backward pass; the second run is what gets the label.
-    """
-
-    def __init__(self, ledger: CommLedger) -> None:
-        self.ledger, self.in_backward, self._open = ledger, False, []
-
-    def attach(self, module: nn.Module) -> None:
-        module.register_forward_pre_hook(self._enter)
-        module.register_forward_hook(self._exit)
-
-    def _enter(self, module, args) -> None:
-        if self.in_backward:
-            phase = self.ledger.phase("recompute")
-            phase.__enter__()
-            self._open.append(phase)
-
-    def _exit(self, module, args, output) -> None:
-        if self.in_backward:
-            self._open.pop().__exit__(None, None, None)
-
-
-def record_key(op) -> tuple:
-    """What prediction and measurement must agree on: a ``CommOp`` or ``CommRecord``."""
-    return (op.phase, op.op, tuple(op.shape), str(op.dtype).replace("torch.", ""), op.bytes, op.reduce_op)
-
-
-class _OutputOnly(nn.Module):
-    """A TP linear (which returns ``(output, bias)``) as a module returning its output."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        return self.layer(x)[0]
-
-
-def _workload(cfg: CommConfig):
-    """``(module, args)``: the layer of ``cfg`` on this rank and its inputs."""
-    n, dtype = cfg.tp, cfg.torch_dtype
-    s, b, h = cfg.seq_len, cfg.batch, cfg.hidden
-    local_s = s // n if cfg.sp else s
-    if cfg.layer == "column":
-        layer = ColumnParallelLinear(h, h, gather_output=cfg.gather_output, sequence_parallel=cfg.sp,
-                                     params_dtype=dtype, overlap=cfg.overlap_chunks)
-        return _OutputOnly(layer), (torch.randn(local_s, b, h, dtype=dtype, requires_grad=True),)
-    if cfg.layer == "row":
-        layer = RowParallelLinear(h, h, input_is_parallel=cfg.input_is_parallel, sequence_parallel=cfg.sp,
-                                  params_dtype=dtype, overlap=cfg.overlap_chunks)
-        width = layer.weight.shape[1] if cfg.input_is_parallel else h  # this rank's share of the columns
-        return _OutputOnly(layer), (torch.randn(s, b, width, dtype=dtype, requires_grad=True),)
-    if cfg.layer == "embedding":
-        layer = VocabParallelEmbedding(cfg.vocab, h, reduce_scatter_embeddings=cfg.sp, params_dtype=dtype)
-        return layer, (torch.randint(0, cfg.vocab, (b, s)),)
-    if cfg.layer == "loss":
-        logits = torch.randn(s, b, cfg.vocab // n, dtype=dtype, requires_grad=True)
-        return _Loss(), (logits, torch.randint(0, cfg.vocab, (s, b)))
-    gpt = GPT(_gpt_config(cfg))
-    if cfg.layer == "gpt-step":
-        tokens = torch.randint(0, cfg.vocab, (b, s))
-        return gpt, (tokens, torch.randint(0, cfg.vocab, (b, s)))
-    block = gpt.blocks[0]
-    x = torch.randn(local_s, b, h, dtype=dtype, requires_grad=True)
-    if cfg.layer == "attention":
-        return block.attention, (x, None, None)  # no rotary tables: learned positions
-    return {"mlp": block.mlp, "gpt-layer": block}[cfg.layer], (x,)
-
-
-def _gpt_config(cfg: CommConfig) -> GPTConfig:
-    """The GPT whose blocks the mlp, attention, gpt-layer and gpt-step workloads are."""
-    return GPTConfig(vocab_size=cfg.vocab, max_seq_len=cfg.seq_len, num_layers=cfg.layers, num_heads=cfg.heads,
-                     num_query_groups=cfg.kv_heads,
-                     hidden_size=cfg.hidden, ffn_hidden_size=cfg.ffn_hidden, sequence_parallel=cfg.sp,
-                     recompute=cfg.recompute, make_vocab_size_divisible_by=1, params_dtype=cfg.torch_dtype,
-                     overlap=cfg.overlap_chunks)
-
-
-def check_measurable(cfg: CommConfig) -> None:
-    """Raise ``ValueError`` (naming the sizes) if ``cfg``'s workload cannot be built on ``cfg.tp`` ranks."""
-    if cfg.layer not in ("mlp", "attention", "gpt-layer", "gpt-step"):
-        return
-    what = f"--measure runs --layer {cfg.layer} as part of a GPT block"
-    if cfg.hidden % cfg.heads:
-        raise ValueError(f"{what}: --hidden {cfg.hidden} is not divisible by --heads {cfg.heads}")
-    _gpt_config(cfg)
-
-
-class _Loss(nn.Module):
-    """The vocab-parallel loss as a module, like every other workload."""
-
-    def forward(self, logits, target):
-        return vocab_parallel_cross_entropy(logits, target)
-
-
-def measure_on_this_rank(cfg: CommConfig, *, seed: int = 0) -> list[tuple]:
-    """Run ``cfg``'s layer forward and backward here and return its collectives' keys.
-
-    Needs ``tensorpar.initialize_model_parallel(cfg.tp)`` with a TP group of ``cfg.tp`` ranks.
-    """
-    model_parallel_manual_seed(seed)
-    module, args = _workload(cfg)
-    step = cfg.layer == "gpt-step"
-    with CommLedger() as ledger:
-        labels = _RecomputeLabels(ledger)
-        for checkpointed in (module.blocks if step else [module]):
-            labels.attach(checkpointed)
-        with ledger.phase("forward"):
-            # The GPT checkpoints its own blocks; a lone layer is checkpointed here.
-            out = checkpoint(module, False, *args) if cfg.recompute and not step else module(*args)
-        with ledger.phase("backward"):
-            labels.in_backward = True
-            out.backward(torch.ones_like(out))
-        if step:
-            with ledger.phase("grads"):  # as tensorpar train does after backward
-                allreduce_sequence_parallel_grads(module)
-                get_grad_norm(module.parameters())
-    return [record_key(r) for r in ledger.records]
-
-
-def _measure_rank(cfg: CommConfig) -> list[tuple]:
-    torch.set_num_threads(1)
-    initialize_model_parallel(cfg.tp, backend="gloo", timeout=_MEASURE_TIMEOUT_S)
-    try:
-        return measure_on_this_rank(cfg)
-    finally:
-        destroy_model_parallel()
-
-
-def measure(cfg: CommConfig) -> list[tuple]:
-    """Start ``cfg.tp`` local gloo ranks, run the layer on them, return rank 0's record keys."""
-    return launch_local(_measure_rank, cfg, nproc=cfg.tp)[0]
-
-
-def scaled(cfg: CommConfig, scale: int) -> CommConfig:
-    """``cfg`` with sequence, hidden, FFN and vocab sizes divided by ``scale``."""
-    sizes = {name: getattr(cfg, name) for name in ("seq_len", "hidden", "ffn_hidden", "vocab")}
-    for name, value in sizes.items():
-        if value % scale != 0:
-            raise ValueError(f"--scale {scale} does not divide {name} ({value})")
-    return dataclasses.replace(cfg, **{name: value // scale for name, value in sizes.items()})
+from .comm_measure import check_measurable, gpt_config, measure, record_key, scaled
 
 
 # --- formatting ---------------------------------------------------------------------------------
@@ -218,12 +62,28 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
                      for row in [header, *rows])
 
 
-def _describe(cfg: CommConfig) -> str:
+def _fsdp(args) -> FSDPConfig | None:
+    return FSDPConfig(dp=args.dp or 2, reshard_after_forward=args.reshard_after_forward) if args.fsdp else None
+
+
+def _ops(cfg: CommConfig, args) -> list:
+    """The predicted collectives: the TP ones, or with ``--fsdp`` the whole TP x FSDP step's."""
+    fsdp = _fsdp(args)
+    if fsdp is None:
+        return collectives(cfg, link=_link(args))
+    return step_collectives(cfg, gpt_config(cfg), fsdp, link=_link(args))
+
+
+def _describe(cfg: CommConfig, args) -> str:
     modes = [m for m, on in (("sp", cfg.sp), ("recompute", cfg.recompute), ("gather_output", cfg.gather_output),
                              ("input not parallel", not cfg.input_is_parallel),
                              (f"overlap {cfg.overlap_chunks}", cfg.overlap_chunks != 1)) if on]
     sizes = (f"hidden={cfg.hidden} ffn={cfg.ffn_hidden} heads={cfg.heads} seq={cfg.seq_len} batch={cfg.batch} "
              f"vocab={cfg.vocab} layers={cfg.layers}")
+    fsdp = _fsdp(args)
+    if fsdp:
+        modes.append(f"FSDP over DP={fsdp.dp}"
+                     + ("" if fsdp.reshard_after_forward else " without resharding after forward"))
     return f"{cfg.layer} at TP={cfg.tp}, {cfg.dtype}{', ' + ', '.join(modes) if modes else ''} ({sizes})"
 
 
@@ -240,7 +100,7 @@ def format_overlap(cfg: CommConfig, args) -> list[str]:
         return []
     rows: dict[tuple, list] = {}
     for entry in plan:
-        key = (re.sub(r"^blocks\.\d+\.", "blocks.*.", entry["layer"]), entry["phase"], entry["op"], entry["chunks"])
+        key = (re.sub(r"^blocks\.\d+", "blocks.*", entry["layer"]), entry["phase"], entry["op"], entry["chunks"])
         row = rows.setdefault(key, [0, 0.0, 0.0])
         row[0] += 1
         row[1] += entry["exposed_s"]
@@ -249,7 +109,7 @@ def format_overlap(cfg: CommConfig, args) -> list[str]:
                    [[layer, phase, op, chunks, _duration(exposed), _duration(unchunked), count]
                     for (layer, phase, op, chunks), (count, exposed, unchunked) in rows.items()])
     chunkable = {(e["layer"], e["phase"], e["op"]) for e in plan}
-    others = sum(op.time_s(bandwidth_gbps=args.bandwidth, latency_us=args.latency) for op in collectives(cfg, link=link)
+    others = sum(op.time_s(bandwidth_gbps=args.bandwidth, latency_us=args.latency) for op in _ops(cfg, args)
                  if (op.layer, op.phase, op.op) not in chunkable)
     chosen, unchunked = (sum(e[k] for e in plan) for k in ("exposed_s", "unchunked_exposed_s"))
     return ["", f"overlap ({cfg.overlap_chunks}; link overlap efficiency {args.overlap_efficiency:g}): each "
@@ -260,18 +120,18 @@ def format_overlap(cfg: CommConfig, args) -> list[str]:
 
 def format_report(cfg: CommConfig, args) -> str:
     """The op table (ops of every GPT layer folded into one row with a count) and totals."""
-    ops = collectives(cfg, link=_link(args))
+    ops = _ops(cfg, args)
     link = {"bandwidth_gbps": args.bandwidth, "latency_us": args.latency}
     rows: dict[tuple, list] = {}
     for op in ops:
-        key = (op.phase, re.sub(r"^blocks\.\d+\.", "blocks.*.", op.layer), op.op, op.shape, op.dtype, op.what)
+        key = (op.phase, re.sub(r"^blocks\.\d+", "blocks.*", op.layer), op.op, op.shape, op.dtype, op.what)
         rows.setdefault(key, [0, op])[0] += 1
     table = _table(["phase", "layer", "op", "shape", "dtype", "bytes", "sent/rank", "est. time", "x", "what"],
                    [[phase, layer, kind, list(shape), _dtype_name(dtype), _size(op.bytes),
                      _size(op.bytes_sent_per_rank), _duration(op.time_s(**link)), count, what]
                     for (phase, layer, kind, shape, dtype, what), (count, op) in rows.items()])
     totals = summarize(cfg, ops, **link, tflops=args.tflops)
-    lines = [f"tensorpar comm: {_describe(cfg)}", "", table if ops else "(no collectives)", ""]
+    lines = [f"tensorpar comm: {_describe(cfg, args)}", "", table if ops else "(no collectives)", ""]
     for name, t in [("total", totals), *totals["by_phase"].items()]:
         lines.append(f"{name:<10} {t['count']:>4} ops  {_size(t['bytes']):>10} tensors  "
                      f"{_size(t['bytes_sent_per_rank']):>10} sent/rank  {_duration(t['time_s']):>10}")
@@ -284,14 +144,20 @@ def format_report(cfg: CommConfig, args) -> str:
     if memory:
         per = " per GPT layer" if cfg.layer == "gpt-step" else ""
         lines.append(f"activations kept for backward{per}: {_size(memory)} per rank")
+    fsdp = _fsdp(args)
+    if fsdp:
+        state = state_bytes_per_rank(gpt_config(cfg), tp=cfg.tp, dp=fsdp.dp)
+        lines.append("held between steps (FSDP shards, fp32, AdamW): " + ", ".join(
+            f"{what} {_size(n)}" for what, n in state.items()) + " per rank")
     return "\n".join(lines + format_overlap(cfg, args))
 
 
 def report_json(cfg: CommConfig, args) -> dict:
-    ops = collectives(cfg, link=_link(args))
+    ops = _ops(cfg, args)
     link = {"bandwidth_gbps": args.bandwidth, "latency_us": args.latency}
     return {
         "config": dataclasses.asdict(cfg),
+        "fsdp": dataclasses.asdict(_fsdp(args)) if args.fsdp else None,
         "ops": [{"layer": op.layer, "phase": op.phase, "op": op.op, "shape": list(op.shape),
                  "dtype": _dtype_name(op.dtype), "bytes": op.bytes, "bytes_sent_per_rank": op.bytes_sent_per_rank,
                  "time_s": op.time_s(**link), "reduce_op": op.reduce_op, "what": op.what} for op in ops],
@@ -307,7 +173,7 @@ def format_compare(tp_cfg: CommConfig, sp_cfg: CommConfig, args) -> str:
     link = {"bandwidth_gbps": args.bandwidth, "latency_us": args.latency}
     columns = []
     for cfg in (tp_cfg, sp_cfg):
-        ops = collectives(cfg, link=_link(args))
+        ops = _ops(cfg, args)
         totals = summarize(cfg, ops, **link, tflops=args.tflops)
         column = {}
         for phase in ("forward", "recompute", "backward", "grads"):
@@ -327,7 +193,7 @@ def format_compare(tp_cfg: CommConfig, sp_cfg: CommConfig, args) -> str:
         columns.append(column)
     rows = [[name, columns[0][name], columns[1][name]] for name in columns[0]
             if columns[0][name] != "-" or columns[1][name] != "-"]
-    return "\n".join([f"tensorpar comm --compare-sp: {_describe(tp_cfg)}", "",
+    return "\n".join([f"tensorpar comm --compare-sp: {_describe(tp_cfg, args)}", "",
                       _table(["", "TP", "TP+SP"], rows)])
 
 
@@ -407,9 +273,17 @@ def register(subparsers) -> None:
     p.add_argument("--vocab", type=_positive_int, default=50304, help="padded vocabulary size")
     p.add_argument("--layers", type=_positive_int, default=24, help="transformer layers (gpt-step)")
     p.add_argument("--tp", type=_positive_int, default=2, help="tensor-parallel size")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation dtype")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="activation dtype (with --fsdp: parameters fp32, gathered in this dtype)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
     p.add_argument("--recompute", action="store_true", help="activation recompute of each layer")
+    p.add_argument("--fsdp", action="store_true", help="gpt-step under tp.fully_shard: FSDP's all-gathers and "
+                                                      "reduce-scatters over --dp ranks too")
+    p.add_argument("--dp", type=_positive_int, default=None,
+                   help="with --fsdp: the DP size FSDP shards over (default 2)")
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --fsdp: free each block's gathered parameters after its forward (default: yes; "
+                        "no: ZeRO-2-like)")
     p.add_argument("--gather-output", action="store_true", help="column layer gathers its output")
     p.add_argument("--input-is-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="row layer input already split on the last dim (default: yes)")
@@ -443,6 +317,8 @@ def run(args) -> int:
     """Print the report; with ``--measure`` exit 1 if measurement and prediction differ."""
     try:
         cfg = _config(args)
+        if args.dp is not None and not args.fsdp:
+            raise ValueError(f"--dp {args.dp} applies with --fsdp (the DP size FSDP shards over)")
         if args.compare_sp:
             print(format_compare(_config(args, sp=False), _config(args, sp=True), args))
             return 0
@@ -455,16 +331,19 @@ def run(args) -> int:
                                  "their own calibration, not from --bandwidth/--latency/--tflops")
             cfg = scaled(cfg, args.scale)
             check_measurable(cfg)
+        _ops(cfg, args)  # FSDP's layer and sizes are checked here
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     print(format_report(cfg, args))
     if not args.measure:
         return 0
-    if cfg.tp == 1:
+    fsdp = _fsdp(args)
+    if cfg.tp == 1 and not fsdp:
         print("\n--measure: nothing to measure with one TP rank")
         return 0
-    print(f"\nmeasuring on {cfg.tp} local gloo ranks" + (f" (sizes / {args.scale})" if args.scale > 1 else ""))
+    ranks = cfg.tp * (fsdp.dp if fsdp else 1)
+    print(f"\nmeasuring on {ranks} local gloo ranks" + (f" (sizes / {args.scale})" if args.scale > 1 else ""))
     sys.stdout.flush()
-    text, mismatches = format_measured(collectives(cfg), measure(cfg))
+    text, mismatches = format_measured(_ops(cfg, args), measure(cfg, fsdp=fsdp))
     print(text)
     return 1 if mismatches else 0

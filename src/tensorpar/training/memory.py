@@ -64,4 +64,5 @@ def check_memory(config, *, tp: int, dp: int, seq_len: int, micro_batch: int, dt
             f"{config.vocab_size:,}) needs an estimated {_gib(need['total'])} per rank at --tp {tp} "
             f"(parameters {_gib(need['parameters'])}, gradients {_gib(need['gradients'])}, AdamW state "
             f"{_gib(need['optimizer'])}, activations {_gib(need['activations'])} for --micro-batch {micro_batch} "
-            f"x --seq-len {seq_len}), more than {what}: choose a smaller model or batch, or a larger --tp")
+            f"x --seq-len {seq_len}{', FSDP units gathered ' + _gib(need['gathered']) if fsdp else ''}), more than "
+            f"{what}: choose a smaller model or batch, or a larger --tp")
