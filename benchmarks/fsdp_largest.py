@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--json", help="also write the calibration points and fits to this file")
     args = parser.parse_args()
-    from tensorpar.launch import launch_local
+    from tensorpar.tools.launch import launch_local
     from tensorpar.memory_model import gpt_parameters_per_rank
 
     points = []
