@@ -59,7 +59,7 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize()
 
 
-def _seconds(fn, device: torch.device, reps: int = 5) -> float:
+def median_seconds(fn, device: torch.device, reps: int = 5) -> float:
     """Median seconds of ``fn()`` after one warm-up call."""
     fn()
     times = []
@@ -86,9 +86,9 @@ def measure_link(group, *, device: torch.device, dtype: torch.dtype, rows: int, 
     a = torch.randn(rows, gemm[0], dtype=dtype, device=device)
     b = torch.randn(*gemm, dtype=dtype, device=device)
     small, big = torch.zeros(1, dtype=dtype, device=device), torch.zeros(comm_elements, dtype=dtype, device=device)
-    gemm_s = _seconds(lambda: a @ b, device)
-    latency_s = _seconds(lambda: comm.all_reduce(small, group), device)
-    big_s = _seconds(lambda: comm.all_reduce(big, group), device)
+    gemm_s = median_seconds(lambda: a @ b, device)
+    latency_s = median_seconds(lambda: comm.all_reduce(small, group), device)
+    big_s = median_seconds(lambda: comm.all_reduce(big, group), device)
     big_sent = comm.bytes_sent_per_rank("all_reduce", big.numel() * big.element_size(), n)
     gemms = max(1, round(big_s / gemm_s))  # about as long as the big all-reduce
 
@@ -98,7 +98,7 @@ def measure_link(group, *, device: torch.device, dtype: torch.dtype, rows: int, 
             a @ b
         work.wait()
 
-    hidden = gemms * gemm_s + big_s - _seconds(both, device)
+    hidden = gemms * gemm_s + big_s - median_seconds(both, device)
     overlap = min(1.0, max(0.0, hidden / min(gemms * gemm_s, big_s)))
     # Worst case over the ranks (max of times, min of overlap): one decision everywhere.
     worst = comm.scalars([latency_s, max(big_s - latency_s, 1e-9) / big_sent, gemm_s, -overlap], group,

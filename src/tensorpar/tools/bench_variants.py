@@ -8,8 +8,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
-import statistics
-import time
 from typing import Callable
 
 import torch
@@ -23,7 +21,7 @@ from ..comm_model import calibrate_overlap
 from ..grads import allreduce_sequence_parallel_grads
 from ..linear import ColumnParallelLinear, RowParallelLinear
 from ..models.gpt import GPT, GPTConfig
-from ..overlap import interleave, synchronize
+from ..overlap import interleave, median_seconds
 from ..parallel_state import (
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
@@ -360,14 +358,7 @@ def measure_overlap_variants(device: torch.device, *, hidden: int, seq: int, bat
             tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
             torch.testing.assert_close(y.detach(), reference[key][0], **tol, msg=lambda m, name=name: f"{name}: {m}")
             torch.testing.assert_close(x.grad, reference[key][1], **tol, msg=lambda m, name=name: f"{name}: {m}")
-        times = []
-        for _ in range(iters):
-            synchronize(device)
-            begin = time.perf_counter()
-            step()
-            synchronize(device)
-            times.append(time.perf_counter() - begin)
-        elapsed = comm.scalars(statistics.median(times) * 1e3, dtype=torch.float64)
+        elapsed = comm.scalars(median_seconds(step, device, reps=iters) * 1e3, dtype=torch.float64)
         results[name] = comm.all_reduce(elapsed, None, op="max").item()
     return {"ms": results, "of_ceiling": {k: results["ceiling"] / v for k, v in results.items() if k != "ceiling"},
             "shape": [seq, batch, hidden], "dtype": str(dtype), "tp": n}
