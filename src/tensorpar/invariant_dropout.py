@@ -1,0 +1,107 @@
+"""Dropout masks of the TP-invariant mode: pure functions of where they are, not of the rank.
+
+A mask is drawn from a generator seeded by a hash of the run's seed, the training forward's
+index (micro-batches trained so far), the dropout site (layer and place) and the global
+coordinates of its elements: one generator per global attention head, one per fixed block of
+the sequence (``BLOCKS`` blocks, so under SP a rank draws its own whole blocks). Neither the
+TP size nor a generator's running state enters, so every TP size draws the same masks, a
+recompute draws them again, and a resume at another TP size continues them.
+
+Example::
+
+    counter = MaskCounter(seed=1234)
+    key = counter.next_key()                             # one per training forward
+    h = dropout(h, 0.1, key=key, site=(0, "mlp"))        # h: [s, b, h], s divisible by BLOCKS
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+
+from . import comm
+from .invariant import BLOCKS
+from .parallel_state import resolve_tp_group
+from .random import dropout as stream_dropout
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """The masks of one training forward: the run's ``seed`` and the forward's index ``counter``."""
+
+    seed: int
+    counter: int
+
+
+class MaskCounter:
+    """Hands each training forward its :class:`Key`, counting the forwards.
+
+    ``counter`` is the number of micro-batches trained so far: a resume sets it to
+    ``step x micro-batches per step`` (the training loop does).
+    """
+
+    def __init__(self, *, seed: int) -> None:
+        self.seed, self.counter = seed, 0
+
+    def next_key(self) -> Key:
+        key = Key(self.seed, self.counter)
+        self.counter += 1
+        return key
+
+
+def _generator(generator: torch.Generator, key: Key, *where) -> torch.Generator:
+    """``generator`` seeded with a 63-bit hash of ``key`` and ``where`` (site and coordinates)."""
+    digest = hashlib.blake2b(repr((key.seed, key.counter, *where)).encode(), digest_size=8).digest()
+    return generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def dropout(input_: torch.Tensor, p: float, *, key: Key | None, site: tuple, training: bool = True,
+            sequence_parallel: bool = False, tp_group=None) -> torch.Tensor:
+    """Dropout of ``input_`` (``[s, b, ...]``, or this rank's ``[s/TP, b, ...]`` under SP) with a
+    mask of fixed sequence blocks, block ``i`` drawn from ``(key, site, i)``; without a ``key``,
+    :func:`tensorpar.random.dropout`."""
+    if key is None:
+        return stream_dropout(input_, p, training=training, sequence_parallel=sequence_parallel, tp_group=tp_group)
+    if not training or p == 0.0:
+        return input_
+    rows, first_row, full_rows = input_.shape[0], 0, input_.shape[0]
+    if sequence_parallel:
+        group = resolve_tp_group(tp_group)
+        first_row, full_rows = comm.group_rank(group) * rows, comm.group_size(group) * rows
+    if full_rows % BLOCKS or rows % (full_rows // BLOCKS):
+        raise ValueError(f"tp_invariant dropout: the sequence length {full_rows} is not divisible by the "
+                         f"{BLOCKS} fixed blocks (or this rank's {rows} rows are not whole blocks)")
+    block = full_rows // BLOCKS
+    keep = torch.empty(input_.shape, dtype=torch.bool, device=input_.device)
+    generator = torch.Generator(device=input_.device)
+    for i, part in enumerate(keep.split(block)):
+        part.bernoulli_(1.0 - p, generator=_generator(generator, key, *site, first_row // block + i))
+    return input_ * keep / (1.0 - p)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, causal: bool,
+              p: float, key: Key, layer: int, first_head: int) -> torch.Tensor:
+    """``dropout(softmax(q k^T / sqrt(d) + mask)) v`` for heads ``first_head..`` (``q``
+    ``[b, heads, s, d]``; ``k``, ``v`` ``[b, groups, keys, d]``, query head ``i`` reading K/V
+    head ``i // (heads / groups)``), each head's mask drawn from ``(key, layer, global head)``.
+
+    ``mask``: boolean, True = attend; ``causal``: top-left aligned, as in
+    ``F.scaled_dot_product_attention``, which this matches without dropout.
+    """
+    heads, (b, s, keys) = q.shape[1], (q.shape[0], q.shape[2], k.shape[2])
+    if k.shape[1] != heads:
+        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if causal:
+        mask = torch.ones(s, keys, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # Head-major, so each head's mask is one contiguous draw of the shape it has at TP = 1.
+    keep = torch.empty(heads, b, s, keys, dtype=torch.bool, device=q.device)
+    generator = torch.Generator(device=q.device)
+    for i in range(heads):
+        keep[i].bernoulli_(1.0 - p, generator=_generator(generator, key, layer, "attention", first_head + i))
+    return torch.matmul(probs * keep.transpose(0, 1) / (1.0 - p), v)
