@@ -3,7 +3,11 @@ default mode, in one run at one TP size (step-time ratio, and each mode's CommLe
 
 The two models are timed in alternating rounds, so both see the same load on shared cores::
 
-    python benchmarks/tp_invariant.py --tp 2 [--sp] [--dtype fp32|bf16]
+    python benchmarks/tp_invariant.py --tp 2 [--sp] [--dtype fp32|bf16] [--attention-dropout 0.1]
+
+With ``--attention-dropout P`` both modes drop attention probabilities (the default mode inside
+SDPA, the invariant mode with its per-head masks and explicit attention), and the invariant mode
+also runs without attention dropout: ``attention_dropout_cost`` is the ratio of the two.
 
 One step = forward, vocab-parallel loss, backward, DP grad reduction, SP grads, clipping,
 AdamW (what ``tensorpar train`` runs). Bytes are what each rank sends under ring algorithms
@@ -22,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 
-def _stepper(invariant_mode: bool, args):
+def _stepper(invariant_mode: bool, args, attention_dropout: float):
     import tensorpar as tp
     from tensorpar import grads as tp_grads
     from tensorpar import invariant
@@ -31,7 +35,7 @@ def _stepper(invariant_mode: bool, args):
     device = tp.parallel_state.default_device()
     tp.model_parallel_manual_seed(0)
     config = GPTConfig(vocab_size=args.vocab, max_seq_len=args.seq, num_layers=args.layers, num_heads=args.heads,
-                       hidden_size=args.hidden, sequence_parallel=args.sp, dropout=0.1, attention_dropout=0.0,
+                       hidden_size=args.hidden, sequence_parallel=args.sp, dropout=0.1, attention_dropout=attention_dropout,
                        tp_invariant=invariant_mode)
     model = GPT(config, device=device)
     grads = invariant if invariant_mode else tp_grads
@@ -59,7 +63,10 @@ def run(args) -> dict:
     import tensorpar as tp
 
     tp.initialize_model_parallel(args.tp)
-    steps = {"default": _stepper(False, args), "tp_invariant": _stepper(True, args)}
+    steps = {"default": _stepper(False, args, args.attention_dropout),
+             "tp_invariant": _stepper(True, args, args.attention_dropout)}
+    if args.attention_dropout:
+        steps["tp_invariant_no_attention_dropout"] = _stepper(True, args, 0.0)
     sent = {}
     for name, step in steps.items():
         for _ in range(args.warmup):
@@ -97,13 +104,17 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--attention-dropout", type=float, default=0.0)
     args = parser.parse_args()
     from tensorpar.tools.launch import launch_local
 
     out = launch_local(run, args, nproc=args.tp)[0]
     step_s, sent = out["step_s"], out["bytes_sent_per_rank"]
+    costs = {}
+    if args.attention_dropout:
+        costs["attention_dropout_cost"] = step_s["tp_invariant"] / step_s["tp_invariant_no_attention_dropout"]
     print(json.dumps({"args": vars(args), "step_s": step_s,
-                      "step_time_ratio": step_s["tp_invariant"] / step_s["default"],
+                      "step_time_ratio": step_s["tp_invariant"] / step_s["default"], **costs,
                       "bytes_sent_per_rank": sent,
                       "bytes_ratio": sent["tp_invariant"]["total"] / max(sent["default"]["total"], 1)}))
 
