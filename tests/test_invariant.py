@@ -258,7 +258,8 @@ def test_dropout_masks_drop_at_rate_p_and_depend_on_position_not_rank():
     """The keyed masks drop within 5 binomial sigmas of p and scale the rest by 1/(1-p); they differ
     per head, block, site and forward, and a shard's heads get the whole tensor's masks; without
     dropout the attention is SDPA's."""
-    p, key = 0.3, invariant_dropout.Key(seed=1234, counter=5)
+    counter = invariant_dropout.MaskCounter(seed=1234)
+    p, key, next_key = 0.3, counter.next_key(), counter.next_key()
     hidden = invariant_dropout.dropout(torch.ones(16, 4, 32), p, key=key, site=(0, "mlp"))
     # q = 0: uniform probabilities; v = identity: the output is the dropped, scaled probabilities.
     b, heads, s = 4, 8, 16
@@ -280,7 +281,7 @@ def test_dropout_masks_drop_at_rate_p_and_depend_on_position_not_rank():
     assert not torch.equal(attended[:, 0], attended[:, 1])                        # per head
     assert not torch.equal(hidden[:2], hidden[2:4])                               # per sequence block
     assert not torch.equal(hidden, invariant_dropout.dropout(torch.ones(16, 4, 32), p, key=key, site=(1, "mlp")))
-    assert not torch.equal(attended, probs(invariant_dropout.Key(seed=1234, counter=6)))     # per forward
+    assert not torch.equal(attended, probs(next_key))                            # per forward
     assert torch.equal(probs(key, first_head=4, heads=4), attended[:, 4:8])   # a TP=2 rank's heads
     with pytest.raises(ValueError, match="the sequence length 12 is not divisible by the 8 fixed blocks"):
         invariant_dropout.dropout(torch.ones(12, 1, 4), p, key=key, site=(0, "mlp"))
@@ -292,3 +293,24 @@ def test_dropout_masks_drop_at_rate_p_and_depend_on_position_not_rank():
         torch.testing.assert_close(
             invariant_dropout.attention(q, k, v, mask, causal=causal, p=0.0, key=key, layer=0, first_head=0),
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True))
+
+
+def _compiled_dropout_body():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    group = dist.group.WORLD
+    tp.model_parallel_manual_seed(1234, tp_group=group)
+    model = torch.compile(GPT(dataclasses.replace(GPT2, num_layers=1), tp_group=group, device="cpu"))
+    tokens, labels = _batch(0, GPT2)
+    with torch.no_grad():
+        losses = [model(tokens, labels).item()]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            losses += [model(tokens, labels).item() for _ in range(2)]
+    return losses
+
+
+def test_compiled_invariant_dropout_draws_new_masks_without_recompiling():
+    """Each forward's key is a graph input, not a constant the graph guards on."""
+    losses = run_on_ranks(_compiled_dropout_body, 1, timeout=600)[0]
+    assert len(set(losses)) == 3  # the same batch and weights: only the masks differ

@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 
 import torch
@@ -27,16 +26,13 @@ from .parallel_state import resolve_tp_group
 from .random import dropout as stream_dropout
 
 
-@dataclasses.dataclass(frozen=True)
-class Key:
-    """The masks of one training forward: the run's ``seed`` and the forward's index ``counter``."""
-
-    seed: int
-    counter: int
+def _hash(*parts) -> int:
+    """A 63-bit hash of ``parts`` (ints and strings)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little") >> 1
 
 
 class MaskCounter:
-    """Hands each training forward its :class:`Key`, counting the forwards.
+    """Hands each training forward its key, counting the forwards.
 
     ``counter`` is the number of micro-batches trained so far: a resume sets it to
     ``step x micro-batches per step`` (the training loop does).
@@ -45,25 +41,30 @@ class MaskCounter:
     def __init__(self, *, seed: int) -> None:
         self.seed, self.counter = seed, 0
 
-    def next_key(self) -> Key:
-        key = Key(self.seed, self.counter)
+    # Outside any compiled graph: a key that changes every forward would recompile it.
+    @torch.compiler.disable
+    def next_key(self) -> torch.Tensor:
+        """The next forward's key: a hash of the seed and the counter, a 0-d int64 CPU tensor (a
+        traced graph takes it as an input, and a recompute gets it back as a saved argument)."""
+        key = torch.tensor(_hash(self.seed, self.counter))
         self.counter += 1
         return key
 
 
-def _generator(generator: torch.Generator, key: Key, *where) -> torch.Generator:
-    """``generator`` seeded with a 63-bit hash of ``key`` and ``where`` (site and coordinates)."""
-    digest = hashlib.blake2b(repr((key.seed, key.counter, *where)).encode(), digest_size=8).digest()
-    return generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+@torch.compiler.disable
+def _keep(shape, p: float, key: torch.Tensor, sites: list[tuple], device) -> torch.Tensor:
+    """``[len(sites), *shape]`` booleans, True at probability ``1 - p``; part ``i`` drawn from a
+    generator seeded by ``(key, *sites[i])``."""
+    keep = torch.empty(len(sites), *shape, dtype=torch.bool, device=device)
+    generator, base = torch.Generator(device=device), int(key)
+    for part, site in zip(keep, sites):
+        generator.manual_seed(_hash(base, *site))
+        # uniform >= p: on CPU faster than a boolean bernoulli_, and one draw on every device.
+        torch.ge(torch.rand(shape, generator=generator, device=device), p, out=part)
+    return keep
 
 
-def _draw_keep(keep: torch.Tensor, p: float, generator: torch.Generator) -> None:
-    """Fill the contiguous boolean ``keep`` with True at probability ``1 - p``."""
-    # uniform >= p: on CPU faster than a boolean bernoulli_, and the same draw on every device.
-    torch.ge(torch.rand(keep.shape, generator=generator, device=keep.device), p, out=keep)
-
-
-def dropout(input_: torch.Tensor, p: float, *, key: Key | None, site: tuple, training: bool = True,
+def dropout(input_: torch.Tensor, p: float, *, key: torch.Tensor | None, site: tuple, training: bool = True,
             sequence_parallel: bool = False, tp_group=None) -> torch.Tensor:
     """Dropout of ``input_`` (``[s, b, ...]``, or this rank's ``[s/TP, b, ...]`` under SP) with a
     mask of fixed sequence blocks, block ``i`` drawn from ``(key, site, i)``; without a ``key``,
@@ -80,15 +81,14 @@ def dropout(input_: torch.Tensor, p: float, *, key: Key | None, site: tuple, tra
         raise ValueError(f"tp_invariant dropout: the sequence length {full_rows} is not divisible by the "
                          f"{BLOCKS} fixed blocks (or this rank's {rows} rows are not whole blocks)")
     block = full_rows // BLOCKS
-    keep = torch.empty(input_.shape, dtype=torch.bool, device=input_.device)
-    generator = torch.Generator(device=input_.device)
-    for i, part in enumerate(keep.split(block)):
-        _draw_keep(part, p, _generator(generator, key, *site, first_row // block + i))
-    return input_ * keep / (1.0 - p)
+    first = first_row // block
+    keep = _keep((block, *input_.shape[1:]), p, key, [(*site, first + i) for i in range(rows // block)],
+                 input_.device)
+    return input_ * keep.view(input_.shape) / (1.0 - p)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, causal: bool,
-              p: float, key: Key, layer: int, first_head: int) -> torch.Tensor:
+              p: float, key: torch.Tensor, layer: int, first_head: int) -> torch.Tensor:
     """``dropout(softmax(q k^T / sqrt(d) + mask)) v`` for heads ``first_head..`` (``q``
     ``[b, heads, s, d]``; ``k``, ``v`` ``[b, groups, keys, d]``, query head ``i`` reading K/V
     head ``i // (heads / groups)``), each head's mask drawn from ``(key, layer, global head)``.
@@ -106,8 +106,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         scores.masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     # Head-major, so each head's mask is one contiguous draw of the shape it has at TP = 1.
-    keep = torch.empty(heads, b, s, keys, dtype=torch.bool, device=q.device)
-    generator = torch.Generator(device=q.device)
-    for i in range(heads):
-        _draw_keep(keep[i], p, _generator(generator, key, layer, "attention", first_head + i))
+    keep = _keep((b, s, keys), p, key, [(layer, "attention", first_head + i) for i in range(heads)], q.device)
     return torch.matmul(probs * keep.transpose(0, 1) / (1.0 - p), v)
