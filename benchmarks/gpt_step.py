@@ -53,18 +53,24 @@ def _step_peak(step, device: torch.device) -> int:
     return max(e["Total Allocated"] for e in events) - start
 
 
-def run(args) -> dict:
+def build_step(args, **config):
+    """One training step of the GPT ``args`` describe, as a function returning the loss: forward,
+    loss, backward, DP grad reduction, SP grad sum, clipping, AdamW, with the reductions of the
+    TP-invariant mode (``tensorpar.invariant``) when ``config`` has ``tp_invariant=True``, as
+    ``tensorpar train`` does. ``config``: more ``GPTConfig`` fields."""
     import tensorpar as tp
+    from tensorpar import grads as tp_grads
+    from tensorpar import invariant
     from tensorpar.models import GPT, GPTConfig
 
-    tp.initialize_model_parallel(args.tp)
     device = tp.parallel_state.default_device()
     tp.model_parallel_manual_seed(0)
     config = GPTConfig(vocab_size=args.vocab, max_seq_len=args.seq, num_layers=args.layers,
                        num_heads=args.heads, hidden_size=args.hidden, sequence_parallel=args.sp,
-                       gradient_accumulation_fusion=args.fusion, dropout=0.1, recompute=args.recompute)
+                       dropout=0.1, **config)
     model = GPT(config, device=device)
-    reducer = tp.DataParallelGradReducer(model.parameters(), dp_group=tp.get_data_parallel_group())
+    grads = invariant if config.tp_invariant else tp_grads
+    reducer = grads.DataParallelGradReducer(model.parameters(), dp_group=tp.get_data_parallel_group())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(device)
@@ -77,36 +83,33 @@ def run(args) -> dict:
         loss.backward()
         reducer.finish()
         if config.sequence_parallel:
-            tp.allreduce_sequence_parallel_grads(model)
-        tp.clip_grad_norm_(model.parameters(), 1.0)
+            grads.allreduce_sequence_parallel_grads(model)
+        grads.clip_grad_norm_(list(model.parameters()), 1.0)
         optimizer.step()
-        return loss
+        return loss.detach()
 
-    for _ in range(args.warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    peak = _step_peak(step, device)
-    times = []
-    for _ in range(args.steps):
-        began = time.perf_counter()
-        loss = step()
-        float(loss)  # one read-back per step, so every step's time is complete
-        times.append(time.perf_counter() - began)
+    return step
+
+
+def timed(step) -> float:
+    """Seconds one ``step()`` takes, its loss read back so that all its work is done."""
+    began = time.perf_counter()
+    float(step())
+    return time.perf_counter() - began
+
+
+def slowest_rank(times) -> list[float]:
+    """Per step, the slowest rank's time (a step takes as long as its slowest rank)."""
     worst = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
-    median = statistics.median(worst.tolist())
-    return {"tokens_per_s": args.batch * args.seq / median, "step_s": median,
-            "peak_mib": peak / MIB}
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.tolist()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser, *, dtype: str) -> None:
+    """The model, batch and step-count arguments :func:`build_step` reads."""
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
-    parser.add_argument("--fusion", action="store_true", help="gradient accumulation fusion")
-    parser.add_argument("--recompute", action="store_true")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=dtype)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
@@ -115,6 +118,29 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
+
+
+def run(args) -> dict:
+    import tensorpar as tp
+
+    tp.initialize_model_parallel(args.tp)
+    device = tp.parallel_state.default_device()
+    step = build_step(args, gradient_accumulation_fusion=args.fusion, recompute=args.recompute)
+    for _ in range(args.warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    peak = _step_peak(step, device)
+    median = statistics.median(slowest_rank([timed(step) for _ in range(args.steps)]))
+    return {"tokens_per_s": args.batch * args.seq / median, "step_s": median,
+            "peak_mib": peak / MIB}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser, dtype="bf16")
+    parser.add_argument("--fusion", action="store_true", help="gradient accumulation fusion")
+    parser.add_argument("--recompute", action="store_true")
     args = parser.parse_args()
     from tensorpar.launch import launch_local
 
