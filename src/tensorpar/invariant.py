@@ -10,7 +10,9 @@ size supported); at TP = t a rank owns ``BLOCKS / t`` whole blocks of every stri
   finishes the same tree.
 * A cross-rank sum is an all-to-all of the partial sums plus the same tree on each rank's
   slice (the bytes of a ring reduce-scatter), then an all-gather where every rank needs the
-  whole sum (the bytes of a ring all-reduce).
+  whole sum (the bytes of a ring all-reduce). Over two ranks in fp32/fp64 the tree's last step
+  is one IEEE add, the same in either order: the backend's own reduce-scatter or all-reduce.
+* Every block GEMM's operands are contiguous, of the same shape at every TP size.
 * Norm weights' grads are summed over fixed sequence blocks, the vocab-parallel softmax's
   normaliser over fixed vocab blocks, the grad norm over the same weight blocks.
 
@@ -49,14 +51,24 @@ def tree_sum(parts) -> torch.Tensor:
     return parts[0]
 
 
+def _one_add(tensor: torch.Tensor, n: int) -> bool:
+    """Whether the backend's own reduction of ``tensor`` over ``n`` ranks is the tree's: two
+    operands are one IEEE add, correctly rounded in either order, in fp32 and fp64 (in 16-bit
+    types a backend may round once or through fp32)."""
+    return n == 2 and tensor.dtype in (torch.float32, torch.float64)
+
+
 def reduce_scatter_tree(partial: torch.Tensor, group, *, dim: int = 0) -> torch.Tensor:
     """Sum ``partial`` over ``group`` in rank order (a pairwise tree), keeping this rank's slice along ``dim``.
 
-    An all-to-all of the slices, then :func:`tree_sum` of the ``TP`` slices received.
+    An all-to-all of the slices, then :func:`tree_sum` of the ``TP`` slices received; over two
+    ranks in fp32/fp64, the backend's reduce-scatter (the same single add).
     """
     n = comm.group_size(group)
     if n == 1:
         return partial
+    if _one_add(partial, n):
+        return comm.reduce_scatter(partial, group, dim=dim)
     comm.check_divisible(partial.shape[dim], n, f"dimension {dim} of shape {list(partial.shape)}")
     slices = partial.movedim(dim, 0)
     slices = slices.reshape(n, slices.shape[0] // n, *slices.shape[1:])
@@ -66,10 +78,13 @@ def reduce_scatter_tree(partial: torch.Tensor, group, *, dim: int = 0) -> torch.
 
 def all_reduce_tree(tensor: torch.Tensor, group) -> torch.Tensor:
     """Sum ``tensor`` over ``group`` in rank order: :func:`reduce_scatter_tree` of the flat
-    tensor, then an all-gather (the bytes of a ring all-reduce)."""
+    tensor, then an all-gather (the bytes of a ring all-reduce); over two ranks in fp32/fp64,
+    the backend's all-reduce, in place (``tensor`` is the caller's temporary)."""
     n = comm.group_size(group)
     if n == 1:
         return tensor
+    if _one_add(tensor, n):
+        return comm.all_reduce(tensor, group)
     flat = tensor.reshape(-1)
     if flat.numel() % n:
         flat = F.pad(flat, (0, -flat.numel() % n))
