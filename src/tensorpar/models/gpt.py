@@ -62,6 +62,7 @@ from ..mappings import gather_from_tensor_model_parallel_region
 from ..overlap import interleave
 from ..parallel_state import default_device, resolve_tp_group
 from ..random import checkpoint, dropout, get_rng_tracker
+from .traced_attention import attention_with_sharded_dropout
 from . import layout
 
 _CHOICES = {"norm": ("layernorm", "rmsnorm"), "activation": ("gelu", "gelu_tanh", "swiglu"),
@@ -371,10 +372,11 @@ class Attention(nn.Module):
         qkv_layout, proj_layout = dict(stride=p + 2), {}
         if self.even:
             self.local_heads, self.local_groups = config.num_heads // n, groups // n
+            self.first_head = parallel.rank * self.local_heads
         else:
             heads = layout.attention_layout(config.num_heads, groups, d, n)
             (first, stop), _ = heads[parallel.rank]
-            self.local_heads = stop - first
+            self.local_heads, self.first_head = stop - first, first
             self.local_groups = (stop - 1) // p + 1 - first // p
             # stride still names the p + 2 blocks (checkpoints store them alike at every TP size).
             qkv_layout["partition_rows"] = [rows for _, rows in heads]
@@ -432,12 +434,18 @@ class Attention(nn.Module):
             # position keys - s + i and sees every key up to it (bottom-right alignment).
             mask = torch.ones(s, keys, dtype=torch.bool, device=q.device).tril(keys - s)
         dropout_p = self.config.attention_dropout if self.training else 0.0
-        # The probabilities of different heads live on different ranks: their dropout masks
-        # must be independent, so they come from the per-rank model-parallel stream.
-        with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
-            # enable_gqa: query head i reads K/V head i // p, with no copy.
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                 is_causal=mask is None, enable_gqa=gqa)
+        if dropout_p > 0 and torch.compiler.is_compiling():
+            # A traced graph cannot fork the generator (SDPA's dropout would draw every rank's
+            # heads the same mask): the masks come from sharded_dropout.
+            out = attention_with_sharded_dropout(q, k, v, mask=mask, dropout_p=dropout_p, gqa=gqa,
+                                                 first_head=self.first_head, num_heads=self.config.num_heads)
+        else:
+            # The probabilities of different heads live on different ranks: their dropout masks
+            # must be independent, so they come from the per-rank model-parallel stream.
+            with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
+                # enable_gqa: query head i reads K/V head i // p, with no copy.
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                     is_causal=mask is None, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)            # [s, b, heads/TP d]
 
 
