@@ -47,8 +47,8 @@ def run(args) -> dict:
 
     import tensorpar as tp
 
+    tp.initialize_model_parallel(args.tp)  # first: it starts the process group megatron's needs
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
-    tp.initialize_model_parallel(args.tp)
     h, ffn = args.hidden, 4 * args.hidden
     init = torch.nn.init.xavier_normal_
     config = ModelParallelConfig(tensor_model_parallel_size=args.tp, use_cpu_initialization=True)
