@@ -211,6 +211,10 @@ def _dropout_body(cases):
         # ... inside it the ranks' heads get different masks, together the TP=1 mask.
         assert not torch.equal(head_parts[0], head_parts[1]) and torch.equal(heads_cat, full_heads), sp
         assert 0 < int(hidden.sum()) < hidden.numel()
+    # Eager, the heads' masks come from each rank's own stream: different too.
+    eager_heads = tp.random.sharded_dropout(torch.ones(3, 2, 5, 5), 0.5, dim=1, start=2 * dist.get_rank(), full_size=4)
+    eager_parts, _ = _gathered(eager_heads != 0, 1)
+    assert not torch.equal(eager_parts[0], eager_parts[1])
     tokens, labels = _data()
     for overrides in cases:
         losses = {}
