@@ -62,6 +62,7 @@ from . import generation, layout
 from .config import GPTConfig
 from .kv_cache import KVCache
 from .rotary import apply_rotary, rotary_frequencies, rotary_tables
+from .traced_attention import attention_with_sharded_dropout
 
 
 def _norm(config: GPTConfig, parallel: "_Parallel") -> nn.Module:
@@ -163,10 +164,11 @@ class Attention(nn.Module):
         qkv_layout, proj_layout = dict(stride=p + 2), {}
         if self.even:
             self.local_heads, self.local_groups = config.num_heads // n, groups // n
+            self.first_head = parallel.rank * self.local_heads
         else:
             heads = layout.attention_layout(config.num_heads, groups, d, n)
             (first, stop), _ = heads[parallel.rank]
-            self.local_heads = stop - first
+            self.local_heads, self.first_head = stop - first, first
             self.local_groups = (stop - 1) // p + 1 - first // p
             # stride still names the p + 2 blocks (checkpoints store them alike at every TP size).
             qkv_layout["partition_rows"] = [rows for _, rows in heads]
@@ -235,12 +237,18 @@ class Attention(nn.Module):
             # Query heads reading their K/V heads unevenly: SDPA's enable_gqa needs equal runs.
             k, v, gqa = k.index_select(1, self.group_of_head), v.index_select(1, self.group_of_head), False
         dropout_p = self.config.attention_dropout if self.training else 0.0
-        # The probabilities of different heads live on different ranks: their dropout masks
-        # must be independent, so they come from the per-rank model-parallel stream.
-        with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
-            # enable_gqa: query head i reads K/V head i // p, with no copy.
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                 is_causal=causal, enable_gqa=gqa)
+        if dropout_p > 0 and torch.compiler.is_compiling():
+            # A traced graph cannot fork the generator (SDPA's dropout would draw every rank's
+            # heads the same mask): the masks come from sharded_dropout. (Training: causal.)
+            out = attention_with_sharded_dropout(q, k, v, mask=mask, dropout_p=dropout_p, gqa=gqa,
+                                                 first_head=self.first_head, num_heads=self.config.num_heads)
+        else:
+            # The probabilities of different heads live on different ranks: their dropout masks
+            # must be independent, so they come from the per-rank model-parallel stream.
+            with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
+                # enable_gqa: query head i reads K/V head i // p, with no copy.
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                     is_causal=causal, enable_gqa=gqa)
         b, _, s, _ = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)            # [s, b, heads/TP d]
 
