@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--iters", type=int, default=3)
     args = parser.parse_args()
-    from tensorpar.launch import launch_local
+    from tensorpar.tools.launch import launch_local
 
     load_before = os.getloadavg()[0]
     results = launch_local(run, args, nproc=args.tp)
