@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import tensorpar as tp
 from tensorpar.models import GPTConfig
-from tensorpar.models.generation import Decoder, last_logits
+from tensorpar.models.generation import Decoder, generate, last_logits
 from tests.harness import run_on_ranks
 from tests.test_gpt import ATOL, BASE, GQA, LLAMA, RTOL, _build, _single_rank_group
 
@@ -39,18 +39,26 @@ def _decode_body():
                 recomputed = model.generate(prompt, NEW, temperature=0, attention_mask=attention_mask,
                                             use_cache=False)
                 assert torch.equal(out, recomputed), (overrides, attention_mask)
+                # The fixed-shape step a CUDA graph captures (here run eagerly): the same tokens.
+                fixed = generate(model, prompt, NEW, temperature=0, attention_mask=attention_mask, cuda_graph=True)
+                assert torch.equal(fixed, out), (overrides, attention_mask)
             # Each decode step's logits are those of the whole sequence recomputed without a cache.
-            # (generate copies the weights from 16 new tokens on: here both ways.)
+            # (generate copies the weights from 16 new tokens on: here both ways; and with fixed
+            # shapes, the whole cache attended with a mask, garbage in its unused slots.)
             is_real = F.pad(mask.bool(), (0, NEW), value=True)
-            for copy_weights in (False, True):
+            for copy_weights, fixed_shapes in ((False, False), (True, False), (False, True)):
                 with torch.no_grad():
                     cache = model.new_kv_cache(batch, length + NEW + 1)
-                    decoder = Decoder(model, cache, is_real, prompt=length, copy_weights=copy_weights)
+                    for buffer in cache.keys + cache.values:
+                        buffer.fill_(float("nan"))
+                    decoder = Decoder(model, cache, is_real, prompt=length, copy_weights=copy_weights,
+                                      fixed_shapes=fixed_shapes)
                     last_logits(model, out[:, :length], is_real[:, :length], cache)
                     for stop in range(length + 1, length + NEW + 1):
+                        what = f"{overrides} fixed_shapes={fixed_shapes} at {stop}"
                         torch.testing.assert_close(decoder.step(out[:, stop - 1]),
                                                    last_logits(model, out[:, :stop], is_real[:, :stop], None),
-                                                   rtol=RTOL, atol=ATOL, msg=lambda m: f"{overrides} at {stop}: {m}")
+                                                   rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
     return True
 
 
