@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from tensorpar.models import from_hf
-from tensorpar.models.generation import Decoder, generate, last_logits
+from ..models import from_hf
+from ..models.generation import Decoder, generate, last_logits
 
 # A token may differ from the reference's only where the reference's logits put it within this
 # fraction of their largest magnitude of its best: a near tie that the kernels' rounding decides.
