@@ -43,7 +43,7 @@ def _decode_body():
                                             use_cache=False)
                 assert torch.equal(out, recomputed), (overrides, attention_mask)
                 # The fixed-shape step a CUDA graph captures (here run eagerly): the same tokens.
-                fixed = generate(model, prompt, NEW, temperature=0, attention_mask=attention_mask, cuda_graph=True)
+                fixed = model.generate(prompt, NEW, temperature=0, attention_mask=attention_mask, cuda_graph=True)
                 assert torch.equal(fixed, out), (overrides, attention_mask)
             # Each decode step's logits are those of the whole sequence recomputed without a cache.
             # (generate copies the weights from 16 new tokens on: here both ways; and with fixed

@@ -457,9 +457,11 @@ class GPT(nn.Module):
 
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
-                 use_cache: bool = True, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 use_cache: bool = True, attention_mask: torch.Tensor | None = None,
+                 cuda_graph: bool = False) -> torch.Tensor:
         """Append up to ``max_new_tokens`` tokens to ``tokens`` (``[b, s]``), the same on every TP rank
-        (:func:`tensorpar.models.generation.generate`). ``temperature=0``: greedy. Call ``eval()`` first.
+        (:func:`tensorpar.models.generation.generate`). ``temperature=0``: greedy. ``cuda_graph``: the
+        decode step replayed from a CUDA graph (CUDA, TP=1). Call ``eval()`` first.
 
         Example::
 
@@ -468,7 +470,7 @@ class GPT(nn.Module):
         """
         return generation.generate(self, tokens, max_new_tokens, temperature=temperature, top_k=top_k,
                                    top_p=top_p, eos_token_id=eos_token_id, use_cache=use_cache,
-                                   attention_mask=attention_mask)
+                                   attention_mask=attention_mask, cuda_graph=cuda_graph)
 
     # ------------------------------------------------- parameters and checkpoints
 
