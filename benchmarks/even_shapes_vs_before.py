@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gpt_step import add_model_arguments, build_step
+from gpt_step import add_arguments, build_step
 
 # The parent of 6321b1d, the first commit of the uneven layouts ("issue 17 stage 1").
 BASELINE = "89f13ed755615c73faca7fe2ee32c459902d00d7"
@@ -198,7 +198,7 @@ def _drive(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_arguments(parser)
+    add_arguments(parser, dtype="fp32", sp=False)
     parser.set_defaults(dtype="fp32", layers=2, seq=128, vocab=4096)
     parser.add_argument("--baseline", default=BASELINE, help="the revision to compare with (default: %(default)s)")
     parser.add_argument("--current", help="a revision to time instead of the working tree")

@@ -53,22 +53,30 @@ def _step_peak(step, device: torch.device) -> int:
     return max(e["Total Allocated"] for e in events) - start
 
 
-def build_step(args):
-    """``(step, model)``: one training step of a freshly seeded GPT built from ``args``.
+def build_step(args, **config):
+    """``(step, model)``: one training step of a freshly seeded GPT that ``args`` describe.
 
     ``step()`` runs forward, loss, backward, DP grad reduction, SP grad sum, clipping and AdamW
-    and returns the loss. The model parallel state must be initialised.
+    and returns the loss, with the reductions of the TP-invariant mode (``tensorpar.invariant``)
+    when ``config`` has ``tp_invariant=True``, as ``tensorpar train`` does. ``config``: more
+    ``GPTConfig`` fields. The model parallel state must be initialised.
     """
     import tensorpar as tp
     from tensorpar.models import GPT, GPTConfig
+
+    if config.get("tp_invariant"):
+        from tensorpar import invariant as grads
+    else:  # (a tree from before the invariant mode has no tensorpar.invariant: even_shapes_vs_before.py)
+        from tensorpar import grads
 
     device = tp.parallel_state.default_device()
     tp.model_parallel_manual_seed(0)
     config = GPTConfig(vocab_size=args.vocab, max_seq_len=args.seq, num_layers=args.layers,
                        num_heads=args.heads, hidden_size=args.hidden, sequence_parallel=args.sp,
-                       gradient_accumulation_fusion=args.fusion, dropout=0.1, recompute=args.recompute)
+                       gradient_accumulation_fusion=args.fusion, recompute=args.recompute, dropout=0.1,
+                       **config)
     model = GPT(config, device=device)
-    reducer = tp.DataParallelGradReducer(model.parameters(), dp_group=tp.get_data_parallel_group())
+    reducer = grads.DataParallelGradReducer(model.parameters(), dp_group=tp.get_data_parallel_group())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(device)
@@ -81,12 +89,47 @@ def build_step(args):
         loss.backward()
         reducer.finish()
         if config.sequence_parallel:
-            tp.allreduce_sequence_parallel_grads(model)
-        tp.clip_grad_norm_(model.parameters(), 1.0)
+            grads.allreduce_sequence_parallel_grads(model)
+        grads.clip_grad_norm_(list(model.parameters()), 1.0)
         optimizer.step()
-        return loss
+        return loss.detach()
 
     return step, model
+
+
+def timed(step) -> float:
+    """Seconds one ``step()`` takes, its loss read back so that all its work is done."""
+    began = time.perf_counter()
+    float(step())
+    return time.perf_counter() - began
+
+
+def slowest_rank(times) -> list[float]:
+    """Per step, the slowest rank's time (a step takes as long as its slowest rank)."""
+    worst = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.tolist()
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, dtype: str, sp: bool = True) -> None:
+    """The model and batch flags :func:`build_step` reads (``--sp`` unless ``sp=False``)."""
+    parser.add_argument("--tp", type=int, default=2)
+    if sp:
+        parser.add_argument("--sp", action="store_true", help="sequence parallelism")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=dtype)
+    parser.add_argument("--fusion", action="store_true", help="gradient accumulation fusion")
+    parser.add_argument("--recompute", action="store_true")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+
+
+def add_step_counts(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
 
 
 def run(args) -> dict:
@@ -100,39 +143,15 @@ def run(args) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     peak = _step_peak(step, device)
-    times = []
-    for _ in range(args.steps):
-        began = time.perf_counter()
-        loss = step()
-        float(loss)  # one read-back per step, so every step's time is complete
-        times.append(time.perf_counter() - began)
-    worst = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
-    median = statistics.median(worst.tolist())
+    median = statistics.median(slowest_rank([timed(step) for _ in range(args.steps)]))
     return {"tokens_per_s": args.batch * args.seq / median, "step_s": median,
             "peak_mib": peak / MIB}
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags :func:`build_step` reads, except ``--sp``."""
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--fusion", action="store_true", help="gradient accumulation fusion")
-    parser.add_argument("--recompute", action="store_true")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_arguments(parser)
-    parser.add_argument("--sp", action="store_true", help="sequence parallelism")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
+    add_arguments(parser, dtype="bf16")
+    add_step_counts(parser)
     args = parser.parse_args()
     from tensorpar.tools.launch import launch_local
 

@@ -175,3 +175,65 @@ def test_train_compile_gives_the_eager_losses(tmp_path):
     assert sorted(compiled) == sorted(eager) == [1, 2, 3]
     for step, loss in eager.items():
         assert compiled[step] == pytest.approx(loss, rel=1e-5, abs=1e-5), step
+
+
+def _compiled_masks(group, sequence_parallel):
+    """Keep masks of compiled hidden dropout and compiled head-sharded dropout, from seed 3."""
+    rank, n = tp.comm.group_rank(group), tp.comm.group_size(group)
+    heads, rows = 4 // n, 8 // n if sequence_parallel else 8  # of 4 heads, 8 rows in all
+
+    def masks(hidden, probs):
+        hidden = tp.random.dropout(hidden, 0.5, sequence_parallel=sequence_parallel, tp_group=group)
+        probs = tp.random.sharded_dropout(probs, 0.5, dim=1, start=rank * heads, full_size=4)
+        return hidden != 0, probs != 0
+
+    torch.manual_seed(3)
+    return torch.compile(masks, backend="aot_eager", fullgraph=True)(torch.ones(rows, 3, 8), torch.ones(3, heads, 5, 5))
+
+
+def _gathered(t, dim):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return parts, torch.cat(parts, dim)
+
+
+def _dropout_body(cases):
+    torch._dynamo.reset()
+    tp.initialize_model_parallel(dist.get_world_size())
+    group, single = tp.get_tensor_model_parallel_group(), _single_rank_group()
+    for sp in (False, True):
+        hidden, heads = _compiled_masks(group, sp)
+        full_hidden, full_heads = _compiled_masks(single, False)
+        hidden_parts, hidden_cat = _gathered(hidden, 0)
+        head_parts, heads_cat = _gathered(heads, 1)
+        # Outside the TP region every rank keeps the TP=1 mask (under SP: its rows of it) ...
+        assert torch.equal(hidden_cat, full_hidden) if sp else all(torch.equal(h, full_hidden) for h in hidden_parts)
+        # ... inside it the ranks' heads get different masks, together the TP=1 mask.
+        assert not torch.equal(head_parts[0], head_parts[1]) and torch.equal(heads_cat, full_heads), sp
+        assert 0 < int(hidden.sum()) < hidden.numel()
+    # Eager, the heads' masks come from each rank's own stream: different too.
+    tp.model_parallel_manual_seed(5)
+    eager_heads = tp.random.sharded_dropout(torch.ones(3, 2, 5, 5), 0.5, dim=1, start=2 * dist.get_rank(), full_size=4)
+    eager_parts, _ = _gathered(eager_heads != 0, 1)
+    assert not torch.equal(eager_parts[0], eager_parts[1])
+    tokens, labels = _data()
+    for overrides in cases:
+        losses = {}
+        for name, tp_group, p in (("tp1", single, 0.3), ("tp", None, 0.3), ("no dropout", None, 0.0)):
+            torch._dynamo.reset()  # each model's own graphs, none reused from the previous one
+            model = _build({"dropout": p, **overrides}, tp_group)
+            backend, graphs, _, _ = _counting_backend()
+            torch.manual_seed(11)  # the default stream, which compiled dropout draws from
+            losses[name] = _steps(model, torch.compile(model, backend=backend, fullgraph=True), tokens, labels)[0]
+            assert len(graphs) == 1, (overrides, name, len(graphs))
+        # Compiled, the masks do not depend on TP (or SP, or recompute): the TP=1 losses, step after step.
+        torch.testing.assert_close(losses["tp"], losses["tp1"], rtol=RTOL, atol=ATOL, msg=lambda m: f"{overrides}: {m}")
+        assert losses["tp"][0] != losses["no dropout"][0], overrides
+    return True
+
+
+def test_compiled_dropout_has_no_graph_break_and_keeps_the_tp_masks():
+    """Hidden and attention dropout > 0 at TP=2 +-SP +-recompute: one graph; replicated masks
+    equal on every rank, the heads' masks different per rank, and the losses of TP=1."""
+    cases = [{}, {"sequence_parallel": True}, {"sequence_parallel": True, "recompute": True}]
+    assert all(run_on_ranks(_dropout_body, 2, cases, timeout=900))

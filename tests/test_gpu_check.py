@@ -5,6 +5,7 @@ the harness's gloo worlds with CPU tensors, so everything in it that can run on 
 """
 
 import contextlib
+import sys
 import types
 import unittest.mock
 
@@ -136,6 +137,51 @@ def _throughput_body():
 def test_gpu_check_throughput_reports_tokens_per_second_and_mfu():
     (result,) = run_on_ranks(_throughput_body, 1)
     assert result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1
+
+
+DECODE_FIELDS = {"model", "batch", "prompt_len", "new_tokens", "transformers_cache", "cuda_graph",
+                 "transformers_ms_per_token", "tensorpar_ms_per_token", "tensorpar_graph_ms_per_token", "graph_step_ms",
+                 "ratio", "graph_ratio", "tokens", "ok"}
+
+
+def _decode_body():
+    tp.initialize_model_parallel(1)
+    return gpu_check.measure_decode(torch.device("cpu"), hidden=64, layers=2, heads=4, kv_heads=2, vocab=256, batch=2,
+                                    prompt_len=8, new_tokens=8, dtype=torch.float32, rounds=1)
+
+
+def test_gpu_check_decode_stage_matches_transformers_tokens_and_reports_every_field():
+    """Issue 20: tensorpar's decode and its fixed-shape step (the CUDA graph's, eager here)
+    choose transformers' tokens on the same saved Llama; the report has every figure."""
+    pytest.importorskip("transformers")
+    (result,) = run_on_ranks(_decode_body, 1)
+    assert set(result) == DECODE_FIELDS, result
+    assert result["ok"] and result["cuda_graph"] is False
+    # fp32 on CPU: every sequence equal, no near tie needed.
+    assert result["tokens"] == {name: {"equal": 2, "near_ties": 0, "differ": []}
+                                for name in ("tensorpar", "tensorpar_graph")}
+    # Timings are figures, not assertions (a loaded machine may move them anywhere).
+    assert all(isinstance(result[key], float) for key in DECODE_FIELDS if key.endswith(("_ms", "_token", "ratio")))
+
+
+def test_decode_stage_says_it_is_skipped_without_transformers(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)   # import transformers raises ImportError
+    result = gpu_check.measure_decode(torch.device("cpu"), hidden=64, layers=2, heads=4, kv_heads=2, vocab=256,
+                                      batch=2, prompt_len=8, new_tokens=8, dtype=torch.float32, rounds=1)
+    assert set(result) == {"skipped"} and "transformers is not installed" in result["skipped"]
+
+
+def test_decode_tokens_may_differ_from_the_reference_only_at_a_near_tie():
+    from tensorpar.tools.decode_check import agreement
+
+    reference = torch.tensor([[9, 1, 2, 3], [9, 1, 2, 3], [9, 1, 2, 3]])
+    logits = [torch.tensor([[5.0, 10.0, 0.0, 0.0]] * 3), torch.tensor([[0.0, 0.0, 10.0, 9.9]] * 3),
+              torch.tensor([[0.0, 0.0, 0.0, 10.0]] * 3)]
+    tokens = torch.tensor([[9, 1, 2, 3],          # equal
+                           [9, 1, 3, 0],          # first differs at a near tie (9.9 vs 10), then anything
+                           [9, 0, 2, 3]])         # differs where the reference's margin is 5
+    assert agreement(tokens, reference, logits, prompt_len=1) == {"equal": 1, "near_ties": 1,
+                                                                  "differ": [(2, 0, 5.0, 10.0)]}
 
 
 @pytest.mark.gpu

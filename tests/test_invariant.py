@@ -256,43 +256,27 @@ def test_invariant_layers_match_the_unsharded_computation():
 
 def test_dropout_masks_drop_at_rate_p_and_depend_on_position_not_rank():
     """The keyed masks drop within 5 binomial sigmas of p and scale the rest by 1/(1-p); they differ
-    per head, block, site and forward, and a shard's heads get the whole tensor's masks; without
-    dropout the attention is SDPA's."""
+    per head, block, site and forward, and a shard's heads get the whole tensor's masks."""
     counter = invariant_dropout.MaskCounter(seed=1234)
     p, key, next_key = 0.3, counter.next_key(), counter.next_key()
     hidden = invariant_dropout.dropout(torch.ones(16, 4, 32), p, key=key, site=(0, "mlp"))
-    # q = 0: uniform probabilities; v = identity: the output is the dropped, scaled probabilities.
-    b, heads, s = 4, 8, 16
-    q, v = torch.zeros(b, heads, s, s), torch.eye(s).expand(b, heads, s, s)
+    ones = torch.ones(4, 8, 16, 16)                                 # [b, heads, s, keys]
 
-    def probs(key, first_head=0, heads=heads):
-        return invariant_dropout.attention(q[:, :heads], q[:, :heads], v[:, :heads], None, causal=True, p=p,
-                                           key=key, layer=0, first_head=first_head)
+    def heads(key, first_head=0, count=8):
+        return invariant_dropout.drop_heads(ones[:, :count], p, key=key, layer=0, first_head=first_head)
 
-    attended = probs(key)
-    causal = torch.ones(s, s, dtype=torch.bool).tril().expand_as(attended)
-    for kept, n in ((hidden != 0, hidden.numel()), (attended[causal] != 0, int(causal.sum()))):
-        dropped = n - int(kept.sum())
-        assert abs(dropped - n * p) < 5 * (n * p * (1 - p)) ** 0.5, (dropped, n)
-    assert torch.equal(hidden[hidden != 0], torch.full_like(hidden[hidden != 0], 1 / (1 - p)))
-    uniform = (1 / torch.arange(1, s + 1)).unsqueeze(1).expand(s, s)
-    torch.testing.assert_close(attended[causal][attended[causal] != 0],
-                               (uniform.expand_as(attended)[causal] / (1 - p))[attended[causal] != 0])
+    attended = heads(key)
+    for dropped in (hidden, attended):
+        n, kept = dropped.numel(), dropped != 0
+        assert abs(n - int(kept.sum()) - n * p) < 5 * (n * p * (1 - p)) ** 0.5, (int(kept.sum()), n)
+        assert torch.equal(dropped[kept], torch.full_like(dropped[kept], 1 / (1 - p)))
     assert not torch.equal(attended[:, 0], attended[:, 1])                        # per head
     assert not torch.equal(hidden[:2], hidden[2:4])                               # per sequence block
     assert not torch.equal(hidden, invariant_dropout.dropout(torch.ones(16, 4, 32), p, key=key, site=(1, "mlp")))
-    assert not torch.equal(attended, probs(next_key))                            # per forward
-    assert torch.equal(probs(key, first_head=4, heads=4), attended[:, 4:8])   # a TP=2 rank's heads
+    assert not torch.equal(attended, heads(next_key))                             # per forward
+    assert torch.equal(heads(key, first_head=4, count=4), attended[:, 4:8])       # a TP=2 rank's heads
     with pytest.raises(ValueError, match="the sequence length 12 is not divisible by the 8 fixed blocks"):
         invariant_dropout.dropout(torch.ones(12, 1, 4), p, key=key, site=(0, "mlp"))
-    # Without dropout: F.scaled_dot_product_attention's attention (GQA, causal or a boolean mask).
-    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
-    mask = torch.rand(2, 1, 16, 16) < 0.7
-    mask[..., 0] = True
-    for mask, causal in ((None, True), (mask, False)):
-        torch.testing.assert_close(
-            invariant_dropout.attention(q, k, v, mask, causal=causal, p=0.0, key=key, layer=0, first_head=0),
-            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True))
 
 
 def _compiled_dropout_body():

@@ -1,6 +1,7 @@
 """The local launcher: a rank's exception reaches the caller as one line naming the rank, fast."""
 
 import datetime
+import json
 import os
 import signal
 import time
@@ -55,6 +56,27 @@ def test_a_stopped_rank_is_named_not_the_timeout_of_the_rank_waiting_for_it():
     with pytest.raises(LaunchError, match=r"^rank 1 \(pid \d+\) stopped responding: its process was stopped "
                                           r"\(SIGSTOP\); a collective timed out waiting for it \(rank 0\)$"):
         launch_local(_stop_rank1_while_rank0_waits, nproc=2)
+
+
+def test_a_stopped_peer_is_dated_before_it_is_continued(monkeypatch, tmp_path):
+    # Continued, the peer fails at once and may write its error first: the launcher must still
+    # report this rank's, so its time is taken before the peer runs again.
+    from tensorpar.tools import launch
+
+    continued_at = []
+    monkeypatch.setattr(launch, "_stopped_peers", lambda: {1: 12345})
+    monkeypatch.setattr(launch.os, "kill", lambda pid, sig: continued_at.append(time.time()))
+
+    def waits_for_the_stopped_peer():
+        raise RuntimeError("Timed out waiting 3000ms for recv operation to complete")
+
+    with pytest.raises(launch.PeerStopped) as info:
+        launch._run_rank(waits_for_the_stopped_peer)
+    assert continued_at and info.value.failed_at <= continued_at[0]
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    time.sleep(0.01)
+    launch.OneLineErrorHandler().record_exception(info.value)
+    assert json.loads((tmp_path / "error.json").read_text())["tensorpar"]["time"] == info.value.failed_at
 
 
 def test_one_line_keeps_our_messages_and_names_other_types():

@@ -10,7 +10,9 @@ size supported); at TP = t a rank owns ``BLOCKS / t`` whole blocks of every stri
   finishes the same tree.
 * A cross-rank sum is an all-to-all of the partial sums plus the same tree on each rank's
   slice (the bytes of a ring reduce-scatter), then an all-gather where every rank needs the
-  whole sum (the bytes of a ring all-reduce).
+  whole sum (the bytes of a ring all-reduce). Over two ranks in fp32/fp64 the tree's last step
+  is one IEEE add, the same in either order: the backend's own reduce-scatter or all-reduce.
+* Every block GEMM's operands are contiguous, of the same shape at every TP size.
 * Norm weights' grads are summed over fixed sequence blocks, the vocab-parallel softmax's
   normaliser over fixed vocab blocks, the grad norm over the same weight blocks.
 
@@ -38,21 +40,35 @@ BLOCKS = 8
 
 
 def tree_sum(parts) -> torch.Tensor:
-    """``((p0 + p1) + (p2 + p3)) + ...``: pairwise, over a power-of-two number of parts."""
+    """``((p0 + p1) + (p2 + p3)) + ...``: pairwise, over a power-of-two number of parts.
+
+    Adds in place into the parts (temporaries of the caller): the same bits as new tensors,
+    without allocating one per add.
+    """
     parts = list(parts)
     while len(parts) > 1:
-        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+        parts = [parts[i].add_(parts[i + 1]) for i in range(0, len(parts), 2)]
     return parts[0]
+
+
+def _one_add(tensor: torch.Tensor, n: int) -> bool:
+    """Whether the backend's own reduction of ``tensor`` over ``n`` ranks is the tree's: two
+    operands are one IEEE add, correctly rounded in either order, in fp32 and fp64 (in 16-bit
+    types a backend may round once or through fp32)."""
+    return n == 2 and tensor.dtype in (torch.float32, torch.float64)
 
 
 def reduce_scatter_tree(partial: torch.Tensor, group, *, dim: int = 0) -> torch.Tensor:
     """Sum ``partial`` over ``group`` in rank order (a pairwise tree), keeping this rank's slice along ``dim``.
 
-    An all-to-all of the slices, then :func:`tree_sum` of the ``TP`` slices received.
+    An all-to-all of the slices, then :func:`tree_sum` of the ``TP`` slices received; over two
+    ranks in fp32/fp64, the backend's reduce-scatter (the same single add).
     """
     n = comm.group_size(group)
     if n == 1:
         return partial
+    if _one_add(partial, n):
+        return comm.reduce_scatter(partial, group, dim=dim)
     comm.check_divisible(partial.shape[dim], n, f"dimension {dim} of shape {list(partial.shape)}")
     slices = partial.movedim(dim, 0)
     slices = slices.reshape(n, slices.shape[0] // n, *slices.shape[1:])
@@ -62,12 +78,16 @@ def reduce_scatter_tree(partial: torch.Tensor, group, *, dim: int = 0) -> torch.
 
 def all_reduce_tree(tensor: torch.Tensor, group) -> torch.Tensor:
     """Sum ``tensor`` over ``group`` in rank order: :func:`reduce_scatter_tree` of the flat
-    tensor, then an all-gather (the bytes of a ring all-reduce)."""
+    tensor, then an all-gather (the bytes of a ring all-reduce); over two ranks in fp32/fp64,
+    the backend's all-reduce, in place (``tensor`` is the caller's temporary)."""
     n = comm.group_size(group)
     if n == 1:
         return tensor
+    if _one_add(tensor, n):
+        return comm.all_reduce(tensor, group)
     flat = tensor.reshape(-1)
-    flat = F.pad(flat, (0, -flat.numel() % n))
+    if flat.numel() % n:
+        flat = F.pad(flat, (0, -flat.numel() % n))
     total = comm.all_gather(reduce_scatter_tree(flat, group), group)
     return total[:tensor.numel()].view(tensor.shape)
 
@@ -80,22 +100,21 @@ def _check_blocks(size: int, stride: int, what: str) -> None:
 
 
 def _grouped(t: torch.Tensor, stride: int, groups: int) -> torch.Tensor:
-    """Local rows ``[stride pieces x groups x rows]`` regrouped as ``[groups, stride x rows, ...]``:
-    group ``i`` holds block ``i`` of every piece (the same GEMM at every TP size)."""
+    """Local rows ``[stride pieces x groups x rows]`` regrouped as ``[groups, stride x rows, ...]``,
+    contiguous: group ``i`` holds block ``i`` of every piece (the same GEMM at every TP size)."""
     rest = t.shape[1:]
-    return t.reshape(stride, groups, -1, *rest).transpose(0, 1).reshape(groups, -1, *rest)
+    return t.reshape(stride, groups, -1, *rest).transpose(0, 1).reshape(groups, -1, *rest).contiguous()
 
 
-def _ungrouped(t: torch.Tensor, stride: int) -> torch.Tensor:
-    """Inverse of :func:`_grouped`."""
-    groups, rest = t.shape[0], t.shape[2:]
-    return t.reshape(groups, stride, -1, *rest).transpose(0, 1).reshape(-1, *rest)
+def _merged(parts, stride: int, dim: int) -> torch.Tensor:
+    """Per-group results (``stride x rows`` along ``dim``) in this rank's order ``stride x groups
+    x rows`` along ``dim``: the inverse of :func:`_grouped`, in one copy."""
+    return torch.stack([p.unflatten(dim, (stride, -1)) for p in parts], dim=dim + 1).flatten(dim, dim + 2)
 
 
-def _column_groups(t2d: torch.Tensor, stride: int, groups: int):
-    """The columns of ``t2d`` (``[M, local columns]``) of each group, ``[M, stride x rows]`` each."""
-    rows = t2d.shape[0]
-    return t2d.view(rows, stride, groups, -1).transpose(1, 2).reshape(rows, groups, -1).unbind(1)
+def _k_blocks(t2d: torch.Tensor, blocks: int) -> torch.Tensor:
+    """The column blocks of ``t2d`` as one contiguous ``[blocks, rows, columns / blocks]`` tensor."""
+    return t2d.view(t2d.shape[0], blocks, -1).transpose(0, 1).contiguous()
 
 
 class _Column(torch.autograd.Function):
@@ -104,41 +123,34 @@ class _Column(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_, weight, bias, stride, sequence_parallel, group):
         dtype = _compute_dtype(input_)
-        input_, compute_weight = input_.to(dtype), weight.to(dtype)
+        input_ = input_.to(dtype)
         total = comm.all_gather(input_, group, dim=0) if sequence_parallel else input_
         groups = BLOCKS // comm.group_size(group)
         x2d = total.reshape(-1, total.shape[-1])
+        weights = _grouped(weight.to(dtype), stride, groups)
+        biases = [None] * groups if bias is None else _grouped(bias.to(dtype), stride, groups)
         with torch.autocast(input_.device.type, enabled=False):
-            outs = [F.linear(x2d, w.contiguous()) for w in _grouped(compute_weight, stride, groups)]
-        # [M, groups, stride, rows] -> this rank's column order [M, stride, groups, rows].
-        output = torch.stack(outs, dim=1).view(x2d.shape[0], groups, stride, -1).transpose(1, 2)
-        output = output.reshape(x2d.shape[0], -1)
-        if bias is not None:
-            output = output + bias.to(dtype)
-        ctx.save_for_backward(input_, compute_weight)
+            output = _merged([F.linear(x2d, w, b) for w, b in zip(weights, biases)], stride, 1)
+        ctx.save_for_backward(input_, weights)
         ctx.stride, ctx.sequence_parallel, ctx.group, ctx.has_bias = stride, sequence_parallel, group, bias is not None
         ctx.weight_dtype = weight.dtype
         return output.view(*total.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_output):
-        input_, weight = ctx.saved_tensors
-        group, stride = ctx.group, ctx.stride
-        groups = BLOCKS // comm.group_size(group)
+        input_, weights = ctx.saved_tensors
+        group, stride, groups = ctx.group, ctx.stride, weights.shape[0]
         total = comm.all_gather(input_, group, dim=0) if ctx.sequence_parallel else input_
         x2d = total.reshape(-1, total.shape[-1])
-        g2d = grad_output.reshape(-1, grad_output.shape[-1]).to(weight.dtype)
-        g_groups = [g.contiguous() for g in _column_groups(g2d, stride, groups)]
-        w_groups = [w.contiguous() for w in _grouped(weight, stride, groups)]
-        grad_input = tree_sum(g.matmul(w) for g, w in zip(g_groups, w_groups)).view_as(total)
+        grads = grad_output.reshape(x2d.shape[0], stride, groups, -1).to(weights.dtype)
+        g_groups = [grads[:, :, i].contiguous().view(x2d.shape[0], -1) for i in range(groups)]
+        grad_input = tree_sum([g.matmul(w) for g, w in zip(g_groups, weights)]).view_as(total)
         if ctx.sequence_parallel:
             grad_input = reduce_scatter_tree(grad_input, group, dim=0)
         else:
             grad_input = all_reduce_tree(grad_input, group)
-        grad_weight = _ungrouped(torch.stack([g.t().matmul(x2d) for g in g_groups]), stride)
-        grad_bias = None
-        if ctx.has_bias:
-            grad_bias = _ungrouped(torch.stack([g.sum(dim=0) for g in g_groups]), stride)
+        grad_weight = _merged([g.t().matmul(x2d) for g in g_groups], stride, 0)
+        grad_bias = _merged([g.sum(dim=0) for g in g_groups], stride, 0) if ctx.has_bias else None
         return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None
 
 
@@ -149,38 +161,33 @@ class _Row(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_, weight, bias, sequence_parallel, group):
         dtype = _compute_dtype(input_)
-        input_, compute_weight = input_.to(dtype), weight.to(dtype)
-        x2d = input_.reshape(-1, input_.shape[-1])
+        input_ = input_.to(dtype)
         blocks = BLOCKS // comm.group_size(group)
-        xs, ws = x2d.chunk(blocks, dim=1), compute_weight.chunk(blocks, dim=1)
+        xs = _k_blocks(input_.reshape(-1, input_.shape[-1]), blocks)
+        ws = _k_blocks(weight.to(dtype), blocks)
         with torch.autocast(input_.device.type, enabled=False):
-            partial = tree_sum(F.linear(x.contiguous(), w.contiguous()) for x, w in zip(xs, ws))
+            partial = tree_sum([F.linear(x, w) for x, w in zip(xs, ws)])
         partial = partial.view(*input_.shape[:-1], -1)
         if sequence_parallel:
             output = reduce_scatter_tree(partial, group, dim=0)
         else:
             output = all_reduce_tree(partial, group)
         if bias is not None:
-            output = output + bias.to(dtype)
-        ctx.save_for_backward(input_, compute_weight)
+            output = output.add_(bias.to(dtype))  # a temporary of this function
+        ctx.save_for_backward(xs, ws)
         ctx.sequence_parallel, ctx.group, ctx.has_bias = sequence_parallel, group, bias is not None
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype, ctx.input_shape = weight.dtype, input_.shape
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        input_, weight = ctx.saved_tensors
-        group = ctx.group
+        xs, ws = ctx.saved_tensors
         if ctx.sequence_parallel:
-            grad_output = comm.all_gather(grad_output.contiguous(), group, dim=0)
-        g2d = grad_output.reshape(-1, grad_output.shape[-1]).to(weight.dtype)
-        x2d = input_.reshape(-1, input_.shape[-1])
-        blocks = BLOCKS // comm.group_size(group)
-        ws = [w.contiguous() for w in weight.chunk(blocks, dim=1)]
-        xs = [x.contiguous() for x in x2d.chunk(blocks, dim=1)]
-        grad_input = torch.cat([g2d.matmul(w) for w in ws], dim=1).view_as(input_)
-        g_t = g2d.t().contiguous()
-        grad_weight = torch.cat([g_t.matmul(x) for x in xs], dim=1)
+            grad_output = comm.all_gather(grad_output.contiguous(), ctx.group, dim=0)
+        # Whole rows at every TP size: the same [M, N] operand (and its transpose) everywhere.
+        g2d = grad_output.reshape(-1, grad_output.shape[-1]).to(ws.dtype).contiguous()
+        grad_input = torch.cat([g2d.matmul(w) for w in ws], dim=1).view(ctx.input_shape)
+        grad_weight = torch.cat([g2d.t().matmul(x) for x in xs], dim=1)
         grad_bias = g2d.sum(dim=0) if ctx.has_bias else None
         return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None
 
@@ -365,14 +372,13 @@ def allreduce_sequence_parallel_grads(module: nn.Module, *, tp_group=None) -> No
 def _block_squares(grad: torch.Tensor, param: nn.Parameter, blocks: int) -> list[torch.Tensor]:
     """Per local block group ``i``: the sum of squares of block ``i`` of every stride piece (in order)."""
     stride = getattr(param, "partition_stride", 1)
-    pieces = grad.movedim(param.partition_dim, 0)
-    pieces = pieces.reshape(stride, blocks, pieces.shape[0] // (stride * blocks), *pieces.shape[1:])
+    # [stride, blocks, elements]: each block contiguous (one copy where the blocks are columns).
+    squares = grad.movedim(param.partition_dim, 0).reshape(stride, blocks, -1).square()
     sums = []
     for i in range(blocks):
-        total = None
-        for j in range(stride):
-            square = pieces[j, i].contiguous().square().sum()
-            total = square if total is None else total + square
+        total = squares[0, i].sum()
+        for j in range(1, stride):
+            total = total + squares[j, i].sum()
         sums.append(total)
     return sums
 

@@ -87,24 +87,10 @@ def dropout(input_: torch.Tensor, p: float, *, key: torch.Tensor | None, site: t
     return input_ * keep.view(input_.shape) / (1.0 - p)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *, causal: bool,
-              p: float, key: torch.Tensor, layer: int, first_head: int) -> torch.Tensor:
-    """``dropout(softmax(q k^T / sqrt(d) + mask)) v`` for heads ``first_head..`` (``q``
-    ``[b, heads, s, d]``; ``k``, ``v`` ``[b, groups, keys, d]``, query head ``i`` reading K/V
-    head ``i // (heads / groups)``), each head's mask drawn from ``(key, layer, global head)``.
-
-    ``mask``: boolean, True = attend; ``causal``: top-left aligned, as in
-    ``F.scaled_dot_product_attention``, which this matches without dropout.
-    """
-    heads, (b, s, keys) = q.shape[1], (q.shape[0], q.shape[2], k.shape[2])
-    if k.shape[1] != heads:
-        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
-    scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))   # scaling q: fewer elements
-    if causal:
-        mask = torch.ones(s, keys, dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+def drop_heads(probs: torch.Tensor, p: float, *, key: torch.Tensor, layer: int, first_head: int) -> torch.Tensor:
+    """Dropout of the attention probabilities ``[b, heads, s, keys]`` of heads ``first_head..``,
+    each head's mask drawn from ``(key, layer, global head)``."""
+    b, heads, s, keys = probs.shape
     # Head-major, so each head's mask is one contiguous draw of the shape it has at TP = 1.
-    keep = _keep((b, s, keys), p, key, [(layer, "attention", first_head + i) for i in range(heads)], q.device)
-    return torch.matmul(probs * keep.transpose(0, 1) / (1.0 - p), v)
+    keep = _keep((b, s, keys), p, key, [(layer, "attention", first_head + i) for i in range(heads)], probs.device)
+    return probs * keep.transpose(0, 1) / (1.0 - p)

@@ -171,8 +171,49 @@ def dropout(input_: torch.Tensor, p: float, *, training: bool = True,
     if sequence_parallel:
         group = resolve_tp_group(tp_group)
         first_row, full_rows = comm.group_rank(group) * rows, comm.group_size(group) * rows
-    keep = _keep_mask(input_.shape, 1.0 - p, input_.device, first_row, full_rows)
+    if torch.compiler.is_compiling():
+        keep = _traced_keep_mask(input_.shape, 1.0 - p, input_.device, dim=0, start=first_row, full=full_rows)
+    else:
+        keep = _keep_mask(input_.shape, 1.0 - p, input_.device, first_row, full_rows)
     return input_ * keep / (1.0 - p)
+
+
+def sharded_dropout(input_: torch.Tensor, p: float, *, dim: int, start: int, full_size: int,
+                    training: bool = True) -> torch.Tensor:
+    """Dropout of a TP rank's slice ``[start, start + input_.shape[dim])`` of a ``full_size`` dim.
+
+    The slices on different ranks (e.g. the attention probabilities of each rank's heads) get
+    independent masks. Eager: drawn from the rank's model-parallel stream (``fork``). Traced by
+    ``torch.compile``, where swapping generator states breaks the graph: this rank's slice of a
+    mask drawn for the whole ``full_size`` from the default stream, which every rank advances
+    alike (inductor computes only the slice's elements).
+
+    Example::
+
+        probs = sharded_dropout(probs, 0.1, dim=1, start=rank * local_heads, full_size=heads)
+    """
+    if not training or p == 0.0:
+        return input_
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if torch.compiler.is_compiling():
+        keep = _traced_keep_mask(input_.shape, 1.0 - p, input_.device, dim=dim, start=start, full=full_size)
+        return input_ * keep / (1.0 - p)
+    with get_rng_tracker().fork():
+        return torch.nn.functional.dropout(input_, p)
+
+
+def _traced_keep_mask(shape, keep_prob: float, device, *, dim: int, start: int, full: int) -> torch.Tensor:
+    """Slice ``[start, start + shape[dim])`` along ``dim`` of a keep mask drawn for ``full``.
+
+    Generators are not traceable: this draws from the default stream with one ``rand`` of the
+    full shape, identical on ranks whose default streams agree.
+    """
+    if not shape:
+        return torch.rand((), device=device) < keep_prob
+    full_shape = list(shape)
+    full_shape[dim] = full
+    return torch.rand(full_shape, device=device).narrow(dim, start, shape[dim]) < keep_prob
 
 
 def _keep_mask(shape, keep_prob: float, device, first_row: int, full_rows: int) -> torch.Tensor:

@@ -6,6 +6,8 @@ The prompts run through the model's ``forward`` once (the prefill), filling a st
 place and SDPA over its prefix, the left-padding mask a view of one tensor built once, and at
 TP > 1 exactly one all-reduce per sub-layer (the embedding's, each attention's and MLP's)
 plus the all-gather of the logits. No input checks, no autograd functions, no mask rebuilt.
+With ``cuda_graph=True`` the step keeps the same shapes every token (SDPA over the whole cache
+with a mask) and, on CUDA, is captured once in a CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..mappings import gather_from_tensor_model_parallel_region
+from .cuda_graph import CUDAGraphed
 
 # New tokens from which the decode step copies the weights on CPU: the copy costs about 5
 # steps and saves ~30% of each (see Decoder).
@@ -24,7 +27,7 @@ _COPY_FROM = 16
 @torch.no_grad()
 def generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, eos_token_id=None, use_cache: bool = True,
-             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+             attention_mask: torch.Tensor | None = None, cuda_graph: bool = False) -> torch.Tensor:
     """Append up to ``max_new_tokens`` tokens to ``tokens`` (``[b, s]``); the same on every TP rank.
 
     A prefill of the prompts, then one token per step: each rank caches the keys and values
@@ -35,12 +38,15 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperature: f
     the distribution. A sequence that produced ``eos_token_id`` (an id or a list of ids)
     repeats it, and generation stops once every sequence did. Past ``max_seq_len`` the
     context slides, and is recomputed each step (every position moves). Call
-    ``model.eval()`` first.
+    ``model.eval()`` first. ``cuda_graph``: decode with a step of fixed shapes (attention over
+    the whole cache, masked), captured in a CUDA graph at TP=1 on CUDA; elsewhere the same step
+    runs eagerly (the same tokens as without it).
 
     Example::
 
         out = model.generate(prompt, 20, temperature=0.8, top_k=40)
         out = model.generate(left_padded, 20, temperature=0, attention_mask=mask)
+        out = generate(model, prompt, 20, temperature=0, cuda_graph=True)
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -49,6 +55,9 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperature: f
     if attention_mask is not None and attention_mask.shape != tokens.shape:
         raise ValueError(f"attention_mask of shape {list(attention_mask.shape)} must match tokens of shape "
                          f"{list(tokens.shape)}")
+    if cuda_graph and (not use_cache or model.config.tp_invariant):
+        raise ValueError(f"cuda_graph=True decodes with the KV cache's decode step: it needs use_cache=True "
+                         f"(got {use_cache}) and a model without tp_invariant (got {model.config.tp_invariant})")
     batch, prompt = tokens.shape
     # Preallocated: the generated tokens are written in place, and every generated one is real.
     out = tokens.new_empty(batch, prompt + max_new_tokens)
@@ -68,7 +77,9 @@ def generate(model, tokens: torch.Tensor, max_new_tokens: int, *, temperature: f
         cache = model.new_kv_cache(batch, min(prompt + max_new_tokens, window) + slack)
         if not model.config.tp_invariant:  # bit-identical at every TP size: the model's own forward
             copy = tokens.device.type == "cpu" and max_new_tokens >= _COPY_FROM
-            decoder = Decoder(model, cache, is_real, prompt=prompt, copy_weights=copy)
+            graph = cuda_graph and tokens.device.type == "cuda" and parallel.size == 1
+            decoder = Decoder(model, cache, is_real, prompt=prompt, copy_weights=copy, fixed_shapes=cuda_graph,
+                              cuda_graph=graph)
     length = prompt
     for _ in range(max_new_tokens):
         if cache is not None and length <= window:
@@ -126,9 +137,20 @@ class Decoder:
     the weights, made at its first call: on CPU, MKL's GEMMs of a few rows run ~1.5x faster
     against them than against the ``[out, in]`` weights transposed, at the cost of one more
     copy of the weights in memory while generating, and of the copy (about 5 decode steps).
+
+    With ``fixed_shapes`` every step has the same shapes and reads the position from a device
+    tensor: it writes the cache at that position and attends over the whole cache with a mask
+    (the slots past the prefill zeroed once, so the masked ones are finite). That is what a CUDA
+    graph needs; ``cuda_graph`` (CUDA, TP=1) then captures :meth:`forward` at the first step
+    and replays it. At TP > 1 the collectives go through :mod:`tensorpar.comm`, whose ledger
+    records each call on the host: a replay would not.
     """
 
-    def __init__(self, model, cache, is_real: torch.Tensor, *, prompt: int, copy_weights: bool = False) -> None:
+    def __init__(self, model, cache, is_real: torch.Tensor, *, prompt: int, copy_weights: bool = False,
+                 fixed_shapes: bool = False, cuda_graph: bool = False) -> None:
+        if cuda_graph and not (fixed_shapes and is_real.device.type == "cuda" and model.parallel.size == 1):
+            raise ValueError(f"cuda_graph=True needs fixed_shapes=True, CUDA and TP=1; got fixed_shapes="
+                             f"{fixed_shapes} on {is_real.device} at TP={model.parallel.size}")
         self.model, self.cache, self.is_real, self.copy_weights = model, cache, is_real, copy_weights
         self.group, self.tp_size = model.tp_group, model.parallel.size
         self.masked = not bool(is_real[:, :prompt].all())
@@ -138,7 +160,13 @@ class Decoder:
         self.rotary = None
         if model.config.position_embedding == "rope":
             self.rotary = model._rotary(None, model.config.max_seq_len + self.tp_size, is_real.device)
-        self.layers = self.head = None
+        self.layers = self.head = self.position = None
+        if fixed_shapes:
+            capacity = cache.capacity
+            self.position = torch.zeros(1, dtype=torch.long, device=is_real.device)   # the slot being written
+            self.slots = torch.arange(capacity, device=is_real.device)
+            self.real_slots = F.pad(is_real, (0, max(0, capacity - is_real.shape[1])), value=True)[:, :capacity]
+        self._run = CUDAGraphed(self.forward) if cuda_graph else self.forward
 
     def _prepare(self) -> None:
         model = self.model
@@ -152,27 +180,46 @@ class Decoder:
                         block.norm2, *right(block.mlp.fc), block.mlp, *right(block.mlp.proj))
                        for block in model.blocks]
         self.head = right(model.lm_head, weight if model.config.tie_word_embeddings else None)[0]
+        if self.position is not None:
+            for buffer in self.cache.keys + self.cache.values:
+                buffer[:, :, self.cache.length:].zero_()
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
-        """The fp32 logits ``[b, vocab]`` after ``token`` (``[b]``), which the cache lacks."""
+        """The fp32 logits ``[b, vocab]`` after ``token`` (``[b]``), which the cache lacks
+        (under ``cuda_graph``, a buffer the next step overwrites)."""
         if self.layers is None:
             self._prepare()
         length = self.cache.length
         if length >= self.cache.capacity:
             raise ValueError(f"KV cache of {self.cache.capacity} positions is full")
-        positions = self.position_offset + length
+        if self.position is not None:
+            self.position.fill_(length)
+        logits = self._run(token)
+        self.cache.length = length + 1
+        return logits
+
+    def forward(self, token: torch.Tensor) -> torch.Tensor:
+        """:meth:`step` without its bookkeeping: writes the cache at ``cache.length`` (with
+        ``fixed_shapes``: at ``position``) and leaves ``cache.length`` as it was."""
+        fixed, length = self.position is not None, self.cache.length
+        positions = self.position_offset + (self.position if fixed else length)
         x = self._embed(token, positions)                           # [b, h]
         cos = sin = None
         if self.rotary is not None:
             cos, sin = (table[positions][:, None, None] for table in self.rotary)   # [b, 1, 1, d]
-        mask = self.is_real[:, None, None, :length + 1] if self.masked else None
+        if fixed:
+            mask = (self.real_slots & (self.slots <= self.position))[:, None, None]
+        else:
+            mask = self.is_real[:, None, None, :length + 1] if self.masked else None
         for layer, (norm1, qkv, qkv_bias, attention, proj, proj_bias, norm2, fc, fc_bias, mlp, out, out_bias) \
                 in enumerate(self.layers):
             q, k, v = attention.split_heads(_column(norm1(x), qkv, qkv_bias)[None], cos, sin)
-            k, v = self.cache.write(layer, length, k, v)
+            if fixed:
+                k, v = self.cache.write_at(layer, self.position, k, v)
+            else:
+                k, v = self.cache.write(layer, length, k, v)
             x = x + self._row(attention.attend(q, k, v, mask, causal=False)[0], proj, proj_bias)
             x = x + self._row(mlp.activate(_column(norm2(x), fc, fc_bias)), out, out_bias)
-        self.cache.length = length + 1
         logits = gather_from_tensor_model_parallel_region(self.model.final_norm(x) @ self.head, group=self.group)
         return logits[:, :self.model.config.vocab_size].float()
 

@@ -62,6 +62,7 @@ from . import generation, layout
 from .config import GPTConfig
 from .kv_cache import KVCache
 from .rotary import apply_rotary, rotary_frequencies, rotary_tables
+from .traced_attention import attention_with_sharded_dropout, written_out_attention
 
 
 def _norm(config: GPTConfig, parallel: "_Parallel") -> nn.Module:
@@ -231,15 +232,20 @@ class Attention(nn.Module):
                causal: bool, key=None) -> torch.Tensor:
         """SDPA of this rank's heads over ``k``, ``v`` (``mask``: True = attend; ``causal``:
         top-left aligned), ``[s, b, heads/TP d]``; with a ``key`` (TP-invariant training) the
-        dropout masks are drawn per global head (:func:`tensorpar.invariant_dropout.attention`)."""
+        dropout masks are drawn per global head (:func:`tensorpar.invariant_dropout.drop_heads`)."""
         gqa = q.shape[1] != k.shape[1]
         if not self.even and self.group_of_head is not None:
             # Query heads reading their K/V heads unevenly: SDPA's enable_gqa needs equal runs.
             k, v, gqa = k.index_select(1, self.group_of_head), v.index_select(1, self.group_of_head), False
         dropout_p = self.config.attention_dropout if self.training else 0.0
-        if key is not None and dropout_p > 0:
-            out = invariant_dropout.attention(q, k, v, mask, causal=causal, p=dropout_p, key=key,
-                                              layer=self.layer_number, first_head=self.first_head)
+        if key is not None and dropout_p > 0:  # TP-invariant masks, by global head
+            out = written_out_attention(q, k, v, mask=mask, gqa=gqa, drop=lambda probs: invariant_dropout.drop_heads(
+                probs, dropout_p, key=key, layer=self.layer_number, first_head=self.first_head))
+        elif dropout_p > 0 and torch.compiler.is_compiling():
+            # A traced graph cannot fork the generator (SDPA's dropout would draw every rank's
+            # heads the same mask): the masks come from sharded_dropout. (Training: causal.)
+            out = attention_with_sharded_dropout(q, k, v, mask=mask, dropout_p=dropout_p, gqa=gqa,
+                                                 first_head=self.first_head, num_heads=self.config.num_heads)
         else:
             # The probabilities of different heads live on different ranks: their dropout masks
             # must be independent, so they come from the per-rank model-parallel stream.
@@ -459,9 +465,11 @@ class GPT(nn.Module):
 
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
-                 use_cache: bool = True, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 use_cache: bool = True, attention_mask: torch.Tensor | None = None,
+                 cuda_graph: bool = False) -> torch.Tensor:
         """Append up to ``max_new_tokens`` tokens to ``tokens`` (``[b, s]``), the same on every TP rank
-        (:func:`tensorpar.models.generation.generate`). ``temperature=0``: greedy. Call ``eval()`` first.
+        (:func:`tensorpar.models.generation.generate`). ``temperature=0``: greedy. ``cuda_graph``: the
+        decode step replayed from a CUDA graph (CUDA, TP=1). Call ``eval()`` first.
 
         Example::
 
@@ -470,7 +478,7 @@ class GPT(nn.Module):
         """
         return generation.generate(self, tokens, max_new_tokens, temperature=temperature, top_k=top_k,
                                    top_p=top_p, eos_token_id=eos_token_id, use_cache=use_cache,
-                                   attention_mask=attention_mask)
+                                   attention_mask=attention_mask, cuda_graph=cuda_graph)
 
     # ------------------------------------------------- parameters and checkpoints
 

@@ -37,3 +37,11 @@ class KVCache:
         keys[:, :, start:stop] = k
         values[:, :, start:stop] = v
         return keys[:, :, :stop], values[:, :, :stop]
+
+    def write_at(self, layer: int, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Store ``k``, ``v`` (``[b, groups/TP, 1, d]``) at the slot in ``position`` (a one-element
+        device tensor: no host sync, the same shapes every call); the whole buffers."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(2, position, k)
+        values.index_copy_(2, position, v)
+        return keys, values

@@ -15,7 +15,11 @@ On a machine with one GPU it runs, in well under 5 minutes:
 4. the GPT-2-small training step's tokens/s and model FLOPs utilisation at TP=1;
 5. at TP=2 (and over NCCL), the MLP block with its collectives chunked against the GEMMs
    (overlap 2, 4, auto), interleaved halves, with and without SP, next to the same shards' GEMMs
-   with no communication (``tensorpar.tools.bench_variants.measure_overlap_variants``; results checked first).
+   with no communication (``tensorpar.tools.bench_variants.measure_overlap_variants``; results checked first);
+6. greedy decode at TP=1 of a random bf16 Llama saved as a ``transformers`` directory: tensorpar's
+   ``generate``, its decode step captured in a CUDA graph, and ``transformers``' ``generate``
+   (static cache): the same tokens (up to near ties), and each one's ms/token
+   (``tensorpar.tools.decode_check``; skipped, with a line saying so, without ``transformers``).
 
 With two or more GPUs, step 2 runs again over NCCL, one GPU per rank. ``--cpu`` runs the same
 checks on CPU/gloo at small sizes (the test suite does, so all of it runs in CI). Prints one
@@ -40,6 +44,7 @@ import torch.nn.functional as F
 from torch.autograd import DeviceType
 
 from .bench_variants import measure_overlap_variants
+from .decode_check import measure_decode
 
 # Dense bf16 peak of the GPU (FLOP/s) by name, for the utilisation; --peak-tflops overrides.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
@@ -270,6 +275,8 @@ def _stage(kind: str, tp_size: int, device_type: str, options: dict) -> dict:
         if device.type == "cuda":
             device = tp.parallel_state.default_device() if backend == "nccl" else torch.device("cuda", 0)
             torch.cuda.set_device(device)
+        if kind == "decode":
+            return {"decode": measure_decode(device, **options["decode"])}
         results = {"layers": check_layers(device)}
         if kind != "tp1":
             results["rng"] = check_rng(device)
@@ -304,9 +311,14 @@ def main(argv=None) -> int:
     # Two sequences: the interleaved variants split the batch (one sequence would be one part).
     overlap = (dict(hidden=64, seq=32, batch=2, dtype=torch.float32, iters=2) if args.cpu else
                dict(hidden=4096, seq=2048, batch=2, dtype=torch.bfloat16, iters=10))
-    options = {"out": args.out, "throughput": throughput, "overlap": overlap,
-               "backends": {"tp1": "gloo" if args.cpu else "nccl", "shared": "gloo", "nccl": "nccl"}}
-    stages = [("tp1", 1), ("shared", 2)] + ([("nccl", min(gpus, 4))] if gpus >= 2 else [])
+    decode = (dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab=256, batch=2, prompt_len=8, new_tokens=8,
+                   dtype=torch.float32, rounds=1) if args.cpu else
+              dict(hidden=1024, layers=8, heads=16, kv_heads=4, vocab=32000, batch=4, prompt_len=32, new_tokens=64,
+                   dtype=torch.bfloat16, rounds=3))
+    single = "gloo" if args.cpu else "nccl"
+    options = {"out": args.out, "throughput": throughput, "overlap": overlap, "decode": decode,
+               "backends": {"tp1": single, "decode": single, "shared": "gloo", "nccl": "nccl"}}
+    stages = [("tp1", 1), ("decode", 1), ("shared", 2)] + ([("nccl", min(gpus, 4))] if gpus >= 2 else [])
     failed = False
     print(f"gpu_check on {name}: {', '.join(f'{k} (TP={n})' for k, n in stages)}", flush=True)
     for kind, tp_size in stages:
@@ -315,6 +327,7 @@ def main(argv=None) -> int:
             results = launch_local(_stage, kind, tp_size, device_type, options, nproc=tp_size)[0]
             line = json.dumps(results, default=str)
             failed |= "profile" in results and results["profile"]["overlap"] is False
+            failed |= "decode" in results and results["decode"].get("ok") is False
         except Exception as exc:  # noqa: BLE001 - report every stage, then fail
             failed, line = True, f"FAILED: {exc}"
         print(f"gpu_check {kind} TP={tp_size} ({time.perf_counter() - began:.0f}s): {line}", flush=True)

@@ -54,8 +54,8 @@ class OneLineErrorHandler(ErrorHandler):
     ``torchrun`` and by :func:`launch_local`) through torch's ``record`` with this handler; the
     launcher reads it back, so the command the user ran prints the line. ``message`` is a string
     (a layout torch's launchers read), so ``torchrun``'s failure summary shows that line rather
-    than a traceback. Under ``tensorpar``: ``time`` (sub-second) orders failures of ranks that
-    died within the same second, ``exit_code`` is :func:`.errors.exit_code`,
+    than a traceback. Under ``tensorpar``: ``time`` (sub-second; an exception's ``failed_at``
+    where it has one) orders failures of ranks that died within the same second, ``exit_code`` is :func:`.errors.exit_code`,
     ``traceback`` is for ``--debug``.
     """
 
@@ -68,7 +68,7 @@ class OneLineErrorHandler(ErrorHandler):
         path = self._get_error_file_path()
         if not path:
             return
-        now = time.time()
+        now = getattr(e, "failed_at", None) or time.time()
         data = {"message": one_line(e), "timestamp": int(now),
                 "tensorpar": {"time": now, "exit_code": exit_code(e),
                               "traceback": "".join(traceback.format_exception(e))}}
@@ -228,12 +228,16 @@ def _run_rank(entry, *args):
         stopped = _stopped_peers() if "timed out" in str(exc).lower() else {}
         if not stopped:
             raise
+        ranks = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in sorted(stopped.items()))
+        failure = PeerStopped(f"{ranks} stopped responding: its process was stopped (SIGSTOP); a collective "
+                              "timed out waiting for it")
+        # Dated now: the continued peer fails at once (this rank's timeout closed its connection)
+        # and may record its error before this one is written.
+        failure.failed_at = time.time()
         for pid in stopped.values():
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGCONT)
-        ranks = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in sorted(stopped.items()))
-        raise PeerStopped(f"{ranks} stopped responding: its process was stopped (SIGSTOP); a collective "
-                          "timed out waiting for it") from exc
+        raise failure from exc
 
 
 def _elastic_entry(entry, *args):
