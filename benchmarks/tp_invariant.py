@@ -4,11 +4,14 @@ default mode, in one run at one TP size (step-time ratio, and each mode's CommLe
 The two models are timed in alternating rounds (one step of each, the first of the pair
 alternating too), so both see the same load on shared cores::
 
-    python benchmarks/tp_invariant.py --tp 2 [--sp] [--dtype fp32|bf16] [--steps 16]
+    python benchmarks/tp_invariant.py --tp 2 [--sp] [--dtype fp32|bf16] [--steps 16] [--attention-dropout 0.1]
 
 One step is ``gpt_step.py``'s (what ``tensorpar train`` runs), attention dropout 0 in both
-modes (the invariant mode refuses it). The ratio is the median over rounds of the round's
-invariant / default time, each the slowest rank's; the 1-minute load average before and after
+modes unless ``--attention-dropout P``: then both modes drop attention probabilities (the
+default mode inside SDPA, the invariant mode with per-head masks and explicit attention), a
+third model runs the invariant mode without it, and ``attention_dropout_cost`` is the median
+round ratio of the invariant mode with / without attention dropout. The ratio is the median
+over rounds of the round's invariant / default time, each the slowest rank's; the 1-minute load average before and after
 is printed with it. Bytes are what each rank sends under ring algorithms
 (``CommRecord.bytes_sent_per_rank``), per op, for one step.
 """
@@ -26,14 +29,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt_step import add_arguments, add_step_counts, build_step, slowest_rank, timed  # noqa: E402
 
-MODES = ("default", "tp_invariant")
-
 
 def run(args) -> dict:
     import tensorpar as tp
 
     tp.initialize_model_parallel(args.tp)
-    steps = {mode: build_step(args, attention_dropout=0.0, tp_invariant=mode == "tp_invariant")[0] for mode in MODES}
+    modes = ("default", "tp_invariant") + (("tp_invariant_no_attention_dropout",) if args.attention_dropout else ())
+    steps = {mode: build_step(args, attention_dropout=0.0 if mode.endswith("no_attention_dropout")
+                              else args.attention_dropout, tp_invariant=mode != "default")[0] for mode in modes}
     sent = {}
     for mode, step in steps.items():
         for _ in range(args.warmup):
@@ -44,21 +47,26 @@ def run(args) -> dict:
         for record in ledger.records:
             per_op[record.op] += record.bytes_sent_per_rank
         sent[mode] = {"total": sum(per_op.values()), "collectives": len(ledger.records), **per_op}
-    times = {mode: [] for mode in MODES}
+    times = {mode: [] for mode in modes}
     for round_ in range(args.steps):
-        for mode in MODES[::-1] if round_ % 2 else MODES:
+        for mode in modes[::-1] if round_ % 2 else modes:
             times[mode].append(timed(steps[mode]))
     worst = {mode: slowest_rank(values) for mode, values in times.items()}
     ratios = [inv / default for inv, default in zip(worst["tp_invariant"], worst["default"])]
-    return {"step_s": {mode: statistics.median(values) for mode, values in worst.items()},
-            "step_time_ratio": statistics.median(ratios), "round_ratios": [round(r, 3) for r in ratios],
-            "bytes_sent_per_rank": sent}
+    out = {"step_s": {mode: statistics.median(values) for mode, values in worst.items()},
+           "step_time_ratio": statistics.median(ratios), "round_ratios": [round(r, 3) for r in ratios],
+           "bytes_sent_per_rank": sent}
+    if args.attention_dropout:
+        out["attention_dropout_cost"] = statistics.median(
+            [a / b for a, b in zip(worst["tp_invariant"], worst["tp_invariant_no_attention_dropout"])])
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser, dtype="fp32")
     add_step_counts(parser)
+    parser.add_argument("--attention-dropout", type=float, default=0.0, help="in both modes (default 0)")
     args = parser.parse_args()
     from tensorpar.tools.launch import launch_local
 

@@ -15,16 +15,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tensorpar as tp
-from tensorpar import invariant
+from tensorpar import invariant, invariant_dropout
 from tensorpar.models import GPT, GPTConfig
 from tests.harness import run_on_ranks
 
+# Hidden and attention dropout on: their masks are drawn by global position, not by rank.
 GPT2 = GPTConfig(vocab_size=96, max_seq_len=16, num_layers=2, num_heads=4, hidden_size=64, dropout=0.1,
-                 attention_dropout=0.0, tp_invariant=True)
+                 attention_dropout=0.2, tp_invariant=True)
 LLAMA = GPTConfig(vocab_size=96, max_seq_len=16, num_layers=2, num_heads=8, num_query_groups=4, hidden_size=64,
                   norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
-                  tie_word_embeddings=False, dropout=0.1, attention_dropout=0.0, tp_invariant=True)
-LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]
+                  tie_word_embeddings=False, dropout=0.1, attention_dropout=0.2, tp_invariant=True)
+# (TP size, SP, recompute): recompute draws the masks again, the same ones.
+LAYOUTS = [(1, False, False), (2, False, False), (2, True, False), (4, False, False), (4, True, False),
+           (2, True, True), (4, False, True)]
 STEPS = 3
 
 _GROUPS: dict = {}
@@ -81,28 +84,32 @@ def _mismatch(reference, losses, weights) -> str | None:
 
 def _invariance_body(config: GPTConfig):
     results = {}
-    for size, sp in LAYOUTS:
+    for size, sp, recompute in LAYOUTS:
         group = _group(size)  # every rank takes part in creating it
         if dist.get_rank() >= size:
             continue
-        losses, model, _ = _train(dataclasses.replace(config, sequence_parallel=sp), group, STEPS)
-        results[(size, sp)] = (losses, model.full_state_dict())
+        losses, model, _ = _train(dataclasses.replace(config, sequence_parallel=sp, recompute=recompute), group, STEPS)
+        results[(size, sp, recompute)] = (losses, model.full_state_dict())
     dist.barrier()
     if dist.get_rank() != 0:
         return None
-    reference = results[(1, False)]
+    reference = results[LAYOUTS[0]]
     report = {layout: _mismatch(reference, *results[layout]) for layout in LAYOUTS[1:]}
-    # The default mode sums in other orders: the same training to rounding only.
-    losses, model, _ = _train(dataclasses.replace(config, tp_invariant=False), _group(1), STEPS)
-    default = (losses, model.full_state_dict())
-    return report, reference, default
+    # The default mode sums in other orders and draws other dropout masks: without dropout,
+    # the same training to rounding only.
+    no_dropout = dataclasses.replace(config, dropout=0.0, attention_dropout=0.0)
+    invariant_run, default_run = ((losses, model.full_state_dict()) for losses, model, _ in
+                                  (_train(dataclasses.replace(no_dropout, tp_invariant=mode), _group(1), STEPS)
+                                   for mode in (True, False)))
+    return report, reference, invariant_run, default_run
 
 
 @pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama-gqa"])
 def test_training_is_bit_identical_at_every_tp_size(config):
-    report, (losses, weights), (default_losses, default_weights) = \
+    report, (dropout_losses, _), (losses, weights), (default_losses, default_weights) = \
         run_on_ranks(_invariance_body, 4, config, timeout=300)[0]
     assert report == {layout: None for layout in LAYOUTS[1:]}
+    assert all(a != b for a, b in zip(dropout_losses, losses))  # the masks drop
     assert losses == pytest.approx(default_losses, rel=1e-5)
     # atol: AdamW normalises gradients, and the key bias's is pure rounding (softmax ignores a
     # shift of every key): its steps are rounding amplified, still far below lr x steps = 3e-2.
@@ -113,8 +120,7 @@ def test_training_is_bit_identical_at_every_tp_size(config):
 
 @pytest.mark.parametrize("change, named", [
     (dict(overlap=2), "overlap=2"), (dict(interleave=2), "interleave=2"),
-    (dict(gradient_accumulation_fusion=True), "gradient_accumulation_fusion=True"),
-    (dict(attention_dropout=0.1), "attention_dropout=0.1")])
+    (dict(gradient_accumulation_fusion=True), "gradient_accumulation_fusion=True")])
 def test_unsupported_combinations_are_refused_by_name(change, named):
     with pytest.raises(ValueError, match=f"tp_invariant=True does not support {named}"):
         dataclasses.replace(GPT2, **change)
@@ -147,7 +153,7 @@ def test_train_refuses_an_unsupported_tp_invariant_run_before_launch(capsys, fla
 
 TRAIN = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--steps", "6", "--micro-batch", "2",
          "--grad-accum", "2", "--warmup", "2", "--lr", "1e-2", "--eval-every", "0", "--no-progress", "--seed", "7",
-         "--tp-invariant"]
+         "--tp-invariant", "--dropout", "0.1"]
 
 
 def _train_body(argv):
@@ -171,8 +177,8 @@ def _weights_body(ckpt):
 
 
 def test_train_and_a_resume_at_another_tp_size_are_bit_identical(tmp_path):
-    """--tp-invariant: TP=1 for 6 steps; TP=2 +SP saved at step 3 and resumed at TP=4: the same
-    losses (==) at every step and the same final weights (torch.equal)."""
+    """--tp-invariant with hidden and attention dropout: TP=1 for 6 steps; TP=2 +SP saved at step 3
+    and resumed at TP=4: the same losses (==) at every step and the same final weights (torch.equal)."""
     def train(world, out, *extra):
         return run_on_ranks(_train_body, world, TRAIN + ["--tp", str(world), "--out", str(out), *extra],
                             timeout=300)[0]
@@ -246,3 +252,49 @@ def test_invariant_layers_match_the_unsharded_computation():
     for errors in run_on_ranks(_layers_body, 4):
         for size, per_name in errors.items():
             assert all(error < 1e-5 for error in per_name.values()), (size, per_name)
+
+
+def test_dropout_masks_drop_at_rate_p_and_depend_on_position_not_rank():
+    """The keyed masks drop within 5 binomial sigmas of p and scale the rest by 1/(1-p); they differ
+    per head, block, site and forward, and a shard's heads get the whole tensor's masks."""
+    counter = invariant_dropout.MaskCounter(seed=1234)
+    p, key, next_key = 0.3, counter.next_key(), counter.next_key()
+    hidden = invariant_dropout.dropout(torch.ones(16, 4, 32), p, key=key, site=(0, "mlp"))
+    ones = torch.ones(4, 8, 16, 16)                                 # [b, heads, s, keys]
+
+    def heads(key, first_head=0, count=8):
+        return invariant_dropout.drop_heads(ones[:, :count], p, key=key, layer=0, first_head=first_head)
+
+    attended = heads(key)
+    for dropped in (hidden, attended):
+        n, kept = dropped.numel(), dropped != 0
+        assert abs(n - int(kept.sum()) - n * p) < 5 * (n * p * (1 - p)) ** 0.5, (int(kept.sum()), n)
+        assert torch.equal(dropped[kept], torch.full_like(dropped[kept], 1 / (1 - p)))
+    assert not torch.equal(attended[:, 0], attended[:, 1])                        # per head
+    assert not torch.equal(hidden[:2], hidden[2:4])                               # per sequence block
+    assert not torch.equal(hidden, invariant_dropout.dropout(torch.ones(16, 4, 32), p, key=key, site=(1, "mlp")))
+    assert not torch.equal(attended, heads(next_key))                             # per forward
+    assert torch.equal(heads(key, first_head=4, count=4), attended[:, 4:8])       # a TP=2 rank's heads
+    with pytest.raises(ValueError, match="the sequence length 12 is not divisible by the 8 fixed blocks"):
+        invariant_dropout.dropout(torch.ones(12, 1, 4), p, key=key, site=(0, "mlp"))
+
+
+def _compiled_dropout_body():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    group = dist.group.WORLD
+    tp.model_parallel_manual_seed(1234, tp_group=group)
+    model = torch.compile(GPT(dataclasses.replace(GPT2, num_layers=1), tp_group=group, device="cpu"))
+    tokens, labels = _batch(0, GPT2)
+    with torch.no_grad():
+        losses = [model(tokens, labels).item()]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            losses += [model(tokens, labels).item() for _ in range(2)]
+    return losses
+
+
+def test_compiled_invariant_dropout_draws_new_masks_without_recompiling():
+    """Each forward's key is a graph input, not a constant the graph guards on."""
+    losses = run_on_ranks(_compiled_dropout_body, 1, timeout=600)[0]
+    assert len(set(losses)) == 3  # the same batch and weights: only the masks differ

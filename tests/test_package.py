@@ -47,7 +47,7 @@ LAYERS = (
     ("tensorpar.linear_function", "tensorpar.linear"),
     ("tensorpar.embedding", "tensorpar.cross_entropy", "tensorpar.random"),
     ("tensorpar.grads",),
-    ("tensorpar.fsdp", "tensorpar.invariant"),
+    ("tensorpar.fsdp", "tensorpar.invariant", "tensorpar.invariant_dropout"),
     ("tensorpar.comm_model", "tensorpar.memory_model", "tensorpar.fsdp_model"),
     ("tensorpar.models",),
     ("tensorpar",),

@@ -124,8 +124,7 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.interleave must be a positive int (1: off), got {self.interleave!r}")
         if self.tp_invariant:
             unsupported = {"overlap": self.overlap != "off", "interleave": self.interleave > 1,
-                           "gradient_accumulation_fusion": self.gradient_accumulation_fusion,
-                           "attention_dropout": self.attention_dropout > 0}
+                           "gradient_accumulation_fusion": self.gradient_accumulation_fusion}
             named = [f"{k}={getattr(self, k)!r}" for k, bad in unsupported.items() if bad]
             if named:
                 raise ValueError(f"GPTConfig.tp_invariant=True does not support {', '.join(named)}")

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm, invariant
+from .. import comm, invariant, invariant_dropout
 from ..cross_entropy import vocab_parallel_cross_entropy
 from ..embedding import VocabParallelEmbedding
 from ..errors import check_index_range
@@ -57,12 +57,12 @@ from ..initialization import (
 from ..linear import ColumnParallelLinear, RowParallelLinear
 from ..overlap import interleave
 from ..parallel_state import default_device, resolve_tp_group
-from ..random import checkpoint, dropout, get_rng_tracker
+from ..random import checkpoint, get_rng_tracker
 from . import generation, layout
 from .config import GPTConfig
 from .kv_cache import KVCache
 from .rotary import apply_rotary, rotary_frequencies, rotary_tables
-from .traced_attention import attention_with_sharded_dropout
+from .traced_attention import attention_with_sharded_dropout, written_out_attention
 
 
 def _norm(config: GPTConfig, parallel: "_Parallel") -> nn.Module:
@@ -127,7 +127,7 @@ class Embedding(nn.Module):
         else:
             self.register_parameter("position", None)
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, key=None) -> torch.Tensor:
         # g inside: all-reduce of the partial lookups, or reduce-scatter to [s/TP, b, h] under SP.
         x = self.word(tokens)
         if not self.parallel.sequence_parallel:
@@ -138,8 +138,8 @@ class Embedding(nn.Module):
             if self.parallel.sequence_parallel:
                 positions = positions.chunk(self.parallel.size, dim=0)[self.parallel.rank]
             x = x + positions
-        return dropout(x, self.config.dropout, training=self.training,
-                       sequence_parallel=self.parallel.sequence_parallel, tp_group=self.parallel.group)
+        return invariant_dropout.dropout(x, self.config.dropout, key=key, site=("embedding",), training=self.training,
+                                         sequence_parallel=self.parallel.sequence_parallel, tp_group=self.parallel.group)
 
 
 class Attention(nn.Module):
@@ -188,16 +188,16 @@ class Attention(nn.Module):
                                  **proj_layout, **parallel.linear_kwargs(config))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, kv_cache: KVCache | None = None, key=None) -> torch.Tensor:
         # g (or the SP reduce-scatter) happens inside the row layer.
-        return self.proj(self._heads(x, cos, sin, mask, kv_cache))[0]
+        return self.proj(self._heads(x, cos, sin, mask, kv_cache, key))[0]
 
     def start(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         """:meth:`forward` with ``g`` left in flight: ``.wait()`` gives ``(output, None)``."""
         return self.proj.start(self._heads(x, cos, sin))
 
     def _heads(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-               mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+               mask: torch.Tensor | None = None, kv_cache: KVCache | None = None, key=None) -> torch.Tensor:
         """Attention of this rank's heads, before the output projection."""
         # f (or the SP all-gather) happens inside the column layer.
         q, k, v = self.split_heads(self.qkv(x)[0], cos, sin)
@@ -208,7 +208,7 @@ class Attention(nn.Module):
             # SDPA's is_causal aligns the causal mask top-left; after cached keys, query i is
             # position keys - s + i and sees every key up to it (bottom-right alignment).
             mask = torch.ones(s, keys, dtype=torch.bool, device=q.device).tril(keys - s)
-        return self.attend(q, k, v, mask, causal=mask is None)
+        return self.attend(q, k, v, mask, causal=mask is None, key=key)
 
     def split_heads(self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         """``q`` ``[b, heads/TP, s, d]``, ``k`` and ``v`` ``[b, groups/TP, s, d]`` from the QKV
@@ -229,15 +229,19 @@ class Attention(nn.Module):
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
-               causal: bool) -> torch.Tensor:
+               causal: bool, key=None) -> torch.Tensor:
         """SDPA of this rank's heads over ``k``, ``v`` (``mask``: True = attend; ``causal``:
-        top-left aligned), ``[s, b, heads/TP d]``."""
+        top-left aligned), ``[s, b, heads/TP d]``; with a ``key`` (TP-invariant training) the
+        dropout masks are drawn per global head (:func:`tensorpar.invariant_dropout.drop_heads`)."""
         gqa = q.shape[1] != k.shape[1]
         if not self.even and self.group_of_head is not None:
             # Query heads reading their K/V heads unevenly: SDPA's enable_gqa needs equal runs.
             k, v, gqa = k.index_select(1, self.group_of_head), v.index_select(1, self.group_of_head), False
         dropout_p = self.config.attention_dropout if self.training else 0.0
-        if dropout_p > 0 and torch.compiler.is_compiling():
+        if key is not None and dropout_p > 0:  # TP-invariant masks, by global head
+            out = written_out_attention(q, k, v, mask=mask, gqa=gqa, drop=lambda probs: invariant_dropout.drop_heads(
+                probs, dropout_p, key=key, layer=self.layer_number, first_head=self.first_head))
+        elif dropout_p > 0 and torch.compiler.is_compiling():
             # A traced graph cannot fork the generator (SDPA's dropout would draw every rank's
             # heads the same mask): the masks come from sharded_dropout. (Training: causal.)
             out = attention_with_sharded_dropout(q, k, v, mask=mask, dropout_p=dropout_p, gqa=gqa,
@@ -301,23 +305,24 @@ class Block(nn.Module):
         self.norm2 = _norm(config, parallel)
         self.mlp = MLP(config, parallel)
 
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        # x is replicated (or SP-split): the TP-size-independent default-stream mask.
-        return dropout(x, self.config.dropout, training=self.training,
-                       sequence_parallel=self.parallel.sequence_parallel, tp_group=self.parallel.group)
+    def _dropout(self, x: torch.Tensor, key=None, site: str = "") -> torch.Tensor:
+        # x is replicated (or SP-split): a TP-size-independent mask (of the default stream, or keyed).
+        return invariant_dropout.dropout(x, self.config.dropout, key=key, site=(self.attention.layer_number, site),
+                                         training=self.training, sequence_parallel=self.parallel.sequence_parallel,
+                                         tp_group=self.parallel.group)
 
     def _residual(self, x: torch.Tensor, reduced) -> torch.Tensor:
         return x + self._dropout(reduced[0])
 
-    def forward(self, x, cos=None, sin=None, mask=None, kv_cache=None):
+    def forward(self, x, cos=None, sin=None, mask=None, kv_cache=None, key=None):
         # Per-sequence masks, positions and caches (generation) are not split: no interleaving.
         if self.config.interleave > 1 and mask is None and kv_cache is None and (cos is None or cos.dim() == 2):
             # Domino: while one part's attention (MLP) output is summed over TP, the next part computes.
             return interleave(x, [(lambda h: self.attention.start(self.norm1(h), cos, sin), self._residual),
                                   (lambda h: self.mlp.start(self.norm2(h)), self._residual)],
                               parts=self.config.interleave)
-        x = x + self._dropout(self.attention(self.norm1(x), cos, sin, mask, kv_cache))
-        return x + self._dropout(self.mlp(self.norm2(x)))
+        x = x + self._dropout(self.attention(self.norm1(x), cos, sin, mask, kv_cache, key), key, "attention")
+        return x + self._dropout(self.mlp(self.norm2(x)), key, "mlp")
 
 
 class GPT(nn.Module):
@@ -363,6 +368,8 @@ class GPT(nn.Module):
             if weight is not None:
                 weight.unpadded_rows = config.vocab_size
         self._rotary_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        # TP-invariant dropout masks: keyed by the seed the model was built with and the forward's index.
+        self.dropout_masks = invariant_dropout.MaskCounter(seed=torch.initial_seed()) if config.tp_invariant else None
         for param in self.parameters():
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)
 
@@ -394,13 +401,14 @@ class GPT(nn.Module):
             rotary = (cos.unsqueeze(1), sin.unsqueeze(1)) if cos.dim() == 3 else (cos, sin)
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.embedding(tokens, position_ids)                    # [s(/TP), b, h]
+        key = self.dropout_masks.next_key() if self.dropout_masks is not None and self.training else None
+        x = self.embedding(tokens, position_ids, key)               # [s(/TP), b, h]
         for block in self.blocks:
             if self.config.recompute and torch.is_grad_enabled():
-                x = checkpoint(block, self.config.distribute_saved_activations, x, *rotary, attn_mask,
+                x = checkpoint(block, self.config.distribute_saved_activations, x, *rotary, attn_mask, None, key,
                                tp_group=self.tp_group)
             else:
-                x = block(x, *rotary, attn_mask, kv_cache)
+                x = block(x, *rotary, attn_mask, kv_cache, key)
         if kv_cache is not None:
             kv_cache.length += tokens.shape[1]
         if last_position_only and not self.parallel.sequence_parallel:

@@ -219,6 +219,8 @@ def _train(args, signals: Signals) -> RunResult:
         same_world = meta["world"] == {"tp": tp_size, "dp": dp_size}
         checkpoint.load(ckpt, model=model, optimizer=optimizer, tp_group=tp_group, restore_rng=same_world)
         start = meta["step"]
+        if model.dropout_masks is not None:  # TP-invariant masks continue from the step, at any TP size
+            model.dropout_masks.counter = start * args.grad_accum
         if not same_world:
             # Another layout has other ranks: continue with fresh, still reproducible, streams.
             model_parallel_manual_seed(args.seed + start)
