@@ -36,8 +36,9 @@ _GROUPS: dict = {}
 def _group(size: int):
     """The group of ranks ``0..size-1`` (every rank creates every group, once, in one order)."""
     if not _GROUPS:
-        for n in (1, 2, 4):
-            _GROUPS[n] = dist.new_group(list(range(n)))
+        for n in (1, 2, 4, 8):
+            if n <= dist.get_world_size():
+                _GROUPS[n] = dist.new_group(list(range(n)))
         for rank in range(dist.get_world_size()):
             _GROUPS["dp", rank] = dist.new_group([rank])
     return _GROUPS[size]
@@ -82,9 +83,9 @@ def _mismatch(reference, losses, weights) -> str | None:
     return None
 
 
-def _invariance_body(config: GPTConfig):
+def _invariance_body(config: GPTConfig, layouts=LAYOUTS):
     results = {}
-    for size, sp, recompute in LAYOUTS:
+    for size, sp, recompute in layouts:
         group = _group(size)  # every rank takes part in creating it
         if dist.get_rank() >= size:
             continue
@@ -93,8 +94,8 @@ def _invariance_body(config: GPTConfig):
     dist.barrier()
     if dist.get_rank() != 0:
         return None
-    reference = results[LAYOUTS[0]]
-    report = {layout: _mismatch(reference, *results[layout]) for layout in LAYOUTS[1:]}
+    reference = results[layouts[0]]
+    report = {layout: _mismatch(reference, *results[layout]) for layout in layouts[1:]}
     # The default mode sums in other orders and draws other dropout masks: without dropout,
     # the same training to rounding only.
     no_dropout = dataclasses.replace(config, dropout=0.0, attention_dropout=0.0)
@@ -116,6 +117,14 @@ def test_training_is_bit_identical_at_every_tp_size(config):
     for name, value in weights.items():
         torch.testing.assert_close(value, default_weights[name], rtol=1e-4, atol=1e-4,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_training_is_bit_identical_at_tp_8():
+    # 8 heads, and every TP-split size a multiple of 8 blocks: one block per rank.
+    config = dataclasses.replace(GPT2, num_heads=8, num_query_groups=8)
+    layouts = [(1, False, False), (8, False, False), (8, True, False), (8, True, True)]
+    report = run_on_ranks(_invariance_body, 8, config, layouts, timeout=600)[0][0]
+    assert report == {layout: None for layout in layouts[1:]}
 
 
 @pytest.mark.parametrize("change, named", [
