@@ -72,4 +72,4 @@ from .random import (
 )
 from .models import GPT, GPTConfig
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
