@@ -39,6 +39,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -57,12 +58,12 @@ from ..initialization import (
 from ..linear import ColumnParallelLinear, RowParallelLinear
 from ..overlap import interleave
 from ..parallel_state import default_device, resolve_tp_group
-from ..random import checkpoint, get_rng_tracker
+from ..random import checkpoint, get_rng_tracker, sharded_dropout
 from . import generation, layout
 from .config import GPTConfig
 from .kv_cache import KVCache
-from .rotary import apply_rotary, rotary_frequencies, rotary_tables
-from .traced_attention import attention_with_sharded_dropout, written_out_attention
+from .rotary import RotaryTables, apply_rotary
+from .traced_attention import written_out_attention
 
 
 def _norm(config: GPTConfig, parallel: "_Parallel") -> nn.Module:
@@ -230,22 +231,26 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
                causal: bool, key=None) -> torch.Tensor:
-        """SDPA of this rank's heads over ``k``, ``v`` (``mask``: True = attend; ``causal``:
-        top-left aligned), ``[s, b, heads/TP d]``; with a ``key`` (TP-invariant training) the
-        dropout masks are drawn per global head (:func:`tensorpar.invariant_dropout.drop_heads`)."""
+        """Attention of this rank's heads over ``k``, ``v`` (``mask``: True = attend; ``causal``:
+        top-left aligned), ``[s, b, heads/TP d]``: SDPA, or written out where its dropout masks
+        cannot be SDPA's: with a ``key`` (TP-invariant training: per global head,
+        :func:`tensorpar.invariant_dropout.drop_heads`) or under ``torch.compile``."""
         gqa = q.shape[1] != k.shape[1]
         if not self.even and self.group_of_head is not None:
             # Query heads reading their K/V heads unevenly: SDPA's enable_gqa needs equal runs.
             k, v, gqa = k.index_select(1, self.group_of_head), v.index_select(1, self.group_of_head), False
         dropout_p = self.config.attention_dropout if self.training else 0.0
-        if key is not None and dropout_p > 0:  # TP-invariant masks, by global head
-            out = written_out_attention(q, k, v, mask=mask, gqa=gqa, drop=lambda probs: invariant_dropout.drop_heads(
-                probs, dropout_p, key=key, layer=self.layer_number, first_head=self.first_head))
+        drop = None  # where SDPA cannot draw the masks: attention written out
+        if dropout_p > 0 and key is not None:  # TP-invariant masks, by global head
+            drop = functools.partial(invariant_dropout.drop_heads, p=dropout_p, key=key, layer=self.layer_number,
+                                     first_head=self.first_head)
         elif dropout_p > 0 and torch.compiler.is_compiling():
-            # A traced graph cannot fork the generator (SDPA's dropout would draw every rank's
-            # heads the same mask): the masks come from sharded_dropout. (Training: causal.)
-            out = attention_with_sharded_dropout(q, k, v, mask=mask, dropout_p=dropout_p, gqa=gqa,
-                                                 first_head=self.first_head, num_heads=self.config.num_heads)
+            # A traced graph cannot fork the generator (SDPA would draw every rank's heads the
+            # same mask): each rank keeps its heads' slice of one mask.
+            drop = functools.partial(sharded_dropout, p=dropout_p, dim=1, start=self.first_head,
+                                     full_size=self.config.num_heads)
+        if drop is not None:
+            out = written_out_attention(q, k, v, mask=mask, causal=causal, gqa=gqa, drop=drop)
         else:
             # The probabilities of different heads live on different ranks: their dropout masks
             # must be independent, so they come from the per-rank model-parallel stream.
@@ -367,7 +372,9 @@ class GPT(nn.Module):
         for weight in (self.embedding.word.weight, self.lm_head.weight):
             if weight is not None:
                 weight.unpadded_rows = config.vocab_size
-        self._rotary_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Generation under SP pads up to TP - 1 positions past the window.
+        self._rotary_tables = RotaryTables(config, length=config.max_seq_len + self.parallel.size) \
+            if config.position_embedding == "rope" else None
         # TP-invariant dropout masks: keyed by the seed the model was built with and the forward's index.
         self.dropout_masks = invariant_dropout.MaskCounter(seed=torch.initial_seed()) if config.tp_invariant else None
         for param in self.parameters():
@@ -426,20 +433,11 @@ class GPT(nn.Module):
         return losses.sum() / (labels != -100).sum()
 
     def _rotary(self, position_ids: torch.Tensor | None, seq_len: int, device: torch.device):
-        """``cos``/``sin`` at the positions, from tables built once per device and compute dtype
-        (the autocast dtype when on: q and k are not promoted to fp32)."""
+        """``cos``/``sin`` at the positions, in the compute dtype (the autocast dtype when on: q
+        and k are not promoted to fp32)."""
         dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
                  else self.embedding.word.weight.dtype)
-        tables = self._rotary_tables.get((device, dtype))
-        if tables is None:
-            # Generation under SP pads up to TP - 1 positions past the window.
-            positions = torch.arange(self.config.max_seq_len + self.parallel.size, device=device)
-            tables = rotary_tables(positions, rotary_frequencies(self.config), dtype=dtype)
-            if not torch.compiler.is_compiling():  # traced, a cache filled in the graph would recompile it
-                self._rotary_tables[(device, dtype)] = tables
-        if position_ids is None:
-            return tuple(t[:seq_len] for t in tables)
-        return tuple(t[position_ids] for t in tables)
+        return self._rotary_tables.at(position_ids, seq_len, device, dtype)
 
     def _check_input(self, tokens: torch.Tensor, labels: torch.Tensor | None, *, padding_allowed: bool) -> None:
         if tokens.dim() != 2 or tokens.is_floating_point() or tokens.dtype == torch.bool:

@@ -31,6 +31,29 @@ def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, *, dtype) -> 
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+class RotaryTables:
+    """``cos``/``sin`` of positions ``0 .. length - 1``, built once per device and dtype.
+
+    Example::
+
+        cos, sin = RotaryTables(config, length=config.max_seq_len).at(None, seq_len, device, dtype)
+    """
+
+    def __init__(self, config: GPTConfig, *, length: int) -> None:
+        self.inv_freq, self.length, self._built = rotary_frequencies(config), length, {}
+
+    def at(self, position_ids: torch.Tensor | None, seq_len: int, device: torch.device, dtype: torch.dtype):
+        """The tables at ``position_ids`` (``None``: the first ``seq_len`` positions)."""
+        tables = self._built.get((device, dtype))
+        if tables is None:
+            tables = rotary_tables(torch.arange(self.length, device=device), self.inv_freq, dtype=dtype)
+            if not torch.compiler.is_compiling():  # traced, a cache filled in the graph would recompile it
+                self._built[(device, dtype)] = tables
+        if position_ids is None:
+            return tuple(t[:seq_len] for t in tables)
+        return tuple(t[position_ids] for t in tables)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (``[..., s, head_dim]``) by position, pairing dim ``i`` with ``i + head_dim/2``."""
     first, second = x.chunk(2, dim=-1)
