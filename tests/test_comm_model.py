@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import json
+import math
 import traceback
 
 import pytest
@@ -115,10 +116,14 @@ def test_training_memory_counts_the_parameters_a_rank_builds():
 
     configs = [models.GPTConfig.preset("tiny", vocab_size=300, num_layers=2),
                models.GPTConfig.preset("llama-tiny", vocab_size=300, num_layers=2, num_query_groups=2,
-                                       tie_word_embeddings=False, qkv_bias=True)]
+                                       tie_word_embeddings=False, qkv_bias=True),
+               models.GPTConfig.preset("tiny", vocab_size=300, num_layers=2, bias=False)]  # LayerNorm, no bias
     for rank in run_on_ranks(_parameters_body, 2, configs):
         for tp_size, built in zip((1, 2), rank):
             assert [gpt_parameters_per_rank(c, tp=tp_size) for c in configs] == built
+            # The FSDP model's units hold exactly these parameters too.
+            assert [sum(math.prod(shape) for unit in units(c, tp=tp_size) for shape in unit.shapes)
+                    for c in configs] == built
     config = configs[0]
     plain = gpt_training_memory(config, tp=2, dp=4, seq_len=64, micro_batch=2)
     sharded = gpt_training_memory(config, tp=2, dp=4, seq_len=64, micro_batch=2, fsdp=True)

@@ -88,7 +88,7 @@ def units(config, *, tp: int) -> list[Unit]:
             raise ValueError(f"FSDP needs the TP size ({tp}) to divide {name} ({value}): an uneven TP layout "
                              "cannot be sharded")
     qkv, fc = (heads + 2 * kv) * (h // heads) // tp, (2 * f if config.activation == "swiglu" else f) // tp
-    norm = [((h,), True)] * (2 if config.norm == "layernorm" else 1)
+    norm = [((h,), True)] * (2 if config.norm == "layernorm" and config.bias else 1)  # weight (and bias)
 
     def column(rows, has_bias):
         return [((rows, h), False)] + ([((rows,), False)] if has_bias else [])

@@ -86,7 +86,7 @@ def _block_and_rest(config, *, tp: int) -> tuple[float, float]:
     head_dim = h // config.num_heads
     multiple = math.lcm(config.make_vocab_size_divisible_by, tp)
     vocab = -(-config.vocab_size // multiple) * multiple
-    norm = 2 * h if config.norm == "layernorm" else h
+    norm = 2 * h if config.norm == "layernorm" and config.bias else h  # weight (and bias)
     qkv = (config.num_heads + 2 * config.num_query_groups) * head_dim
     fc = 2 * f if config.activation == "swiglu" else f
     sharded = h * (qkv + h + fc + f)
