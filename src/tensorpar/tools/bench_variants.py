@@ -20,7 +20,7 @@ from .. import comm
 from ..comm_model import calibrate_overlap
 from ..grads import allreduce_sequence_parallel_grads
 from ..linear import ColumnParallelLinear, RowParallelLinear
-from ..models.gpt import GPT, GPTConfig
+from ..models import GPT, GPTConfig
 from ..overlap import interleave, median_seconds
 from ..parallel_state import (
     get_tensor_model_parallel_group,

@@ -22,7 +22,7 @@ from ..fsdp import fully_shard
 from ..fsdp_model import FSDPConfig
 from ..grads import allreduce_sequence_parallel_grads, get_grad_norm
 from ..linear import ColumnParallelLinear, RowParallelLinear
-from ..models.gpt import GPT, GPTConfig
+from ..models import GPT, GPTConfig
 from ..parallel_state import destroy_model_parallel, initialize_model_parallel
 from ..random import checkpoint, model_parallel_manual_seed
 from .launch import launch_local

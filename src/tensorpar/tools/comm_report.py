@@ -4,7 +4,7 @@ The prediction is :mod:`tensorpar.comm_model`'s; with ``--fsdp`` the GPT step's 
 :func:`tensorpar.fully_shard` over ``--dp`` ranks, FSDP's all-gathers and reduce-scatters
 included (:mod:`tensorpar.fsdp_model`). ``--measure`` runs the same layer on ``--tp`` (x ``--dp``)
 spawned gloo ranks under a :class:`tensorpar.CommLedger` (sizes divided by ``--scale``,
-:mod:`tensorpar.comm_measure`) and prints each measured collective next to the predicted one.
+:mod:`tensorpar.tools.comm_measure`) and prints each measured collective next to the predicted one.
 
 Example (seed 002)::
 

@@ -18,9 +18,10 @@ import torch
 
 from ..models import from_hf
 from ..models.generation import Decoder, generate, last_logits
+from ..overlap import synchronize
 
-# A token may differ from the reference's only where the reference's logits put it within this
-# fraction of their largest magnitude of its best: a near tie that the kernels' rounding decides.
+# A differing token is a near tie (which the kernels' rounding decides) where the reference's logit
+# for it is within NEAR_TIE x max|logit| of the reference's best; any other difference fails.
 NEAR_TIE = 5e-2
 
 
@@ -56,21 +57,16 @@ def agreement(tokens: torch.Tensor, reference: torch.Tensor, reference_logits, *
     return {"equal": int(equal.sum()), "near_ties": ties, "differ": differ}
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _decode_ms(generators: dict, *, new_tokens: int, rounds: int, device) -> dict:
     """{name: decode ms/token} of each ``generate(n)``, the variants taking turns each round."""
     times = {name: ([], []) for name in generators}
     for _ in range(rounds):
         for name, run in generators.items():
             for n, series in zip((1, new_tokens), times[name]):
-                _sync(device)
+                synchronize(device)
                 began = time.perf_counter()
                 run(n)
-                _sync(device)
+                synchronize(device)
                 series.append(time.perf_counter() - began)
     return {name: (statistics.median(full) - statistics.median(first)) / (new_tokens - 1) * 1e3
             for name, (first, full) in times.items()}
@@ -85,11 +81,11 @@ def _graph_step_ms(model, prompt: torch.Tensor, steps: int, device) -> float:
     decoder = Decoder(model, cache, is_real, prompt=length, fixed_shapes=True, cuda_graph=device.type == "cuda")
     token = last_logits(model, prompt, is_real[:, :length], cache).argmax(-1)
     token = decoder.step(token).argmax(-1)       # the capture
-    _sync(device)
+    synchronize(device)
     began = time.perf_counter()
     for _ in range(steps - 1):
         token = decoder.step(token).argmax(-1)
-    _sync(device)
+    synchronize(device)
     return (time.perf_counter() - began) / (steps - 1) * 1e3
 
 

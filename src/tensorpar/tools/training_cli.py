@@ -270,7 +270,7 @@ def _open_checkpoint(flag: str, path: str) -> tuple[Path, dict, dict]:
 
 
 def _check_train_args(args, world: int) -> None:
-    from ..models.gpt import GPTConfig
+    from ..models.config import GPTConfig
     from ..training.data import VAL_FRACTION, inspect_data, train_token_count
     from ..training.memory import check_memory
     from ..training.model_config import build_config, check_fits, default_seq_len, hf_init_config

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .. import comm, invariant
 from ..errors import UsageError
-from ..models.gpt import GPT, GPTConfig
+from ..models import GPT, GPTConfig
 from .checkpoint_format import LATEST, MANIFEST
 from .schema import PARAMS_DTYPES
 

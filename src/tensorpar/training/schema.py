@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..models.gpt import GPTConfig
+from ..models.config import GPTConfig
 
 
 class SchemaError(ValueError):
