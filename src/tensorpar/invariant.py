@@ -30,7 +30,8 @@ from torch import nn
 from . import comm
 from . import grads as grads_module
 from .cross_entropy import _check_targets, _VocabParallelCrossEntropy
-from .linear import ColumnParallelLinear, RowParallelLinear, _compute_dtype
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear_function import compute_dtype_of
 from .grads import _grad_of
 from .mappings import gather_from_tensor_model_parallel_region
 from .parallel_state import resolve_tp_group
@@ -122,7 +123,7 @@ class _Column(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_, weight, bias, stride, sequence_parallel, group):
-        dtype = _compute_dtype(input_)
+        dtype = compute_dtype_of(input_)
         input_ = input_.to(dtype)
         total = comm.all_gather(input_, group, dim=0) if sequence_parallel else input_
         groups = BLOCKS // comm.group_size(group)
@@ -160,7 +161,7 @@ class _Row(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_, weight, bias, sequence_parallel, group):
-        dtype = _compute_dtype(input_)
+        dtype = compute_dtype_of(input_)
         input_ = input_.to(dtype)
         blocks = BLOCKS // comm.group_size(group)
         xs = _k_blocks(input_.reshape(-1, input_.shape[-1]), blocks)

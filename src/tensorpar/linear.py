@@ -33,10 +33,10 @@ from .initialization import (
 from .linear_function import (
     LinearWithFrozenWeight,
     LinearWithGradAccumulationAndAsyncCommunication,
-    _compute_dtype,
-    _gather_sequence,
+    compute_dtype_of,
     compute_weight_grad,
     fused_addmm_supported,
+    gather_sequence,
     linear_with_frozen_weight,
     linear_with_grad_accumulation_and_async_allreduce,
 )
@@ -200,7 +200,7 @@ class _ParallelLinear(nn.Module):
         if self.overlap_link is None:
             raise RuntimeError(f"{type(self).__name__}: overlap='auto' needs a link model: call "
                                "tp.calibrate_overlap(model, tokens=...) on every rank before the first forward")
-        nbytes = tokens * comm_width * _compute_dtype(input_).itemsize
+        nbytes = tokens * comm_width * compute_dtype_of(input_).itemsize
         return self.overlap_link.best_chunks(gemm_flops, comm.bytes_sent_per_rank(op, nbytes, self.tp_size), rows)
 
     def extra_repr(self) -> str:
@@ -350,7 +350,7 @@ class ColumnParallelLinear(_ParallelLinear):
         sequence_parallel = self.sequence_parallel and not self.explicit_expert_comm
         for input_, grad_output in zip(self.activation_buffer, self.grad_output_buffer):
             input_ = input_.to(grad_output.dtype)
-            total_input = _gather_sequence(input_, self.tp_group, async_op=False) if sequence_parallel else input_
+            total_input = gather_sequence(input_, self.tp_group, async_op=False) if sequence_parallel else input_
             grad = compute_weight_grad(weight, total_input, grad_output,
                                        gradient_accumulation_fusion=self.gradient_accumulation_fusion)
             if self.gradient_accumulation_fusion:

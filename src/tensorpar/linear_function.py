@@ -26,14 +26,14 @@ from .overlap import all_gather_matmul, matmul_reduce
 from .parallel_state import resolve_tp_group
 
 
-def _compute_dtype(input_: torch.Tensor) -> torch.dtype:
+def compute_dtype_of(input_: torch.Tensor) -> torch.dtype:
     device_type = input_.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return input_.dtype
 
 
-def _gather_sequence(input_: torch.Tensor, group, *, async_op: bool):
+def gather_sequence(input_: torch.Tensor, group, *, async_op: bool):
     """All-gather the sequence-sharded input into the shared scratch buffer."""
     if torch.compiler.is_compiling():  # the compiler plans its own memory
         return comm.all_gather(input_, group, dim=0, async_op=async_op)
@@ -52,7 +52,7 @@ def _linear_forward(input_, weight, bias, sequence_parallel, group, overlap_chun
     Returns the input and the weight cast to the compute dtype (what backward needs, so the
     weight is cast once per micro-batch, as autocast would) and the output.
     """
-    compute_dtype = _compute_dtype(input_)
+    compute_dtype = compute_dtype_of(input_)
     # Under autocast, cast before the SP all-gather: half the bytes on the wire and saved.
     input_ = input_.to(compute_dtype)
     weight = weight.to(compute_dtype)
@@ -64,7 +64,7 @@ def _linear_forward(input_, weight, bias, sequence_parallel, group, overlap_chun
         elif sequence_parallel and overlap_chunks > 1:
             output, _ = all_gather_matmul(input_, weight.t(), group, chunks=overlap_chunks, bias=bias)
         else:
-            total_input = _gather_sequence(input_, group, async_op=False) if sequence_parallel else input_
+            total_input = gather_sequence(input_, group, async_op=False) if sequence_parallel else input_
             output = F.linear(total_input, weight, bias)
     return input_, weight, output
 
@@ -225,7 +225,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         wgrad_needed = ctx.needs_input_grad[1] and not defer_wgrad
         gather = None
         if ctx.sequence_parallel and wgrad_needed:
-            gather = _gather_sequence(input_, group, async_op=True)  # overlaps the dgrad GEMM
+            gather = gather_sequence(input_, group, async_op=True)  # overlaps the dgrad GEMM
         reduction, gathered_grad = _launch_dgrad(
             grad_output, compute_weight, allreduce_dgrad=ctx.allreduce_dgrad,
             sequence_parallel=ctx.sequence_parallel, output_reduction=ctx.output_reduction,
