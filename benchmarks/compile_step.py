@@ -15,13 +15,13 @@ with the figures: on shared cores a ratio is only as good as the load was steady
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+
+from gpt_step import launch_and_print
 
 
 def _timed(step, iters: int) -> tuple[float, float]:
@@ -116,13 +116,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--iters", type=int, default=3)
-    args = parser.parse_args()
-    from tensorpar.tools.launch import launch_local
-
-    load_before = os.getloadavg()[0]
-    results = launch_local(run, args, nproc=args.tp)
-    print(json.dumps({"args": vars(args), "load_1min": [load_before, os.getloadavg()[0]], **results[0]},
-                     indent=1))
+    launch_and_print(run, parser.parse_args())
 
 
 if __name__ == "__main__":

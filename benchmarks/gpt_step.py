@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -130,6 +131,17 @@ def add_arguments(parser: argparse.ArgumentParser, *, dtype: str, sp: bool = Tru
 def add_step_counts(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
+
+
+def launch_and_print(run, args) -> None:
+    """``run(args)`` on ``args.tp`` local ranks; prints rank 0's result as JSON with the arguments
+    and the 1-minute load average before and after (the cores are shared)."""
+    from tensorpar.tools.launch import launch_local
+
+    load_before = os.getloadavg()[0]
+    results = launch_local(run, args, nproc=args.tp)
+    print(json.dumps({"args": vars(args), "load_1min": [load_before, os.getloadavg()[0]], **results[0]},
+                     indent=1))
 
 
 def run(args) -> dict:
