@@ -8,6 +8,13 @@ becomes the test failure with that rank's traceback; a body that does not finish
 
 ``run_in_fresh_world`` does the same in a throwaway world, for bodies that break their process
 group on purpose (timeouts, crashed peers).
+
+Timeouts: a body gets ``TENSORPAR_TEST_TIMEOUT`` seconds (120) and a collective
+``TENSORPAR_COLLECTIVE_TIMEOUT`` (30), each multiplied by the load factor: how much slower than
+on an idle machine the ranks of the last world started (importing torch), from 1 to
+``MAX_LOAD_FACTOR``, or ``TENSORPAR_TEST_LOAD_FACTOR`` when set. So a loaded machine gives slow
+passes, not timeouts. The ranks ignore SIGINT: a Ctrl-C reaches pytest alone, which ends every
+world and stops.
 """
 
 from __future__ import annotations
@@ -17,17 +24,32 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
+import time
 import traceback
 
 from tensorpar.tools.launch import free_port
 
 DEFAULT_TIMEOUT = float(os.environ.get("TENSORPAR_TEST_TIMEOUT", "120"))
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("TENSORPAR_COLLECTIVE_TIMEOUT", "30"))
+# Seconds a rank takes to import torch and tensorpar on an idle machine, per rank sharing a core.
+IDLE_STARTUP_S = 2.5
+MAX_LOAD_FACTOR = 10.0
+STARTUP_TIMEOUT_S = 600.0
+_load_factor = float(os.environ.get("TENSORPAR_TEST_LOAD_FACTOR", "1"))
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout: float) -> None:
+def _measured_load_factor(startup_s: float, world_size: int) -> float:
+    if "TENSORPAR_TEST_LOAD_FACTOR" in os.environ:
+        return float(os.environ["TENSORPAR_TEST_LOAD_FACTOR"])
+    ranks_per_core = max(1.0, world_size / (os.cpu_count() or 1))
+    return min(MAX_LOAD_FACTOR, max(1.0, startup_s / (IDLE_STARTUP_S * ranks_per_core)))
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     import datetime
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
@@ -35,6 +57,8 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout: f
 
     import tensorpar
 
+    results.put((rank, "started", None))
+    pg_timeout = tasks.get()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout))
@@ -56,26 +80,47 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout: f
 
 
 class World:
+    """``world_size`` spawned ranks; ``pg_timeout`` is scaled by the load their start-up measured."""
+
     def __init__(self, world_size: int, pg_timeout: float = COLLECTIVE_TIMEOUT_S) -> None:
+        global _load_factor
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.results = ctx.Queue()
         self.task_queues = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
         self.procs = [ctx.Process(target=_worker, daemon=True,
-                                  args=(r, world_size, port, self.task_queues[r], self.results, pg_timeout))
+                                  args=(r, world_size, port, self.task_queues[r], self.results))
                       for r in range(world_size)]
-        for p in self.procs:
-            p.start()
+        started = time.monotonic()
+        try:
+            for p in self.procs:
+                p.start()
+            for _ in range(world_size):
+                self.results.get(timeout=STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        _load_factor = _measured_load_factor(time.monotonic() - started, world_size)
+        for q in self.task_queues:
+            q.put(pg_timeout * _load_factor)
 
     def run(self, fn, args, timeout: float) -> list:
+        timeout *= _load_factor
+        try:
+            return self._run(fn, args, timeout)
+        except KeyboardInterrupt:
+            self.close()
+            raise
+
+    def _run(self, fn, args, timeout: float) -> list:
         for q in self.task_queues:
             q.put((fn.__module__, fn.__name__, args))
         outcomes: dict[int, tuple[bool, object]] = {}
         failure_seen = False
         while len(outcomes) < self.world_size:
             # Once a rank has failed, the others are likely stuck in a collective with it.
-            wait = 15.0 if failure_seen else timeout
+            wait = 15.0 * _load_factor if failure_seen else timeout
             try:
                 rank, ok, value = self.results.get(timeout=wait)
             except queue.Empty:
@@ -103,8 +148,10 @@ class World:
                     q.put(None)
                 except (OSError, ValueError):
                     pass
+        deadline = time.monotonic() + 5
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
@@ -124,7 +171,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT) -
         world = _WORLDS[world_size] = World(world_size)
     try:
         return world.run(fn, args, timeout)
-    except AssertionError:
+    except (AssertionError, KeyboardInterrupt):
         _WORLDS.pop(world_size, None)
         raise
 

@@ -1,4 +1,4 @@
-"""The README's example runs under torchrun as written."""
+"""The README's example is examples/gpt_step.py, and it runs under torchrun as written."""
 
 import os
 import re
@@ -8,7 +8,13 @@ from pathlib import Path
 
 from tests.harness import free_port
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt_step.py"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "gpt_step.py"
+
+
+def test_the_readme_shows_the_example_file_as_it_is():
+    blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.M | re.S)
+    assert EXAMPLE.read_text() in blocks
 
 
 def test_readme_gpt_example_trains_under_torchrun():

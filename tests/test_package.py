@@ -35,7 +35,7 @@ def test_the_moved_entry_points_still_work_and_say_they_moved():
         assert "deprecated" in done.stderr, (old, done.stderr)
 
 
-# The layers of DESIGN.md (and of the README's Layout table), lowest first: a module imports
+# The layers of DESIGN.md (and of docs/architecture.md's table), lowest first: a module imports
 # only from its own layer or the ones before it. `tensorpar` itself (the public names, GPT
 # included) sits above the models.
 LAYERS = (
@@ -81,7 +81,7 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
 def _layer(module: str) -> int:
     matches = [(len(prefix), index) for index, layer in enumerate(LAYERS) for prefix in layer
                if module == prefix or module.startswith(prefix + ".")]
-    assert matches, f"{module} is in no layer of LAYERS (nor of the README's Layout table): place it"
+    assert matches, f"{module} is in no layer of LAYERS (nor of docs/architecture.md's table): place it"
     return max(matches)[1]
 
 

@@ -18,6 +18,13 @@ from .parallel_state import default_device
 
 
 class GlobalMemoryBuffer:
+    """Scratch tensors reused across calls, one per (name, dtype, device), grown on demand.
+
+    Example::
+
+        buf = tp.get_global_memory_buffer().get_tensor([s, b, h], torch.float32, "mpu")
+    """
+
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 

@@ -1,7 +1,9 @@
-"""Every command in README.md runs, in the README's order, in one directory: the fenced ``bash``
-blocks (shortened by the flags in SHORTER) must succeed, and each ``$ command`` transcript must
-print what the README shows (a line ``...`` there stands for lines left out). A README command
-this test does not know fails it: run it here, or list it in NOT_RUN with the reason.
+"""Every command in README.md and the docs/ pages runs, page after page in PAGES order, in one
+directory: the fenced ``bash`` blocks (shortened by the flags in SHORTER) must succeed, and each
+``$ command`` transcript must print what the page shows (a line ``...`` there stands for lines
+left out). A command this test does not know fails it: run it here, or list it in NOT_RUN with
+the reason. Every docs page is listed in PAGES and linked from the README, every relative link
+resolves, and docs/api.md is what the docstrings generate.
 """
 
 import os
@@ -17,7 +19,14 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+# The pages whose commands run, in this order (later pages use what earlier ones wrote).
+PAGES = ("README.md", "docs/training.md", "docs/checkpoints.md", "docs/huggingface.md", "docs/library.md",
+         "docs/invariant.md", "docs/porting-from-megatron.md", "docs/fsdp.md", "docs/communication-model.md",
+         "docs/benchmarks.md", "docs/multi-node-and-gpus.md", "docs/troubleshooting.md", "docs/architecture.md")
+# Pages with no commands of their own to run.
+GENERATED = {"docs/api.md": "generated from the docstrings; test_api_reference_is_current checks it"}
 
 # Commands (by their first words) that this test does not run, and why.
 NOT_RUN = {
@@ -31,10 +40,10 @@ NOT_RUN = {
 
 TINY = ["--layers", "1", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--micro-batch", "2",
         "--eval-iters", "1", "--log-every", "100"]
-# Flags appended to a README command (argparse keeps a flag's last value), by the command as the
-# README writes it, so that the whole README runs in about a minute on two cores. The quick start
-# keeps its 600 steps (the transcripts name the step) on a tiny model; the rest run a few steps on
-# one or two processes (generate runs a small model in one by itself). Every key must be a README command.
+# Flags appended to a command (argparse keeps a flag's last value), by the command as the page
+# writes it, so that every page runs in about a minute on two cores. The quick start keeps its
+# 600 steps (the transcripts name the step) on a tiny model; the rest run a few steps on one or
+# two processes (generate runs a small model in one by itself). Every key must be a command of a page.
 SHORTER = {
     "tensorpar train": [*TINY, "--nproc", "1"],
     "tensorpar generate --checkpoint tensorpar-run --prompt 'def '": ["--max-new-tokens", "8"],
@@ -46,7 +55,7 @@ SHORTER = {
 }
 # Transcripts of a new run: run in an empty directory (the README's own would hold the quick start's run).
 IN_EMPTY_DIR = {"tensorpar train --lr 1e30"}
-# What a README command promises to write.
+# What a command promises to write.
 WRITES = {
     "tensorpar train": ["tensorpar-run/metrics.jsonl", "tensorpar-run/loss.png", "tensorpar-run/step_600",
                         "tensorpar-run/latest"],
@@ -80,14 +89,15 @@ def _transcripts(block: str) -> list[tuple[list[str], list[str]]]:
     return pairs
 
 
-def readme_steps() -> list[tuple[str, list[str], list[str] | None]]:
-    """("run" or "transcript", command, expected output) in README order."""
+def page_steps() -> list[tuple[str, list[str], list[str] | None]]:
+    """("run" or "transcript", command, expected output) of every page, in PAGES order."""
     steps = []
-    for language, block in re.findall(r"^```(\w*)\n(.*?)^```", README.read_text(), flags=re.M | re.S):
-        if language == "bash":
-            steps += [("run", words, None) for words in _commands(block)]
-        elif block.startswith("$ "):
-            steps += [("transcript", words, expected) for words, expected in _transcripts(block)]
+    for page in PAGES:
+        for language, block in re.findall(r"^```(\w*)\n(.*?)^```", (ROOT / page).read_text(), flags=re.M | re.S):
+            if language == "bash":
+                steps += [("run", words, None) for words in _commands(block)]
+            elif block.startswith("$ "):
+                steps += [("transcript", words, expected) for words, expected in _transcripts(block)]
     return steps
 
 
@@ -112,7 +122,7 @@ def _shows(expected: list[str], output: str) -> bool:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, local_llama):
-    """The directory the README's commands run in, with what they name: my-llama and notes.txt."""
+    """The directory the pages' commands run in, with what they name: my-llama and notes.txt."""
     model_dir, text, _ = local_llama
     root = tmp_path_factory.mktemp("readme")
     shutil.copytree(model_dir, root / "my-llama")
@@ -123,13 +133,32 @@ def workdir(tmp_path_factory, local_llama):
 from tests.test_training_tokenizer import local_llama  # noqa: E402,F401 - the fixture
 
 
-def test_every_readme_command_runs_and_prints_what_the_readme_shows(workdir):
-    steps = readme_steps()
+def test_every_docs_page_is_listed_linked_from_the_readme_and_its_links_resolve():
+    pages = {f"docs/{path.name}" for path in (ROOT / "docs").glob("*.md")}
+    assert pages == set(PAGES[1:]) | set(GENERATED), sorted(pages ^ (set(PAGES[1:]) | set(GENERATED)))
+    readme = README.read_text()
+    assert all(f"]({page})" in readme for page in pages), sorted(p for p in pages if f"]({p})" not in readme)
+    for page in [*PAGES, *GENERATED]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", (ROOT / page).read_text()):
+            assert ((ROOT / page).parent / target).exists(), (page, target)
+
+
+def test_api_reference_is_current():
+    done = subprocess.run([sys.executable, "-m", "tensorpar.tools.api_reference"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (ROOT / "docs/api.md").read_text(), \
+        "docs/api.md is stale: python -m tensorpar.tools.api_reference > docs/api.md"
+
+
+@pytest.mark.slow
+def test_every_command_of_the_pages_runs_and_prints_what_the_page_shows(workdir):
+    steps = page_steps()
     written = {shlex.join(words) for _, words, _ in steps}
     assert set(SHORTER) <= written and set(WRITES) <= written and IN_EMPTY_DIR <= written, \
         sorted((set(SHORTER) | set(WRITES) | IN_EMPTY_DIR) - written)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(README.parent / "src"), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     ran = []
     for kind, words, expected in steps:
         if _not_run(words):
@@ -140,7 +169,7 @@ def test_every_readme_command_runs_and_prints_what_the_readme_shows(workdir):
         elif words[:2] == ["python", "-c"]:
             argv = [sys.executable, *words[1:]]
         else:
-            pytest.fail(f"README command {command!r}: run it in this test, or list it in NOT_RUN with the reason")
+            pytest.fail(f"command {command!r}: run it in this test, or list it in NOT_RUN with the reason")
         cwd = workdir / "empty" if command in IN_EMPTY_DIR else workdir
         cwd.mkdir(exist_ok=True)
         done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)

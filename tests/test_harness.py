@@ -1,0 +1,66 @@
+"""The test harness itself: timeouts that scale with the machine's load, and Ctrl-C that stops pytest."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import harness
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sleeping_body(marker: str) -> None:
+    Path(f"{marker}.{os.environ['RANK']}").touch()
+    time.sleep(120)
+
+
+def test_the_load_factor_is_one_when_idle_and_grows_with_the_start_up_time(monkeypatch):
+    monkeypatch.delenv("TENSORPAR_TEST_LOAD_FACTOR", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    idle = harness.IDLE_STARTUP_S
+    assert harness._measured_load_factor(0.5 * idle, 2) == 1.0
+    assert harness._measured_load_factor(3 * idle, 2) == 3.0
+    assert harness._measured_load_factor(3 * idle, 4) == 1.5          # 4 ranks share 2 cores
+    assert harness._measured_load_factor(1000 * idle, 2) == harness.MAX_LOAD_FACTOR
+    monkeypatch.setenv("TENSORPAR_TEST_LOAD_FACTOR", "4")
+    assert harness._measured_load_factor(0.0, 2) == 4.0
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_suite_and_its_ranks(tmp_path):
+    marker = tmp_path / "started"
+    (tmp_path / "test_sleeps.py").write_text(textwrap.dedent(f"""
+        from tests.harness import run_on_ranks
+        from tests.test_harness import sleeping_body
+
+        def test_one():
+            run_on_ranks(sleeping_body, 2, {str(marker)!r})
+
+        def test_two():
+            run_on_ranks(sleeping_body, 2, {str(marker)!r})
+        """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]), "OMP_NUM_THREADS": "1"}
+    # A terminal's Ctrl-C signals the whole foreground process group: pytest and every rank.
+    suite = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not all(Path(f"{marker}.{rank}").exists() for rank in range(2)):
+            assert suite.poll() is None and time.monotonic() < deadline, suite.communicate()[0]
+            time.sleep(0.2)
+        os.killpg(suite.pid, signal.SIGINT)
+        output, _ = suite.communicate(timeout=60)
+    finally:
+        if suite.poll() is None:
+            os.killpg(suite.pid, signal.SIGKILL)
+    assert suite.returncode == 2, output                  # pytest's "interrupted"
+    assert "KeyboardInterrupt" in output and "test_two" not in output and "passed" not in output, output
+    survivors = subprocess.run(["pgrep", "-s", str(suite.pid)], capture_output=True, text=True).stdout
+    assert survivors == "", survivors
