@@ -39,6 +39,9 @@ def load_tokenizer(directory, *, flag: str = "--tokenizer"):
         return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise UsageError(f"{flag} {directory}: cannot load the tokenizer ({exc})") from None
+    except RecursionError:
+        raise UsageError(f"{flag} {directory}: cannot load the tokenizer (its JSON is nested deeper than any "
+                         "tokenizer's)") from None
 
 
 
