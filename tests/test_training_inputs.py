@@ -5,6 +5,7 @@ The checkpoints are made once on the harness's persistent worlds; the cases run 
 (in this process where no rank starts, as a subprocess with 2 ranks where the refusal is a rank's).
 """
 
+import hashlib
 import json
 import os
 import pickle
@@ -20,7 +21,7 @@ import torch
 
 from tensorpar.tools.cli import main
 from tensorpar.tools.training_cli import parse_train_args
-from tensorpar.training.checkpoint_format import config_fingerprint, sha256
+from tensorpar.training.checkpoint_format import sha256
 from tensorpar.training.dcp_metadata import read_metadata
 from tensorpar.training.data import write_token_file
 from tests.harness import run_on_ranks
@@ -54,6 +55,11 @@ def runs(tmp_path_factory):
 def _copy(runs, tmp_path, name="run"):
     shutil.copytree(runs / name, tmp_path / name)
     return tmp_path / name, tmp_path / name / "step_1"
+
+
+def config_fingerprint(config):
+    """What meta.json's config_sha256 records: the SHA-256 of the config, keys sorted."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
 
 def _rewrite_manifest(step_dir):
@@ -118,11 +124,11 @@ def _swap_storage(key):
 @pytest.mark.slow
 def test_swapped_fsdp_chunks_are_refused_by_both_ranks_exit_2(runs, tmp_path):
     run, step = _copy(runs, tmp_path, "fsdp")
-    _craft(step, _swap_storage("model.blocks.0.mlp.fc2.weight"))
+    _craft(step, _swap_storage("model.blocks.0.mlp.proj.weight"))
     proc = _cli("train", "--nproc", "2", "--tp", "1", "--fsdp", "--resume", str(run), "--steps", "2")
-    assert re.fullmatch(r".*checkpoint .*step_1 stores the chunk of model\.blocks\.0\.mlp\.fc2\.weight at offsets "
+    assert re.fullmatch(r".*checkpoint .*step_1 stores the chunk of model\.blocks\.0\.mlp\.proj\.weight at offsets "
                         r"\[\d+, 0\] in __\d_0\.distcp, which saving rank \d \(TP 1 x DP 2\) does not hold; "
-                        r"refusing to load it", _one_line_exit_2(proc))
+                        r"refusing to load it \(rank \d\)", _one_line_exit_2(proc))
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -185,8 +191,10 @@ def test_a_token_file_whose_sidecar_misstates_its_dtype_is_refused(capsys, tmp_p
 
 
 @pytest.mark.parametrize("scaling, message", [
-    ({"type": "yarn", "factor": 4.0}, "rope_scaling's factor is 4.0, but rope_parameters' is None"),
-    ({"rope_type": "llama3", "factor": -8.0}, "rope_scaling's factor is -8.0, but rope_parameters' is None"),
+    ({"type": "yarn", "factor": 4.0}, "rope_scaling's factor is 4.0, but rope_parameters' is None: give the scaling "
+                                      "once, in rope_parameters"),
+    ({"rope_type": "llama3", "factor": -8.0}, "rope_scaling's factor is -8.0, but rope_parameters' is None: give the "
+                                             "scaling once, in rope_parameters"),
     ([8.0], "rope_scaling must be a JSON object, got [8.0]"),
 ])
 def test_hf_rope_scaling_beside_rope_parameters_is_never_dropped(tmp_path, scaling, message):
@@ -254,7 +262,7 @@ def test_sizes_beyond_memory_are_refused_before_allocating(capsys, runs, tmp_pat
     big = tmp_path / "big.txt"
     with open(big, "wb") as f:
         f.truncate(40 * 2**30)  # sparse: nothing is written
-    assert re.fullmatch(rf"{big}: its tokens need 80\.0 GiB in every rank, more than the 16\.0 GiB of host memory each "
+    assert re.fullmatch(rf"--data {big}: its tokens need 80\.0 GiB in every rank, more than the 16\.0 GiB of host memory each "
                         r"of 1 local ranks has: write a token file once with tensorpar prepare \(memory-mapped, read "
                         r"as needed\)", _fails(capsys, ["train", "--data", str(big), "--nproc", "1"]))
 
@@ -270,6 +278,7 @@ def test_hf_positions_beyond_memory_are_refused_before_allocating(capsys, tmp_pa
         max_position_embeddings=64)).save_pretrained(directory)
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 10**12}))
+    capsys.readouterr()  # save_pretrained's progress bar
     assert re.match(r"the model \(1 layers, hidden 32, vocabulary 300, 1,000,000,000,000 positions\) needs an "
                     r"estimated [\d.,]+ TiB per rank at --tp 1 \(rotary tables [\d.,]+ TiB, parameters",
                     _fails(capsys, ["train", "--init-from-hf", str(directory), "--nproc", "1"]))
@@ -333,8 +342,8 @@ def test_a_crafted_rank_count_is_named_as_such(runs, tmp_path):
     run, step = _copy(runs, tmp_path, "dp2")
     _edit_json(step, "meta.json", lambda meta: meta.update(ranks=65536, world={"tp": 1, "dp": 65536}))
     proc = _cli("train", "--nproc", "2", "--tp", "1", "--resume", str(run), "--steps", "2")
-    assert _one_line_exit_2(proc).endswith(
-        "step_1 holds the RNG states of 2 saving ranks, but meta.json's field 'ranks' is 65,536; refusing to load it")
+    assert re.fullmatch(r"checkpoint .*step_1 holds the RNG states of 2 saving ranks, but meta\.json's field 'ranks' "
+                        r"is 65,536; refusing to load it \(rank \d\)", _one_line_exit_2(proc))
 
 
 # --- 9: terminal safety -------------------------------------------------------------------------
