@@ -42,6 +42,8 @@ def load_tokenizer(directory, *, flag: str = "--tokenizer"):
     except RecursionError:
         raise UsageError(f"{flag} {directory}: cannot load the tokenizer (its JSON is nested deeper than any "
                          "tokenizer's)") from None
+    except Exception as exc:  # noqa: BLE001 - the files are input: the Rust parser raises plain Exception
+        raise UsageError(f"{flag} {directory}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
 
 
 
