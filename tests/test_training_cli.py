@@ -160,16 +160,19 @@ def test_a_resumed_checkpoint_config_beyond_memory_is_refused(capsys, files, tmp
     import json
     import shutil
 
-    from tensorpar.training.checkpoint_format import sha256
+    from tensorpar.training.checkpoint_format import config_fingerprint, sha256
 
     run = tmp_path / "run"
     shutil.copytree(files / "run", run)
     step = run / "step_2"
     config = json.loads((step / "config.json").read_text())
     (step / "config.json").write_text(json.dumps({**config, "num_layers": 10_000_000}))
+    meta = json.loads((step / "meta.json").read_text())  # a consistent forgery: the fingerprint too
+    meta["config_sha256"] = config_fingerprint(json.loads((step / "config.json").read_text()))
+    (step / "meta.json").write_text(json.dumps(meta))
     manifest = json.loads((step / "manifest.json").read_text())
-    manifest["files"]["config.json"] = {"bytes": (step / "config.json").stat().st_size,
-                                        "sha256": sha256(step / "config.json")}
+    for name in ("config.json", "meta.json"):
+        manifest["files"][name] = {"bytes": (step / name).stat().st_size, "sha256": sha256(step / name)}
     (step / "manifest.json").write_text(json.dumps(manifest))
     assert re.match(r"^the model \(10,000,000 layers, hidden 32, vocabulary 257\) needs an estimated [\d.]+ TiB per "
                     r"rank at --tp 2 \(parameters" + ".*" + _MORE_THAN,

@@ -72,6 +72,9 @@ class LinkModel:
         return min(options, key=lambda k: (self.pipeline_time(flops, bytes_sent, k), k))
 
 
+MAX_LAYERS = 10_000
+
+
 @dataclasses.dataclass(frozen=True)
 class CommConfig:
     """Sizes and modes of what is modelled; validated on construction.
@@ -113,6 +116,8 @@ class CommConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.layers > MAX_LAYERS:  # the step lists every layer's collectives
+            raise ValueError(f"layers must be at most {MAX_LAYERS:,} (far more than any model has), got {self.layers:,}")
         for name, divisor, what in self._divisibility():
             value = getattr(self, name)
             if value % divisor != 0:

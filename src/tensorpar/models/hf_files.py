@@ -231,9 +231,18 @@ def _rope(fields: Fields) -> tuple[float, dict | None]:
     """(rope_theta, Llama 3 rope_scaling or None) from transformers 5's ``rope_parameters``
     or the older ``rope_theta`` / ``rope_scaling``."""
     params = fields.get("rope_parameters", "object", None)
+    scaling = fields.get("rope_scaling", "object", None)
     if params is None:
-        params = {"rope_theta": fields.get("rope_theta", "positive", 10000.0),
-                  **fields.get("rope_scaling", "object", {})}
+        params = {"rope_theta": fields.get("rope_theta", "positive", 10000.0), **(scaling or {})}
+    elif scaling is not None:
+        # Both: transformers 5 reads rope_parameters; a rope_scaling that says otherwise is refused, not dropped.
+        kind = params.get("rope_type", params.get("type", "default"))
+        given = {**params, "type": kind, "rope_type": kind}
+        differs = sorted(key for key, value in scaling.items() if given.get(key) != value)
+        if differs:
+            key = differs[0]
+            raise ValueError(f"{fields.source}: rope_scaling's {key} is {scaling[key]!r}, but rope_parameters' is "
+                             f"{given.get(key)!r}: give the scaling once, in rope_parameters")
     rope = Fields(params, source=f"{fields.source}: rope_parameters")
     rope_type = rope.get("rope_type", "name", None) or rope.get("type", "name", "default")
     theta = float(rope.get("rope_theta", "positive", 10000.0))

@@ -12,10 +12,12 @@ import argparse
 import datetime
 import math
 import os
+import sys
 from pathlib import Path
 
 from ..errors import UsageError
 from .launch import launch_local, set_threads
+from .terminal import for_terminal
 
 DEFAULT_OUT = "tensorpar-run"
 
@@ -214,6 +216,10 @@ def _default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+def _local_ranks(world: int) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if _under_torchrun() else world
+
+
 def _resolve_world(args) -> int:
     """Fill ``args.nproc`` / ``args.tp``; returns the world size (checked against TP)."""
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or _default_nproc())
@@ -298,7 +304,8 @@ def _check_train_args(args, world: int) -> None:
         saved, origin = hf_init_config(args.init_from_hf), f"--init-from-hf {args.init_from_hf}"
     continue_settings(args, meta)
     resolve_tokenizer(args, meta or init_meta)
-    tokens, vocab_size, source = inspect_data(args.data, tokenizer=args.tokenizer)
+    local_ranks = _local_ranks(world)
+    tokens, vocab_size, source = inspect_data(args.data, tokenizer=args.tokenizer, local_ranks=local_ranks)
     config = build_config(args, vocab_size=vocab_size, saved=saved, origin=origin)
     if args.fsdp and config.gradient_accumulation_fusion:
         raise UsageError("--fsdp cannot combine with gradient-accumulation fusion (--grad-fusion, or the resumed "
@@ -311,8 +318,7 @@ def _check_train_args(args, world: int) -> None:
     train_token_count(tokens, val_fraction=VAL_FRACTION, seq_len=seq_len, source=source)
     settle_run(args, meta=meta, dp_size=world // args.tp)
     check_memory(config, tp=args.tp, dp=world // args.tp, seq_len=seq_len, micro_batch=args.micro_batch,
-                 dtype=args.dtype, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if _under_torchrun() else world,
-                 fsdp=args.fsdp)
+                 dtype=args.dtype, local_ranks=local_ranks, fsdp=args.fsdp)
     args.out = args.out or DEFAULT_OUT
     _check_writable_dir(Path(args.out), "--out")
     if not _under_torchrun():
@@ -374,24 +380,16 @@ def _fits_one_device(ckpt: Path) -> bool:
 
 def _cmd_generate(args) -> int:
     _check_paths(args)
-    from ..training.inference import encode_prompt
-    from ..training.model_config import check_fits, config_from_json
+    from ..training.inference import check_generate
 
     ckpt, saved, meta = _open_checkpoint("--checkpoint", args.checkpoint)
     if args.nproc is None and args.tp is None and not _under_torchrun() and _fits_one_device(ckpt):
         args.nproc = args.tp = 1  # this process generates at once; starting ranks takes seconds each
     world = _resolve_world(args)
-    config = config_from_json(saved)
-    check_fits(config, tp=args.tp, seq_len=1)
-    if args.tokenizer is not None:
-        from ..training.tokenizer import load_tokenizer
-
-        load_tokenizer(args.tokenizer)  # a bad --tokenizer is named as such
-        args.tokenizer = str(Path(args.tokenizer).resolve())
-    encode_prompt(args.prompt, tokenizer=args.tokenizer or meta.get("tokenizer"), vocab_size=config.vocab_size)
+    check_generate(args, saved=saved, meta=meta, local_ranks=_local_ranks(world))
     results = _run_in_world(generate_entry, args, world)
     if 0 in results:
-        print(results[0], flush=True)
+        print(for_terminal(results[0], stream=sys.stdout), flush=True)
     return 0
 
 
@@ -404,9 +402,11 @@ def export_entry(args):
 def _cmd_export(args) -> int:
     _check_paths(args)
     from ..models.hf import hf_config_of
+    from ..training.memory import check_inference_memory
     from ..training.model_config import config_from_json
 
     _, saved, _ = _open_checkpoint("--checkpoint", args.checkpoint)
+    check_inference_memory(config_from_json(saved), tp=1, tokens=0, local_ranks=1)
     try:
         hf_config_of(config_from_json(saved))
     except ValueError as exc:
@@ -456,7 +456,7 @@ def register(subparsers) -> None:
     tokens = prep.add_mutually_exclusive_group()
     tokens.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="a Hugging Face tokenizer directory (default: byte tokens)")
-    tokens.add_argument("--bpe-vocab", type=_number(int, low=257), default=None, metavar="N",
+    tokens.add_argument("--bpe-vocab", type=_number(int, low=257, high=1 << 24), default=None, metavar="N",
                         help="train a byte-level BPE of N tokens on DATA, saved as FILE.tokenizer/ "
                              "(default: none, byte tokens)")
     prep.add_argument("--overwrite", action="store_true", help="replace FILE, FILE.json and FILE.tokenizer/")
@@ -472,7 +472,8 @@ def register(subparsers) -> None:
     gen.add_argument("--tokenizer", default=None, metavar="DIR",
                      help="Hugging Face tokenizer directory for the prompt and the text (default: the run's, "
                           "which its checkpoints carry)")
-    gen.add_argument("--max-new-tokens", type=_positive(int), default=200, help="tokens to add")
+    gen.add_argument("--max-new-tokens", type=_number(int, low=0, low_inclusive=False, high=1 << 20), default=200,
+                     help="tokens to add, in (0, 1048576)")
     gen.add_argument("--temperature", type=_non_negative(float), default=0.8,
                      help="sampling temperature (0: greedy)")
     gen.add_argument("--top-k", type=_positive(int), default=40, help="sample among the k likeliest tokens")

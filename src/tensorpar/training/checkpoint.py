@@ -57,9 +57,10 @@ from torch.distributed.tensor import DTensor
 from .. import comm
 from ..fsdp import scatter_dp_shard
 from .checkpoint_files import latest_step_dir, read_json, read_manifest
-from .checkpoint_format import (CONFIG, LATEST, MANIFEST, META, CheckpointError, agree, describe, on_rank0,
-                                sha256)
+from .checkpoint_format import (CONFIG, LATEST, MANIFEST, META, CheckpointError, agree, config_fingerprint,
+                                describe, on_rank0, sha256)
 from .checkpoint_state import build_state_dict, init_adam_state, param_targets, rng_spec, set_rng_state, unstore
+from .checkpoint_layout import layout_problem, shard_dims
 from .dcp_metadata import expected_entries, mismatch, read_metadata
 from .rundir import check_dir, write_file
 
@@ -151,7 +152,7 @@ def save(out: str | os.PathLike, step: int, *, model, optimizer, config: dict, m
     final, tmp = out / f"step_{step}", out / f"step_{step}.tmp"
     on_rank0(lambda: _prepare_tmp(tmp, final))
     state, _ = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=True)
-    meta = {**meta, "ranks": dist.get_world_size(), "rng": rng_spec()}
+    meta = {**meta, "ranks": dist.get_world_size(), "rng": rng_spec(), "config_sha256": config_fingerprint(config)}
     need = _stored_bytes(state)
     try:
         on_rank0(lambda: _refuse(_no_space(out, need)))
@@ -247,11 +248,12 @@ def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
                                   f"this process's {sorted(rng_spec())}")
         metadata = read_metadata(ckpt, listed=set(read_manifest(ckpt)))
         repadded = _other_padding(state, expected, metadata.state_dict_metadata, model, optimizer)
-        problem = mismatch(metadata.state_dict_metadata, expected)
+        problem = mismatch(metadata.state_dict_metadata, expected) or layout_problem(
+            metadata.state_dict_metadata, metadata.storage_data, world=meta["world"], shard_dims=shard_dims(model))
         if problem is not None:
             raise CheckpointError(f"checkpoint {ckpt} {problem}; refusing to load it")
     except (CheckpointError, OSError, ValueError) as exc:
-        error = describe(exc)
+        error = exc
     agree(error)
     try:
         dcp.load(state, storage_reader=_ValidatedReader(ckpt, metadata), planner=_TensorsOnlyPlanner())

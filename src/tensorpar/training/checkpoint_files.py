@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint_format import (CONFIG, DCP_METADATA, LATEST, MANIFEST, META, STEP_DIR, TOKENIZER, CheckpointError,
-                                agree, check_relative, describe, sha256)
+                                CheckpointRefused, agree, check_relative, config_fingerprint, sha256)
 from .dcp_metadata import read_metadata
 from .schema import SchemaError, check_config, check_meta
 
@@ -72,8 +72,8 @@ def read_manifest(ckpt: Path) -> dict[str, dict]:
             if not (isinstance(entry["bytes"], int) and entry["bytes"] >= 0
                     and isinstance(entry["sha256"], str) and _SHA256.match(entry["sha256"])):
                 raise TypeError(f"entry {entry!r} lacks an integer 'bytes' and a hex 'sha256'")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} is corrupt ({exc})") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} is corrupt ({exc})") from None
     for name in files:
         check_relative(ckpt, name, MANIFEST)
     on_disk = set()
@@ -143,25 +143,32 @@ def verify(ckpt: Path, *, rank: int = 0, world: int = 1) -> None:
 
 def read_json(ckpt: Path) -> tuple[dict, dict]:
     """(config, meta) of a checkpoint, each checked against its schema (:mod:`.schema`: types,
-    ranges, the parallel sizes bounded) and refused naming the file and field; meta's
-    ``tokenizer``, if the checkpoint holds it, as an absolute path."""
+    ranges, the parallel sizes bounded), config against the fingerprint meta records, and refused
+    (:class:`CheckpointRefused`) naming the file and field; meta's ``tokenizer``, if the checkpoint
+    holds it, as an absolute path."""
     contents = []
     for name in (CONFIG, META):
         try:
             contents.append(json.loads((ckpt / name).read_text()))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{ckpt / name}: not JSON ({exc})") from None
+            raise CheckpointRefused(f"{ckpt / name}: not JSON ({exc})") from None
+        except RecursionError:
+            raise CheckpointRefused(f"{ckpt / name}: nested deeper than any file tensorpar writes") from None
     config, meta = contents
     if isinstance(meta, dict) and "ranks" not in meta and "rng" not in meta:
-        raise CheckpointError(f"checkpoint {ckpt} was written by tensorpar 0.1, which stored RNG states as "
-                              "pickled entries; this version loads only checkpoints written by tensorpar 0.2 "
-                              "or later")
+        raise CheckpointRefused(f"checkpoint {ckpt} was written by tensorpar 0.1, which stored RNG states as "
+                                "pickled entries; this version loads only checkpoints written by tensorpar 0.2 "
+                                "or later")
     step = STEP_DIR.match(ckpt.name)
     try:
         check_config(ckpt / CONFIG, config)
         check_meta(ckpt / META, meta, step=int(step.group(1)) if step else None)
     except SchemaError as exc:
-        raise CheckpointError(str(exc)) from None
+        raise CheckpointRefused(str(exc)) from None
+    # Edited heads or K/V groups can keep every tensor's shape: only the fingerprint tells.
+    if "config_sha256" in meta and meta["config_sha256"] != config_fingerprint(config):
+        raise CheckpointRefused(f"{ckpt / CONFIG}: does not match field 'config_sha256' of {ckpt / META} (the "
+                                "config was edited after the save); refusing to load it")
     if meta.get("tokenizer") == TOKENIZER and (ckpt / TOKENIZER).is_dir():
         meta["tokenizer"] = str((ckpt / TOKENIZER).resolve())
     return config, meta
@@ -176,7 +183,7 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[Path, dict, dict]:
         verify(ckpt, rank=rank, world=world)
         error = None
     except (CheckpointError, OSError) as exc:
-        error = describe(exc)
+        error = exc
     agree(error)
     config, meta = read_json(ckpt)
     return ckpt, config, meta

@@ -8,6 +8,7 @@ optionally the run's :data:`TOKENIZER`); ``OUT/latest`` names the newest complet
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from pathlib import Path, PurePosixPath
 
@@ -30,6 +31,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read; the message says which and why."""
 
 
+class CheckpointRefused(CheckpointError):
+    """A checkpoint whose files are refused on load (corrupt, crafted, or of another model): bad
+    input, so the command exits 2 like for any other."""
+
+    exit_code = 2
+
+
 def on_rank0(fn) -> object:
     """Run ``fn`` on global rank 0 and raise its error (if any) on every rank."""
     outcome = [None, None]
@@ -45,15 +53,18 @@ def on_rank0(fn) -> object:
     return outcome[0]
 
 
-def agree(error: str | None) -> None:
-    """Every rank's verdict combined: raise the first rank's error on every rank, if any."""
-    verdicts = [error]
+def agree(error: BaseException | None) -> None:
+    """Every rank's verdict combined: raise the first rank's error on every rank, if any; a
+    :class:`CheckpointError` (a refusal of the files) as :class:`CheckpointRefused`."""
+    verdict = None if error is None else (describe(error), isinstance(error, CheckpointError))
+    verdicts = [verdict]
     if dist.is_initialized() and dist.get_world_size() > 1:
         verdicts = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, error)
+        dist.all_gather_object(verdicts, verdict)
     for verdict in verdicts:
         if verdict is not None:
-            raise CheckpointError(verdict)
+            message, refused = verdict
+            raise (CheckpointRefused if refused else CheckpointError)(message)
 
 
 def describe(exc: BaseException) -> str:
@@ -73,6 +84,12 @@ def sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def config_fingerprint(config: dict) -> str:
+    """The SHA-256 of a checkpoint's ``config.json`` contents (keys sorted), which ``meta.json``
+    records as ``config_sha256``."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
 
 def check_relative(ckpt: Path, name: object, where: str) -> str:

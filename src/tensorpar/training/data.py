@@ -124,7 +124,7 @@ def _read_sidecar(path: Path) -> dict:
     try:
         meta = json.loads(sidecar.read_text())
         check_fields(sidecar, meta, SIDECAR_SCHEMA, exact=True, optional={"tokenizer"})
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise DataError(f"{sidecar}: unreadable token-file sidecar ({exc}); rewrite it with tensorpar "
                         "prepare") from None
     except SchemaError as exc:
@@ -196,17 +196,21 @@ def _text_files(path: Path) -> list[Path]:
     return files
 
 
-def inspect_data(path: str | os.PathLike | None, *, tokenizer: str | None = None) -> tuple[int, int, str]:
+def inspect_data(path: str | os.PathLike | None, *, tokenizer: str | None = None,
+                 local_ranks: int = 1) -> tuple[int, int, str]:
     """(token count, vocabulary size, source) of ``--data``, checked, without tokenizing text.
 
     What :func:`load_corpus` would give, cheaply enough to run before any process starts: text
     is sized from the files' lengths (an upper bound with a ``tokenizer``, whose vocabulary is
-    read); a token file's sidecar is checked, and its data against the sidecar's hash and
-    vocabulary (one pass over the file).
+    read) and refused if the ``local_ranks`` processes cannot each hold its tokens; a token
+    file's sidecar is checked (its tokenizer's vocabulary too), and its data against the
+    sidecar's hash and vocabulary (one pass over the file).
     """
     files, source = _resolve(path)
     if isinstance(files, Corpus):
-        _check_token_file(files, _read_sidecar(Path(files.source)))
+        meta = _read_sidecar(Path(files.source))
+        _check_sidecar_tokenizer(Path(f"{files.source}.json"), meta)
+        _check_token_file(files, meta)
         return files.tokens.numel(), files.vocab_size, files.source
     sizes = [size for size in (f.stat().st_size for f in files) if size]
     if not sizes:
@@ -216,7 +220,38 @@ def inspect_data(path: str | os.PathLike | None, *, tokenizer: str | None = None
         from .tokenizer import load_tokenizer
 
         vocab_size = len(load_tokenizer(tokenizer))
-    return sum(sizes) + len(sizes), vocab_size, source  # one EOT after each document
+    tokens = sum(sizes) + len(sizes)  # one EOT after each document
+    _check_text_fits(tokens * (2 if tokenizer is None else 4), source=source, local_ranks=local_ranks)
+    return tokens, vocab_size, source
+
+
+def _check_text_fits(need: int, *, source: str, local_ranks: int) -> None:
+    """Refuse text whose tokens (``need`` bytes, held by every rank) exceed each rank's host memory."""
+    from .memory import _gib, host_available_memory
+
+    have = host_available_memory() // local_ranks
+    if need > have:
+        raise DataError(f"{source}: its tokens need {_gib(need)} in every rank, more than the {_gib(have)} of host "
+                        f"memory each of {local_ranks} local ranks has: write a token file once with tensorpar "
+                        "prepare (memory-mapped, read as needed)")
+
+
+def _check_sidecar_tokenizer(sidecar: Path, meta: dict) -> None:
+    """The tokenizer a sidecar names must have its vocabulary: byte tokens 257, a Hugging Face
+    directory (where it still is) its own size. A dtype misstated with the count and hash to
+    match (uint32 ids read as uint16) is caught here, or by ids beyond the vocabulary."""
+    name = meta.get("tokenizer")
+    if name is None or name != "bytes" and not Path(name).is_dir():
+        return
+    if name == "bytes":
+        vocab_size = BYTE_VOCAB_SIZE
+    else:
+        from .tokenizer import load_tokenizer
+
+        vocab_size = len(load_tokenizer(name, flag=f"{sidecar}: field 'tokenizer'"))
+    if meta["vocab_size"] != vocab_size:
+        raise DataError(f"{sidecar}: field 'vocab_size' is {meta['vocab_size']}, but its tokenizer {name!r} has "
+                        f"{vocab_size} token ids; rewrite it with tensorpar prepare")
 
 
 def _scan(path: Path, dtype: torch.dtype, block: int = 1 << 24) -> tuple[str, int, int]:

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata)
 
-from .checkpoint_format import ADAM_MOMENTS, DCP_METADATA, MANIFEST, CheckpointError, check_relative
+from .checkpoint_format import ADAM_MOMENTS, DCP_METADATA, MANIFEST, META, CheckpointError, check_relative
 
 
 _METADATA_CLASSES = {
@@ -109,6 +110,7 @@ def read_metadata(ckpt: Path, *, listed: set[str]) -> Metadata:
             problem = _tiling_problem(entry)
             if problem is not None:
                 refuse(f"has chunks of {key} that {problem}")
+    sizes: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
         if not (isinstance(index, MetadataIndex) and index.fqn in metadata.state_dict_metadata
                 and isinstance(info, _StorageInfo) and type(info.offset) is int and info.offset >= 0
@@ -117,7 +119,31 @@ def read_metadata(ckpt: Path, *, listed: set[str]) -> Metadata:
         name = check_relative(ckpt, info.relative_path, DCP_METADATA)
         if name not in listed:
             refuse(f"refers to {name}, which {MANIFEST} does not list")
+        if name not in sizes:
+            sizes[name] = (ckpt / name).stat().st_size
+        if info.offset + info.length > sizes[name]:
+            refuse(f"stores {index.fqn} at bytes {info.offset:,}-{info.offset + info.length:,} of {name}, beyond "
+                   f"its {sizes[name]:,} bytes")
+    problem = _storage_problem(metadata)
+    if problem is not None:
+        refuse(problem)
     return metadata
+
+
+def _storage_problem(metadata: Metadata) -> str | None:
+    """Why a chunk of a tensor has no storage entry, or one too short to hold its data, or None."""
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        for chunk in entry.chunks:
+            info = metadata.storage_data.get(MetadataIndex(key, torch.Size(chunk.offsets)))
+            if info is None:
+                return f"has no storage entry for the chunk of {key} at offsets {list(chunk.offsets)}"
+            need = torch.Size(chunk.sizes).numel() * entry.properties.dtype.itemsize
+            if info.length < need:
+                return (f"stores the chunk of {key} at offsets {list(chunk.offsets)} in {info.length:,} bytes, "
+                        f"fewer than its {need:,} bytes of data")
+    return None
 
 def _spec(value: torch.Tensor) -> tuple[torch.dtype, list[int]]:
     return value.dtype, list(value.shape)  # a DTensor's shape is its global shape
@@ -141,8 +167,19 @@ def expected_entries(state: dict, meta: dict) -> dict[str, tuple[torch.dtype, li
     return expected
 
 
+_RNG_RANK = re.compile(r"^rng\.rank(\d+)\.")
+
+
+def _saving_ranks(keys) -> set[int]:
+    return {int(m.group(1)) for m in map(_RNG_RANK.match, keys) if m}
+
+
 def mismatch(stored: dict, expected: dict) -> str | None:
     """The first difference between DCP's entries and the expected ones, named by key."""
+    saved, recorded = _saving_ranks(stored), _saving_ranks(expected)
+    if saved != recorded:  # meta.json's "ranks" says whose RNG entries the checkpoint holds
+        return (f"holds the RNG states of {len(saved):,} saving ranks, but {META}'s field 'ranks' is "
+                f"{len(recorded):,}")
     for key in sorted(expected):
         if key not in stored:
             return f"lacks the entry {key} (a {len(stored)}-entry checkpoint of another model?)"

@@ -15,7 +15,8 @@ from ..models.gpt import GPT
 from . import checkpoint
 from .checkpoint_files import open_checkpoint
 from .data import EOT, decode, encode
-from .model_config import config_from_json
+from .memory import check_inference_memory
+from .model_config import check_fits, config_from_json
 
 
 def load_model(path, *, tp_group) -> tuple[GPT, dict]:
@@ -48,10 +49,14 @@ def encode_prompt(prompt: str, *, tokenizer: str | None, vocab_size: int) -> tor
         tokens = torch.tensor(hf_tokenizer(prompt)["input_ids"], dtype=torch.int64)
     else:
         words = prompt.split()
-        bad = [word for word in words if not word.isdigit()]
+        bad = [word for word in words if not (word.isascii() and word.isdigit())]
         if bad:
             raise UsageError(f"--prompt {prompt!r}: this checkpoint was trained on a token file, so the prompt "
                              f"is token ids separated by spaces (e.g. --prompt \"464 2068\"); {bad[0]!r} is not one")
+        for word in words:  # before a tensor: an id past int64 would overflow it (and int() past 4300 digits)
+            if len(word.lstrip("0")) > len(str(vocab_size)) or int(word) >= vocab_size:
+                shown = word if len(word) <= 30 else word[:27] + "..."
+                raise UsageError(f"--prompt: token id {shown} is outside the model's vocabulary of {vocab_size}")
         tokens = torch.tensor([int(word) for word in words], dtype=torch.int64)
     if tokens.numel() and int(tokens.max()) >= vocab_size:
         raise UsageError(f"--prompt: token id {int(tokens.max())} is outside the model's vocabulary "
@@ -59,6 +64,21 @@ def encode_prompt(prompt: str, *, tokenizer: str | None, vocab_size: int) -> tor
     if tokens.numel() == 0:
         raise UsageError("--prompt is empty: give at least one token to continue")
     return tokens
+
+
+def check_generate(args, *, saved: dict, meta: dict, local_ranks: int) -> None:
+    """What ``tensorpar generate`` refuses before any rank starts: a TP size the checkpoint's model
+    cannot run at, a bad ``--tokenizer`` (named as such), a prompt outside the vocabulary, and a
+    model (weights, KV cache) beyond each rank's memory; ``args.tokenizer`` made absolute."""
+    config = config_from_json(saved)
+    check_fits(config, tp=args.tp, seq_len=1)
+    if args.tokenizer is not None:
+        from .tokenizer import load_tokenizer
+
+        load_tokenizer(args.tokenizer)
+        args.tokenizer = str(Path(args.tokenizer).resolve())
+    prompt = encode_prompt(args.prompt, tokenizer=args.tokenizer or meta.get("tokenizer"), vocab_size=config.vocab_size)
+    check_inference_memory(config, tp=args.tp, tokens=prompt.numel() + args.max_new_tokens, local_ranks=local_ranks)
 
 
 def generate(args) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from ..memory_model import gpt_training_memory
+from ..memory_model import gpt_parameters_per_rank, gpt_training_memory
 from ..errors import UsageError
 
 
@@ -52,17 +52,46 @@ def memory_per_rank(*, local_ranks: int) -> tuple[int, str]:
                                        f"available to {local_ranks} local ranks)")
 
 
+def rotary_table_bytes(config, *, tp: int) -> int:
+    """The rotary cos/sin tables a model builds for all its ``max_seq_len`` (+ TP) positions at
+    once, fp32, with the angles they are computed from."""
+    if config.position_embedding != "rope":
+        return 0
+    return 4 * (config.max_seq_len + tp) * config.head_dim * 4
+
+
+def _model(config) -> str:
+    return (f"{config.num_layers:,} layers, hidden {config.hidden_size:,}, vocabulary {config.vocab_size:,}"
+            + (f", {config.max_seq_len:,} positions" if config.position_embedding == "rope" else ""))
+
+
+def check_inference_memory(config, *, tp: int, tokens: int, local_ranks: int) -> None:
+    """Refuse to build a checkpoint's model for ``tokens`` positions (prompt and new tokens) when its
+    weights, KV cache and rotary tables per rank exceed what each rank has, naming both."""
+    itemsize = config.params_dtype.itemsize
+    weights = gpt_parameters_per_rank(config, tp=tp) * itemsize
+    cache = (2 * config.num_layers * -(-config.num_query_groups // tp) * config.head_dim
+             * min(tokens, config.max_seq_len) * itemsize)
+    tables = rotary_table_bytes(config, tp=tp)
+    have, what = memory_per_rank(local_ranks=local_ranks)
+    if weights + cache + tables > have:
+        raise UsageError(f"the checkpoint's model ({_model(config)}) needs an estimated "
+                         f"{_gib(weights + cache + tables)} per rank at --tp {tp} (weights {_gib(weights)}, KV cache "
+                         f"{_gib(cache)} for {tokens:,} tokens, rotary tables {_gib(tables)}), more than {what}: "
+                         "use a larger --tp or fewer --max-new-tokens")
+
+
 def check_memory(config, *, tp: int, dp: int, seq_len: int, micro_batch: int, dtype: str, local_ranks: int,
                  fsdp: bool = False) -> None:
     """Refuse a run whose estimated bytes per rank exceed what each rank has, naming both."""
     need = gpt_training_memory(config, tp=tp, dp=dp, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
                                fsdp=fsdp)
+    tables = rotary_table_bytes(config, tp=tp)
     have, what = memory_per_rank(local_ranks=local_ranks)
-    if need["total"] > have:
+    if need["total"] + tables > have:
         raise UsageError(
-            f"the model ({config.num_layers:,} layers, hidden {config.hidden_size:,}, vocabulary "
-            f"{config.vocab_size:,}) needs an estimated {_gib(need['total'])} per rank at --tp {tp} "
-            f"(parameters {_gib(need['parameters'])}, gradients {_gib(need['gradients'])}, AdamW state "
+            f"the model ({_model(config)}) needs an estimated {_gib(need['total'] + tables)} per rank at --tp {tp} "
+            f"({'rotary tables ' + _gib(tables) + ', ' if tables else ''}parameters {_gib(need['parameters'])}, gradients {_gib(need['gradients'])}, AdamW state "
             f"{_gib(need['optimizer'])}, activations {_gib(need['activations'])} for --micro-batch {micro_batch} "
             f"x --seq-len {seq_len}{', FSDP units gathered ' + _gib(need['gathered']) if fsdp else ''}), more than "
             f"{what}: choose a smaller model or batch, or a larger --tp")

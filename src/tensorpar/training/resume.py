@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import UsageError
+
 # flag -> a new run's value
 RUN_SETTINGS = {"data": None, "seq_len": None, "seed": 1234, "dtype": "fp32", "dropout": 0.0, "sp": False,
                 "recompute": False, "grad_fusion": False, "overlap": "off", "interleave": 1, "tp_invariant": False,
@@ -33,9 +35,24 @@ def _saved_settings(meta: dict | None) -> dict:
             "dtype": meta.get("dtype")}
 
 
+def _check_recorded_data(meta: dict) -> None:
+    """Refuse ``settings.data`` unless it is the data ``data.source`` records (that path made
+    absolute, or the embedded corpus) and still exists."""
+    data, source = meta["settings"].get("data"), meta["data"]["source"]
+    where = "the resumed run's meta.json: field 'settings.data'"
+    if (data is None) != (source == "embedded") or data is not None and (
+            Path(data).name != Path(source).name and data_path(source) != data):
+        raise UsageError(f"{where} is {data!r}, not the data its field 'data.source' records ({source!r}); "
+                         "pass --data to name the data")
+    if data is not None and not Path(data).exists():
+        raise UsageError(f"{where} is {data!r}, which no longer exists; pass --data to name the data")
+
+
 def continue_settings(args, meta: dict | None) -> None:
     """Fill each of :data:`RUN_SETTINGS` not given with the resumed run's (``meta``), else a new run's."""
     saved = _saved_settings(meta)
+    if args.data is None and meta is not None and "settings" in meta:
+        _check_recorded_data(meta)
     for name, default in RUN_SETTINGS.items():
         if getattr(args, name) is None:
             setting = saved.get(name)

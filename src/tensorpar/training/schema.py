@@ -105,7 +105,19 @@ META_SCHEMA = {
     "data": {"position": integer(0), "seed": integer(), "source": TEXT},
     "world": {"tp": integer(1, MAX_RANKS), "dp": integer(1, MAX_RANKS)},
     "dtype": choice("fp32", "bf16"), "tokenizer": (TEXT, NULL), "ranks": integer(1, MAX_RANKS),
-    "rng": RNG_SPEC,
+    "rng": RNG_SPEC, "config_sha256": Rule(lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)
+                                            is not None, "64 lowercase hex digits"),
+}
+# What a 0.3+ run records of its settings (resume.RUN_SETTINGS), each as the train flag takes it;
+# every one optional, since a version may record fewer.
+SETTINGS_SCHEMA = {
+    "data": (TEXT, NULL), "seq_len": (integer(1), NULL), "seed": integer(0, 2**32 - 1),
+    "dtype": choice("fp32", "bf16"), "dropout": Rule(lambda v: type(v) in (int, float) and 0 <= v < 1,
+                                                     "a number in [0, 1)"),
+    "sp": FLAG, "recompute": FLAG, "grad_fusion": FLAG, "tp_invariant": FLAG, "tensorboard": FLAG,
+    "overlap": (choice("off", "auto"), integer(1)), "interleave": integer(1),
+    "weight_decay": number(0), "clip_grad": number(0), "eval_every": integer(0), "eval_iters": integer(1),
+    "log_every": integer(1), "save_every": integer(0),
 }
 # The parameter dtypes a config may name: never looked up on torch by name.
 PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -119,7 +131,9 @@ _CONFIG_RULES = {int: integer(1), float: number(0), bool: FLAG, str: TEXT, dict:
 
 def check_meta(path: Path, meta: object, *, step: int | None = None) -> None:
     """Refuse a ``meta.json`` (of the directory ``step_{step}``) unlike what a save writes."""
-    check_fields(path, meta, META_SCHEMA)
+    check_fields(path, meta, META_SCHEMA, optional={"settings", "config_sha256"})
+    if "settings" in meta:
+        check_fields(path, meta["settings"], SETTINGS_SCHEMA, optional=set(SETTINGS_SCHEMA), prefix="settings.")
     world = meta["world"]
     if meta["ranks"] != world["tp"] * world["dp"]:
         raise SchemaError(f"{path}: field 'ranks' is {meta['ranks']}, but field 'world' is TP {world['tp']} x "

@@ -39,6 +39,11 @@ def load_tokenizer(directory, *, flag: str = "--tokenizer"):
         return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise UsageError(f"{flag} {directory}: cannot load the tokenizer ({exc})") from None
+    except RecursionError:
+        raise UsageError(f"{flag} {directory}: cannot load the tokenizer (its JSON is nested deeper than any "
+                         "tokenizer's)") from None
+    except Exception as exc:  # noqa: BLE001 - the files are input: the Rust parser raises plain Exception
+        raise UsageError(f"{flag} {directory}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
 
 
 

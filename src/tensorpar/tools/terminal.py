@@ -1,0 +1,25 @@
+"""Text that reaches a terminal: control characters shown, never obeyed.
+
+A prompt or a model's output may hold ESC and other control characters, which a terminal acts on
+(moving the cursor, retitling the window, answering with bytes the shell then reads). On a
+terminal they are printed escaped as ``repr`` shows them; a pipe or a file gets the text as is.
+
+Example::
+
+    print(for_terminal(text, stream=sys.stdout))     # "\\x1b[2J" on a terminal
+"""
+
+from __future__ import annotations
+
+
+def _escape(char: str) -> str:
+    return char if char.isprintable() or char in "\n\t" else repr(char)[1:-1]
+
+
+def for_terminal(text: str, *, stream) -> str:
+    """``text`` with every non-printable character but newline and tab escaped if ``stream`` is
+    a terminal, else unchanged."""
+    isatty = getattr(stream, "isatty", None)
+    if isatty is None or not isatty():
+        return text
+    return "".join(map(_escape, text))
