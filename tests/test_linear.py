@@ -548,7 +548,7 @@ def test_fused_wgrad_fallback_is_exact_and_leaves_the_precision_flags_alone(monk
                                                                              dtype):
     """Without addmm's out_dtype kernel (CPU; CUDA torch < 2.10) the upcast operands are multiplied
     at the program's own fp32 precision: exact, as bf16 and fp16 values are TF32 numbers. After a
-    program set TF32 through the new API, a layer's backward runs (the legacy flag is never read)
+    program set TF32 through the new API, a fused layer's wgrad runs (the legacy flag is never read)
     and no global flag changes, during backward or after. The probe is asked per device type and dtype."""
     from tensorpar import linear_function as linear
 
@@ -556,16 +556,16 @@ def test_fused_wgrad_fallback_is_exact_and_leaves_the_precision_flags_alone(monk
     monkeypatch.setattr(linear, "_FUSED_ADDMM_SUPPORTED", {})
     monkeypatch.setattr(linear, "_probe_fused_addmm", lambda device, dt: probed.append((device.type, dt)) or False)
     torch.manual_seed(0)
-    layer = tp.ColumnParallelLinear(IN, OUT, bias=False, gradient_accumulation_fusion=True, params_dtype=dtype)
-    layer.weight.main_grad = torch.full((OUT, IN), 1.0 + 2.0 ** -12)
-    x, grad = torch.randn(S, B, IN).to(dtype).requires_grad_(), torch.randn(S, B, OUT).to(dtype)
+    weight = torch.nn.Parameter(torch.randn(OUT, IN, dtype=dtype))
+    weight.main_grad = torch.full((OUT, IN), 1.0 + 2.0 ** -12)
+    x, grad = torch.randn(S, B, IN).to(dtype), torch.randn(S, B, OUT).to(dtype)
     flags_before = _precision_flags()
-    with _FlagsAtGemms() as spy:
-        layer(x)[0].backward(grad)
+    with _FlagsAtGemms() as spy:  # the wgrad step of a fused layer's backward
+        linear.compute_weight_grad(weight, x, grad, gradient_accumulation_fusion=True)
     assert spy.flags and set(spy.flags) == {flags_before} and _precision_flags() == flags_before == ("none", "tf32")
     assert probed == [("cpu", dtype)]
-    exact = grad.reshape(-1, OUT).double().t() @ x.detach().reshape(-1, IN).double()
-    torch.testing.assert_close(layer.weight.main_grad.double(), 1.0 + 2.0 ** -12 + exact, rtol=1e-6, atol=1e-5)
+    exact = grad.reshape(-1, OUT).double().t() @ x.reshape(-1, IN).double()
+    torch.testing.assert_close(weight.main_grad.double(), 1.0 + 2.0 ** -12 + exact, rtol=1e-6, atol=1e-5)
 
 
 def test_fused_weight_placeholder_grad_has_the_parameter_dtype():

@@ -380,6 +380,7 @@ class GPT(nn.Module):
         self.dropout_masks = invariant_dropout.MaskCounter(seed=torch.initial_seed()) if config.tp_invariant else None
         for param in self.parameters():
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+            param.tp_invariant = config.tp_invariant  # what tensorpar's gradient helpers read
 
     # ---------------------------------------------------------------- forward
 
