@@ -1,6 +1,7 @@
 """GPT at TP = 2 and 4 against the TP=1 model built from the same seed, in the same process."""
 
 import contextlib
+import unittest.mock
 
 import pytest
 import torch
@@ -275,6 +276,43 @@ def _dropout_body():
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dropout_masks_and_recompute(world_size):
     assert run_on_ranks(_dropout_body, world_size) == [True] * world_size
+
+
+def _size_dependent_bernoulli_(self, p, *, generator):
+    """A draw whose value at a position depends on the size drawn, as CUDA's Philox kernel's does
+    (below ~270k elements): element ``i`` of an ``n``-element draw is the generator's ``n + i``-th."""
+    values = torch.rand(2 * self.numel(), generator=generator)[self.numel():]
+    return self.copy_((values < p).view(self.shape))
+
+
+def _padded_dropout_body():
+    tp.initialize_model_parallel(dist.get_world_size())
+    group, single = tp.get_tensor_model_parallel_group(), _single_rank_group()
+    tokens, labels = _data(seq=11)  # SP pads 11 tokens to 12 at TP 2 and 4
+    config = GPTConfig(**BASE, dropout=0.3, attention_dropout=0.0, sequence_parallel=True)
+    ref, model = _build(config, single), _build(config, group)
+    losses = []
+    # Blocks of 3 rows: the last real block (rows 9, 10) is cut by the padding at row 11.
+    with unittest.mock.patch.object(torch.Tensor, "bernoulli_", _size_dependent_bernoulli_), \
+            unittest.mock.patch.object(tp.random, "DROPOUT_BLOCK_ELEMENTS", 3 * 2 * BASE["hidden_size"]):
+        for m in (ref, model):
+            tp.model_parallel_manual_seed(11, tp_group=m.tp_group)
+            loss = m(tokens, labels)
+            loss.backward()
+            tp.allreduce_sequence_parallel_grads(m, tp_group=m.tp_group)
+            losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=RTOL, atol=ATOL)
+    ref_grads, tp_grads = _full_grads(ref), _full_grads(model)
+    for name in ref_grads:
+        torch.testing.assert_close(tp_grads[name], ref_grads[name], rtol=RTOL, atol=ATOL, msg=name)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sequence_parallel_dropout_of_a_padded_sequence_is_tp1s_whatever_the_draw_size(world_size):
+    """Item 4 of issue 25: every block is drawn at its TP=1 extent, so a generator that maps values
+    to positions by the size drawn gives the real tokens TP=1's masks (the padding is masked apart)."""
+    assert run_on_ranks(_padded_dropout_body, world_size) == [True] * world_size
 
 
 def _ledger_body(sequence_parallel):

@@ -307,3 +307,55 @@ def test_compiled_invariant_dropout_draws_new_masks_without_recompiling():
     """Each forward's key is a graph input, not a constant the graph guards on."""
     losses = run_on_ranks(_compiled_dropout_body, 1, timeout=600)[0]
     assert len(set(losses)) == 3  # the same batch and weights: only the masks differ
+
+
+def _public_helpers_train(config: GPTConfig, group, steps):
+    """The README's loop with tensorpar's public helpers only, clipping on: they read the model's
+    mode from its parameters. Returns (losses, grad norms, full weights)."""
+    tp.model_parallel_manual_seed(1234, tp_group=group)
+    model = GPT(config, tp_group=group, device="cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reducer = tp.DataParallelGradReducer(model.parameters(), dp_group=_GROUPS["dp", dist.get_rank()])
+    losses, norms = [], []
+    for step in range(steps):
+        reducer.zero_grad()
+        tokens, labels = _batch(step, config)
+        loss = model(tokens, labels)
+        loss.backward()
+        reducer.finish()
+        tp.allreduce_sequence_parallel_grads(model, tp_group=group)
+        norms.append(tp.clip_grad_norm_(model.parameters(), 0.5, tp_group=group).item())
+        optimizer.step()
+        losses.append(loss.item())
+    reducer.remove_hooks()
+    return losses, norms, model.full_state_dict()
+
+
+def _public_helpers_body(layouts):
+    results = {}
+    for size, sp in layouts:
+        group = _group(size)
+        if dist.get_rank() < size:
+            results[size, sp] = _public_helpers_train(dataclasses.replace(GPT2, sequence_parallel=sp), group, 2)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return None
+    losses, norms, weights = results[layouts[0]]
+
+    def mismatch(layout):
+        layout_losses, layout_norms, layout_weights = results[layout]
+        if layout_norms != norms:
+            return f"grad norms {layout_norms} != TP=1's {norms}"
+        return _mismatch((losses, weights), layout_losses, layout_weights)
+
+    return norms, {layout: mismatch(layout) for layout in layouts[1:]}
+
+
+def test_public_gradient_helpers_keep_an_invariant_model_bit_identical_to_tp1():
+    """Issue 25, item 3: tp.DataParallelGradReducer, tp.allreduce_sequence_parallel_grads and
+    tp.clip_grad_norm_ (clipping on) on a tp_invariant model: TP 2 and 4, with and without SP,
+    train the same bits as TP 1."""
+    layouts = [(1, False), (2, False), (2, True), (4, False), (4, True)]
+    norms, report = run_on_ranks(_public_helpers_body, 4, layouts, timeout=300)[0]
+    assert all(norm > 0.5 for norm in norms)  # every step clipped
+    assert report == {layout: None for layout in layouts[1:]}

@@ -515,24 +515,41 @@ def test_fused_wgrad_accumulation_probes_addmm_and_stays_exact(monkeypatch, vari
     torch.testing.assert_close(weight.main_grad.double(), 1.0 + 2.0 ** -12 + 2 * exact, rtol=1e-6, atol=1e-5)
 
 
-class _Tf32AtGemms(TorchDispatchMode):
-    """Records, at every GEMM, whether CUDA's fp32 GEMMs may use TF32 then."""
+def _precision_flags() -> tuple[str, str]:
+    """torch's fp32 GEMM precision settings, read through the new API only (reading the legacy
+    ``allow_tf32`` raises once the new one was set)."""
+    return torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+
+
+class _FlagsAtGemms(TorchDispatchMode):
+    """Records, at every GEMM, torch's fp32 GEMM precision settings then."""
 
     def __init__(self):
         super().__init__()
-        self.tf32 = []
+        self.flags = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in (torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.mm):
-            self.tf32.append(torch.backends.cuda.matmul.allow_tf32)
+            self.flags.append(_precision_flags())
         return func(*args, **(kwargs or {}))
 
 
+@pytest.fixture
+def tf32_set_by_the_new_api():
+    """What PyTorch now recommends a program do: set TF32 through ``fp32_precision``."""
+    previous = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    yield
+    torch.backends.cuda.matmul.fp32_precision = previous
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_wgrad_fallback_multiplies_at_tf32_and_probes_each_dtype(monkeypatch, dtype):
+def test_fused_wgrad_fallback_is_exact_and_leaves_the_precision_flags_alone(monkeypatch, tf32_set_by_the_new_api,
+                                                                             dtype):
     """Without addmm's out_dtype kernel (CPU; CUDA torch < 2.10) the upcast operands are multiplied
-    at TF32, not at full fp32 (about 10x slower on a GPU): exact, as bf16 and fp16 values are TF32
-    numbers. The probe is asked per device type and dtype."""
+    at the program's own fp32 precision: exact, as bf16 and fp16 values are TF32 numbers. After a
+    program set TF32 through the new API, a fused layer's wgrad runs (the legacy flag is never read)
+    and no global flag changes, during backward or after. The probe is asked per device type and dtype."""
     from tensorpar import linear_function as linear
 
     probed = []
@@ -542,10 +559,10 @@ def test_fused_wgrad_fallback_multiplies_at_tf32_and_probes_each_dtype(monkeypat
     weight = torch.nn.Parameter(torch.randn(OUT, IN, dtype=dtype))
     weight.main_grad = torch.full((OUT, IN), 1.0 + 2.0 ** -12)
     x, grad = torch.randn(S, B, IN).to(dtype), torch.randn(S, B, OUT).to(dtype)
-    tf32_before = torch.backends.cuda.matmul.allow_tf32
-    with _Tf32AtGemms() as spy:
+    flags_before = _precision_flags()
+    with _FlagsAtGemms() as spy:  # the wgrad step of a fused layer's backward
         linear.compute_weight_grad(weight, x, grad, gradient_accumulation_fusion=True)
-    assert spy.tf32 == [True] and torch.backends.cuda.matmul.allow_tf32 == tf32_before
+    assert spy.flags and set(spy.flags) == {flags_before} and _precision_flags() == flags_before == ("none", "tf32")
     assert probed == [("cpu", dtype)]
     exact = grad.reshape(-1, OUT).double().t() @ x.reshape(-1, IN).double()
     torch.testing.assert_close(weight.main_grad.double(), 1.0 + 2.0 ** -12 + exact, rtol=1e-6, atol=1e-5)

@@ -280,3 +280,84 @@ def _stream_order_body():
 
 def test_results_are_read_only_after_their_collective_completes():
     assert all(run_on_ranks(_stream_order_body, 2))
+
+
+# 6 query heads on 2 K/V heads, an FFN of 100: TP 3 and 4 split neither evenly (QKV rows and
+# FFN columns differ between ranks, K/V heads are replicated).
+UNEVEN = dict(vocab_size=64, max_seq_len=16, num_layers=2, num_heads=6, num_query_groups=2, hidden_size=48,
+              ffn_hidden_size=100, make_vocab_size_divisible_by=8)
+
+
+def _auto_layers(model):
+    return [m for m in model.modules() if isinstance(m, (tp.ColumnParallelLinear, tp.RowParallelLinear))
+            and m.overlap == "auto"]
+
+
+def _splitting_link(layers, *, tokens: int, rows: int, n: int):
+    """A link model on which some uneven layer's best chunk count (``rows``: its input's, the
+    sequence or its SP shard) differs between its ranks' own shards (what deciding by this rank's GEMM would do): a search over GEMM speeds, alike on every rank."""
+    for flops_per_s in (10.0 ** (k / 8) for k in range(8, 120)):
+        link = LinkModel(latency_s=1e-6, bytes_per_s=1e9, flops_per_s=flops_per_s, overlap=1.0)
+        for layer in (layer for layer in layers if layer.partition_sizes is not None):
+            column = isinstance(layer, tp.ColumnParallelLinear)
+            # The collective's width is the GEMM's unsplit dimension.
+            width = layer.input_size if column else layer.output_size
+            op = ("all_gather" if column else "reduce_scatter") if layer.sequence_parallel else "all_reduce"
+            sent = comm.bytes_sent_per_rank(op, tokens * width * 4, n)
+            if len({link.best_chunks(2 * tokens * size * width, sent, rows) for size in layer.partition_sizes}) > 1:
+                return link
+    return None
+
+
+def _uneven_auto_body(sequence_parallel):
+    from tensorpar.models import GPT, GPTConfig
+
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    group, n = tp.get_tensor_model_parallel_group(), tp.get_tensor_model_parallel_world_size()
+    generator = torch.Generator().manual_seed(3)
+    batch = torch.randint(0, UNEVEN["vocab_size"], (2, UNEVEN["max_seq_len"] + 1), generator=generator)
+    tokens, labels = batch[:, :-1], batch[:, 1:]
+    rows = UNEVEN["max_seq_len"]
+    runs, links = {}, None
+    for overlap in ("off", "auto"):
+        tp.model_parallel_manual_seed(5)
+        model = GPT(GPTConfig(**UNEVEN, overlap=overlap, sequence_parallel=sequence_parallel), tp_group=group)
+        if overlap == "auto":
+            layers = _auto_layers(model)
+            assert any(layer.partition_sizes is not None for layer in layers)  # the layout is uneven
+            with tp.CommLedger() as ledger:
+                measured = tp.calibrate_overlap(model, tokens=tokens.numel())
+            # Every rank measured the same shapes, so holds the same link models.
+            links = ([(r.op, r.shape) for r in ledger.records], [dataclasses.astuple(m) for m in measured])
+            link = _splitting_link(layers, tokens=tokens.numel(), rows=-(-rows // n) if sequence_parallel else rows, n=n)
+            assert link is not None  # a link on which deciding by this rank's shard would split the ranks
+            for layer in layers:
+                layer.overlap_link = link
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        with tp.CommLedger() as ledger:
+            for _ in range(2):
+                optimizer.zero_grad()
+                loss = model(tokens, labels)
+                loss.backward()
+                tp.allreduce_sequence_parallel_grads(model)
+                optimizer.step()
+                losses.append(loss.item())
+        runs[overlap] = (losses, [(r.op, r.shape) for r in ledger.records])
+    return runs, links
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_auto_overlap_of_an_uneven_layout_decides_alike_on_every_rank(world_size, sequence_parallel):
+    """Issue 25, item 1: with uneven heads, K/V heads and FFN, every rank measures and chooses
+    its chunk counts from rank-independent sizes: the same collectives on every rank, the same
+    training as overlap off (to rounding), on a link where this rank's own shard would split them."""
+    results = run_on_ranks(_uneven_auto_body, world_size, sequence_parallel, timeout=120)
+    (runs, links), others = results[0], results[1:]
+    for other_runs, other_links in others:
+        assert other_links == links
+        assert other_runs["auto"][1] == runs["auto"][1]
+    assert len(runs["auto"][1]) > len(runs["off"][1])  # the chunked pipelines ran
+    for rank_runs, _ in results:
+        assert rank_runs["auto"][0] == pytest.approx(rank_runs["off"][0], rel=1e-5)

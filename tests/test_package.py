@@ -43,7 +43,7 @@ LAYERS = (
     ("tensorpar.comm",),
     ("tensorpar.buffers",),
     ("tensorpar.overlap",),
-    ("tensorpar.mappings",),
+    ("tensorpar.mappings", "tensorpar.tree_reduce"),
     ("tensorpar.initialization",),
     ("tensorpar.linear_function", "tensorpar.linear"),
     ("tensorpar.embedding", "tensorpar.cross_entropy", "tensorpar.random"),

@@ -462,6 +462,8 @@ def calibrate_overlap(model: torch.nn.Module, *, tokens: int) -> list[LinkModel]
     TP > 1 refuses to run without it). ``tokens``: a forward's GEMM rows (sequence x micro-batch).
     Layers sharing a TP group, device and compute dtype (autocast's, under autocast) share one
     measurement with the largest one's shapes, and pick their chunk count per forward from it.
+    Shapes are the largest rank's shard (``largest_weight_shape``), never this rank's: in an
+    uneven layout every rank still measures, and so decides, alike.
     A ``CommLedger`` sees its collectives. Returns the link models measured.
 
     Example::
@@ -482,8 +484,8 @@ def calibrate_overlap(model: torch.nn.Module, *, tokens: int) -> list[LinkModel]
             by_key.setdefault(key, []).append(layer)
     links = []
     for (_, device, dtype), layers in by_key.items():
-        largest = max(layers, key=lambda layer: math.prod(layer.weight_shape))
-        out_features, in_features = largest.weight_shape
+        largest = max(layers, key=lambda layer: math.prod(layer.largest_weight_shape))
+        out_features, in_features = largest.largest_weight_shape
         # The collective a layer chunks: its input's width (column), its output's (row).
         width = largest.input_size if isinstance(largest, ColumnParallelLinear) else largest.output_size
         link = LinkModel(**measure_link(largest.tp_group, device=device, dtype=dtype, rows=tokens,

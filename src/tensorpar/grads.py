@@ -1,4 +1,9 @@
-"""Gradient bookkeeping after backward that TP layers need from the training loop."""
+"""Gradient bookkeeping after backward that TP layers need from the training loop.
+
+Each helper does what the model's mode needs: parameters of a TP-invariant model carry
+``tp_invariant = True`` (set when it is built, :func:`mark_tp_invariant`), and then every sum
+over ranks runs in the fixed order of :mod:`tensorpar.tree_reduce` (the same bits at any TP size).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,18 @@ from torch.distributed.tensor import DTensor
 from . import comm
 from .initialization import param_is_not_tensor_parallel_duplicate
 from .parallel_state import get_data_parallel_group, resolve_tp_group
+from .tree_reduce import BLOCKS, all_reduce_tree, tree_sum
+
+
+def mark_tp_invariant(params) -> None:
+    """Mark ``params`` as a TP-invariant model's (what the helpers here read)."""
+    for param in params:
+        param.tp_invariant = True
+
+
+def is_tp_invariant(params) -> bool:
+    """Whether any of ``params`` belongs to a TP-invariant model (:func:`mark_tp_invariant`)."""
+    return any(getattr(p, "tp_invariant", False) for p in params)
 
 
 def _grad_of(param: nn.Parameter) -> torch.Tensor | None:
@@ -24,9 +41,11 @@ def allreduce_sequence_parallel_grads(module: nn.Module, *, tp_group=None) -> No
     TP (LayerNorm weights, the row-parallel bias) is partial until summed. One all-reduce of a
     flat buffer covers all of them. Uses ``main_grad`` where a parameter has one. On a model
     under :func:`tensorpar.fully_shard` it sums the DP shards (every TP rank holds the same
-    slice of a replicated parameter), after FSDP's reduce-scatter.
+    slice of a replicated parameter), after FSDP's reduce-scatter. A TP-invariant model's are
+    summed in rank order (a tree).
     """
-    sum_sequence_parallel_grads(module, tp_group=tp_group, summed=comm.all_reduce)
+    summed = all_reduce_tree if is_tp_invariant(module.parameters()) else comm.all_reduce
+    sum_sequence_parallel_grads(module, tp_group=tp_group, summed=summed)
 
 
 def sum_sequence_parallel_grads(module: nn.Module, *, tp_group, summed) -> None:
@@ -82,11 +101,14 @@ class DataParallelGradReducer:
         optimizer.step()
 
     Parameters in a lower precision than fp32 (bf16) keep their gradient in ``main_grad``
-    only (``.grad`` cannot hold fp32): step them through :class:`MasterWeights`.
+    only (``.grad`` cannot hold fp32): step them through :class:`MasterWeights`. A TP-invariant
+    model's buckets are summed in rank order (a tree, when the bucket fills), so an element's sum
+    does not depend on where the TP layout puts it in a bucket.
     """
 
     def __init__(self, params, *, dp_group, bucket_bytes: int = 25 * 2**20) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self.ordered = is_tp_invariant(self.params)
         self.group = dp_group
         self.dp_size = comm.group_size(dp_group)
         self.sync = True
@@ -136,7 +158,11 @@ class DataParallelGradReducer:
             p.main_grad_reduced = True
         if self.dp_size > 1:
             bucket.buffer.div_(self.dp_size)
-        bucket.handle = comm.all_reduce(bucket.buffer, self.group, async_op=True)
+        if self.ordered:
+            bucket.buffer.copy_(all_reduce_tree(bucket.buffer, self.group))
+            bucket.handle = comm.Handle(None, bucket.buffer)
+        else:
+            bucket.handle = comm.all_reduce(bucket.buffer, self.group, async_op=True)
 
     def finish(self) -> None:
         """Wait for every bucket (launching those with unused parameters); set ``.grad`` of fp32 parameters."""
@@ -248,9 +274,12 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None) -> torch.Tensor:
     :func:`tensorpar.fully_shard`) are summed over ``dp_group`` too (default: the DP
     group); plain gradients are replicated over DP and counted as they are. Uses
     ``main_grad`` where present. One ``torch._foreach_norm`` per kind, and no host
-    synchronisation.
+    synchronisation. A TP-invariant model's norm is summed in a fixed order (:func:`_ordered_grad_norm`).
     """
     group = resolve_tp_group(tp_group)
+    params = list(params)
+    if is_tp_invariant(params):
+        return _ordered_grad_norm(params, group)
     plain, sharded = [], []
     for p in params:
         grad = p.main_grad if hasattr(p, "main_grad") else p.grad
@@ -272,7 +301,8 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None) -> torch.Tensor:
 @torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, *, tp_group=None, dp_group=None) -> torch.Tensor:
     """Scale gradients so the TP x DP-aware total norm (:func:`get_grad_norm`) is at most
-    ``max_norm``; returns the norm. Works on FSDP shards as on plain gradients.
+    ``max_norm``; returns the norm. Works on FSDP shards as on plain gradients, and on a
+    TP-invariant model's (its norm's bits do not depend on the TP size).
 
     The scale is clamped on the device and applied to every gradient (by 1 when the norm is
     already small): the CPU never waits for the norm.
@@ -283,3 +313,47 @@ def clip_grad_norm_(params, max_norm: float, *, tp_group=None, dp_group=None) ->
     if grads:
         torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
+
+
+def _block_squares(grad: torch.Tensor, param: nn.Parameter, blocks: int) -> list[torch.Tensor]:
+    """Per local block group ``i``: the sum of squares of block ``i`` of every stride piece (in order)."""
+    stride = getattr(param, "partition_stride", 1)
+    # [stride, blocks, elements]: each block contiguous (one copy where the blocks are columns).
+    squares = grad.movedim(param.partition_dim, 0).reshape(stride, blocks, -1).square()
+    sums = []
+    for i in range(blocks):
+        total = squares[0, i].sum()
+        for j in range(1, stride):
+            total = total + squares[j, i].sum()
+        sums.append(total)
+    return sums
+
+
+def _ordered_grad_norm(params: list[nn.Parameter], group) -> torch.Tensor:
+    """The L2 norm of the gradient (fp32), the same bits at every TP size.
+
+    TP-sharded parameters: squares summed per fixed block, block ``i`` of every parameter folded
+    in parameter order, then a tree over the blocks (a rank's blocks form a subtree, finished
+    across ranks); replicated parameters are then added in parameter order on every rank.
+    Gradients are whole on every DP rank (the invariant mode has no FSDP): no DP sum.
+    """
+    blocks = BLOCKS // comm.group_size(group)
+    sharded: list[torch.Tensor | None] = [None] * blocks
+    replicated = None
+    for param in params:
+        grad = _grad_of(param)
+        if grad is None:
+            continue
+        grad = grad.float()
+        if getattr(param, "tensor_model_parallel", False):
+            for i, square in enumerate(_block_squares(grad, param, blocks)):
+                sharded[i] = square if sharded[i] is None else sharded[i] + square
+        else:
+            square = grad.square().sum()
+            replicated = square if replicated is None else replicated + square
+    device = comm.collective_device(group)
+    local = tree_sum(s if s is not None else torch.zeros((), device=device) for s in sharded)
+    total = all_reduce_tree(local.reshape(1).to(device), group)[0]
+    if replicated is not None:
+        total = total + replicated.to(device)
+    return total.sqrt()

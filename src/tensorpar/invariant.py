@@ -32,66 +32,8 @@ from . import grads as grads_module
 from .cross_entropy import _check_targets, _VocabParallelCrossEntropy
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .linear_function import compute_dtype_of
-from .grads import _grad_of
 from .mappings import gather_from_tensor_model_parallel_region
-from .parallel_state import resolve_tp_group
-
-# Fixed blocks per TP-split dimension: TP = 1, 2, 4 and 8 own whole blocks.
-BLOCKS = 8
-
-
-def tree_sum(parts) -> torch.Tensor:
-    """``((p0 + p1) + (p2 + p3)) + ...``: pairwise, over a power-of-two number of parts.
-
-    Adds in place into the parts (temporaries of the caller): the same bits as new tensors,
-    without allocating one per add.
-    """
-    parts = list(parts)
-    while len(parts) > 1:
-        parts = [parts[i].add_(parts[i + 1]) for i in range(0, len(parts), 2)]
-    return parts[0]
-
-
-def _one_add(tensor: torch.Tensor, n: int) -> bool:
-    """Whether the backend's own reduction of ``tensor`` over ``n`` ranks is the tree's: two
-    operands are one IEEE add, correctly rounded in either order, in fp32 and fp64 (in 16-bit
-    types a backend may round once or through fp32)."""
-    return n == 2 and tensor.dtype in (torch.float32, torch.float64)
-
-
-def reduce_scatter_tree(partial: torch.Tensor, group, *, dim: int = 0) -> torch.Tensor:
-    """Sum ``partial`` over ``group`` in rank order (a pairwise tree), keeping this rank's slice along ``dim``.
-
-    An all-to-all of the slices, then :func:`tree_sum` of the ``TP`` slices received; over two
-    ranks in fp32/fp64, the backend's reduce-scatter (the same single add).
-    """
-    n = comm.group_size(group)
-    if n == 1:
-        return partial
-    if _one_add(partial, n):
-        return comm.reduce_scatter(partial, group, dim=dim)
-    comm.check_divisible(partial.shape[dim], n, f"dimension {dim} of shape {list(partial.shape)}")
-    slices = partial.movedim(dim, 0)
-    slices = slices.reshape(n, slices.shape[0] // n, *slices.shape[1:])
-    received = comm.all_to_all(slices, group)
-    return tree_sum(received.unbind(0)).movedim(0, dim)
-
-
-def all_reduce_tree(tensor: torch.Tensor, group) -> torch.Tensor:
-    """Sum ``tensor`` over ``group`` in rank order: :func:`reduce_scatter_tree` of the flat
-    tensor, then an all-gather (the bytes of a ring all-reduce); over two ranks in fp32/fp64,
-    the backend's all-reduce, in place (``tensor`` is the caller's temporary)."""
-    n = comm.group_size(group)
-    if n == 1:
-        return tensor
-    if _one_add(tensor, n):
-        return comm.all_reduce(tensor, group)
-    flat = tensor.reshape(-1)
-    if flat.numel() % n:
-        flat = F.pad(flat, (0, -flat.numel() % n))
-    total = comm.all_gather(reduce_scatter_tree(flat, group), group)
-    return total[:tensor.numel()].view(tensor.shape)
-
+from .tree_reduce import BLOCKS, all_reduce_tree, reduce_scatter_tree, tree_sum
 
 def _check_blocks(size: int, stride: int, what: str) -> None:
     """Refuse a dimension of ``size`` (``stride`` pieces) that ``BLOCKS`` blocks per piece do not divide."""
@@ -237,6 +179,7 @@ class ColumnLinear(ColumnParallelLinear):
 
     def __init__(self, input_size, output_size, **kwargs) -> None:
         super().__init__(input_size, output_size, **kwargs)
+        grads_module.mark_tp_invariant(self.parameters())  # the gradient helpers sum them in order
         check_layer(self)
         if self.defer_wgrad_compute:
             raise ValueError("ColumnLinear: tp_invariant does not support defer_wgrad_compute=True")
@@ -266,6 +209,7 @@ class RowLinear(RowParallelLinear):
 
     def __init__(self, input_size, output_size, **kwargs) -> None:
         super().__init__(input_size, output_size, **kwargs)
+        grads_module.mark_tp_invariant(self.parameters())  # the gradient helpers sum them in order
         check_layer(self)
         if not self.input_is_parallel:
             raise ValueError("RowLinear: tp_invariant needs input_is_parallel=True")
@@ -329,6 +273,7 @@ class LayerNorm(_NormBlocks, nn.LayerNorm):
 
     def __init__(self, *args, row_blocks: int, tp_group=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        grads_module.mark_tp_invariant(self.parameters())  # the gradient helpers sum them in order
         self.row_blocks, self.tp_group = row_blocks, tp_group
 
     def forward(self, x):
@@ -342,6 +287,7 @@ class RMSNorm(_NormBlocks, nn.RMSNorm):
 
     def __init__(self, *args, row_blocks: int, tp_group=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        grads_module.mark_tp_invariant(self.parameters())  # the gradient helpers sum them in order
         self.row_blocks, self.tp_group = row_blocks, tp_group
 
     def forward(self, x):
@@ -365,78 +311,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
                                             (sum_exp, lambda stats: all_reduce_tree(stats, tp_group)))
 
 
-def allreduce_sequence_parallel_grads(module: nn.Module, *, tp_group=None) -> None:
-    """:func:`tensorpar.allreduce_sequence_parallel_grads` summing over TP in rank order (a tree)."""
-    grads_module.sum_sequence_parallel_grads(module, tp_group=tp_group, summed=all_reduce_tree)
-
-
-def _block_squares(grad: torch.Tensor, param: nn.Parameter, blocks: int) -> list[torch.Tensor]:
-    """Per local block group ``i``: the sum of squares of block ``i`` of every stride piece (in order)."""
-    stride = getattr(param, "partition_stride", 1)
-    # [stride, blocks, elements]: each block contiguous (one copy where the blocks are columns).
-    squares = grad.movedim(param.partition_dim, 0).reshape(stride, blocks, -1).square()
-    sums = []
-    for i in range(blocks):
-        total = squares[0, i].sum()
-        for j in range(1, stride):
-            total = total + squares[j, i].sum()
-        sums.append(total)
-    return sums
-
-
-@torch.no_grad()
-def get_grad_norm(params, *, tp_group=None, dp_group=None) -> torch.Tensor:
-    """The L2 norm of the gradient (fp32), the same bits at every TP size.
-
-    Gradients are whole on every DP rank (the mode does not shard them: no FSDP), so
-    ``dp_group`` is not used; it keeps :func:`tensorpar.get_grad_norm`'s signature.
-
-    TP-sharded parameters: squares summed per fixed block, block ``i`` of every parameter folded
-    in parameter order, then a tree over the blocks (a rank's blocks form a subtree, finished
-    across ranks); replicated parameters are then added in parameter order on every rank.
-    """
-    group = resolve_tp_group(tp_group)
-    blocks = BLOCKS // comm.group_size(group)
-    sharded: list[torch.Tensor | None] = [None] * blocks
-    replicated = None
-    for param in params:
-        grad = _grad_of(param)
-        if grad is None:
-            continue
-        grad = grad.float()
-        if getattr(param, "tensor_model_parallel", False):
-            for i, square in enumerate(_block_squares(grad, param, blocks)):
-                sharded[i] = square if sharded[i] is None else sharded[i] + square
-        else:
-            square = grad.square().sum()
-            replicated = square if replicated is None else replicated + square
-    device = comm.collective_device(group)
-    local = tree_sum(s if s is not None else torch.zeros((), device=device) for s in sharded)
-    total = all_reduce_tree(local.reshape(1).to(device), group)[0]
-    if replicated is not None:
-        total = total + replicated.to(device)
-    return total.sqrt()
-
-
-@torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, *, tp_group=None, dp_group=None) -> torch.Tensor:
-    """:func:`tensorpar.clip_grad_norm_` with the norm of :func:`get_grad_norm`."""
-    params = list(params)
-    norm = get_grad_norm(params, tp_group=tp_group)
-    grads = [g for p in params if (g := _grad_of(p)) is not None]
-    if grads:
-        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
-    return norm
-
-
-class DataParallelGradReducer(grads_module.DataParallelGradReducer):
-    """:class:`tensorpar.DataParallelGradReducer` summing each bucket over DP in rank order (a
-    tree), so an element's sum does not depend on where the TP layout puts it in a bucket."""
-
-    def _launch(self, bucket) -> None:
-        for p in bucket.params:
-            p.main_grad_reduced = True
-        if self.dp_size > 1:
-            bucket.buffer.div_(self.dp_size)
-        bucket.buffer.copy_(all_reduce_tree(bucket.buffer, self.group))
-        bucket.handle = comm.Handle(None, bucket.buffer)
+# The public helpers read the mode from the parameters (marked by the layers here and by the
+# GPT): these names are theirs, kept for callers of tensorpar 0.4.
+allreduce_sequence_parallel_grads = grads_module.allreduce_sequence_parallel_grads
+get_grad_norm = grads_module.get_grad_norm
+clip_grad_norm_ = grads_module.clip_grad_norm_
+DataParallelGradReducer = grads_module.DataParallelGradReducer

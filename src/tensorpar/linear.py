@@ -135,6 +135,9 @@ class _ParallelLinear(nn.Module):
         device = default_device() if device is None else torch.device(device)
         shape = [local_size, input_size] if partition_dim == 0 else [output_size, local_size]
         self.weight_shape = tuple(shape)
+        # The largest rank's shard: what every rank decides by, so that all decide alike (uneven layouts).
+        largest = split_size // self.tp_size if rows is None else max(self.partition_sizes)
+        self.largest_weight_shape = (largest, input_size) if partition_dim == 0 else (output_size, largest)
         if skip_weight_param_allocation:
             self.register_parameter("weight", None)  # forward(input_, weight=) brings it
         else:
@@ -189,10 +192,12 @@ class _ParallelLinear(nn.Module):
             input_, weight, bias, self.gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
             grad_output_buffer, wgrad_deferral_limit, tp_group=self.tp_group, **overlap)
 
-    def _chunks(self, input_, *, op: str, rows: int, tokens: int, comm_width: int, gemm_flops: float) -> int:
+    def _chunks(self, input_, *, op: str, rows: int, tokens: int, comm_width: int) -> int:
         """This forward's chunk count: the fixed ``overlap``, or the one ``"auto"`` predicts fastest
-        for a collective ``op`` of ``[tokens, comm_width]`` against a GEMM of ``gemm_flops``, on
-        the link model :func:`tensorpar.calibrate_overlap` measured."""
+        for a collective ``op`` of ``[tokens, comm_width]`` against the largest rank's GEMM, on the
+        link model :func:`tensorpar.calibrate_overlap` measured. Every argument is the same on every
+        rank (never this rank's shard, which differs in an uneven layout): every rank issues the
+        same collectives."""
         if self.overlap != "auto":
             return self.overlap
         if self.tp_size == 1:
@@ -201,6 +206,7 @@ class _ParallelLinear(nn.Module):
             raise RuntimeError(f"{type(self).__name__}: overlap='auto' needs a link model: call "
                                "tp.calibrate_overlap(model, tokens=...) on every rank before the first forward")
         nbytes = tokens * comm_width * compute_dtype_of(input_).itemsize
+        gemm_flops = 2 * tokens * self.largest_weight_shape[0] * self.largest_weight_shape[1]
         return self.overlap_link.best_chunks(gemm_flops, comm.bytes_sent_per_rank(op, nbytes, self.tp_size), rows)
 
     def extra_repr(self) -> str:
@@ -313,7 +319,7 @@ class ColumnParallelLinear(_ParallelLinear):
             rows, in_ = input_.shape[0], input_.shape[-1]
             tokens = input_.numel() // in_ * (self.tp_size if sequence_parallel else 1)
             chunks = self._chunks(input_, op="all_gather" if sequence_parallel else "all_reduce", rows=rows,
-                                  tokens=tokens, comm_width=in_, gemm_flops=2 * tokens * in_ * weight.shape[0])
+                                  tokens=tokens, comm_width=in_)
         output_parallel = self._linear(input_parallel, weight, bias, allreduce_dgrad=self.allreduce_dgrad,
                                        sequence_parallel=sequence_parallel,
                                        grad_output_buffer=grad_output_buffer,
@@ -424,8 +430,7 @@ class RowParallelLinear(_ParallelLinear):
             tokens = input_.numel() // input_.shape[-1]
             chunks = self._chunks(input_, op="reduce_scatter" if self.sequence_parallel else "all_reduce",
                                   rows=input_.shape[0] // (self.tp_size if self.sequence_parallel else 1),
-                                  tokens=tokens, comm_width=self.output_size,
-                                  gemm_flops=2 * tokens * self.weight.shape[1] * self.output_size)
+                                  tokens=tokens, comm_width=self.output_size)
         if chunks > 1:
             # g (or the SP reduce-scatter) inside, chunk by chunk against the GEMM.
             return self._add_bias(self._partial_output(

@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
@@ -130,16 +129,27 @@ def fused_addmm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return supported
 
 
-@contextlib.contextmanager
-def _tf32_matmul():
-    """fp32 GEMMs on CUDA at TF32 (no effect elsewhere). Exact for upcast bf16 or fp16 operands:
-    TF32 keeps 10 mantissa bits and fp32's exponent, and accumulates in fp32."""
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+def _tf32_enabled() -> bool:
+    """Whether CUDA's fp32 GEMMs may run at TF32 now; read through torch's new precision API
+    where it exists (reading the legacy flag raises once a program has set the new one)."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        precision = matmul.fp32_precision
+        if precision == "none":  # inherits the generic setting
+            precision = torch.backends.fp32_precision
+        return precision == "tf32"
+    return matmul.allow_tf32
+
+
+def _warn_if_full_fp32(device: torch.device) -> None:
+    """The upcast fallback's GEMM runs at the program's own fp32 precision: the global flags
+    are never changed here (another thread's GEMMs would see them). At full fp32 on a GPU it is
+    several times slower than at TF32, which is exact for upcast bf16/fp16 operands."""
+    if device.type == "cuda" and not torch.compiler.is_compiling() and not _tf32_enabled():
+        warnings.warn("gradient_accumulation_fusion: this torch has no fused low-precision addmm into an fp32 "
+                      "main_grad, so the wgrad GEMM runs upcast at full fp32; set "
+                      "torch.backends.cuda.matmul.fp32_precision = 'tf32' to run it at TF32 (exact for bf16/fp16 "
+                      "operands, but it applies to every fp32 GEMM of the program)", stacklevel=2)
 
 
 def _accumulate_wgrad_into_main_grad(weight: torch.Tensor, grad_output_2d: torch.Tensor,
@@ -148,7 +158,7 @@ def _accumulate_wgrad_into_main_grad(weight: torch.Tensor, grad_output_2d: torch
 
     When main_grad (fp32) is wider than the activations, one GEMM accumulates the low-precision
     products into it where the device has that kernel; otherwise the operands are upcast and
-    multiplied at TF32, so the sum is the same exact fp32 either way.
+    multiplied in fp32 (at TF32 where the program enabled it), the same exact sum either way.
     """
     main_grad = weight.main_grad
     if main_grad.dtype == grad_output_2d.dtype:
@@ -156,8 +166,8 @@ def _accumulate_wgrad_into_main_grad(weight: torch.Tensor, grad_output_2d: torch
     elif fused_addmm_supported(main_grad.device, grad_output_2d.dtype):
         torch.addmm(main_grad, grad_output_2d.t(), input_2d, out_dtype=main_grad.dtype, out=main_grad)
     else:
-        with _tf32_matmul():
-            main_grad.addmm_(grad_output_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
+        _warn_if_full_fp32(main_grad.device)
+        main_grad.addmm_(grad_output_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
 
 
 def _weight_grad_placeholder(weight: torch.Tensor):

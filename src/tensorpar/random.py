@@ -148,7 +148,7 @@ model_parallel_cuda_manual_seed = model_parallel_manual_seed
 
 
 def dropout(input_: torch.Tensor, p: float, *, training: bool = True,
-            sequence_parallel: bool = False, tp_group=None) -> torch.Tensor:
+            sequence_parallel: bool = False, tp_group=None, valid_rows: int | None = None) -> torch.Tensor:
     """Dropout whose mask does not depend on the TP size, seeded from the default stream.
 
     For an activation every TP rank holds whole, or (``sequence_parallel=True``) one split
@@ -158,9 +158,15 @@ def dropout(input_: torch.Tensor, p: float, *, training: bool = True,
     its rows fall in and keeps a mask of its rows only, and every row gets the mask TP=1 gives
     it. The default stream advances by one draw on every rank alike.
 
+    ``valid_rows``: the rows of the full tensor that are real (its TP=1 length) when the rest
+    is padding (SP pads the sequence to a multiple of TP): each block is drawn at its TP=1
+    extent, so its values do not depend on the padding (a device generator may map values to
+    positions by the size drawn), and the padding rows are zeroed.
+
     Example::
 
         h = dropout(h, 0.1, sequence_parallel=True)      # h: [s/TP, b, h]
+        h = dropout(h, 0.1, sequence_parallel=True, valid_rows=1023)   # 1023 tokens padded to 1024
     """
     if not training or p == 0.0:
         return input_
@@ -171,6 +177,11 @@ def dropout(input_: torch.Tensor, p: float, *, training: bool = True,
     if sequence_parallel:
         group = resolve_tp_group(tp_group)
         first_row, full_rows = comm.group_rank(group) * rows, comm.group_size(group) * rows
+    if valid_rows is not None:
+        if isinstance(valid_rows, bool) or not isinstance(valid_rows, int) or not 0 < valid_rows <= full_rows:
+            raise ValueError(f"dropout: valid_rows must be an int in [1, {full_rows}] (the full tensor's rows), "
+                             f"got {valid_rows!r}")
+        full_rows = valid_rows
     if torch.compiler.is_compiling():
         keep = _traced_keep_mask(input_.shape, 1.0 - p, input_.device, dim=0, start=first_row, full=full_rows)
     else:
@@ -213,11 +224,17 @@ def _traced_keep_mask(shape, keep_prob: float, device, *, dim: int, start: int, 
         return torch.rand((), device=device) < keep_prob
     full_shape = list(shape)
     full_shape[dim] = full
-    return torch.rand(full_shape, device=device).narrow(dim, start, shape[dim]) < keep_prob
+    keep = torch.rand(full_shape, device=device) < keep_prob
+    padding = start + shape[dim] - full
+    if padding > 0:  # positions past the real ones (SP padding): dropped
+        full_shape[dim] = padding
+        keep = torch.cat([keep, keep.new_zeros(full_shape)], dim=dim)
+    return keep.narrow(dim, start, shape[dim])
 
 
 def _keep_mask(shape, keep_prob: float, device, first_row: int, full_rows: int) -> torch.Tensor:
-    """Rows ``[first_row, first_row + shape[0])`` of the block-drawn mask of ``full_rows`` rows."""
+    """Rows ``[first_row, first_row + shape[0])`` of the block-drawn mask of ``full_rows`` rows;
+    rows from ``full_rows`` on (padding) are False."""
     keep = torch.empty(shape, dtype=torch.bool, device=device)
     if keep.numel() == 0:
         return keep
@@ -226,7 +243,10 @@ def _keep_mask(shape, keep_prob: float, device, first_row: int, full_rows: int) 
     # One draw from the CPU default generator: no device synchronisation.
     base = int(torch.randint(0, 1 << 62, (1,)))
     generator = torch.Generator(device=device)
-    last_row = first_row + view.shape[0]
+    view[max(0, full_rows - first_row):].fill_(False)
+    last_row = min(first_row + view.shape[0], full_rows)
+    if last_row <= first_row:
+        return keep
     for block in range(first_row // rows_per_block, math.ceil(last_row / rows_per_block)):
         start, stop = block * rows_per_block, min((block + 1) * rows_per_block, full_rows)
         generator.manual_seed(slab_seed(base, block))

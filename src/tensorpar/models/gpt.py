@@ -128,7 +128,7 @@ class Embedding(nn.Module):
         else:
             self.register_parameter("position", None)
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, key=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, key=None, valid_rows=None) -> torch.Tensor:
         # g inside: all-reduce of the partial lookups, or reduce-scatter to [s/TP, b, h] under SP.
         x = self.word(tokens)
         if not self.parallel.sequence_parallel:
@@ -140,7 +140,8 @@ class Embedding(nn.Module):
                 positions = positions.chunk(self.parallel.size, dim=0)[self.parallel.rank]
             x = x + positions
         return invariant_dropout.dropout(x, self.config.dropout, key=key, site=("embedding",), training=self.training,
-                                         sequence_parallel=self.parallel.sequence_parallel, tp_group=self.parallel.group)
+                                         sequence_parallel=self.parallel.sequence_parallel,
+                                         tp_group=self.parallel.group, valid_rows=valid_rows)
 
 
 class Attention(nn.Module):
@@ -310,24 +311,24 @@ class Block(nn.Module):
         self.norm2 = _norm(config, parallel)
         self.mlp = MLP(config, parallel)
 
-    def _dropout(self, x: torch.Tensor, key=None, site: str = "") -> torch.Tensor:
-        # x is replicated (or SP-split): a TP-size-independent mask (of the default stream, or keyed).
+    def _dropout(self, x: torch.Tensor, key=None, site: str = "", valid_rows=None) -> torch.Tensor:
+        # x is replicated (or SP-split): a TP-size-independent mask (default stream or keyed); valid_rows: SP padding.
         return invariant_dropout.dropout(x, self.config.dropout, key=key, site=(self.attention.layer_number, site),
                                          training=self.training, sequence_parallel=self.parallel.sequence_parallel,
-                                         tp_group=self.parallel.group)
+                                         tp_group=self.parallel.group, valid_rows=valid_rows)
 
-    def _residual(self, x: torch.Tensor, reduced) -> torch.Tensor:
-        return x + self._dropout(reduced[0])
-
-    def forward(self, x, cos=None, sin=None, mask=None, kv_cache=None, key=None):
+    def forward(self, x, cos=None, sin=None, mask=None, kv_cache=None, key=None, valid_rows=None):
         # Per-sequence masks, positions and caches (generation) are not split: no interleaving.
         if self.config.interleave > 1 and mask is None and kv_cache is None and (cos is None or cos.dim() == 2):
             # Domino: while one part's attention (MLP) output is summed over TP, the next part computes.
-            return interleave(x, [(lambda h: self.attention.start(self.norm1(h), cos, sin), self._residual),
-                                  (lambda h: self.mlp.start(self.norm2(h)), self._residual)],
+            def residual(h, reduced):
+                return h + self._dropout(reduced[0], valid_rows=valid_rows)
+            return interleave(x, [(lambda h: self.attention.start(self.norm1(h), cos, sin), residual),
+                                  (lambda h: self.mlp.start(self.norm2(h)), residual)],
                               parts=self.config.interleave)
-        x = x + self._dropout(self.attention(self.norm1(x), cos, sin, mask, kv_cache, key), key, "attention")
-        return x + self._dropout(self.mlp(self.norm2(x)), key, "mlp")
+        attended = self.attention(self.norm1(x), cos, sin, mask, kv_cache, key)
+        x = x + self._dropout(attended, key, "attention", valid_rows)
+        return x + self._dropout(self.mlp(self.norm2(x)), key, "mlp", valid_rows)
 
 
 class GPT(nn.Module):
@@ -379,6 +380,7 @@ class GPT(nn.Module):
         self.dropout_masks = invariant_dropout.MaskCounter(seed=torch.initial_seed()) if config.tp_invariant else None
         for param in self.parameters():
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+            param.tp_invariant = config.tp_invariant  # what tensorpar's gradient helpers read
 
     # ---------------------------------------------------------------- forward
 
@@ -409,13 +411,14 @@ class GPT(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device)
         key = self.dropout_masks.next_key() if self.dropout_masks is not None and self.training else None
-        x = self.embedding(tokens, position_ids, key)               # [s(/TP), b, h]
+        valid_rows = seq_len if pad else None  # dropout masks the SP padding apart from the real tokens
+        x = self.embedding(tokens, position_ids, key, valid_rows)   # [s(/TP), b, h]
         for block in self.blocks:
             if self.config.recompute and torch.is_grad_enabled():
                 x = checkpoint(block, self.config.distribute_saved_activations, x, *rotary, attn_mask, None, key,
-                               tp_group=self.tp_group)
+                               valid_rows, tp_group=self.tp_group)
             else:
-                x = block(x, *rotary, attn_mask, kv_cache, key)
+                x = block(x, *rotary, attn_mask, kv_cache, key, valid_rows)
         if kv_cache is not None:
             kv_cache.length += tokens.shape[1]
         if last_position_only and not self.parallel.sequence_parallel:

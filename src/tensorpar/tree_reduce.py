@@ -1,0 +1,73 @@
+"""Sums over TP ranks in a fixed order: a pairwise tree over ``BLOCKS`` fixed blocks.
+
+What the TP-invariant mode (:mod:`tensorpar.invariant`) and the gradient helpers of
+:mod:`tensorpar.grads` sum with, so that a sum's order does not depend on the TP size: a rank's
+tree over its own blocks is a subtree of TP = 1's, and the cross-rank step finishes the same tree.
+
+Example::
+
+    total = all_reduce_tree(partial, tp_group)     # the same bits at TP = 1, 2, 4, 8
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import comm
+
+# Fixed blocks per TP-split dimension: TP = 1, 2, 4 and 8 own whole blocks.
+BLOCKS = 8
+
+
+def tree_sum(parts) -> torch.Tensor:
+    """``((p0 + p1) + (p2 + p3)) + ...``: pairwise, over a power-of-two number of parts.
+
+    Adds in place into the parts (temporaries of the caller): the same bits as new tensors,
+    without allocating one per add.
+    """
+    parts = list(parts)
+    while len(parts) > 1:
+        parts = [parts[i].add_(parts[i + 1]) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _one_add(tensor: torch.Tensor, n: int) -> bool:
+    """Whether the backend's own reduction of ``tensor`` over ``n`` ranks is the tree's: two
+    operands are one IEEE add, correctly rounded in either order, in fp32 and fp64 (in 16-bit
+    types a backend may round once or through fp32)."""
+    return n == 2 and tensor.dtype in (torch.float32, torch.float64)
+
+
+def reduce_scatter_tree(partial: torch.Tensor, group, *, dim: int = 0) -> torch.Tensor:
+    """Sum ``partial`` over ``group`` in rank order (a pairwise tree), keeping this rank's slice along ``dim``.
+
+    An all-to-all of the slices, then :func:`tree_sum` of the ``TP`` slices received; over two
+    ranks in fp32/fp64, the backend's reduce-scatter (the same single add).
+    """
+    n = comm.group_size(group)
+    if n == 1:
+        return partial
+    if _one_add(partial, n):
+        return comm.reduce_scatter(partial, group, dim=dim)
+    comm.check_divisible(partial.shape[dim], n, f"dimension {dim} of shape {list(partial.shape)}")
+    slices = partial.movedim(dim, 0)
+    slices = slices.reshape(n, slices.shape[0] // n, *slices.shape[1:])
+    received = comm.all_to_all(slices, group)
+    return tree_sum(received.unbind(0)).movedim(0, dim)
+
+
+def all_reduce_tree(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``tensor`` over ``group`` in rank order: :func:`reduce_scatter_tree` of the flat
+    tensor, then an all-gather (the bytes of a ring all-reduce); over two ranks in fp32/fp64,
+    the backend's all-reduce, in place (``tensor`` is the caller's temporary)."""
+    n = comm.group_size(group)
+    if n == 1:
+        return tensor
+    if _one_add(tensor, n):
+        return comm.all_reduce(tensor, group)
+    flat = tensor.reshape(-1)
+    if flat.numel() % n:
+        flat = F.pad(flat, (0, -flat.numel() % n))
+    total = comm.all_gather(reduce_scatter_tree(flat, group), group)
+    return total[:tensor.numel()].view(tensor.shape)
