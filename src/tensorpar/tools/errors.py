@@ -11,10 +11,14 @@ Example::
         run()
     except Exception as exc:
         sys.exit(report("train", exc))            # "tensorpar train: error: ..." on stderr
+    except KeyboardInterrupt as exc:
+        sys.exit(report_signal("train", exc))     # "tensorpar train: interrupted (SIGINT)"
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import traceback
 
@@ -43,3 +47,23 @@ def report(command: str, exc: BaseException) -> int:
             print(remote, file=sys.stderr, end="" if remote.endswith("\n") else "\n")
     print(f"tensorpar {command}: error: {one_line(exc)}", file=sys.stderr, flush=True)
     return exit_code(exc)
+
+
+def report_signal(command: str, exc: BaseException) -> int:
+    """Print the one line of a command stopped by a signal; the exit code, 128 + the signal.
+
+    ``exc`` is a ``KeyboardInterrupt`` (Ctrl-C in this process) or torch elastic's
+    ``SignalException`` (the launcher was sent a signal and has ended its ranks); its notes
+    (``add_note``) follow the line, e.g. where the run can continue. Under ``torchrun`` every
+    rank is interrupted and only rank 0 says so.
+
+    Example: ``tensorpar train: interrupted (SIGINT); the last checkpoint is run/step_400 (...)``
+    """
+    # A second Ctrl-C must not break this line, nor anything after it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signum = getattr(exc, "sigval", signal.SIGINT)
+    if os.environ.get("RANK", "0") == "0":
+        what = "interrupted (SIGINT)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        notes = "".join(f"; {note}" for note in getattr(exc, "__notes__", ()))
+        print(f"tensorpar {command}: {what}{notes}", file=sys.stderr, flush=True)
+    return 128 + int(signum)
