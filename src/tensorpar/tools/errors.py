@@ -59,11 +59,13 @@ def report_signal(command: str, exc: BaseException) -> int:
 
     Example: ``tensorpar train: interrupted (SIGINT); the last checkpoint is run/step_400 (...)``
     """
-    # A second Ctrl-C must not break this line, nor anything after it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signum = getattr(exc, "sigval", signal.SIGINT)
-    if os.environ.get("RANK", "0") == "0":
-        what = "interrupted (SIGINT)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-        notes = "".join(f"; {note}" for note in getattr(exc, "__notes__", ()))
-        print(f"tensorpar {command}: {what}{notes}", file=sys.stderr, flush=True)
-    return 128 + int(signum)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not break the line
+    try:
+        signum = getattr(exc, "sigval", signal.SIGINT)
+        if os.environ.get("RANK", "0") == "0":
+            what = "interrupted (SIGINT)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+            notes = "".join(f"; {note}" for note in getattr(exc, "__notes__", ()))
+            print(f"tensorpar {command}: {what}{notes}", file=sys.stderr, flush=True)
+        return 128 + int(signum)
+    finally:
+        signal.signal(signal.SIGINT, previous)
