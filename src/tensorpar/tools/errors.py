@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -69,3 +70,16 @@ def report_signal(command: str, exc: BaseException) -> int:
         return 128 + int(signum)
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def noted_on_signal(note):
+    """Add ``note()`` to a Ctrl-C (or the launcher's signal) leaving the block: :func:`report_signal`
+    prints it after its line. Example: ``with noted_on_signal(lambda: "see run/"): launch()``"""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        yield
+    except (KeyboardInterrupt, SignalException) as exc:
+        exc.add_note(note())
+        raise

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from ..errors import UsageError
+from .errors import noted_on_signal
 from .launch import launch_local, set_threads
 
 DEFAULT_OUT = "tensorpar-run"
@@ -100,11 +101,10 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                      help="start over in an --out that holds a run: its files are removed once this run's "
                           "first checkpoint is written")
     run.add_argument("--save-every", type=_non_negative(int), default=None,
-                     help="checkpoint every N steps (0: only at the end; default: at every evaluation, "
-                          "--eval-every)")
+                     help="checkpoint every N steps (0: only at the end; default: at each --eval-every)")
     run.add_argument("--keep-last", type=_non_negative(int), default=None,
-                     help="keep the newest N checkpoints this run writes and remove its older ones (0: keep all; "
-                          "default: 3); the one OUT/latest names and checkpoints of earlier runs are never removed")
+                     help="remove this run's older checkpoints but the newest N (0: keep all; default: 3); never "
+                          "the one OUT/latest names, nor those of earlier runs")
     run.add_argument("--eval-every", type=_non_negative(int), default=None,
                      help="validate every N steps (0: never; default: 100)")
     run.add_argument("--eval-iters", type=_positive(int), default=None,
@@ -336,16 +336,10 @@ def _cmd_train(args) -> int:
     _check_paths(args)
     world = _resolve_world(args)
     _check_train_args(args, world)
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     from ..training.checkpoint_files import resume_hint
-
     started = datetime.datetime.now()
-    try:
+    with noted_on_signal(lambda: resume_hint(args.out)):  # the Ctrl-C line says where to continue
         results = _run_in_world(train_entry, args, world)
-    except (KeyboardInterrupt, SignalException) as exc:  # SignalException: the launcher's, the ranks are gone
-        exc.add_note(resume_hint(args.out))
-        raise
     result = results.get(0)
     if result is not None:
         seconds = (datetime.datetime.now() - started).total_seconds()
