@@ -20,7 +20,8 @@ loading at a TP size that pads it otherwise reads the saved rows whole and keeps
 Atomicity: DCP writes into ``step_N.tmp``; rank 0 adds the JSON files, renames the directory
 to ``step_N`` and only then replaces ``latest`` (itself via rename). A save killed at any
 point leaves the previous checkpoint and ``latest`` untouched; a save that fails removes its
-``.tmp`` directory and says why.
+``.tmp`` directory and says why. :func:`remove_old` keeps only a run's newest checkpoints
+(``--keep-last``), removing nothing the run did not write and never the one ``latest`` names.
 
 Trust: nothing read from a checkpoint is executed. Before a byte of tensor data is read, every
 rank checks that the files on disk are exactly those of the manifest (no symlinks, no paths
