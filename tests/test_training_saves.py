@@ -28,6 +28,7 @@ def _steps(out):
     return sorted((p.name for p in out.iterdir() if p.name.startswith("step_")), key=lambda n: int(n[5:]))
 
 
+@pytest.mark.slow
 def test_a_run_saves_at_every_evaluation_keeps_the_last_n_and_a_resume_continues_it(tmp_path):
     out = tmp_path / "run"
     argv = TINY + ["--tp", "2", "--eval-every", "2", "--lr-decay-steps", "9", "--out", str(out)]
