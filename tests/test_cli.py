@@ -115,4 +115,4 @@ def test_a_signal_to_the_launcher_is_one_line_and_128_plus_the_signal(capsys, mo
 
     monkeypatch.setattr(training_cli, "_resolve_world", interrupted)
     assert main(["train"]) == 130
-    assert capsys.readouterr().err == "tensorpar train: stopped by SIGINT\n"
+    assert capsys.readouterr().err == "tensorpar train: interrupted (SIGINT)\n"

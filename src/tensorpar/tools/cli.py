@@ -16,7 +16,7 @@ import textwrap
 
 from .. import __version__
 from ..errors import DEBUG_ENV
-from .errors import report
+from .errors import report, report_signal
 from .launch import OneLineErrorHandler
 
 # Each module defines ``register(subparsers)``, which adds its subcommands and sets ``func``.
@@ -112,9 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Under torchrun, record() leaves the one-line message in the launcher's error file.
         return int(record(args.func, error_handler=OneLineErrorHandler())(args) or 0)
-    except SignalException as exc:  # the launcher was sent SIGINT/SIGTERM: it has ended the ranks
-        print(f"tensorpar {args.command}: stopped by {exc.sigval.name}", file=sys.stderr, flush=True)
-        return 128 + int(exc.sigval)
+    except (KeyboardInterrupt, SignalException) as exc:  # Ctrl-C, or the launcher's signal: it has ended the ranks
+        return report_signal(args.command, exc)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one line
         return report(args.command, exc)
 

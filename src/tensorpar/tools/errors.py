@@ -11,10 +11,15 @@ Example::
         run()
     except Exception as exc:
         sys.exit(report("train", exc))            # "tensorpar train: error: ..." on stderr
+    except KeyboardInterrupt as exc:
+        sys.exit(report_signal("train", exc))     # "tensorpar train: interrupted (SIGINT)"
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
 import traceback
 
@@ -43,3 +48,38 @@ def report(command: str, exc: BaseException) -> int:
             print(remote, file=sys.stderr, end="" if remote.endswith("\n") else "\n")
     print(f"tensorpar {command}: error: {one_line(exc)}", file=sys.stderr, flush=True)
     return exit_code(exc)
+
+
+def report_signal(command: str, exc: BaseException) -> int:
+    """Print the one line of a command stopped by a signal; the exit code, 128 + the signal.
+
+    ``exc`` is a ``KeyboardInterrupt`` (Ctrl-C in this process) or torch elastic's
+    ``SignalException`` (the launcher was sent a signal and has ended its ranks); its notes
+    (``add_note``) follow the line, e.g. where the run can continue. Under ``torchrun`` every
+    rank is interrupted and only rank 0 says so.
+
+    Example: ``tensorpar train: interrupted (SIGINT); the last checkpoint is run/step_400 (...)``
+    """
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not break the line
+    try:
+        signum = getattr(exc, "sigval", signal.SIGINT)
+        if os.environ.get("RANK", "0") == "0":
+            what = "interrupted (SIGINT)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+            notes = "".join(f"; {note}" for note in getattr(exc, "__notes__", ()))
+            print(f"tensorpar {command}: {what}{notes}", file=sys.stderr, flush=True)
+        return 128 + int(signum)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def noted_on_signal(note):
+    """Add ``note()`` to a Ctrl-C (or the launcher's signal) leaving the block: :func:`report_signal`
+    prints it after its line. Example: ``with noted_on_signal(lambda: "see run/"): launch()``"""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        yield
+    except (KeyboardInterrupt, SignalException) as exc:
+        exc.add_note(note())
+        raise

@@ -145,7 +145,11 @@ def _quiet_launcher():
     if debug_enabled():
         yield
         return
-    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    # Each of torch elastic's module loggers has its own level (utils/logging.py), which a parent's
+    # level does not override: every one is silenced, not only the package's.
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    names = [name for name in list(logging.Logger.manager.loggerDict) if name.startswith(prefixes)]
+    loggers = [logging.getLogger(name) for name in {*prefixes, *names}]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL + 1)
@@ -240,7 +244,32 @@ def _run_rank(entry, *args):
         raise failure from exc
 
 
+def _interrupt_once(signum, frame) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards the same Ctrl-C again
+    raise KeyboardInterrupt
+
+
+def _leave(code: int) -> None:
+    """Exit at once, without a traceback on the console (torch's own wrapper would print one):
+    finalizing torch and gloo objects takes seconds under load, and the launcher only ends the
+    other ranks once this process is gone."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _elastic_entry(entry, *args):
+    """One rank of :func:`launch_local`. A Ctrl-C (SIGINT reaches every process of the terminal's
+    group) exits 130 without a word: the launcher, which got it too, says it once."""
+    signal.signal(signal.SIGINT, _interrupt_once)
+    try:
+        return _recorded_entry(entry, *args)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _leave(130)
+
+
+def _recorded_entry(entry, *args):
     from torch.distributed.elastic.multiprocessing.errors import record
 
     set_threads()
@@ -255,12 +284,7 @@ def _elastic_entry(entry, *args):
             # Most likely a peer died first without recording anything (a signal, the OOM
             # killer): give the launcher time to see that death, the cause, before this one.
             time.sleep(PEER_FAILURE_GRACE_S)
-        # Leave at once, without a traceback on the console (torch's own wrapper would print
-        # one): finalizing torch and gloo objects takes seconds under load, and the launcher
-        # only ends the other ranks once this process is gone.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code(exc))
+        _leave(exit_code(exc))
 
 
 def _lost_a_peer(exc: BaseException) -> bool:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UsageError
+from .errors import noted_on_signal
 from .launch import launch_local, set_threads
 from .terminal import for_terminal
 
@@ -102,7 +103,10 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                      help="start over in an --out that holds a run: its files are removed once this run's "
                           "first checkpoint is written")
     run.add_argument("--save-every", type=_non_negative(int), default=None,
-                     help="checkpoint every N steps (0: only at the end; default: 0)")
+                     help="checkpoint every N steps (0: only at the end; default: at each --eval-every)")
+    run.add_argument("--keep-last", type=_non_negative(int), default=None,
+                     help="remove this run's older checkpoints but the newest N (0: keep all; default: 3); never "
+                          "the one OUT/latest names, nor those of earlier runs")
     run.add_argument("--eval-every", type=_non_negative(int), default=None,
                      help="validate every N steps (0: never; default: 100)")
     run.add_argument("--eval-iters", type=_positive(int), default=None,
@@ -338,8 +342,10 @@ def _cmd_train(args) -> int:
     _check_paths(args)
     world = _resolve_world(args)
     _check_train_args(args, world)
+    from ..training.checkpoint_files import resume_hint
     started = datetime.datetime.now()
-    results = _run_in_world(train_entry, args, world)
+    with noted_on_signal(lambda: resume_hint(args.out)):  # the Ctrl-C line says where to continue
+        results = _run_in_world(train_entry, args, world)
     result = results.get(0)
     if result is not None:
         seconds = (datetime.datetime.now() - started).total_seconds()

@@ -20,7 +20,8 @@ loading at a TP size that pads it otherwise reads the saved rows whole and keeps
 Atomicity: DCP writes into ``step_N.tmp``; rank 0 adds the JSON files, renames the directory
 to ``step_N`` and only then replaces ``latest`` (itself via rename). A save killed at any
 point leaves the previous checkpoint and ``latest`` untouched; a save that fails removes its
-``.tmp`` directory and says why.
+``.tmp`` directory and says why. :func:`remove_old` keeps only a run's newest checkpoints
+(``--keep-last``), removing nothing the run did not write and never the one ``latest`` names.
 
 Trust: nothing read from a checkpoint is executed. Before a byte of tensor data is read, every
 rank checks that the files on disk are exactly those of the manifest (no symlinks, no paths
@@ -174,6 +175,37 @@ def save(out: str | os.PathLike, step: int, *, model, optimizer, config: dict, m
         kept = f"; the previous checkpoint {previous} is intact" if previous else ""
         raise CheckpointError(f"saving checkpoint step {step} to {out} failed: {cause}{kept}") from exc
     return final
+
+
+def remove_old(out: str | os.PathLike, written: list[str], *, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` of ``written`` (this run's step directories, oldest
+    first); returns the names still kept. Call on rank 0 after a save.
+
+    Only what this run wrote goes, and only a complete checkpoint (a real directory holding its
+    manifest, never through a symlink); the one ``latest`` names stays whatever ``keep`` says.
+    ``keep`` 0 keeps all. Each goes by a rename to ``step_N.old`` first, so that a deletion cut
+    short never leaves a ``step_N`` that looks like a checkpoint and is not one.
+
+    Example: ``written = remove_old("run", written + ["step_300"], keep=3)``
+    """
+    if keep <= 0 or len(written) <= keep:
+        return written
+    out = Path(out)
+    latest = latest_step_dir(out)
+    remaining = []
+    for name in written[:-keep]:
+        path = out / name
+        if latest is not None and latest.name == name:
+            remaining.append(name)  # removable once another is latest
+            continue
+        if path.is_symlink() or not path.is_dir() or (path / MANIFEST).is_symlink() \
+                or not (path / MANIFEST).is_file():
+            continue  # replaced by something else since: not this run's to remove
+        old = out / f"{name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+        shutil.rmtree(old)
+    return remaining + written[-keep:]
 
 
 # --- loading ------------------------------------------------------------------------------

@@ -42,6 +42,18 @@ def latest_step_dir(out: str | os.PathLike) -> Path | None:
     return step_dir
 
 
+def resume_hint(out: str | os.PathLike | None) -> str:
+    """Where a stopped run can continue from, e.g. ``the last checkpoint is run/step_200 (continue
+    with --resume run)``, or ``no checkpoint was written``."""
+    try:
+        last = latest_step_dir(out) if out is not None else None
+    except CheckpointError:
+        last = None
+    if last is None:
+        return "no checkpoint was written"
+    return f"the last checkpoint is {last} (continue with --resume {out})"
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """A checkpoint directory from ``path``: a ``step_N`` directory, or an output directory."""
     path = Path(path)

@@ -92,11 +92,14 @@ def generate(args) -> str:
     hf_tokenizer = run_tokenizer({"tokenizer": tokenizer})
     calibrate_overlap(model, tokens=prompt.numel())  # for a checkpoint trained with --overlap auto
     torch.manual_seed(args.seed)
+    # A document ends with EOS (EOT for byte tokens): generation stops there, as transformers'
+    # does with the exported model, and the text leaves it out.
+    eos = EOT if tokenizer == "bytes" else hf_tokenizer.eos_token_id if hf_tokenizer is not None else None
     out = model.generate(prompt[None].to(ps.default_device()), args.max_new_tokens,
-                         temperature=args.temperature, top_k=args.top_k,
-                         eos_token_id=hf_tokenizer.eos_token_id if hf_tokenizer is not None else None)[0].cpu()
+                         temperature=args.temperature, top_k=args.top_k, eos_token_id=eos)[0].cpu()
     if tokenizer == "bytes":
-        text = decode(out)
+        ends = (out[prompt.numel():] == EOT).nonzero()
+        text = decode(out[:prompt.numel() + int(ends[0])] if len(ends) else out)
     elif hf_tokenizer is not None:
         text = hf_tokenizer.decode(out.tolist(), skip_special_tokens=True)
     else:
@@ -109,6 +112,7 @@ def generate(args) -> str:
 def export_hf(args) -> str:
     """Write ``args.checkpoint`` as a ``transformers`` directory (GPT-2, Llama or Qwen2) at ``args.to_hf``."""
     from ..models.hf import save_pretrained, to_hf
+    from .tokenizer import byte_tokenizer
 
     ps.initialize_model_parallel(1, timeout=args.timeout)
     try:
@@ -116,8 +120,9 @@ def export_hf(args) -> str:
         out = Path(args.to_hf)
         hf_model = to_hf(model)
         hf_tokenizer = run_tokenizer(meta)
-        # Byte-level runs end each document with EOT; a Hugging Face tokenizer has its own ids.
-        bos = eos = EOT if meta.get("tokenizer") == "bytes" else None
+        if meta.get("tokenizer") == "bytes":  # ids are bytes, each document ends with EOT
+            hf_tokenizer = byte_tokenizer(max_length=model.config.max_seq_len)
+        bos = eos = None
         if hf_tokenizer is not None:
             bos, eos = hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id
         for config in (hf_model.config, hf_model.generation_config):

@@ -28,7 +28,7 @@ from ..fsdp import ShardedGradSync, bytes_per_rank, fully_shard
 from ..models.gpt import GPT
 from ..random import model_parallel_manual_seed
 from . import checkpoint, rundir
-from .checkpoint_files import latest_step_dir, open_checkpoint, resolve
+from .checkpoint_files import open_checkpoint, resolve
 from .checkpoint_format import TOKENIZER, CheckpointError
 from .data import VAL_FRACTION, BatchSampler, load_corpus
 from .evaluation import autocast, evaluate
@@ -103,21 +103,13 @@ def _say(message: str) -> None:
     print(f"tensorpar train: {message}", file=sys.stderr, flush=True)
 
 
-def _resume_hint(out: Path | None) -> str:
-    try:
-        last = latest_step_dir(out) if out is not None else None
-    except CheckpointError:
-        last = None
-    if last is None:
-        return "no checkpoint was written"
-    return f"the last checkpoint is {last} (continue with --resume {out})"
-
-
 def train(args) -> RunResult:
     """Train on every rank of the current world (initializing tensorpar's groups), per ``args``.
 
     Rank 0 holds the output directory's lock for the whole run. An error on any rank propagates
     at once, nothing on that path waits for a peer; the peers fail fast once this process exits.
+    SIGTERM stops every rank after the same step, with a checkpoint; SIGINT raises
+    ``KeyboardInterrupt`` at once, printing nothing (the command reports it in one line).
     """
     ps.initialize_model_parallel(args.tp, timeout=args.timeout)
     lock, signals = None, Signals()
@@ -130,9 +122,9 @@ def train(args) -> RunResult:
         # at once, and their errors could be reported before this one. Exiting frees them.
         if not signals.interrupted:
             raise
-        if dist.get_rank() == 0:
-            _say(f"interrupted (SIGINT); {_resume_hint(Path(args.out) if args.out else None)}")
-        raise SystemExit(130) from None
+        # Whatever the Ctrl-C broke (a collective a peer left) is not the cause; the command
+        # that was interrupted says so once, naming the last checkpoint (checkpoint_files.resume_hint).
+        raise KeyboardInterrupt from None
     finally:
         if lock is not None:
             lock.release()
@@ -255,6 +247,8 @@ def _train(args, signals: Signals) -> RunResult:
     pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
     interval_began = time.perf_counter()
     control = control_group()
+    save_every = args.eval_every if args.save_every is None else args.save_every
+    written: list[str] = []  # this run's checkpoints (rank 0's record), oldest first
     try:
         for step in range(start, args.steps):
             lr = lr_at(step, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, total=args.lr_decay_steps)
@@ -281,8 +275,7 @@ def _train(args, signals: Signals) -> RunResult:
             log = done % args.log_every == 0 or done == args.steps
             evaluating = bool(args.eval_every) and (done % args.eval_every == 0 or done == args.steps)
             stop = stop_requested(signals, control)
-            saving = out is not None and bool(stop or (args.save_every and done % args.save_every == 0)
-                                              or done == args.steps)
+            saving = out is not None and bool(stop or (save_every and done % save_every == 0) or done == args.steps)
             # Also after the first step, whose one-off warm-up costs stay out of the measured rate.
             if log or evaluating or saving or stop or done == start + 1:
                 elapsed = time.perf_counter() - interval_began
@@ -301,8 +294,15 @@ def _train(args, signals: Signals) -> RunResult:
                 result.checkpoint = _save(out, done, model=model, optimizer=optimizer, config=config,
                                           args=args, tokens_seen=done * tokens_per_step,
                                           sizes=(tp_size, dp_size), hf_tokenizer=hf_tokenizer)
-                if getattr(args, "overwrite", False) and is_rank0:
-                    rundir.remove_set_aside(out)  # the new run's first checkpoint is safely written
+                if is_rank0:
+                    if getattr(args, "overwrite", False):
+                        rundir.remove_set_aside(out)  # the new run's first checkpoint is safely written
+                    name = Path(result.checkpoint).name
+                    written = [n for n in written if n != name] + [name]
+                    try:
+                        written = checkpoint.remove_old(out, written, keep=args.keep_last)
+                    except OSError as exc:  # the run's checkpoints are intact: no reason to stop it
+                        _say(f"--keep-last {args.keep_last}: could not remove an older checkpoint ({exc})")
             if stop:
                 result.stopped_by = "SIGTERM"
                 if is_rank0:

@@ -21,9 +21,11 @@ from .. import comm
 
 
 class Signals:
-    """SIGTERM asks to stop after the current step, with a checkpoint; SIGINT stops at once.
+    """SIGTERM asks to stop after the current step, with a checkpoint; SIGINT stops at once
+    (a ``KeyboardInterrupt``, once: later SIGINTs are ignored, also after the block).
 
-    Handlers are installed only in the main thread (Python's rule) and restored on exit.
+    Handlers are installed only in the main thread (Python's rule) and restored on exit, but for
+    SIGINT's once it has interrupted.
     """
 
     def __init__(self) -> None:
@@ -38,7 +40,10 @@ class Signals:
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            # Interrupted, the process is on its way out: a Ctrl-C forwarded by a launcher, or
+            # pressed again, must not raise a second KeyboardInterrupt in the middle of the exit.
+            if not (signum == signal.SIGINT and self.interrupted):
+                signal.signal(signum, handler)
 
     def _on_term(self, signum, frame) -> None:
         self.term = True

@@ -4,6 +4,7 @@ A run tokenized by a Hugging Face tokenizer saves it into each checkpoint; ``gen
 encodes prompts and decodes text with it, and ``export`` saves it beside the model, so
 ``transformers.pipeline("text-generation", model=EXPORTED)`` works as is. ``--bpe-vocab N``
 trains a byte-level BPE on the data with ``tokenizers`` and saves it as such a directory.
+A byte-token run has no tokenizer of its own: its export carries :func:`byte_tokenizer`.
 
 Example::
 
@@ -89,3 +90,36 @@ def train_byte_level_bpe(files: list[Path], vocab_size: int, directory: Path):
                                         unk_token=END_OF_TEXT)
     tokenizer.save_pretrained(str(directory))
     return tokenizer
+
+
+def _byte_chars() -> dict[int, str]:
+    """The character ``tokenizers``' ByteLevel step writes for each byte: printable Latin-1 as
+    itself, every other byte as the next character from U+0100 on (GPT-2's choice)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)}
+    others = iter(range(256, 512))
+    return {byte: chr(byte if byte in printable else next(others)) for byte in range(256)}
+
+
+def byte_tokenizer(*, max_length: int):
+    """A ``transformers`` tokenizer of byte tokens: id ``b`` is the byte ``b`` (text is its UTF-8
+    bytes), id 256 ``<|endoftext|>`` is EOS. It encodes and decodes as :func:`.data.encode` and
+    :func:`.data.decode` do (malformed UTF-8 becomes U+FFFD), without merges, without adding any
+    special token, and a literal ``<|endoftext|>`` in a text stays bytes.
+
+    Example: ``byte_tokenizer(max_length=128).save_pretrained("out")``
+    """
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        raise UsageError("exporting a byte-token run needs tokenizers and transformers: "
+                         "pip install 'tensorpar[hf]'") from None
+    # ByteLevel maps each byte to one character of _byte_chars; the vocabulary maps it back to
+    # the byte, and its decoder joins the bytes and decodes them as UTF-8, lossily.
+    tokens = Tokenizer(models.BPE(vocab={char: byte for byte, char in _byte_chars().items()}, merges=[]))
+    tokens.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokens.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokens, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT,
+                                   clean_up_tokenization_spaces=False, split_special_tokens=True,
+                                   model_max_length=max_length)
