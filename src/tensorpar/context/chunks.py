@@ -46,14 +46,16 @@ def natural_order(cp_size: int, chunk_len: int, device=None) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class SequenceChunks:
-    """One CP rank's share of a sequence of ``seq_len`` tokens (see the module docstring)."""
+    """One CP rank's share of a sequence of ``seq_len`` tokens (see the module docstring);
+    ``multiple``: each chunk's length a multiple of it (of TP, for sequence parallelism)."""
 
     seq_len: int
     cp_size: int
     cp_rank: int
+    multiple: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "cp_size"):
+        for name in ("seq_len", "cp_size", "multiple"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SequenceChunks.{name} must be a positive int, got {value!r}")
@@ -62,13 +64,13 @@ class SequenceChunks:
             raise ValueError(f"SequenceChunks.cp_rank must be in [0, {self.cp_size}), got {self.cp_rank!r}")
 
     @classmethod
-    def of(cls, seq_len: int, *, cp_group) -> "SequenceChunks":
+    def of(cls, seq_len: int, *, cp_group, multiple: int = 1) -> "SequenceChunks":
         """This rank's chunks of a ``seq_len`` sequence over ``cp_group``."""
-        return cls(seq_len, comm.group_size(cp_group), comm.group_rank(cp_group))
+        return cls(seq_len, comm.group_size(cp_group), comm.group_rank(cp_group), multiple)
 
     @property
     def chunk_len(self) -> int:
-        return -(-self.seq_len // (2 * self.cp_size))
+        return -(-self.seq_len // (2 * self.cp_size * self.multiple)) * self.multiple
 
     @property
     def padded_len(self) -> int:
