@@ -93,3 +93,20 @@ def _strict_device_body():
 
 def test_collectives_refuse_a_tensor_off_the_backends_device():
     assert run_on_ranks(_strict_device_body, 2) == [True, True]
+
+
+def _send_recv_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    group = tp.get_tensor_model_parallel_group()
+    n, r = comm.group_size(group), comm.group_rank(group)
+    with tp.CommLedger() as ledger:
+        got = comm.send_recv(torch.full((3,), float(r)), torch.empty(3), group, send_to=(r + 1) % n,
+                             recv_from=(r - 1) % n, async_op=True).wait()
+    torch.testing.assert_close(got, torch.full((3,), float((r - 1) % n)))
+    return [(x.op, x.bytes, x.group_size, x.async_op, x.bytes_sent_per_rank) for x in ledger.records]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_send_recv_passes_a_tensor_one_step_around_the_ring(world_size):
+    expected = [] if world_size == 1 else [("send_recv", 12, world_size, True, 12.0)]
+    assert run_on_ranks(_send_recv_body, world_size) == [expected] * world_size

@@ -49,6 +49,7 @@ LAYERS = (
     ("tensorpar.embedding", "tensorpar.cross_entropy", "tensorpar.random"),
     ("tensorpar.grads",),
     ("tensorpar.fsdp", "tensorpar.invariant", "tensorpar.invariant_dropout"),
+    ("tensorpar.context",),
     ("tensorpar.comm_model", "tensorpar.memory_model", "tensorpar.fsdp_model"),
     ("tensorpar.models",),
     ("tensorpar",),

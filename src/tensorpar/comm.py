@@ -9,7 +9,8 @@ Under ``torch.compile`` the collectives are torch's functional collectives (trac
 a ledger records each execution of the compiled graph.
 
 Shapes and bytes in records are those of the *full* tensor of the collective: the gathered
-output of an all-gather, the input of a reduce-scatter, the tensor of an all-reduce.
+output of an all-gather, the input of a reduce-scatter, the tensor of an all-reduce, the tensor
+one rank sends in a ``send_recv`` (a ring step: send to one peer, receive from another).
 
 Example::
 
@@ -39,6 +40,7 @@ _RING_SEND_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
+    "send_recv": lambda n: 1.0,
 }
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -422,3 +424,36 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
     _record("broadcast", tensor.shape, tensor.dtype, n, False)
     dist.broadcast(tensor, src=src, group=group)
     return tensor
+
+
+def send_recv(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, *, send_to: int,
+              recv_from: int, async_op: bool = False, tag: int = 0):
+    """Send ``send`` to group rank ``send_to`` while receiving ``recv`` (in place) from group rank
+    ``recv_from``: one step of a ring. Returns ``recv`` (or a Handle). Exchanges in flight at
+    once between the same ranks should differ in ``tag`` (gloo matches by it; NCCL by order).
+
+    Example::
+
+        n, r = comm.group_size(group), comm.group_rank(group)
+        pending = comm.send_recv(kv, torch.empty_like(kv), group, send_to=(r + 1) % n,
+                                 recv_from=(r - 1) % n, async_op=True)
+        partial = attend(q, kv)            # runs while the next block travels
+        kv = pending.wait()
+    """
+    n = group_size(group)
+    if n == 1:
+        return _done(recv.copy_(send), async_op)
+    if send.shape != recv.shape or send.dtype != recv.dtype:
+        raise ValueError(f"send_recv: send {list(send.shape)} {send.dtype} and recv {list(recv.shape)} "
+                         f"{recv.dtype} must match")
+    _record("send_recv", send.shape, send.dtype, n, async_op)
+    staged = _staged_on_host("send_recv", send, group)
+    outgoing, incoming = (send.cpu(), recv.cpu()) if staged else (send.contiguous(), recv)
+    if not incoming.is_contiguous():
+        raise ValueError("send_recv: recv must be contiguous")
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, outgoing, dist.get_global_rank(group, send_to), group, tag),
+        dist.P2POp(dist.irecv, incoming, dist.get_global_rank(group, recv_from), group, tag)])
+    # The send buffer must live until its work is done: the handle keeps it.
+    handle = Handle(works, (incoming, outgoing), lambda pair: recv.copy_(pair[0]) if staged else pair[0])
+    return handle if async_op else handle.wait()

@@ -8,7 +8,7 @@ import math
 import torch
 
 _CHOICES = {"norm": ("layernorm", "rmsnorm"), "activation": ("gelu", "gelu_tanh", "swiglu"),
-            "position_embedding": ("learned", "rope")}
+            "position_embedding": ("learned", "rope"), "context_parallel_comm": ("a2a", "p2p")}
 
 # Llama 3's rope scaling parameters (besides rope_type).
 LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -47,6 +47,10 @@ class GPTConfig:
     "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``;
     ``layernorm_epsilon`` is RMSNorm's epsilon too.
 
+    ``context_parallel_comm`` is how attention reaches the other context-parallel ranks' tokens
+    when the GPT is built with a ``cp_group``: ``"p2p"`` (ring) or ``"a2a"`` (Ulysses); see
+    :mod:`tensorpar.context`.
+
     Example::
 
         GPTConfig(vocab_size=50257, max_seq_len=1024, num_layers=12, num_heads=12, hidden_size=768)
@@ -84,6 +88,7 @@ class GPTConfig:
     overlap: int | str = "off"
     interleave: int = 1
     tp_invariant: bool = False
+    context_parallel_comm: str = "p2p"
 
     PRESETS = tuple(_PRESETS)
 

@@ -59,7 +59,7 @@ from ..linear import ColumnParallelLinear, RowParallelLinear
 from ..overlap import interleave
 from ..parallel_state import default_device, resolve_tp_group
 from ..random import checkpoint, get_rng_tracker, sharded_dropout
-from . import generation, layout
+from . import context_split, generation, layout
 from .config import GPTConfig
 from .kv_cache import KVCache
 from .rotary import RotaryTables, apply_rotary
@@ -88,13 +88,14 @@ def _norm(config: GPTConfig, parallel: "_Parallel") -> nn.Module:
 class _Parallel:
     """What every submodule needs to know about its TP placement."""
 
-    def __init__(self, config: GPTConfig, tp_group, device) -> None:
+    def __init__(self, config: GPTConfig, tp_group, device, cp_group=None) -> None:
         self.group = tp_group
         self.size = comm.group_size(tp_group)
         self.rank = comm.group_rank(tp_group)
         # One rank has no sequence to split.
         self.sequence_parallel = config.sequence_parallel and self.size > 1
-        self.device = device
+        self.context = context_split.over(cp_group, config, tp_size=self.size, sequence_parallel=self.sequence_parallel)
+        self.device = torch.device(device) if device is not None else default_device()
         self.column, self.row = ((invariant.ColumnLinear, invariant.RowLinear) if config.tp_invariant
                                  else (ColumnParallelLinear, RowParallelLinear))
 
@@ -159,7 +160,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: GPTConfig, parallel: _Parallel, layer_number: int) -> None:
         super().__init__()
-        self.config, self.layer_number = config, layer_number
+        self.config, self.layer_number, self.context = config, layer_number, parallel.context
         n, p, d = parallel.size, config.queries_per_group, config.head_dim
         groups = config.num_query_groups
         self.even = config.num_heads % n == 0 and groups % n == 0
@@ -210,7 +211,7 @@ class Attention(nn.Module):
             # SDPA's is_causal aligns the causal mask top-left; after cached keys, query i is
             # position keys - s + i and sees every key up to it (bottom-right alignment).
             mask = torch.ones(s, keys, dtype=torch.bool, device=q.device).tril(keys - s)
-        return self.attend(q, k, v, mask, causal=mask is None, key=key)
+        return (self.context or self).attend(q, k, v, mask, causal=mask is None, key=key)
 
     def split_heads(self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         """``q`` ``[b, heads/TP, s, d]``, ``k`` and ``v`` ``[b, groups/TP, s, d]`` from the QKV
@@ -345,11 +346,11 @@ class GPT(nn.Module):
         model(tokens, labels).backward()
     """
 
-    def __init__(self, config: GPTConfig, *, tp_group=None, device=None) -> None:
+    def __init__(self, config: GPTConfig, *, tp_group=None, cp_group=None, device=None) -> None:
         super().__init__()
         self.config = config
         self.tp_group = resolve_tp_group(tp_group)
-        parallel = _Parallel(config, self.tp_group, torch.device(device) if device is not None else default_device())
+        parallel = _Parallel(config, self.tp_group, device, cp_group)
         self.parallel = parallel
         if config.num_heads < parallel.size:
             raise ValueError(f"num_heads ({config.num_heads}) is smaller than the tensor-parallel size "
@@ -392,6 +393,7 @@ class GPT(nn.Module):
         and ``last_position_only`` (the logits of the last position alone, except under SP,
         whose sequence is split) serve generation (see :meth:`generate`)."""
         self._check_input(tokens, labels, padding_allowed=attn_mask is None and kv_cache is None)
+        tokens, labels, position_ids = context_split.shard(self, tokens, labels, position_ids, attn_mask, kv_cache)
         seq_len = tokens.shape[1]
         pad = -seq_len % self.parallel.size if self.parallel.sequence_parallel else 0
         if pad:
@@ -433,7 +435,7 @@ class GPT(nn.Module):
         cross_entropy = invariant.vocab_parallel_cross_entropy if self.config.tp_invariant \
             else vocab_parallel_cross_entropy
         losses = cross_entropy(logits, labels, tp_group=self.tp_group, vocab_size=self.config.vocab_size)
-        return losses.sum() / (labels != -100).sum()
+        return context_split.mean_loss(losses, labels, self.parallel.context)
 
     def _rotary(self, position_ids: torch.Tensor | None, seq_len: int, device: torch.device):
         """``cos``/``sin`` at the positions, in the compute dtype (the autocast dtype when on: q

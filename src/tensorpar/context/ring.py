@@ -1,0 +1,124 @@
+"""Ring attention (``p2p``): K/V travel around the CP group while each rank attends to the block
+in hand; partial outputs are merged by log-sum-exp, so the result is exact causal attention.
+
+Every rank holds two chunks of the sequence (:mod:`tensorpar.context.chunks`: chunks ``i`` and
+``2CP-1-i``) of queries, keys and values. In step ``t`` rank ``r`` holds the K/V of rank
+``r - t`` and sends them on to ``r + 1`` while it computes (one ``send_recv`` in flight). A pair
+of chunks (query chunk ``a``, key chunk ``c``) is fully visible if ``c < a``, causal on the
+diagonal if ``c == a``, and skipped if ``c > a``: with the load-balanced chunks every rank does
+the same work in every step. Backward runs the same ring: K/V travel again, and with them the
+gradients of K/V accumulated so far (fp32), which after the last step reach their owner.
+
+Collectives per call at CP > 1: forward ``CP - 1`` ``send_recv`` of ``[2, b, G, 2L, d]`` (K and
+V); backward ``CP - 1`` of K/V again and ``CP`` of their fp32 gradients.
+
+Example::
+
+    chunks = SequenceChunks.of(seq_len, cp_group=group)
+    q, k, v = (chunks.shard(t, dim=2) for t in (q_full, k_full, v_full))   # [b, heads, 2L, d]
+    out = ring_attention(q, k, v, cp_group=group)                        # this rank's queries
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import comm
+from .blockwise import block_attention, block_attention_backward, merge
+from .chunks import chunk_ids
+
+_KV_TAG, _GRAD_TAG = 0, 1
+
+
+def _visible_pairs(cp_size: int, rank: int, source: int):
+    """``(query half, key half, causal)`` of every (query chunk, key chunk) pair not skipped."""
+    pairs = []
+    for a, query_chunk in enumerate(chunk_ids(cp_size, rank)):
+        for c, key_chunk in enumerate(chunk_ids(cp_size, source)):
+            if key_chunk <= query_chunk:
+                pairs.append((a, c, key_chunk == query_chunk))
+    return pairs
+
+
+def _pass_on(tensor: torch.Tensor, group, tag: int) -> comm.Handle:
+    n, r = comm.group_size(group), comm.group_rank(group)
+    return comm.send_recv(tensor, torch.empty_like(tensor), group, send_to=(r + 1) % n,
+                          recv_from=(r - 1) % n, async_op=True, tag=tag)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale):
+        n, r = comm.group_size(group), comm.group_rank(group)
+        b, heads, s, d = q.shape
+        groups = k.shape[1]
+        half = s // 2
+        queries = q.reshape(b, groups, heads // groups, s, d).split(half, dim=3)
+        out, lse = [None, None], [None, None]
+        kv = torch.stack([k, v])
+        for step in range(n):
+            pending = _pass_on(kv, group, _KV_TAG) if step < n - 1 else None
+            keys, values = (t.unsqueeze(2).split(half, dim=3) for t in kv)
+            for a, c, causal in _visible_pairs(n, r, (r - step) % n):
+                block = block_attention(queries[a], keys[c], values[c], scale=scale, causal=causal)
+                out[a], lse[a] = block if out[a] is None else merge(out[a], lse[a], *block)
+            if pending is not None:
+                kv = pending.wait()
+        out, lse = torch.cat(out, dim=3), torch.cat(lse, dim=3)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale = group, scale
+        return out.view(b, heads, s, d).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        n, r = comm.group_size(group), comm.group_rank(group)
+        b, heads, s, d = q.shape
+        groups = k.shape[1]
+        half = s // 2
+        grad_out = grad_output.float().reshape(out.shape)
+        delta = (grad_out * out).sum(dim=-1)
+        queries = q.reshape(out.shape).split(half, dim=3)
+        grad_outs, deltas, lses = grad_out.split(half, dim=3), delta.split(half, dim=3), lse.split(half, dim=3)
+        grad_q = torch.zeros_like(out).split(half, dim=3)
+        kv, in_flight = torch.stack([k, v]), None
+        for step in range(n):
+            pending = _pass_on(kv, group, _KV_TAG) if step < n - 1 else None
+            keys, values = (t.unsqueeze(2).split(half, dim=3) for t in kv)
+            grad_kv = kv.new_zeros(kv.shape, dtype=torch.float32).unsqueeze(3)    # [2, b, G, 1, s, d]
+            grad_k, grad_v = grad_kv[0].split(half, dim=3), grad_kv[1].split(half, dim=3)
+            for a, c, causal in _visible_pairs(n, r, (r - step) % n):
+                dq, dk, dv = block_attention_backward(queries[a], keys[c], values[c], grad_outs[a], lses[a],
+                                                      deltas[a], scale=scale, causal=causal)
+                grad_q[a].add_(dq)
+                grad_k[c].add_(dk)
+                grad_v[c].add_(dv)
+            if in_flight is not None:
+                # The gradient of these K/V from the ranks they visited before this one.
+                grad_kv += in_flight.wait()
+            in_flight = _pass_on(grad_kv, group, _GRAD_TAG) if n > 1 else None
+            if pending is not None:
+                kv = pending.wait()
+        grad_kv = (in_flight.wait() if in_flight is not None else grad_kv).squeeze(3)
+        grad_q = torch.cat(grad_q, dim=3).view(b, heads, s, d)
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group,
+                   scale: float | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence, exact.
+
+    ``q`` ``[b, heads, 2L, d]``, ``k`` and ``v`` ``[b, kv_heads, 2L, d]``: this rank's two
+    chunks (:meth:`SequenceChunks.shard`), query head ``i`` reading K/V head
+    ``i // (heads / kv_heads)`` (SDPA's ``enable_gqa``). ``scale`` defaults to ``1/sqrt(d)``.
+    Returns ``[b, heads, 2L, d]``.
+    """
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] \
+            or q.shape[2:] != k.shape[2:] or q.shape[1] % k.shape[1] or q.shape[2] % 2:
+        raise ValueError(f"ring_attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} must be "
+                         "[b, heads, 2L, d] and [b, kv_heads, 2L, d] with kv_heads dividing heads")
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _RingAttention.apply(q, k, v, cp_group, scale)
