@@ -150,15 +150,20 @@ def initialize_model_parallel(
     cfgs: dict = {}
     for name in high_priority_stream_groups or []:
         overwrite_nccl_comm_cfgs(cfgs, name, ("is_high_priority_stream", True))
-    maker = GroupMaker(timeout=timeout or datetime.timedelta(minutes=distributed_timeout_minutes))
+    # A timeout asked for must bound every group: then none reuses the default group.
+    maker = GroupMaker(timeout=timeout or datetime.timedelta(minutes=distributed_timeout_minutes),
+                       reuse_world=timeout is None and distributed_timeout_minutes == 30)
     try:
         _build(maker, gen, expert_gen, cfgs, instances=instances, hybrid=hybrid_context_parallel,
                hierarchical_cp=hierarchical_context_parallel_sizes, gloo=create_gloo_process_groups,
                all_gather=bool(create_all_gather_group), pp_backend=pipeline_model_parallel_comm_backend,
                embedding_ranks=get_embedding_ranks or default_embedding_ranks,
                position_embedding_ranks=get_position_embedding_ranks or default_position_embedding_ranks)
-    finally:
+    except BaseException:
         CREATED.extend(maker.created)
+        destroy_model_parallel()  # nothing half-made stays behind
+        raise
+    CREATED.extend(maker.created)
     if virtual_pipeline_model_parallel_size is not None:
         VIRTUAL_PP.update(rank=0, world_size=virtual_pipeline_model_parallel_size)
     STATE["device"] = device

@@ -131,10 +131,15 @@ def create_group(ranks=None, timeout=None, backend=None, pg_options=None, use_lo
 
 
 class GroupMaker:
-    """Creates each distinct (backend, ranks) group once; remembers what it created."""
+    """Creates each distinct (backend, ranks) group once; remembers what it created.
 
-    def __init__(self, *, timeout: datetime.timedelta | None) -> None:
+    The world's rank list reuses the default group when ``reuse_world`` (its timeout is then the
+    default group's).
+    """
+
+    def __init__(self, *, timeout: datetime.timedelta | None, reuse_world: bool = True) -> None:
         self.timeout = timeout
+        self.reuse_world = reuse_world
         self.created: list[dist.ProcessGroup] = []
         self._made: dict[tuple, dist.ProcessGroup] = {}
         self._world = tuple(range(dist.get_world_size()))
@@ -144,12 +149,13 @@ class GroupMaker:
              distinct: bool = False):
         """The group of ``ranks`` (this rank's handle, or a non-member marker); ``distinct`` (or
         NCCL options) gives a communicator of its own even when one with the same ranks exists."""
-        backend = backend or self._default_backend
+        if backend == self._default_backend:
+            backend = None  # the default group's backend, whatever new_group calls it
         key = (backend, tuple(sorted(ranks)))
         distinct = distinct or pg_options is not None
         if not distinct and key in self._made:
             return self._made[key]
-        if not distinct and key == (self._default_backend, self._world):
+        if not distinct and self.reuse_world and key == (None, self._world):
             group = dist.group.WORLD
         else:
             group = dist.new_group(ranks=list(ranks), timeout=self.timeout, backend=backend,
