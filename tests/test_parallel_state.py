@@ -325,6 +325,7 @@ def _all_layouts_body():
     return True
 
 
+@pytest.mark.slow  # starting 8 ranks is most of it
 def test_every_order_gives_each_group_megatrons_members_at_8_ranks():
     assert run_on_ranks(_all_layouts_body, 8) == [True] * 8
 
