@@ -57,6 +57,12 @@ import torch
 
 @pytest.fixture(scope="session", autouse=True)
 def cleanup():
+    # The default group exists before the first test: tensorpar's initialize_model_parallel
+    # would otherwise start (and later tear down) one from torchrun's environment, and
+    # Utils' second rendezvous on the same store hangs.
+    from tests.unit_tests.test_utilities import Utils
+
+    Utils.initialize_distributed()
     yield
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -139,7 +145,8 @@ def worker(args) -> None:
     import pytest
 
     rank = os.environ["RANK"]
-    sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--rootdir", str(args.workdir),
+    sys.exit(pytest.main(["-q", "-x" if args.first_failure else "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                          "-o", "faulthandler_timeout=120", "--rootdir", str(args.workdir),
                           f"--junitxml={args.workdir}/reports/rank{rank}.xml", *args.paths]))
 
 
@@ -151,6 +158,7 @@ def main(argv=None) -> None:
     parser.add_argument("--nproc", type=int, default=8)
     parser.add_argument("--timeout", type=int, default=900, help="seconds for the whole run")
     parser.add_argument("--json", type=Path, help="also write the outcomes here")
+    parser.add_argument("--first-failure", action="store_true", help="stop at the first failing test")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--paths", nargs="*", help=argparse.SUPPRESS)
@@ -165,7 +173,8 @@ def main(argv=None) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(args.tensorpar_src.resolve()), str(workdir)]),
                    OMP_NUM_THREADS="1")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-                   str(Path(__file__).resolve()), "--worker", "--workdir", str(workdir), "--paths", *paths]
+                   str(Path(__file__).resolve()), "--worker", "--workdir", str(workdir),
+                   *(["--first-failure"] if args.first_failure else []), "--paths", *paths]
         try:
             subprocess.run(command, cwd=workdir, env=env, timeout=args.timeout, check=False)
         except subprocess.TimeoutExpired:
