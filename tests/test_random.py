@@ -46,8 +46,12 @@ def _streams_body():
     tracker.set_states(saved)
     with tracker.fork():
         assert torch.equal(torch.rand(16), second)
-    # The alias is the same function.
-    assert tp.model_parallel_cuda_manual_seed is tp.model_parallel_manual_seed
+    # Megatron's streams beside it: data-parallel (the seed) and expert-parallel (ETP rank = TP rank here).
+    assert set(saved) == {"data-parallel-rng", "model-parallel-rng", "expert-parallel-rng"}
+    with tracker.fork(tp.get_data_parallel_rng_tracker_name()):
+        assert torch.equal(torch.rand(16), torch.rand(16, generator=torch.Generator().manual_seed(123)))
+    with tracker.fork(tp.get_expert_parallel_rng_tracker_name()):
+        assert torch.equal(torch.rand(16), torch.rand(16, generator=torch.Generator().manual_seed(123 + 1024 + r)))
     # A block that raises still restores the default stream.
     torch.manual_seed(5)
     expected = torch.rand(4)
@@ -63,8 +67,9 @@ def _streams_body():
         tracker.add("b", 7)
     with pytest.raises(ValueError, match="'a' already exists"):
         tracker.add("a", 8)
-    with pytest.raises(ValueError, match="unknown RNG streams"):
-        tracker.set_states({"nope": saved[tp.random.MODEL_PARALLEL_RNG]})
+    # set_states replaces every stream (Megatron's semantics).
+    tracker.set_states({"nope": saved[tp.random.MODEL_PARALLEL_RNG]})
+    assert set(tracker.get_states()) == {"nope"}
     tracker.reset()
     assert not tracker.is_initialized()
     with pytest.raises(RuntimeError, match="model_parallel_manual_seed"):

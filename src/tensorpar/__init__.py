@@ -10,6 +10,7 @@ if _torch.torch_version.TorchVersion(_torch.__version__) < (2, 6):
 
 from .buffers import GlobalMemoryBuffer, get_global_memory_buffer
 from .comm import CommLedger, CommRecord
+from .checkpoint_without_output import CheckpointWithoutOutput
 from .comm_model import calibrate_overlap
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
@@ -22,9 +23,11 @@ from .grads import (
     get_grad_norm,
 )
 from .initialization import (
+    copy_tensor_model_parallel_attributes,
     init_method_normal,
     param_is_not_tensor_parallel_duplicate,
     scaled_init_method_normal,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
 from .linear import (
@@ -52,23 +55,45 @@ from .mappings import (
 )
 from .overlap import all_gather_matmul, interleave, matmul_reduce
 from .parallel_state import (
+    RankGenerator,
     destroy_model_parallel,
+    get_context_parallel_group,
+    get_context_parallel_rank,
+    get_context_parallel_world_size,
     get_data_parallel_group,
     get_data_parallel_rank,
     get_data_parallel_world_size,
+    get_pipeline_model_parallel_group,
+    get_pipeline_model_parallel_rank,
+    get_pipeline_model_parallel_world_size,
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_src_rank,
     get_tensor_model_parallel_world_size,
     initialize_model_parallel,
+    is_pipeline_first_stage,
+    is_pipeline_last_stage,
     model_parallel_is_initialized,
 )
 from .random import (
+    CudaRNGStatesTracker,
+    RNGStatesTracker,
     checkpoint,
+    convert_cuda_rng_state,
     get_cuda_rng_tracker,
+    get_data_parallel_rng_tracker_name,
+    get_expert_parallel_rng_tracker_name,
     get_rng_tracker,
+    is_graph_safe_cuda_rng_tracker,
     model_parallel_cuda_manual_seed,
     model_parallel_manual_seed,
+)
+from .utils import (
+    VocabUtility,
+    broadcast_data,
+    gather_split_1d_tensor,
+    split_tensor_along_last_dim,
+    split_tensor_into_1d_equal_chunks,
 )
 from .models import GPT, GPTConfig
 

@@ -45,18 +45,26 @@ def scaled_init_method_normal(std: float, num_layers: int) -> InitMethod:
     return init_method_normal(std / math.sqrt(2.0 * num_layers))
 
 
-def set_tensor_model_parallel_attributes(param: torch.Tensor, *, is_parallel: bool, dim: int,
+def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int,
                                          stride: int = 1) -> None:
-    """Mark how ``param`` is sharded over TP (read by grads, checkpoints and the comm model)."""
-    param.tensor_model_parallel = is_parallel
-    param.partition_dim = dim
-    param.partition_stride = stride
+    """Mark how ``tensor`` is sharded over TP (read by grads, checkpoints and the comm model)."""
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
 
 
-def set_defaults_if_not_set_tensor_model_parallel_attributes(param: torch.Tensor) -> None:
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
+    """Give ``tensor`` the "not sharded" TP attributes it lacks."""
     for name, value in _TP_ATTRIBUTE_DEFAULTS.items():
-        if not hasattr(param, name):
-            setattr(param, name, value)
+        if not hasattr(tensor, name):
+            setattr(tensor, name, value)
+
+
+def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, source_tensor: torch.Tensor) -> None:
+    """Give ``destination_tensor`` the TP attributes ``source_tensor`` has."""
+    for name in _TP_ATTRIBUTE_DEFAULTS:
+        if hasattr(source_tensor, name):
+            setattr(destination_tensor, name, getattr(source_tensor, name))
 
 
 def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_group=None) -> bool:

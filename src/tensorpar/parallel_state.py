@@ -1,9 +1,12 @@
-"""Tensor- and data-parallel process groups.
+"""Megatron-core's ``parallel_state``: tensor, pipeline, context, data and expert groups.
 
-TP groups are blocks of consecutive ranks (so a TP group stays inside one node when
-``torchrun`` places consecutive ranks on a node); the DP group of a rank is every rank with
-the same TP rank. With world size 8 and TP=2: TP groups {0,1} {2,3} {4,5} {6,7}, DP groups
-{0,2,4,6} {1,3,5,7}.
+``initialize_model_parallel`` takes megatron-core 0.16.1's arguments and lays the ranks out as
+Megatron does (:class:`~tensorpar.rank_generator.RankGenerator`, ``order="tp-cp-ep-dp-pp"`` by
+default: TP groups are blocks of consecutive ranks, so a TP group stays inside one node when
+``torchrun`` places consecutive ranks on a node). With world size 8, TP=2 and PP=2: TP groups
+{0,1} {2,3} {4,5} {6,7}, DP groups {0,2} {1,3} {4,6} {5,7}, PP groups {0,4} {1,5} {2,6} {3,7}.
+The getters below read this rank's groups; the ``set_*`` overrides answer for the world sizes
+and ranks without groups (Megatron's "fake" initialisation for single-process layer tests).
 
 Example::
 
@@ -14,220 +17,439 @@ Example::
 
 from __future__ import annotations
 
-import datetime
-import os
 import warnings
 
-import torch
 import torch.distributed as dist
 
-_TP_GROUP: dist.ProcessGroup | None = None
-_DP_GROUP: dist.ProcessGroup | None = None
-_TP_GLOBAL_RANKS: list[int] | None = None
-_DP_GLOBAL_RANKS: list[int] | None = None
-_OWNS_DEFAULT_GROUP = False
-_DEVICE: torch.device | None = None
+from .parallel_init import (  # noqa: F401 - Megatron's parallel_state names
+    create_hierarchical_groups,
+    create_hybrid_dp_cp_groups,
+    created_groups,
+    destroy_model_parallel,
+    initialize_model_parallel,
+    is_initialized,
+    is_unitialized,
+    model_parallel_is_initialized,
+    update_pg_timeout,
+)
+from .parallel_registry import (  # noqa: F401
+    GROUPS,
+    HYBRID_DP_CP_GROUPS,
+    OVERRIDES,
+    RANKS,
+    STATE,
+    VIRTUAL_PP,
+    default_device,
+    distributed,
+    group,
+    ranks,
+    require_initialized,
+    resolve_tp_group,
+)
+from .process_groups import create_group, get_nccl_options, overwrite_nccl_comm_cfgs, select_cuda_device  # noqa: F401
+from .rank_generator import (  # noqa: F401
+    ParallelLayoutError,
+    RankGenerator,
+    default_embedding_ranks,
+    default_position_embedding_ranks,
+    generate_masked_orthogonal_rank_groups,
+)
 
 
-def _as_timedelta(timeout) -> datetime.timedelta | None:
-    if timeout is None or isinstance(timeout, datetime.timedelta):
-        return timeout
-    if isinstance(timeout, (int, float)) and timeout > 0:
-        return datetime.timedelta(seconds=float(timeout))
-    raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+def _overridden(kind: str, read):
+    """The ``set_*`` override of ``kind`` if one is set, else ``read()``."""
+    value = OVERRIDES.get(kind)
+    return value if value is not None else read()
 
 
-def _init_default_group(backend: str | None, timeout: datetime.timedelta | None) -> None:
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise RuntimeError(
-            "torch.distributed is not initialized and the torchrun environment variables "
-            f"{missing} are not set: launch with `torchrun --nproc-per-node N ...` or call "
-            "torch.distributed.init_process_group yourself before initialize_model_parallel"
-        )
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        select_cuda_device(int(os.environ["RANK"]))
-    kwargs = {"backend": backend}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    dist.init_process_group(**kwargs)
+def _size_or_zero(kind: str) -> int:
+    """Megatron's convention: 0 when torch.distributed is not initialized."""
+    return group(kind).size() if distributed() else 0
 
 
-def select_cuda_device(rank: int) -> torch.device:
-    """This rank's GPU under NCCL: ``LOCAL_RANK`` (torchrun's), else ``rank`` modulo the devices;
-    the only one when the process sees one (``CUDA_VISIBLE_DEVICES`` per task, as
-    ``srun --gpus-per-task=1`` sets it).
-
-    Made current with ``torch.cuda.set_device``. A different device chosen before (a current
-    device other than 0, or the NCCL group's bound ``device_id``) is a clear error, not a
-    silent second GPU.
-    """
-    count = torch.cuda.device_count()
-    if count == 0:
-        raise RuntimeError("the NCCL backend needs a CUDA device, and none is visible")
-    local_rank = os.environ.get("LOCAL_RANK")
-    if count == 1:
-        index, source = 0, "the one visible CUDA device"
-    elif local_rank is not None:
-        index, source = int(local_rank), f"LOCAL_RANK={local_rank}"
-    else:
-        index, source = rank % count, f"rank {rank} modulo {count} devices"
-    if index >= count:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        seen = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
-        raise RuntimeError(f"{source} selects cuda:{index}, but only {count} CUDA devices are visible{seen}: "
-                           "give each local rank its own device, or every process all of the node's")
-    chosen = []
-    if dist.is_initialized():
-        bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
-        if bound is not None:
-            chosen.append(("the process group's device_id", bound.index))
-    current = torch.cuda.current_device()
-    if current != 0:
-        chosen.append(("torch.cuda.set_device", current))
-    for what, other in chosen:
-        if other != index:
-            raise RuntimeError(f"{what} chose cuda:{other} but {source} selects cuda:{index}; make them agree "
-                               "(one GPU per local rank)")
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+def _rank_or_zero(kind: str) -> int:
+    return group(kind).rank() if distributed() else 0
 
 
-def _warn_if_overlap_unavailable() -> None:
-    """The dgrad all-reduce overlaps the wgrad GEMM only with one CUDA hardware queue."""
-    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
-        warnings.warn("CUDA_DEVICE_MAX_CONNECTIONS is not 1: the async TP gradient all-reduce / "
-                      "reduce-scatter may be scheduled after the wgrad GEMM instead of overlapping it. "
-                      "Set CUDA_DEVICE_MAX_CONNECTIONS=1 in the environment before the process starts "
-                      "(tensorpar --nproc does it for CUDA runs)", stacklevel=3)
+# Groups.
+
+def get_model_parallel_group(check_initialized=True):
+    """This rank's TP x PP group."""
+    return group("mp", check_initialized)
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1, *, backend: str | None = None,
-                              timeout=None) -> None:
-    """Create the TP and DP groups, initialising the default process group first if needed.
-
-    ``backend`` defaults to NCCL when CUDA is available and gloo otherwise; ``timeout``
-    (seconds or ``timedelta``) bounds every collective, so a peer that never joins raises
-    instead of hanging. Under NCCL the rank's GPU is selected (:func:`select_cuda_device`)
-    whoever created the process group.
-    """
-    global _TP_GROUP, _DP_GROUP, _TP_GLOBAL_RANKS, _DP_GLOBAL_RANKS, _OWNS_DEFAULT_GROUP, _DEVICE
-    if _TP_GROUP is not None:
-        raise RuntimeError("tensorpar model parallel is already initialized; call "
-                           "destroy_model_parallel() first")
-    if not isinstance(tensor_model_parallel_size, int) or tensor_model_parallel_size < 1:
-        raise ValueError(f"tensor_model_parallel_size must be a positive int, got "
-                         f"{tensor_model_parallel_size!r}")
-    timeout = _as_timedelta(timeout)
-    if not dist.is_initialized():
-        _init_default_group(backend, timeout)
-        _OWNS_DEFAULT_GROUP = True
-    world_size = dist.get_world_size()
-    if world_size % tensor_model_parallel_size != 0:
-        raise ValueError(f"world size {world_size} is not divisible by "
-                         f"tensor_model_parallel_size {tensor_model_parallel_size}")
-    rank = dist.get_rank()
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        # Before any group exists: NCCL communicators bind to the current device.
-        device = select_cuda_device(rank)
-        _warn_if_overlap_unavailable()
-    tp = tensor_model_parallel_size
-    kwargs = {} if timeout is None else {"timeout": timeout}
-    # Every rank must create every group, in the same order.
-    for start in range(0, world_size, tp):
-        ranks = list(range(start, start + tp))
-        group = dist.new_group(ranks, **kwargs)
-        if rank in ranks:
-            _TP_GROUP, _TP_GLOBAL_RANKS = group, ranks
-    for first in range(tp):
-        ranks = list(range(first, world_size, tp))
-        group = dist.new_group(ranks, **kwargs)
-        if rank in ranks:
-            _DP_GROUP, _DP_GLOBAL_RANKS = group, ranks
-    _DEVICE = device
-
-
-def model_parallel_is_initialized() -> bool:
-    return _TP_GROUP is not None
-
-
-def destroy_model_parallel() -> None:
-    """Forget the TP/DP groups; also tears down the default group if tensorpar created it."""
-    global _TP_GROUP, _DP_GROUP, _TP_GLOBAL_RANKS, _DP_GLOBAL_RANKS, _OWNS_DEFAULT_GROUP, _DEVICE
-    for group in (_TP_GROUP, _DP_GROUP):
-        if group is not None and dist.is_initialized():
-            dist.destroy_process_group(group)
-    _TP_GROUP = _DP_GROUP = _TP_GLOBAL_RANKS = _DP_GLOBAL_RANKS = _DEVICE = None
-    if _OWNS_DEFAULT_GROUP and dist.is_initialized():
-        dist.destroy_process_group()
-    _OWNS_DEFAULT_GROUP = False
-
-
-def _require_initialized(what: str) -> None:
-    if _TP_GROUP is None:
-        raise RuntimeError(f"{what} needs tensorpar model parallel: call "
-                           "tensorpar.initialize_model_parallel(...) first, or pass tp_group=")
-
-
-def get_tensor_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
+def get_tensor_model_parallel_group(check_initialized=True):
     """This rank's TP group; with ``check_initialized=False``, ``None`` before initialisation (as Megatron)."""
     if check_initialized:
-        _require_initialized("get_tensor_model_parallel_group()")
-    return _TP_GROUP
+        require_initialized("get_tensor_model_parallel_group()")
+    return GROUPS.get("tp")
 
 
-def get_data_parallel_group() -> dist.ProcessGroup:
-    _require_initialized("get_data_parallel_group()")
-    return _DP_GROUP
+def get_pipeline_model_parallel_group(check_initialized=True):
+    return group("pp", check_initialized)
 
 
-def get_tensor_model_parallel_rank() -> int:
-    return dist.get_rank(get_tensor_model_parallel_group())
+def get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False):
+    """This rank's DP group; with ``with_context_parallel`` the DP x CP group the gradients are
+    reduced over (``partial_data_parallel``: within one optimizer instance; ``independent_all_gather``:
+    the second communicator of ``create_all_gather_group``)."""
+    if not with_context_parallel:
+        if partial_data_parallel:
+            raise ValueError("get_data_parallel_group: partial_data_parallel=True needs with_context_parallel=True")
+        return group("dp")
+    if partial_data_parallel:
+        return group("intra_dp_cp")
+    return group("dp_cp_ag" if independent_all_gather else "dp_cp")
+
+
+def has_separate_all_gather_group() -> bool:
+    """Whether ``create_all_gather_group=True`` made a second DP x CP communicator."""
+    return "dp_cp_ag" in GROUPS
+
+
+def get_data_parallel_group_gloo(with_context_parallel=False, partial_data_parallel=False):
+    """The gloo twin of :func:`get_data_parallel_group` (the same group when the backend is gloo)."""
+    if not with_context_parallel:
+        if partial_data_parallel:
+            raise ValueError("get_data_parallel_group_gloo: partial_data_parallel=True needs with_context_parallel=True")
+        return group("dp_gloo")
+    return group("intra_dp_cp_gloo" if partial_data_parallel else "dp_cp_gloo")
+
+
+def get_context_parallel_group(check_initialized=True):
+    return group("cp", check_initialized)
+
+
+def get_context_parallel_global_ranks(check_initialized=True):
+    return ranks("cp") if check_initialized or "cp" in GROUPS else None
+
+
+def get_hierarchical_context_parallel_groups(check_initialized=True):
+    """This rank's group per level of ``hierarchical_context_parallel_sizes``."""
+    if check_initialized and STATE["hierarchical_cp"] is None:
+        raise RuntimeError("no hierarchical context parallel groups: pass hierarchical_context_parallel_sizes= "
+                           "to initialize_model_parallel")
+    return STATE["hierarchical_cp"]
+
+
+def get_hybrid_data_context_parallel_groups(check_initialized=True, group_size=None):
+    """The DP x CP sub-group of ``group_size`` ranks made by ``hybrid_context_parallel=True``."""
+    if get_data_parallel_world_size(with_context_parallel=True) == group_size:
+        return group("dp_cp", check_initialized)
+    if group_size not in HYBRID_DP_CP_GROUPS:
+        raise RuntimeError(f"no hybrid DP x CP group of {group_size} ranks (made: {sorted(HYBRID_DP_CP_GROUPS)}); "
+                           "pass hybrid_context_parallel=True to initialize_model_parallel")
+    return HYBRID_DP_CP_GROUPS[group_size]
+
+
+def get_embedding_group(check_initialized=True):
+    """The first and last stages of this rank's pipeline (they hold the tied word embedding)."""
+    return group("embd", check_initialized)
+
+
+def get_position_embedding_group(check_initialized=True):
+    return group("pos_embd", check_initialized)
+
+
+def get_amax_reduction_group(with_context_parallel=False, tp_only_amax_red=False):
+    """The FP8 amax reduction group: TP x DP (x CP), or TP (x CP) with ``tp_only_amax_red``."""
+    if tp_only_amax_red:
+        return group("tp_cp" if with_context_parallel else "tp")
+    return group("tp_dp_cp" if with_context_parallel else "tp_dp")
+
+
+def get_tensor_and_data_parallel_group(check_initialized=True, with_context_parallel=False):
+    return group("tp_dp_cp" if with_context_parallel else "tp_dp", check_initialized)
+
+
+def get_tensor_and_context_parallel_group(check_initialized=True):
+    return group("tp_cp", check_initialized)
+
+
+def get_expert_model_parallel_group(check_initialized=True):
+    return group("ep", check_initialized)
+
+
+def get_expert_tensor_parallel_group(check_initialized=True):
+    return group("etp", check_initialized)
+
+
+def get_expert_tensor_and_model_parallel_group(check_initialized=True):
+    return group("tp_ep", check_initialized)
+
+
+def get_expert_tensor_model_pipeline_parallel_group(check_initialized=True):
+    return group("tp_ep_pp", check_initialized)
+
+
+def get_expert_data_parallel_group(check_initialized=True, partial_expert_data_parallel=False):
+    return group("intra_edp" if partial_expert_data_parallel else "edp", check_initialized)
+
+
+def get_data_modulo_expert_parallel_group(partial_expert_data_parallel=False):
+    """Deprecated (as in Megatron): :func:`get_expert_data_parallel_group`."""
+    warnings.warn("get_data_modulo_expert_parallel_group is deprecated, please use "
+                  "get_expert_data_parallel_group instead.", DeprecationWarning, stacklevel=2)
+    return get_expert_data_parallel_group(partial_expert_data_parallel=partial_expert_data_parallel)
+
+
+def get_expert_data_parallel_group_gloo(partial_expert_data_parallel=False):
+    return group("intra_edp_gloo" if partial_expert_data_parallel else "edp_gloo")
+
+
+def get_intra_distributed_optimizer_instance_group(check_initialized=True):
+    return group("intra_dist_opt", check_initialized)
+
+
+def get_inter_distributed_optimizer_instance_group(check_initialized=True):
+    """Across optimizer instances (``num_distributed_optimizer_instances > 1`` only)."""
+    return group("inter_edp", check_initialized)
+
+
+# World sizes and ranks, with Megatron's overrides.
+
+def set_tensor_model_parallel_world_size(world_size):
+    OVERRIDES["tp_size"] = world_size
+
+
+def set_pipeline_model_parallel_world_size(world_size):
+    OVERRIDES["pp_size"] = world_size
+
+
+def set_virtual_pipeline_model_parallel_world_size(world_size):
+    VIRTUAL_PP["world_size"] = world_size
+
+
+def set_tensor_model_parallel_rank(rank):
+    OVERRIDES["tp_rank"] = rank
+
+
+def set_pipeline_model_parallel_rank(rank):
+    OVERRIDES["pp_rank"] = rank
+
+
+def set_data_parallel_rank(rank):
+    OVERRIDES["dp_rank"] = rank
+
+
+def set_expert_model_parallel_world_size(world_size):
+    OVERRIDES["ep_size"] = world_size
+
+
+def set_expert_model_parallel_rank(rank):
+    OVERRIDES["ep_rank"] = rank
+
+
+def set_expert_tensor_parallel_world_size(world_size):
+    OVERRIDES["etp_size"] = world_size
+
+
+def set_expert_tensor_parallel_rank(rank):
+    OVERRIDES["etp_rank"] = rank
+
+
+def set_virtual_pipeline_model_parallel_rank(rank):
+    """Deprecated (as in Megatron): pass ``vp_stage=`` to the stage predicates instead."""
+    warnings.warn("set_virtual_pipeline_model_parallel_rank in global scope is deprecated. Pass vp_stage "
+                  "explicitly to is_pipeline_first_stage, is_pipeline_last_stage, etc.", DeprecationWarning,
+                  stacklevel=2)
+    VIRTUAL_PP["rank"] = rank
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    return dist.get_world_size(get_tensor_model_parallel_group())
+    return _overridden("tp_size", lambda: get_tensor_model_parallel_group().size())
 
 
-def get_data_parallel_rank() -> int:
-    return dist.get_rank(get_data_parallel_group())
+def get_tensor_model_parallel_rank() -> int:
+    return _overridden("tp_rank", lambda: get_tensor_model_parallel_group().rank())
 
 
-def get_data_parallel_world_size() -> int:
-    return dist.get_world_size(get_data_parallel_group())
+def get_pipeline_model_parallel_world_size() -> int:
+    return _overridden("pp_size", lambda: group("pp").size())
 
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _overridden("pp_rank", lambda: group("pp").rank())
+
+
+def get_virtual_pipeline_model_parallel_rank():
+    return VIRTUAL_PP["rank"]
+
+
+def get_virtual_pipeline_model_parallel_world_size():
+    return VIRTUAL_PP["world_size"]
+
+
+def get_data_parallel_world_size(with_context_parallel=False, partial_data_parallel=False) -> int:
+    """0 when torch.distributed is not initialized (as Megatron)."""
+    if not distributed():
+        return 0
+    return get_data_parallel_group(with_context_parallel, partial_data_parallel).size()
+
+
+def get_data_parallel_rank(with_context_parallel=False, partial_data_parallel=False) -> int:
+    if OVERRIDES.get("dp_rank") is not None:
+        return OVERRIDES["dp_rank"]
+    if not distributed():
+        return 0
+    return get_data_parallel_group(with_context_parallel, partial_data_parallel).rank()
+
+
+def get_context_parallel_world_size() -> int:
+    return _size_or_zero("cp")
+
+
+def get_context_parallel_rank() -> int:
+    return _rank_or_zero("cp")
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    return _size_or_zero("tp_cp")
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    return _rank_or_zero("tp_cp")
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return _overridden("ep_size", lambda: _size_or_zero("ep"))
+
+
+def get_expert_model_parallel_rank() -> int:
+    return _overridden("ep_rank", lambda: _rank_or_zero("ep"))
+
+
+def get_expert_tensor_parallel_world_size():
+    """The ETP size; without an ETP group, the TP size override (as Megatron)."""
+    return _overridden("etp_size", lambda: group("etp").size() if "etp" in GROUPS else OVERRIDES.get("tp_size"))
+
+
+def get_expert_tensor_parallel_rank():
+    return _overridden("etp_rank", lambda: group("etp").rank() if "etp" in GROUPS else OVERRIDES.get("tp_rank"))
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    return _size_or_zero("tp_ep")
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    return _rank_or_zero("tp_ep")
+
+
+def get_expert_data_parallel_rank(partial_expert_data_parallel=False) -> int:
+    return _rank_or_zero("intra_edp" if partial_expert_data_parallel else "edp")
+
+
+def get_expert_data_parallel_world_size(partial_expert_data_parallel=False) -> int:
+    return _size_or_zero("intra_edp" if partial_expert_data_parallel else "edp")
+
+
+# Pipeline stages.
+
+def is_pipeline_first_stage(ignore_virtual=True, vp_stage=None) -> bool:
+    """Whether this rank runs the first pipeline stage; with ``ignore_virtual=False`` and
+    virtual pipelining, also whether ``vp_stage`` is its first model chunk."""
+    if not ignore_virtual and get_virtual_pipeline_model_parallel_world_size() is not None:
+        if vp_stage is None:
+            raise ValueError("is_pipeline_first_stage: pass vp_stage= when virtual pipelining is on")
+        if vp_stage != 0:
+            return False
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage(ignore_virtual=True, vp_stage=None) -> bool:
+    """Whether this rank runs the last pipeline stage (and ``vp_stage`` its last chunk, see
+    :func:`is_pipeline_first_stage`)."""
+    vpp = get_virtual_pipeline_model_parallel_world_size()
+    if not ignore_virtual and vpp is not None:
+        if vp_stage is None:
+            raise ValueError("is_pipeline_last_stage: pass vp_stage= when virtual pipelining is on")
+        if vp_stage != vpp - 1:
+            return False
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def is_rank_in_embedding_group(ignore_virtual=True, vp_stage=None) -> bool:
+    """Whether this rank is in its embedding group (and, not ignoring virtual stages, holds the
+    embedding in chunk ``vp_stage``)."""
+    members = RANKS.get("embd")
+    rank = dist.get_rank()
+    if members is None or rank not in members:
+        return False
+    if ignore_virtual:
+        return True
+    if rank == members[0]:
+        return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if rank == members[-1]:
+        return is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return True
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    members = RANKS.get("pos_embd")
+    return members is not None and dist.get_rank() in members
+
+
+# Global ranks.
 
 def get_tensor_model_parallel_src_rank() -> int:
     """Global rank of TP rank 0 in this rank's TP group (the broadcast source for a TP group)."""
-    _require_initialized("get_tensor_model_parallel_src_rank()")
-    return _TP_GLOBAL_RANKS[0]
+    require_initialized("get_tensor_model_parallel_src_rank()")
+    return RANKS["tp"][0]
 
 
 def get_tensor_model_parallel_global_ranks() -> list[int]:
-    _require_initialized("get_tensor_model_parallel_global_ranks()")
-    return list(_TP_GLOBAL_RANKS)
+    require_initialized("get_tensor_model_parallel_global_ranks()")
+    return list(RANKS["tp"])
 
 
-def get_data_parallel_global_ranks() -> list[int]:
-    _require_initialized("get_data_parallel_global_ranks()")
-    return list(_DP_GLOBAL_RANKS)
+def get_data_parallel_global_ranks(with_context_parallel=False) -> list[int]:
+    return list(ranks("dp_cp" if with_context_parallel else "dp"))
 
 
-def resolve_tp_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """The explicit group if given, else the initialized TP group (clear error if neither)."""
+def get_model_parallel_src_rank() -> int:
+    return ranks("mp")[0]
+
+
+def get_data_parallel_src_rank(with_context_parallel=False) -> int:
+    return ranks("dp_cp" if with_context_parallel else "dp")[0]
+
+
+def get_expert_model_parallel_src_rank() -> int:
+    return ranks("ep")[0]
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    return ranks("pp")[0]
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    return ranks("pp")[get_pipeline_model_parallel_world_size() - 1]
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    """Global rank of the next stage (the first after the last)."""
+    stage, stages = get_pipeline_model_parallel_rank(), get_pipeline_model_parallel_world_size()
+    return ranks("pp")[(stage + 1) % stages]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    """Global rank of the previous stage (the last before the first)."""
+    stage, stages = get_pipeline_model_parallel_rank(), get_pipeline_model_parallel_world_size()
+    return ranks("pp")[(stage - 1) % stages]
+
+
+def get_all_ranks() -> str:
+    """``"tp_dp_cp_pp_ep"``: this rank's coordinates, joined by underscores."""
+    coordinates = [get_tensor_model_parallel_rank(), get_data_parallel_rank(), get_context_parallel_rank(),
+                   get_pipeline_model_parallel_rank(), get_expert_model_parallel_rank()]
+    return "_".join(str(c or 0) for c in coordinates)
+
+
+def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_initialized=True):
+    """``tp_group``, or this rank's (expert) tensor-parallel group when it is None (megatron.core.utils')."""
     if tp_group is not None:
         return tp_group
-    _require_initialized("this tensorpar layer or mapping")
-    return _TP_GROUP
-
-
-def default_device() -> torch.device:
-    """Where layers put their parameters when ``device=None``: the backend's device."""
-    if _DEVICE is not None:
-        return _DEVICE
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if is_expert:
+        return get_expert_tensor_parallel_group(check_initialized)
+    return get_tensor_model_parallel_group(check_initialized)

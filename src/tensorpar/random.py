@@ -28,9 +28,17 @@ import torch
 
 from . import comm
 from .initialization import slab_seed
-from .parallel_state import default_device, model_parallel_is_initialized, resolve_tp_group
+from .parallel_state import (
+    default_device,
+    get_expert_model_parallel_rank,
+    get_expert_tensor_parallel_rank,
+    model_parallel_is_initialized,
+    resolve_tp_group,
+)
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
+DATA_PARALLEL_RNG = "data-parallel-rng"
+EXPERT_PARALLEL_RNG = "expert-parallel-rng"
 # Offset of the model-parallel seeds from the default seed, so the two never coincide.
 _MODEL_PARALLEL_SEED_OFFSET = 2718
 # Dropout draws its mask in blocks of about this many elements (whole rows of dim 0).
@@ -51,9 +59,19 @@ def _set_generator_state(state: torch.Tensor, device: torch.device) -> None:
 
 
 class RNGStatesTracker:
-    """Named random streams, each swapped in for its device's default generator by ``fork``."""
+    """Named random streams, each swapped in for its device's default generator by ``fork``.
 
-    def __init__(self) -> None:
+    Megatron's ``CudaRNGStatesTracker`` on any device: ``add``, ``fork`` (nested forks of the
+    same stream continue it), ``get_states``/``set_states``, ``reset``. ``use_cudagraphable_rng``
+    is refused (a CUDA graph cannot capture a generator swap).
+    """
+
+    def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False) -> None:
+        if use_cudagraphable_rng:
+            raise ValueError("RNGStatesTracker(use_cudagraphable_rng=True): tensorpar's tracker swaps generator "
+                             "states, which a CUDA graph cannot capture")
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = is_inference_rng_tracker
         self.reset()
 
     def reset(self) -> None:
@@ -61,6 +79,13 @@ class RNGStatesTracker:
         self._states: dict[str, torch.Tensor] = {}
         self._devices: dict[str, torch.device] = {}
         self._seeds: set[int] = set()
+        # The stream each device's generator is running now (None: its own default stream).
+        self._running: dict[torch.device, str] = {}
+
+    @property
+    def states_(self) -> dict[str, torch.Tensor]:
+        """The streams' states (Megatron's attribute)."""
+        return self._states
 
     def is_initialized(self) -> bool:
         return bool(self._states)
@@ -78,14 +103,13 @@ class RNGStatesTracker:
 
     def get_states(self) -> dict[str, torch.Tensor]:
         """A copy of every stream's current state."""
-        return {name: state.clone() for name, state in self._states.items()}
+        return {name: state.clone() if torch.is_tensor(state) else state for name, state in self._states.items()}
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        """Restore states returned by :meth:`get_states` (streams must exist)."""
-        unknown = set(states) - set(self._states)
-        if unknown:
-            raise ValueError(f"unknown RNG streams {sorted(unknown)}; known: {sorted(self._states)}")
-        self._states.update({name: state.clone() for name, state in states.items()})
+        """Replace every stream by ``states`` (from :meth:`get_states`); a new name's stream is
+        for the backend's device."""
+        self._devices = {name: self._devices.get(name, default_device()) for name in states}
+        self._states = {name: state.clone() if torch.is_tensor(state) else state for name, state in states.items()}
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
@@ -94,14 +118,24 @@ class RNGStatesTracker:
             raise RuntimeError(f"RNG stream {name!r} does not exist; call "
                                "tensorpar.model_parallel_manual_seed(seed) first")
         device = self._devices[name]
+        outer = self._running.get(device)
         outside = _get_generator_state(device)
+        if outer is not None:  # forked from another stream: it continues from here afterwards
+            self._states[outer] = outside
         _set_generator_state(self._states[name], device)
+        self._running[device] = name
         try:
             yield
         finally:
             self._states[name] = _get_generator_state(device)
-            _set_generator_state(outside, device)
+            _set_generator_state(self._states[outer] if outer is not None else outside, device)
+            if outer is None:
+                self._running.pop(device, None)
+            else:
+                self._running[device] = outer
 
+
+CudaRNGStatesTracker = RNGStatesTracker
 
 _RNG_TRACKER = RNGStatesTracker()
 
@@ -111,6 +145,13 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _RNG_TRACKER
 
 
+def _refuse_graph_trackers(where: str, inference_rng_tracker: bool, use_cudagraphable_rng: bool) -> None:
+    if inference_rng_tracker or use_cudagraphable_rng:
+        raise ValueError(f"{where}: inference_rng_tracker={inference_rng_tracker} and "
+                         f"use_cudagraphable_rng={use_cudagraphable_rng}: tensorpar has only the training "
+                         "tracker (it swaps generator states, which a CUDA graph cannot capture)")
+
+
 def get_cuda_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
                          use_cudagraphable_rng: bool = False) -> RNGStatesTracker:
     """:func:`get_rng_tracker` under Megatron's name and arguments.
@@ -118,33 +159,69 @@ def get_cuda_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker
     ``use_te_rng_tracker`` is ignored (Megatron falls back to its own tracker without
     Transformer Engine too); an inference or CUDA-graph-safe tracker does not exist here.
     """
-    if inference_rng_tracker or use_cudagraphable_rng:
-        raise ValueError(f"get_cuda_rng_tracker: inference_rng_tracker={inference_rng_tracker} and "
-                         f"use_cudagraphable_rng={use_cudagraphable_rng}: tensorpar has only the training "
-                         "tracker (it swaps generator states, which a CUDA graph cannot capture)")
+    _refuse_graph_trackers("get_cuda_rng_tracker", inference_rng_tracker, use_cudagraphable_rng)
     return _RNG_TRACKER
 
 
-def model_parallel_manual_seed(seed: int, *, tp_group=None, device=None) -> None:
-    """Seed the default stream with ``seed`` and the model-parallel stream per TP rank.
+def get_data_parallel_rng_tracker_name() -> str:
+    return DATA_PARALLEL_RNG
+
+
+def get_expert_parallel_rng_tracker_name() -> str:
+    return EXPERT_PARALLEL_RNG
+
+
+def is_graph_safe_cuda_rng_tracker(cuda_rng_tracker) -> bool:
+    """False for tensorpar's tracker (it swaps generator states)."""
+    return bool(getattr(cuda_rng_tracker, "use_cudagraphable_rng", False))
+
+
+def convert_cuda_rng_state(state, to_graphable: bool = False):
+    """A generator's state tensor (from a ``torch.Generator``, or the tensor itself);
+    ``to_graphable=True`` is refused (no CUDA-graph-safe tracker here)."""
+    if to_graphable:
+        raise ValueError("convert_cuda_rng_state(to_graphable=True): tensorpar has no CUDA-graph-safe RNG tracker")
+    if isinstance(state, torch.Generator):
+        return state.get_state()
+    if torch.is_tensor(state):
+        return state
+    raise TypeError(f"convert_cuda_rng_state: a state tensor or a torch.Generator, got {type(state).__name__}")
+
+
+def model_parallel_manual_seed(seed: int, *, tp_group=None, device=None, tp_rank=None, ep_rank=None,
+                               etp_rank=None) -> None:
+    """Seed the default stream with ``seed`` and the tracker's streams per rank, as Megatron.
 
     Call it on every rank with the same ``seed``, after ``initialize_model_parallel`` (or with
-    an explicit ``tp_group``): the stream's seed depends on the TP rank. Every default
-    generator (CPU and accelerators) gets ``seed``, identical on all TP ranks; the tracker's
-    model-parallel stream gets ``seed + 2718 + tp_rank``, on ``device`` (default: the
-    backend's device, e.g. the rank's GPU under NCCL; pass ``device="cuda"`` for CUDA tensors
-    over gloo).
+    an explicit ``tp_group``). Every default generator (CPU and accelerators) gets ``seed``,
+    identical on all TP ranks; the tracker gets ``data-parallel-rng`` (``seed``),
+    ``model-parallel-rng`` (``seed + 2718 + tp_rank``) and ``expert-parallel-rng``
+    (``seed + 1024 + 100 * ep_rank + etp_rank``), on ``device`` (default: the backend's device,
+    e.g. the rank's GPU under NCCL; pass ``device="cuda"`` for CUDA tensors over gloo).
     """
-    if tp_group is None and not model_parallel_is_initialized():
+    if tp_group is None and tp_rank is None and not model_parallel_is_initialized():
         raise RuntimeError("model_parallel_manual_seed seeds the model-parallel stream per TP rank: call "
                            "tensorpar.initialize_model_parallel(...) first, or pass tp_group=")
-    tp_rank = comm.group_rank(resolve_tp_group(tp_group))
+    if tp_rank is None:
+        tp_rank = comm.group_rank(resolve_tp_group(tp_group))
+    expert = model_parallel_is_initialized() and tp_group is None
+    ep_rank = ep_rank if ep_rank is not None else (get_expert_model_parallel_rank() if expert else 0)
+    etp_rank = etp_rank if etp_rank is not None else ((get_expert_tensor_parallel_rank() or 0) if expert else 0)
     torch.manual_seed(seed)
     _RNG_TRACKER.reset()
+    _RNG_TRACKER.add(DATA_PARALLEL_RNG, seed, device=device)
     _RNG_TRACKER.add(MODEL_PARALLEL_RNG, seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank, device=device)
+    _RNG_TRACKER.add(EXPERT_PARALLEL_RNG, seed + 1024 + 100 * ep_rank + etp_rank, device=device)
 
 
-model_parallel_cuda_manual_seed = model_parallel_manual_seed
+def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
+                                    use_cudagraphable_rng: bool = False, tp_rank=None, ep_rank=None,
+                                    etp_rank=None, force_reset_rng: bool = False) -> None:
+    """Megatron's signature for :func:`model_parallel_manual_seed` (every generator is reseeded,
+    the CPU's too). ``te_rng_tracker`` is ignored, as Megatron without Transformer Engine does;
+    the tracker is always reset, so ``force_reset_rng`` changes nothing."""
+    _refuse_graph_trackers("model_parallel_cuda_manual_seed", inference_rng_tracker, use_cudagraphable_rng)
+    model_parallel_manual_seed(seed, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank)
 
 
 def dropout(input_: torch.Tensor, p: float, *, training: bool = True,
@@ -288,13 +365,18 @@ class CheckpointFunction(torch.autograd.Function):
             outputs = function(*args)
         ctx.input_requires_grad = [torch.is_tensor(a) and a.requires_grad for a in args]
         ctx.first_shape = None
-        if distribute_saved_activations and torch.is_tensor(args[0]) and comm.group_size(group) > 1:
-            # Keep only this rank's 1/TP of the flattened first input; backward all-gathers it.
-            n = comm.group_size(group)
-            flat = args[0].detach().reshape(-1)
-            comm.check_divisible(flat.numel(), n, "checkpointed input element count")
-            ctx.first_shape, ctx.group = args[0].shape, group
-            args = (flat.chunk(n)[comm.group_rank(group)].clone(),) + args[1:]
+        if distribute_saved_activations and torch.is_tensor(args[0]):
+            # As Megatron: the caller's tensor itself shrinks to this rank's 1/TP of its flattened
+            # data until backward all-gathers it back, so the whole activation is freed. A view
+            # cannot change its data: only a copy of its shard is saved then.
+            first, n = args[0], comm.group_size(group)
+            comm.check_divisible(first.numel(), n, "checkpointed input element count")
+            ctx.first_shape, ctx.group, ctx.first_shrunk = first.shape, group, first._base is None
+            shard = first.detach().reshape(-1)
+            shard = shard.chunk(n)[comm.group_rank(group)].clone() if n > 1 else shard
+            if ctx.first_shrunk:
+                first.data = shard
+            args = (first if ctx.first_shrunk else shard,) + args[1:]
         ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.non_tensor_args = [None if torch.is_tensor(a) else a for a in args]
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
@@ -306,7 +388,10 @@ class CheckpointFunction(torch.autograd.Function):
         for i, saved in zip(ctx.tensor_positions, ctx.saved_tensors):
             args[i] = saved
         if ctx.first_shape is not None:
-            args[0] = comm.all_gather(args[0], ctx.group).view(ctx.first_shape)
+            whole = comm.all_gather(args[0].detach(), ctx.group).view(ctx.first_shape)
+            if ctx.first_shrunk:
+                args[0].data = whole
+            args[0] = whole
         inputs = [a.detach().requires_grad_(rg) if torch.is_tensor(a) else a
                   for a, rg in zip(args, ctx.input_requires_grad)]
 
@@ -350,7 +435,10 @@ def checkpoint(function, distribute_saved_activations: bool, *args, tp_group=Non
     """``function(*args)``, keeping only its inputs and recomputing it during backward.
 
     ``distribute_saved_activations=True`` stores only this TP rank's 1/TP of the first input
-    (useful when it is replicated across TP, i.e. without sequence parallelism).
+    (useful when it is replicated across TP, i.e. without sequence parallelism). As in Megatron,
+    the first input itself (unless it is a view) holds only that 1-D shard from the forward until
+    the backward gathers it back: do not read it in between, and do not pass a tensor that
+    another autograd op saved (an activation's output).
 
     Example::
 
