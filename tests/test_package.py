@@ -36,8 +36,8 @@ def test_the_moved_entry_points_still_work_and_say_they_moved():
 
 
 # The layers of DESIGN.md (and of the README's Layout table), lowest first: a module imports
-# only from its own layer or the ones before it. `tensorpar` itself (the public names, GPT
-# included) sits above the models.
+# only from its own layer or the ones before it. `tensorpar.pipeline` cuts the GPT into stages:
+# above the models. `tensorpar` itself (the public names, GPT included) sits above them.
 LAYERS = (
     ("tensorpar.errors", "tensorpar.porting", "tensorpar.parallel_state"),
     ("tensorpar.comm",),
@@ -51,6 +51,7 @@ LAYERS = (
     ("tensorpar.fsdp", "tensorpar.invariant", "tensorpar.invariant_dropout"),
     ("tensorpar.comm_model", "tensorpar.memory_model", "tensorpar.fsdp_model"),
     ("tensorpar.models",),
+    ("tensorpar.pipeline",),
     ("tensorpar",),
     ("tensorpar.training",),
     ("tensorpar.tools", "tensorpar.cli", "tensorpar.gpu_check", "tensorpar.__main__"),
