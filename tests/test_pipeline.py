@@ -94,7 +94,7 @@ def _run_case(tp_size, pp_size, schedule, microbatches, overrides, virtual_stage
     tp.model_parallel_manual_seed(1234, tp_group=groups["tp"])
     stages = pipeline.build_stages(config, layout, pp_group=groups["pp"], tp_group=groups["tp"])
     schedule_ = pipeline.PipelineSchedule(stages, layout, schedule=schedule, microbatches=microbatches,
-                                          pp_group=groups["pp"], embedding_group=groups["embedding"])
+                                          pp_group=groups["pp"], embedding_group=groups.get("embedding"))
     loss = schedule_.step(tokens, labels)
     case = f"{schedule} TP={tp_size} PP={pp_size} M={microbatches} {overrides}"
     assert abs(loss.item() - expected_loss.item()) <= RTOL * abs(expected_loss.item()), (case, loss, expected_loss)
@@ -162,6 +162,8 @@ def _ledger_body():
     layout = pipeline.stage_layout(config.num_layers, pp_size=2, schedule="1f1b")
     tp.model_parallel_manual_seed(1234, tp_group=groups["tp"])
     stages = pipeline.build_stages(config, layout, pp_group=groups["pp"], tp_group=groups["tp"])
+    with pytest.raises(UsageError, match="needs at least PP = 2 micro-batches, got 1"):
+        pipeline.PipelineSchedule(stages, layout, schedule="1f1b", microbatches=1, pp_group=groups["pp"])
     schedule = pipeline.PipelineSchedule(stages, layout, schedule="1f1b", microbatches=3, pp_group=groups["pp"])
     tokens, labels = _batch(3, config.vocab_size)
     schedule.step(tokens, labels)  # the first step also exchanges the shapes (not tensors)

@@ -12,10 +12,10 @@ Example::
     loss = schedule.step(tokens, labels)
 """
 
-from .p2p import RecordedStage
 from .plan import SCHEDULES, ScheduleSpec, StageLayout, check_microbatches, stage_layout, stages_per_rank
 from .schedule import PipelineSchedule
 from .stages import build_stages
+from .torch_stage import TorchStage
 
-__all__ = ["SCHEDULES", "PipelineSchedule", "RecordedStage", "ScheduleSpec", "StageLayout", "build_stages",
+__all__ = ["SCHEDULES", "PipelineSchedule", "ScheduleSpec", "StageLayout", "TorchStage", "build_stages",
            "check_microbatches", "stage_layout", "stages_per_rank"]

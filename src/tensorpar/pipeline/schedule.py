@@ -26,7 +26,7 @@ from .. import comm
 from ..errors import UsageError
 from ..grads import allreduce_sequence_parallel_grads
 from ..models import GPT
-from .p2p import RecordedStage
+from .torch_stage import TorchStage
 from .plan import StageLayout, check_microbatches, schedule_spec
 
 
@@ -56,8 +56,9 @@ class PipelineSchedule:
                              "embedding group (embedding_group=)")
         self.embedding_group = embedding_group
         device = next(stages[0].parameters()).device
-        pipeline_stages = [RecordedStage(module, index, layout.num_stages, device, group=pp_group)
+        pipeline_stages = [TorchStage(module, index, layout.num_stages, device, group=pp_group)
                            for module, index in zip(stages, self.indices)]
+        self._last_stage = pipeline_stages[-1]
         self._losses: list[torch.Tensor] = []
         self._schedule = spec.torch_class(pipeline_stages[0] if spec.placement == "single" else pipeline_stages,
                                           microbatches, loss_fn=self._loss, scale_grads=False)
@@ -66,7 +67,8 @@ class PipelineSchedule:
         # The last stage's logits [b, s, V/TP] cover the sequence as padded for SP: so do the labels.
         labels = F.pad(labels, (0, logits.shape[1] - labels.shape[1]), value=-100)
         loss = self.stages[-1].loss(logits.transpose(0, 1), labels)
-        self._losses.append(loss.detach())
+        if not self._last_stage.inferring:
+            self._losses.append(loss.detach())
         return loss / self.microbatches
 
     def step(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,8 +84,7 @@ class PipelineSchedule:
         self._schedule.step(*args, target=labels if self.last in self.indices else None, return_outputs=False)
         self._finish_grads()
         total = torch.zeros((), dtype=torch.float64, device=comm.collective_device(self.pp_group))
-        # The first step's shape inference calls the loss function once more first, on a dummy batch.
-        for loss in self._losses[-self.microbatches:] if self.last in self.indices else ():
+        for loss in self._losses:
             total += loss.double().to(total.device)
         total /= self.microbatches
         holder = dist.get_global_rank(self.pp_group, self.layout.rank_of(self.last))
