@@ -51,7 +51,8 @@ class PipelineSchedule:
         self.last = layout.num_stages - 1
         config = stages[0].config
         self.tied = config.tie_word_embeddings and layout.num_stages > 1
-        if self.tied and layout.rank_of(0) != layout.rank_of(self.last) and embedding_group is None:
+        holds_a_copy = 0 in self.indices or self.last in self.indices
+        if self.tied and holds_a_copy and layout.rank_of(0) != layout.rank_of(self.last) and embedding_group is None:
             raise UsageError("tied embeddings with the first and last stage on different ranks need the "
                              "embedding group (embedding_group=)")
         self.embedding_group = embedding_group
