@@ -36,8 +36,8 @@ def test_the_moved_entry_points_still_work_and_say_they_moved():
 
 
 # The layers of DESIGN.md (and of docs/architecture.md's table), lowest first: a module imports
-# only from its own layer or the ones before it. `tensorpar` itself (the public names, GPT
-# included) sits above the models.
+# only from its own layer or the ones before it. `tensorpar.pipeline` cuts the GPT into stages:
+# above the models. `tensorpar` itself (the public names, GPT included) sits above them.
 LAYERS = (
     ("tensorpar.errors", "tensorpar.porting", "tensorpar.rank_generator", "tensorpar.process_groups",
      "tensorpar.parallel_registry", "tensorpar.parallel_init", "tensorpar.parallel_state"),
@@ -53,6 +53,7 @@ LAYERS = (
     ("tensorpar.context",),
     ("tensorpar.comm_model", "tensorpar.memory_model", "tensorpar.fsdp_model"),
     ("tensorpar.models",),
+    ("tensorpar.pipeline",),
     ("tensorpar",),
     ("tensorpar.training",),
     ("tensorpar.tools", "tensorpar.cli", "tensorpar.gpu_check", "tensorpar.__main__"),

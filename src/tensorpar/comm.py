@@ -41,6 +41,8 @@ _RING_SEND_FACTOR = {
     "all_to_all": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
     "send_recv": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 0.0,
 }
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -150,6 +152,12 @@ def _append_record(op: str, shape: list[int], dtype: torch.dtype, group_size: in
 _record_compiled = torch.library.custom_op("tensorpar::record_collective", mutates_args=())(_append_record)
 _record_compiled.register_fake(lambda *args: None)
 torch.library._register_effectful_op("tensorpar::record_collective", torch.library.EffectType.ORDERED)
+
+
+def record_p2p(op: str, tensor: torch.Tensor) -> None:
+    """Record a point-to-point ``send`` or ``recv`` of ``tensor`` (between two ranks) that
+    another engine issues: torch.distributed.pipelining's stages (:mod:`tensorpar.pipeline`)."""
+    _record(op, tensor.shape, tensor.dtype, 2, True)
 
 
 class Handle:

@@ -108,6 +108,27 @@ def slab_seed(base: int, slab: int) -> int:
     return (base + slab * _SEED_MIX) % (1 << 63)
 
 
+class PartSeeds:
+    """One draw of the default stream seeding each part of a model (a block, the embedding) on
+    its own, so a part's weights do not depend on the parts built before it: a pipeline stage
+    that builds only its own blocks holds the whole model's weights.
+
+    Example::
+
+        parts = PartSeeds()
+        blocks = [parts.build(1 + i, Block, config, parallel, i) for i in stage_layers]
+    """
+
+    def __init__(self) -> None:
+        self.base = int(torch.randint(0, 1 << 62, (1,), device="cpu").item())
+
+    def build(self, part: int, factory, *args, **kwargs):
+        """``factory(*args, **kwargs)`` with the default CPU stream seeded for ``part`` (and restored)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(slab_seed(self.base, part))
+            return factory(*args, **kwargs)
+
+
 @torch.no_grad()
 def init_weight_shard(weight: torch.Tensor, init_method: InitMethod, *, partition_dim: int,
                       stride: int = 1, tp_group=None, rows=None, full_rows=None) -> None:

@@ -45,65 +45,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import comm, invariant, invariant_dropout
+from .. import invariant, invariant_dropout
 from ..cross_entropy import vocab_parallel_cross_entropy
 from ..embedding import VocabParallelEmbedding
-from ..errors import check_index_range
 from ..initialization import (
+    PartSeeds,
     init_method_normal,
     init_weight_shard,
     scaled_init_method_normal,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
 )
-from ..linear import ColumnParallelLinear, RowParallelLinear
 from ..overlap import interleave
-from ..parallel_state import default_device, resolve_tp_group
+from ..parallel_state import resolve_tp_group
 from ..random import checkpoint, get_rng_tracker, sharded_dropout
 from . import context_split, generation, layout
 from .config import GPTConfig
+from .inputs import check_input, pad_sequence
 from .kv_cache import KVCache
+from .parts import Placement, norm
 from .rotary import RotaryTables, apply_rotary
 from .traced_attention import written_out_attention
-
-
-def _norm(config: GPTConfig, parallel: "_Parallel") -> nn.Module:
-    device, sequence_parallel = parallel.device, parallel.sequence_parallel
-    kwargs = dict(eps=config.layernorm_epsilon, device=device, dtype=config.params_dtype)
-    rms, layer = (nn.RMSNorm, nn.LayerNorm)
-    if config.tp_invariant:
-        rms, layer = invariant.RMSNorm, invariant.LayerNorm
-        kwargs["row_blocks"] = invariant.BLOCKS // (parallel.size if sequence_parallel else 1)
-        kwargs["tp_group"] = parallel.group if sequence_parallel else None
-    if config.norm == "rmsnorm":
-        norm = rms(config.hidden_size, **kwargs)
-    else:
-        norm = layer(config.hidden_size, bias=config.bias, **kwargs)
-    # Under SP each rank normalises its own tokens: the weight grads are partial sums over TP
-    # (the invariant norms sum them in backward).
-    for param in norm.parameters():
-        param.sequence_parallel = sequence_parallel and not config.tp_invariant
-    return norm
-
-
-class _Parallel:
-    """What every submodule needs to know about its TP placement."""
-
-    def __init__(self, config: GPTConfig, tp_group, device, cp_group=None) -> None:
-        self.group = tp_group
-        self.size = comm.group_size(tp_group)
-        self.rank = comm.group_rank(tp_group)
-        # One rank has no sequence to split.
-        self.sequence_parallel = config.sequence_parallel and self.size > 1
-        self.context = context_split.over(cp_group, config, tp_size=self.size, sequence_parallel=self.sequence_parallel)
-        self.device = torch.device(device) if device is not None else default_device()
-        self.column, self.row = ((invariant.ColumnLinear, invariant.RowLinear) if config.tp_invariant
-                                 else (ColumnParallelLinear, RowParallelLinear))
-
-    def linear_kwargs(self, config: GPTConfig) -> dict:
-        return dict(sequence_parallel=self.sequence_parallel,
-                    gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-                    params_dtype=config.params_dtype, device=self.device, tp_group=self.group,
-                    overlap=config.overlap)
 
 
 class Embedding(nn.Module):
@@ -112,7 +73,7 @@ class Embedding(nn.Module):
     Output ``[s, b, h]``, or ``[s/TP, b, h]`` (this rank's tokens) under SP.
     """
 
-    def __init__(self, config: GPTConfig, parallel: _Parallel) -> None:
+    def __init__(self, config: GPTConfig, parallel: Placement) -> None:
         super().__init__()
         self.config, self.parallel = config, parallel
         init = init_method_normal(config.init_std)
@@ -158,7 +119,7 @@ class Attention(nn.Module):
     its own heads only.
     """
 
-    def __init__(self, config: GPTConfig, parallel: _Parallel, layer_number: int) -> None:
+    def __init__(self, config: GPTConfig, parallel: Placement, layer_number: int) -> None:
         super().__init__()
         self.config, self.layer_number, self.context = config, layer_number, parallel.context
         n, p, d = parallel.size, config.queries_per_group, config.head_dim
@@ -267,7 +228,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """``fc`` column (``ffn/TP`` of the hidden units here), activation, ``proj`` row."""
 
-    def __init__(self, config: GPTConfig, parallel: _Parallel) -> None:
+    def __init__(self, config: GPTConfig, parallel: Placement) -> None:
         super().__init__()
         self.swiglu = config.activation == "swiglu"
         self.activation = config.activation
@@ -304,12 +265,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``."""
 
-    def __init__(self, config: GPTConfig, parallel: _Parallel, layer_number: int) -> None:
+    def __init__(self, config: GPTConfig, parallel: Placement, layer_number: int) -> None:
         super().__init__()
         self.config, self.parallel = config, parallel
-        self.norm1 = _norm(config, parallel)
+        self.norm1 = norm(config, parallel)
         self.attention = Attention(config, parallel, layer_number)
-        self.norm2 = _norm(config, parallel)
+        self.norm2 = norm(config, parallel)
         self.mlp = MLP(config, parallel)
 
     def _dropout(self, x: torch.Tensor, key=None, site: str = "", valid_rows=None) -> torch.Tensor:
@@ -340,40 +301,52 @@ class GPT(nn.Module):
     vocab slice of the logits, ``[b, s, padded_vocab / TP]`` (columns ``>= vocab_size`` are
     padding). Call ``tp.allreduce_sequence_parallel_grads(model)`` after backward under SP.
 
+    A pipeline stage (:mod:`tensorpar.pipeline`) holds the blocks ``layers`` only, the embedding
+    if ``pre_process`` (else its input is the previous stage's output) and the final norm and
+    head if ``post_process`` (else it returns its blocks' output), with the whole model's weights.
+
     Example::
 
         model = GPT(GPTConfig.preset("tiny", sequence_parallel=True))
         model(tokens, labels).backward()
     """
 
-    def __init__(self, config: GPTConfig, *, tp_group=None, cp_group=None, device=None) -> None:
+    def __init__(self, config: GPTConfig, *, tp_group=None, cp_group=None, device=None,
+                 layers: range | None = None, pre_process: bool = True, post_process: bool = True) -> None:
         super().__init__()
         self.config = config
         self.tp_group = resolve_tp_group(tp_group)
-        parallel = _Parallel(config, self.tp_group, device, cp_group)
+        parallel = Placement(config, self.tp_group, device, cp_group)
         self.parallel = parallel
+        if parallel.context is not None and not (pre_process and post_process):
+            raise ValueError("context parallelism within a pipeline stage is not supported yet: pass cp_group "
+                             "only to a GPT with pre_process and post_process")
         if config.num_heads < parallel.size:
             raise ValueError(f"num_heads ({config.num_heads}) is smaller than the tensor-parallel size "
                              f"({parallel.size}): every rank needs a query head")
         if config.tp_invariant:
             invariant.check_gpt_sizes(config, tp_size=parallel.size)
         self.padded_vocab_size = config.padded_vocab_size(parallel.size)
-        self.embedding = Embedding(config, parallel)
-        self.blocks = nn.ModuleList(Block(config, parallel, i) for i in range(config.num_layers))
-        self.final_norm = _norm(config, parallel)
+        self.layers, self.pre_process, self.post_process = layers or range(config.num_layers), pre_process, post_process
+        parts = PartSeeds()  # part 0 the embedding, 1 + i block i, num_layers + 1 the head
+        self.embedding = parts.build(0, Embedding, config, parallel) if pre_process else None
+        self.blocks = nn.ModuleList(parts.build(1 + i, Block, config, parallel, i) for i in self.layers)
+        self.final_norm = norm(config, parallel) if post_process else None
+        # Tied: the head allocates no weight; forward hands it the embedding's. A last stage without
+        # the embedding holds its own copy, drawn as part 0 (both are init_weight_shard's dim-0 rows).
         tied = config.tie_word_embeddings
-        # Tied: the head allocates no weight; forward hands it the embedding's.
-        self.lm_head = parallel.column(
-            config.hidden_size, self.padded_vocab_size, bias=False, skip_weight_param_allocation=tied,
-            init_method=init_method_normal(config.init_std), **parallel.linear_kwargs(config))
-        if tied and config.gradient_accumulation_fusion:
+        self.lm_head = parts.build(
+            0 if tied else config.num_layers + 1, parallel.column, config.hidden_size, self.padded_vocab_size,
+            bias=False, skip_weight_param_allocation=tied and pre_process, init_method=init_method_normal(config.init_std),
+            **parallel.linear_kwargs(config)) if post_process else None
+        if tied and pre_process and post_process and config.gradient_accumulation_fusion:
             # The fused head writes main_grad and hands autograd zeros, to which the embedding's
             # gradient is added: the DP reducer adds that .grad to main_grad too.
             self.embedding.word.weight.zero_out_wgrad = True
         # Rows past the vocabulary are padding whose size depends on TP (checkpoints re-pad them).
-        for weight in (self.embedding.word.weight, self.lm_head.weight):
-            if weight is not None:
-                weight.unpadded_rows = config.vocab_size
+        for part in (self.embedding.word if pre_process else None, self.lm_head):
+            if part is not None and part.weight is not None:
+                part.weight.unpadded_rows = config.vocab_size
         # Generation under SP pads up to TP - 1 positions past the window.
         self._rotary_tables = RotaryTables(config, length=config.max_seq_len + self.parallel.size) \
             if config.position_embedding == "rope" else None
@@ -391,30 +364,28 @@ class GPT(nn.Module):
         """Loss, or this rank's logits; ``position_ids`` (``[b, s]``, default ``0..s-1``),
         ``attn_mask`` (boolean ``[b, 1, s, keys]``, True = attend; default causal), ``kv_cache``
         and ``last_position_only`` (the logits of the last position alone, except under SP,
-        whose sequence is split) serve generation (see :meth:`generate`)."""
-        self._check_input(tokens, labels, padding_allowed=attn_mask is None and kv_cache is None)
-        tokens, labels, position_ids = context_split.shard(self, tokens, labels, position_ids, attn_mask, kv_cache)
-        seq_len = tokens.shape[1]
+        whose sequence is split) serve generation (see :meth:`generate`). A pipeline stage without
+        the embedding takes the previous stage's output ``[s(/TP), b, h]`` (of the padded sequence)."""
+        if self.pre_process:
+            check_input(self.config, tokens, labels, sp_size=self.parallel.size if self.parallel.sequence_parallel else 1,
+                        padding_allowed=attn_mask is None and kv_cache is None)
+            tokens, labels, position_ids = context_split.shard(self, tokens, labels, position_ids, attn_mask, kv_cache)
+        seq_len = tokens.shape[1] if self.pre_process else tokens.shape[0] * (
+            self.parallel.size if self.parallel.sequence_parallel else 1)
         pad = -seq_len % self.parallel.size if self.parallel.sequence_parallel else 0
         if pad:
-            # SP splits the sequence evenly: padded at the end, which no real position sees (causal),
-            # with labels ignored, so loss and gradients are the unpadded sequence's.
-            if position_ids is None:
-                position_ids = torch.arange(seq_len + pad, device=tokens.device).clamp(max=self.config.max_seq_len - 1)
-            else:
-                position_ids = F.pad(position_ids, (0, pad))
-            tokens = F.pad(tokens, (0, pad))
-            labels = None if labels is None else F.pad(labels, (0, pad), value=-100)
+            tokens, labels, position_ids = pad_sequence(tokens, labels, position_ids, pad=pad,
+                                                        max_seq_len=self.config.max_seq_len)
         rotary = (None, None)
         if self.config.position_embedding == "rope":
-            cos, sin = self._rotary(position_ids, tokens.shape[1], tokens.device)
+            cos, sin = self._rotary(position_ids, seq_len + pad, tokens.device)
             # Per-sequence positions broadcast over the heads.
             rotary = (cos.unsqueeze(1), sin.unsqueeze(1)) if cos.dim() == 3 else (cos, sin)
         if position_ids is None:
-            position_ids = torch.arange(tokens.shape[1], device=tokens.device)
+            position_ids = torch.arange(seq_len + pad, device=tokens.device)
         key = self.dropout_masks.next_key() if self.dropout_masks is not None and self.training else None
         valid_rows = seq_len if pad else None  # dropout masks the SP padding apart from the real tokens
-        x = self.embedding(tokens, position_ids, key, valid_rows)   # [s(/TP), b, h]
+        x = self.embedding(tokens, position_ids, key, valid_rows) if self.pre_process else tokens  # [s(/TP), b, h]
         for block in self.blocks:
             if self.config.recompute and torch.is_grad_enabled():
                 x = checkpoint(block, self.config.distribute_saved_activations, x, *rotary, attn_mask, None, key,
@@ -422,15 +393,23 @@ class GPT(nn.Module):
             else:
                 x = block(x, *rotary, attn_mask, kv_cache, key, valid_rows)
         if kv_cache is not None:
-            kv_cache.length += tokens.shape[1]
+            kv_cache.length += seq_len + pad
+        if not self.post_process:
+            return x
         if last_position_only and not self.parallel.sequence_parallel:
             x = x[-1:]
         x = self.final_norm(x)
         # The LM head: a column layer over the vocab with the embedding's weight (when tied);
         # f (or the SP all-gather) inside. Logits stay split over the vocab: never gathered.
-        logits, _ = self.lm_head(x, weight=self.embedding.word.weight if self.config.tie_word_embeddings else None)
+        tied = self.config.tie_word_embeddings and self.pre_process
+        logits, _ = self.lm_head(x, weight=self.embedding.word.weight if tied else None)
         if labels is None:
             return logits.transpose(0, 1)[:, :seq_len]              # [b, s, V_pad/TP]
+        return self.loss(logits, labels)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of ``logits`` (``[s, b, V_pad/TP]``) over the labelled tokens of
+        ``labels`` (``[b, s]``, ``-100`` = ignore); the same on every TP rank."""
         labels = labels.t()
         cross_entropy = invariant.vocab_parallel_cross_entropy if self.config.tp_invariant \
             else vocab_parallel_cross_entropy
@@ -441,24 +420,8 @@ class GPT(nn.Module):
         """``cos``/``sin`` at the positions, in the compute dtype (the autocast dtype when on: q
         and k are not promoted to fp32)."""
         dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
-                 else self.embedding.word.weight.dtype)
+                 else next(self.parameters()).dtype)
         return self._rotary_tables.at(position_ids, seq_len, device, dtype)
-
-    def _check_input(self, tokens: torch.Tensor, labels: torch.Tensor | None, *, padding_allowed: bool) -> None:
-        if tokens.dim() != 2 or tokens.is_floating_point() or tokens.dtype == torch.bool:
-            raise ValueError(f"tokens must be an integer tensor [batch, seq], got {tokens.dtype} "
-                             f"of shape {list(tokens.shape)}")
-        seq_len = tokens.shape[1]
-        if seq_len > self.config.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} is longer than max_seq_len {self.config.max_seq_len}")
-        if self.parallel.sequence_parallel and seq_len % self.parallel.size != 0 and not padding_allowed:
-            raise ValueError(f"sequence length {seq_len} is not divisible by the tensor-parallel size "
-                             f"{self.parallel.size}, as sequence parallelism with an attention mask or a KV "
-                             "cache needs")
-        check_index_range(tokens, self.config.vocab_size, "token id",
-                          f"outside the vocabulary [0, {self.config.vocab_size})")
-        if labels is not None and labels.shape != tokens.shape:
-            raise ValueError(f"labels of shape {list(labels.shape)} must match tokens of shape {list(tokens.shape)}")
 
     def new_kv_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty :class:`KVCache` for ``batch`` sequences of up to ``capacity`` positions."""

@@ -1,0 +1,53 @@
+"""What every part of a GPT is built with: its placement over TP (and CP) and its norm layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import comm, invariant
+from ..linear import ColumnParallelLinear, RowParallelLinear
+from ..parallel_state import default_device
+from . import context_split
+from .config import GPTConfig
+
+
+def norm(config: GPTConfig, parallel: "Placement") -> nn.Module:
+    """A LayerNorm or RMSNorm of ``config`` (the invariant mode's under ``tp_invariant``)."""
+    device, sequence_parallel = parallel.device, parallel.sequence_parallel
+    kwargs = dict(eps=config.layernorm_epsilon, device=device, dtype=config.params_dtype)
+    rms, layer = (nn.RMSNorm, nn.LayerNorm)
+    if config.tp_invariant:
+        rms, layer = invariant.RMSNorm, invariant.LayerNorm
+        kwargs["row_blocks"] = invariant.BLOCKS // (parallel.size if sequence_parallel else 1)
+        kwargs["tp_group"] = parallel.group if sequence_parallel else None
+    if config.norm == "rmsnorm":
+        layer_norm = rms(config.hidden_size, **kwargs)
+    else:
+        layer_norm = layer(config.hidden_size, bias=config.bias, **kwargs)
+    # Under SP each rank normalises its own tokens: the weight grads are partial sums over TP
+    # (the invariant norms sum them in backward).
+    for param in layer_norm.parameters():
+        param.sequence_parallel = sequence_parallel and not config.tp_invariant
+    return layer_norm
+
+
+class Placement:
+    """What every submodule needs to know about its TP placement (and CP split, ``context``)."""
+
+    def __init__(self, config: GPTConfig, tp_group, device, cp_group=None) -> None:
+        self.group = tp_group
+        self.size = comm.group_size(tp_group)
+        self.rank = comm.group_rank(tp_group)
+        # One rank has no sequence to split.
+        self.sequence_parallel = config.sequence_parallel and self.size > 1
+        self.context = context_split.over(cp_group, config, tp_size=self.size, sequence_parallel=self.sequence_parallel)
+        self.device = torch.device(device) if device is not None else default_device()
+        self.column, self.row = ((invariant.ColumnLinear, invariant.RowLinear) if config.tp_invariant
+                                 else (ColumnParallelLinear, RowParallelLinear))
+
+    def linear_kwargs(self, config: GPTConfig) -> dict:
+        return dict(sequence_parallel=self.sequence_parallel,
+                    gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+                    params_dtype=config.params_dtype, device=self.device, tp_group=self.group,
+                    overlap=config.overlap)

@@ -1,0 +1,107 @@
+"""One of torch's pipeline schedules over this rank's stages, stepping exactly as PP=1's
+gradient accumulation does.
+
+PP=1 accumulates ``M`` micro-batches as ``(loss_k / M).backward()``, ``loss_k`` the mean over
+micro-batch ``k``'s labelled tokens, and reports the mean of the ``loss_k``. Here torch's
+schedule runs the same micro-batches (the batch's rows cut into ``M`` equal parts), the last
+stage's loss function returns ``loss_k / M`` (torch's own grad scaling is off), and after the
+schedule the gradients are finished as PP=1's are: the SP partial sums over TP, and the tied
+embedding's two copies (first and last stage) summed over the embedding group. ``step``
+returns the mean micro-batch loss, broadcast to every rank of the pipeline.
+
+Example::
+
+    schedule = PipelineSchedule(stages, layout, schedule="1f1b", microbatches=4, pp_group=pp_group)
+    loss = schedule.step(tokens, labels)        # the same tokens and labels on every rank
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .. import comm
+from ..errors import UsageError
+from ..grads import allreduce_sequence_parallel_grads
+from ..models import GPT
+from .torch_stage import TorchStage
+from .plan import StageLayout, check_microbatches, schedule_spec
+
+
+class PipelineSchedule:
+    """``schedule`` (a name of :data:`tensorpar.pipeline.SCHEDULES`) over ``stages`` (this rank's,
+    from :func:`build_stages` with ``layout``), ``microbatches`` micro-batches per step.
+
+    ``embedding_group`` (the ranks of the first and last stage, per TP rank, as Megatron's
+    embedding group) is needed with tied embeddings when those stages are on different ranks.
+    """
+
+    def __init__(self, stages: list[GPT], layout: StageLayout, *, schedule: str, microbatches: int, pp_group,
+                 embedding_group=None) -> None:
+        spec = schedule_spec(schedule)
+        check_microbatches(schedule, microbatches=microbatches, pp_size=layout.pp_size,
+                           virtual_stages=None if spec.placement == "single" else len(stages))
+        rank = comm.group_rank(pp_group)
+        self.indices = layout.stages_of(rank)
+        if len(stages) != len(self.indices):
+            raise UsageError(f"PP rank {rank} holds stages {list(self.indices)} of the layout, got {len(stages)} modules")
+        self.stages, self.layout, self.microbatches, self.pp_group = stages, layout, microbatches, pp_group
+        self.last = layout.num_stages - 1
+        config = stages[0].config
+        self.tied = config.tie_word_embeddings and layout.num_stages > 1
+        holds_a_copy = 0 in self.indices or self.last in self.indices
+        if self.tied and holds_a_copy and layout.rank_of(0) != layout.rank_of(self.last) and embedding_group is None:
+            raise UsageError("tied embeddings with the first and last stage on different ranks need the "
+                             "embedding group (embedding_group=)")
+        self.embedding_group = embedding_group
+        device = next(stages[0].parameters()).device
+        pipeline_stages = [TorchStage(module, index, layout.num_stages, device, group=pp_group)
+                           for module, index in zip(stages, self.indices)]
+        self._last_stage = pipeline_stages[-1]
+        self._losses: list[torch.Tensor] = []
+        self._schedule = spec.torch_class(pipeline_stages[0] if spec.placement == "single" else pipeline_stages,
+                                          microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # The last stage's logits [b, s, V/TP] cover the sequence as padded for SP: so do the labels.
+        labels = F.pad(labels, (0, logits.shape[1] - labels.shape[1]), value=-100)
+        loss = self.stages[-1].loss(logits.transpose(0, 1), labels)
+        if not self._last_stage.inferring:
+            self._losses.append(loss.detach())
+        return loss / self.microbatches
+
+    def step(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of ``tokens`` and ``labels`` (``[B, s]``, ``B`` a multiple of the
+        micro-batch count; only the first and the last stage's ranks read them): gradients
+        accumulate in ``.grad``; returns the mean micro-batch loss (float64, every rank)."""
+        for name, batch in (("tokens", tokens), ("labels", labels)):
+            if batch is not None and batch.shape[0] % self.microbatches:
+                raise UsageError(f"a batch of {batch.shape[0]} {name} rows does not cut into "
+                                 f"{self.microbatches} equal micro-batches")
+        self._losses.clear()
+        args = (tokens,) if 0 in self.indices else ()
+        self._schedule.step(*args, target=labels if self.last in self.indices else None, return_outputs=False)
+        self._finish_grads()
+        total = torch.zeros((), dtype=torch.float64, device=comm.collective_device(self.pp_group))
+        for loss in self._losses:
+            total += loss.double().to(total.device)
+        total /= self.microbatches
+        holder = dist.get_global_rank(self.pp_group, self.layout.rank_of(self.last))
+        return comm.broadcast(total, holder, self.pp_group)
+
+    def _finish_grads(self) -> None:
+        for module in self.stages:
+            allreduce_sequence_parallel_grads(module, tp_group=module.tp_group)
+        if not self.tied:
+            return
+        copies = [m.embedding.word.weight for m in self.stages if m.pre_process] + \
+                 [m.lm_head.weight for m in self.stages if m.post_process]
+        grads = [w.grad for w in copies if w.grad is not None]
+        if len(grads) == 2:
+            # V schedules: both copies on this rank.
+            grads[0].add_(grads[1])
+            grads[1].copy_(grads[0])
+        elif grads and self.embedding_group is not None:
+            comm.all_reduce(grads[0], self.embedding_group)

@@ -1,0 +1,44 @@
+"""A GPT cut into pipeline stages: this rank's stages only, with the whole model's weights.
+
+Stage ``s`` is a :class:`~tensorpar.models.GPT` holding the blocks ``layout.layers[s]``, the
+embedding on the first stage and the final norm, LM head and vocab-parallel loss on the last.
+Each part of the GPT is initialised from its own seed (one draw of the default stream for the
+whole model), so with the same ``torch.manual_seed`` a stage's block ``i`` is the PP=1 model's
+block ``i``, at every TP size. With tied embeddings (GPT-2) the last stage holds a copy of the
+embedding's weight as its head weight, initialised alike; the schedule sums the two gradients.
+
+Example::
+
+    torch.manual_seed(1234)
+    layout = stage_layout(config.num_layers, pp_size=2, schedule="1f1b")
+    stages = build_stages(config, layout, pp_group=pp_group, tp_group=tp_group)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from ..errors import UsageError
+from ..models import GPT, GPTConfig
+from .plan import StageLayout
+
+_UNSUPPORTED = {"tp_invariant": "the invariant mode", "gradient_accumulation_fusion": "gradient-accumulation fusion"}
+
+
+def build_stages(config: GPTConfig, layout: StageLayout, *, pp_group, tp_group=None, device=None) -> list[GPT]:
+    """The GPT stages this rank of ``pp_group`` runs, in stage order (seed every rank alike first)."""
+    named = [what for name, what in _UNSUPPORTED.items() if getattr(config, name)]
+    if named:
+        raise UsageError(f"pipeline parallelism does not support {' or '.join(named)} yet")
+    if comm.group_size(pp_group) != layout.pp_size:
+        raise UsageError(f"the stage layout is for PP={layout.pp_size}, the PP group has "
+                         f"{comm.group_size(pp_group)} ranks")
+    state = torch.get_rng_state()
+    stages = []
+    for s in layout.stages_of(comm.group_rank(pp_group)):
+        # Every stage draws the model's one seed from the same state, as the PP=1 GPT does.
+        torch.set_rng_state(state)
+        stages.append(GPT(config, tp_group=tp_group, device=device, layers=layout.layers[s],
+                          pre_process=s == 0, post_process=s == layout.num_stages - 1))
+    return stages

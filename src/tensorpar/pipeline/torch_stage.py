@@ -1,0 +1,65 @@
+"""torch's ``PipelineStage`` as tensorpar runs it: its sends and receives recorded in every
+active :class:`~tensorpar.CommLedger`, and its shape inference kept out of the gradients.
+
+torch's schedules issue the point-to-point ops a stage hands them (``get_fwd_send_ops`` and
+the like); this stage records each one as it hands it over, as a ``send`` or ``recv`` record.
+Stages on the same rank (the V schedules' turn) pass tensors by function call: nothing is
+sent, nothing recorded. The shape-inference messages of a schedule's first step are objects,
+not tensors, and are not recorded.
+
+That first step also runs each stage forward and backward once on a dummy micro-batch, to
+learn the shapes. Its backward asks autograd for the input gradients only, but a recomputed
+block (:func:`tensorpar.checkpoint`) runs its own backward inside and adds to its parameters'
+gradients: the gradients are set aside while it runs. ``inferring`` is True meanwhile, so the
+loss function can tell the dummy micro-batch from the real ones.
+
+Example::
+
+    stage = TorchStage(module, stage_index, num_stages, device, group=pp_group)
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+from .. import comm
+
+if not hasattr(PipelineStage, "_backward_metadata_inference"):
+    raise ImportError("tensorpar.pipeline needs torch.distributed.pipelining's PipelineStage."
+                      "_backward_metadata_inference (torch 2.13); this torch has another PipelineStage")
+
+
+def _recorded(ops: list[dist.P2POp]) -> list[dist.P2POp]:
+    for op in ops:
+        comm.record_p2p("send" if op.op is dist.isend else "recv", op.tensor)
+    return ops
+
+
+class TorchStage(PipelineStage):
+    """A ``PipelineStage`` whose P2P ops are recorded and whose shape inference leaves the
+    gradients alone."""
+
+    inferring = False
+
+    def _backward_metadata_inference(self, *args, **kwargs):
+        kept = [(param, param.grad) for param in self.submod.parameters()]
+        self.inferring = True
+        try:
+            return super()._backward_metadata_inference(*args, **kwargs)
+        finally:
+            self.inferring = False
+            for param, grad in kept:
+                param.grad = grad
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return _recorded(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return _recorded(super().get_fwd_recv_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return _recorded(super().get_bwd_send_ops(bwd_chunk_id))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return _recorded(super().get_bwd_recv_ops(bwd_chunk_id))
