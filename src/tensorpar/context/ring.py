@@ -77,7 +77,6 @@ class _RingAttention(torch.autograd.Function):
         group, scale = ctx.group, ctx.scale
         n, r = comm.group_size(group), comm.group_rank(group)
         b, heads, s, d = q.shape
-        groups = k.shape[1]
         half = s // 2
         grad_out = grad_output.float().reshape(out.shape)
         delta = (grad_out * out).sum(dim=-1)
