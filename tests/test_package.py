@@ -51,7 +51,7 @@ LAYERS = (
     ("tensorpar.fsdp", "tensorpar.invariant", "tensorpar.invariant_dropout"),
     ("tensorpar.comm_model", "tensorpar.memory_model", "tensorpar.fsdp_model"),
     ("tensorpar.models",),
-    ("tensorpar",),
+    ("tensorpar", "tensorpar._public"),
     ("tensorpar.training",),
     ("tensorpar.tools", "tensorpar.cli", "tensorpar.gpu_check", "tensorpar.__main__"),
 )

@@ -58,8 +58,10 @@ def _train_error(capsys, *argv):
     (["--lr", "inf"], "argument --lr: must be a finite number > 0, got inf"),
     (["--lr", "fast"], "argument --lr: expected a number > 0, got 'fast'"),
     (["--dropout", "2"], "argument --dropout: must be a finite number in [0, 1), got 2"),
-    (["--steps", "0"], "argument --steps: must be a finite number > 0, got 0"),
+    (["--steps", "0"], "argument --steps: must be an integer > 0, got 0"),   # issue 26: not "finite number"
     (["--nproc", "3", "--tp", "2"], "--tp 2 does not divide --nproc 3"),
+    (["--nproc", "1", "--tp", "2"], "--tp 2 needs at least 2 processes; --nproc is 1"),   # issue 26
+    (["--nproc", "2", "--tp", "4"], "--tp 4 needs at least 4 processes; --nproc is 2"),
     (["--hidden", "66", "--heads", "4"],
      "the hidden size 66 (--hidden) is not divisible by the 4 attention heads (--heads)"),
     (["--nproc", "4", "--tp", "4", "--heads", "2", "--hidden", "48"],
@@ -68,7 +70,7 @@ def _train_error(capsys, *argv):
      "the 6 attention heads (--heads) are not a multiple of the 4 key/value heads (--kv-heads)"),
     (["--rope-theta", "0"], "argument --rope-theta: must be a finite number > 0, got 0"),
     (["--overlap", "some"], "argument --overlap: expected off, auto or a positive number of chunks, got 'some'"),
-    (["--interleave", "0"], "argument --interleave: must be a finite number > 0, got 0"),
+    (["--interleave", "0"], "argument --interleave: must be an integer > 0, got 0"),
     (["--vocab", "10"], "--vocab 10 is smaller than the data's vocabulary (257 token ids)"),
     (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1 is above --lr 0.1"),
     (["--nproc", "3", "--tp", "1", "--global-batch", "16"],
@@ -331,7 +333,7 @@ def test_export_writes_eos_inside_the_vocabulary_and_files_the_umask_allows(file
     (["generate", "--checkpoint", "x", "--seed", "1e23"],
      "tensorpar generate: error: argument --seed: expected an integer in [0, 4294967296), got '1e23'"),
     (["train", "--seed", "100000000000000000000000"],
-     "tensorpar train: error: argument --seed: must be a finite number in [0, 4294967296), got "
+     "tensorpar train: error: argument --seed: must be an integer in [0, 4294967296), got "
      "100000000000000000000000"),
     (["train", "--timeout", "1e300"], "tensorpar train: error: argument --timeout: must be a finite number in "
                                       "[1, 604800), got 1e300"),
