@@ -146,3 +146,13 @@ def test_config_toml_is_never_written_through_a_link(capsys, tmp_path, text):
     assert capsys.readouterr().err == (f"tensorpar train: error: {out / 'config.toml'} is a symlink; tensorpar never "
                                        "writes through links in a run directory: remove it\n")
     assert not target.exists()
+
+
+def test_without_tomllib_config_is_refused_in_one_line(capsys, monkeypatch, tmp_path):
+    """Python 3.10 has no tomllib: --config says what it needs, the rest of the command works."""
+    (tmp_path / "run.toml").write_text("steps = 5\n")
+    monkeypatch.setitem(sys.modules, "tomllib", None)
+    assert main(["train", "--config", str(tmp_path / "run.toml")]) == 2
+    assert capsys.readouterr().err == (
+        f"tensorpar train: error: --config needs Python 3.11 or newer (the standard library's tomllib); this is "
+        f"Python {sys.version_info.major}.{sys.version_info.minor}\n")

@@ -389,10 +389,10 @@ def test_under_torchrun_each_rank_prints_its_message_once(tmp_path):
     assert done.returncode != 0
     ours = [line for line in done.stderr.splitlines() if line.startswith("tensorpar train: error:")]
     # Each rank prints it at most once; torchrun stops a rank still starting when its peer has failed.
-    line = "tensorpar train: error: --tp 4 does not divide the torchrun world size 2"
+    line = "tensorpar train: error: --tp 4 needs at least 4 processes; the torchrun world size is 2"
     assert ours in ([line], [line, line]), done.stderr
     # torchrun's own failure summary shows the line too; no traceback passes through tensorpar's code.
-    assert "traceback : --tp 4 does not divide the torchrun world size 2" in done.stderr
+    assert "traceback : --tp 4 needs at least 4 processes; the torchrun world size is 2" in done.stderr
     assert not re.search(r'File "[^"]*tensorpar[/\\]', done.stderr), done.stderr
 
 
@@ -504,3 +504,15 @@ def test_init_from_takes_the_weights_at_another_tp_size_and_starts_afresh(files,
     for checkpoint, step, lr, moved in results:
         assert checkpoint == str(tmp_path / "tuned" / "step_1") and step == 1 and lr == 1e-9
         assert moved < 1e-6, moved
+
+
+def test_data_that_is_not_utf8_is_trained_on_its_bytes_and_the_header_says_so(tmp_path):
+    """Issue 26: a binary --data trained as if it were text, without a word."""
+    data = tmp_path / "blob.dat"
+    data.write_bytes(bytes(range(256)) * 40)
+    done = subprocess.run([sys.executable, "-m", "tensorpar", "train", *TINY, "--nproc", "1", "--tp", "1", "--steps",
+                           "1", "--warmup", "0", "--data", str(data), "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    header = next(line for line in done.stdout.splitlines() if "tokens/step, data:" in line)
+    assert header.endswith(f"data: --data {data} (not UTF-8 text: trained on its bytes)"), header

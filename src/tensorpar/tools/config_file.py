@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import tomllib
+import sys
 
 from ..errors import UsageError
 
@@ -86,6 +86,11 @@ def _value(key: str, value, action: argparse.Action):
 
 def read(path: str, *, parser: argparse.ArgumentParser) -> dict[str, object]:
     """{dest: value} of the TOML file ``path`` for ``parser``'s flags (for ``parser.set_defaults``)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # the package still installs on 3.10, where only --config needs more
+        raise UsageError(f"--config needs Python 3.11 or newer (the standard library's tomllib); this is "
+                         f"Python {sys.version_info.major}.{sys.version_info.minor}") from None
     try:
         with open(path, "rb") as f:
             table = tomllib.load(f)
