@@ -164,3 +164,13 @@ def _tensorpar_help(command):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def test_no_parser_takes_an_abbreviation(capsys):
+    from tensorpar.tools.training_cli import parse_train_args
+
+    parser, commands = _subcommands()
+    assert not parser.allow_abbrev and not [name for name, sub in commands.items() if sub.allow_abbrev]
+    with pytest.raises(SystemExit):
+        parse_train_args(["--step", "5"])
+    assert "unrecognized arguments: --step 5" in capsys.readouterr().err

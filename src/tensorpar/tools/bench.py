@@ -304,7 +304,8 @@ def register(subparsers) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for ``benchmarks/mlp_vs_dtensor.py``: the ``bench`` flags without the subcommand."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     add_arguments(parser)
     return _run_command(parser.parse_args(argv))
 
