@@ -116,3 +116,61 @@ def test_a_signal_to_the_launcher_is_one_line_and_128_plus_the_signal(capsys, mo
     monkeypatch.setattr(training_cli, "_resolve_world", interrupted)
     assert main(["train"]) == 130
     assert capsys.readouterr().err == "tensorpar train: interrupted (SIGINT)\n"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["generate", "--help"], ["export", "--help"],
+                                  ["prepare", "--help"], ["train", "--steps", "0"], ["train", "--step", "5"]])
+def test_help_and_flag_errors_do_not_import_torch(argv):
+    """Issue 26: `tensorpar --help` took seconds importing torch before it printed anything."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "tensorpar", *argv],
+                          capture_output=True, text=True, timeout=120)
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert "tensorpar.tools.cli" in imported, done.stderr[-2000:]
+    assert done.returncode == (0 if "--help" in argv else 2), done.stderr[-2000:]
+    assert not [m for m in imported if m == "torch" or m.startswith("torch.")], argv
+
+
+def test_the_torch_commands_are_listed_and_load_when_named():
+    from tensorpar.tools.cli import TORCH_COMMANDS
+
+    done = subprocess.run([sys.executable, "-m", "tensorpar", "--help"], capture_output=True, text=True, timeout=120)
+    for name, (_, summary) in TORCH_COMMANDS.items():
+        assert f"{name} " in done.stdout and summary in " ".join(done.stdout.split()), done.stdout
+        shown = subprocess.run([sys.executable, "-m", "tensorpar", name, "--help"], capture_output=True, text=True,
+                               timeout=120)
+        assert shown.returncode == 0 and "--tp" in shown.stdout, shown.stderr
+
+
+def test_abbreviated_flags_are_refused_with_the_flag_meant():
+    """`--step 50` was taken as `--steps 50` (argparse's allow_abbrev)."""
+    done = subprocess.run([sys.executable, "-m", "tensorpar", "train", "--step", "50"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr == ("tensorpar train: error: unrecognized arguments: --step 50 (did you mean --steps?); "
+                           "see tensorpar train --help\n")
+    done = subprocess.run([sys.executable, "-m", "tensorpar", "--vers"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "" and len(done.stderr.splitlines()) == 1, done  # not --version
+
+
+def test_generate_help_describes_no_data_parallelism():
+    """Issue 26: generate's --tp help said "the rest of the world is data parallel"."""
+    texts = {name: " ".join(_tensorpar_help(name).split()) for name in ("generate", "train")}
+    assert "data parallel" not in texts["generate"] and "ranks past --tp repeat the same sampling" in texts["generate"]
+    assert "the rest of the world is data parallel" in texts["train"]
+
+
+def _tensorpar_help(command):
+    done = subprocess.run([sys.executable, "-m", "tensorpar", command, "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_no_parser_takes_an_abbreviation(capsys):
+    from tensorpar.tools.training_cli import parse_train_args
+
+    parser, commands = _subcommands()
+    assert not parser.allow_abbrev and not [name for name, sub in commands.items() if sub.allow_abbrev]
+    with pytest.raises(SystemExit):
+        parse_train_args(["--step", "5"])
+    assert "unrecognized arguments: --step 5" in capsys.readouterr().err

@@ -234,7 +234,15 @@ def test_measure_on_the_command_line_spawns_ranks_and_agrees(capsys):
     argv = ["comm", "--layer", "row", "--no-input-is-parallel", "--hidden", "256", "--seq-len", "64",
             "--tp", "2", "--measure", "--scale", "4"]
     assert cli.main(argv) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == "measured 2 collectives, predicted 2: all agree"
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "measured 2 collectives, predicted 2: all agree"
+    # Issue 26: the share of compute is of the reduced sizes measured, and says so.
+    share = next(line for line in out if line.startswith("compute:"))
+    assert share.endswith("% of it if none overlaps, at the sizes / 4 that --measure runs (--scale): small sizes "
+                          "are latency-bound"), share
+    assert cli.main(argv[:-3]) == 0
+    assert next(line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("compute:")).endswith("% of it if none overlaps")
 
 
 # --- measured: the model's op list equals what the real layers issue ---------------------------
@@ -352,7 +360,15 @@ def test_measure_on_the_command_line_agrees_for_a_lone_uneven_layer(capsys):
     argv = ["comm", "--layer", "column", "--gather-output", "--hidden", "50", "--seq-len", "8", "--tp", "3",
             "--dtype", "fp32", "--measure"]
     assert cli.main(argv) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == "measured 2 collectives, predicted 2: all agree"
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "measured 2 collectives, predicted 2: all agree"
+    # Issue 26: the share of compute is of the reduced sizes measured, and says so.
+    share = next(line for line in out if line.startswith("compute:"))
+    assert share.endswith("% of it if none overlaps, at the sizes / 4 that --measure runs (--scale): small sizes "
+                          "are latency-bound"), share
+    assert cli.main(argv[:-3]) == 0
+    assert next(line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("compute:")).endswith("% of it if none overlaps")
 
 
 def test_measure_on_the_command_line_agrees_for_uneven_heads(capsys):

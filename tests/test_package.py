@@ -54,7 +54,7 @@ LAYERS = (
     ("tensorpar.comm_model", "tensorpar.memory_model", "tensorpar.fsdp_model"),
     ("tensorpar.models",),
     ("tensorpar.pipeline",),
-    ("tensorpar",),
+    ("tensorpar", "tensorpar._public"),
     ("tensorpar.training",),
     ("tensorpar.tools", "tensorpar.cli", "tensorpar.gpu_check", "tensorpar.__main__"),
 )

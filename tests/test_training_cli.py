@@ -58,8 +58,10 @@ def _train_error(capsys, *argv):
     (["--lr", "inf"], "argument --lr: must be a finite number > 0, got inf"),
     (["--lr", "fast"], "argument --lr: expected a number > 0, got 'fast'"),
     (["--dropout", "2"], "argument --dropout: must be a finite number in [0, 1), got 2"),
-    (["--steps", "0"], "argument --steps: must be a finite number > 0, got 0"),
+    (["--steps", "0"], "argument --steps: must be an integer > 0, got 0"),   # issue 26: not "finite number"
     (["--nproc", "3", "--tp", "2"], "--tp 2 does not divide --nproc 3"),
+    (["--nproc", "1", "--tp", "2"], "--tp 2 needs at least 2 processes; --nproc is 1"),   # issue 26
+    (["--nproc", "2", "--tp", "4"], "--tp 4 needs at least 4 processes; --nproc is 2"),
     (["--hidden", "66", "--heads", "4"],
      "the hidden size 66 (--hidden) is not divisible by the 4 attention heads (--heads)"),
     (["--nproc", "4", "--tp", "4", "--heads", "2", "--hidden", "48"],
@@ -68,7 +70,7 @@ def _train_error(capsys, *argv):
      "the 6 attention heads (--heads) are not a multiple of the 4 key/value heads (--kv-heads)"),
     (["--rope-theta", "0"], "argument --rope-theta: must be a finite number > 0, got 0"),
     (["--overlap", "some"], "argument --overlap: expected off, auto or a positive number of chunks, got 'some'"),
-    (["--interleave", "0"], "argument --interleave: must be a finite number > 0, got 0"),
+    (["--interleave", "0"], "argument --interleave: must be an integer > 0, got 0"),
     (["--vocab", "10"], "--vocab 10 is smaller than the data's vocabulary (257 token ids)"),
     (["--min-lr", "1", "--lr", "0.1"], "--min-lr 1 is above --lr 0.1"),
     (["--nproc", "3", "--tp", "1", "--global-batch", "16"],
@@ -334,7 +336,7 @@ def test_export_writes_eos_inside_the_vocabulary_and_files_the_umask_allows(file
     (["generate", "--checkpoint", "x", "--seed", "1e23"],
      "tensorpar generate: error: argument --seed: expected an integer in [0, 4294967296), got '1e23'"),
     (["train", "--seed", "100000000000000000000000"],
-     "tensorpar train: error: argument --seed: must be a finite number in [0, 4294967296), got "
+     "tensorpar train: error: argument --seed: must be an integer in [0, 4294967296), got "
      "100000000000000000000000"),
     (["train", "--timeout", "1e300"], "tensorpar train: error: argument --timeout: must be a finite number in "
                                       "[1, 604800), got 1e300"),
@@ -390,10 +392,10 @@ def test_under_torchrun_each_rank_prints_its_message_once(tmp_path):
     assert done.returncode != 0
     ours = [line for line in done.stderr.splitlines() if line.startswith("tensorpar train: error:")]
     # Each rank prints it at most once; torchrun stops a rank still starting when its peer has failed.
-    line = "tensorpar train: error: --tp 4 does not divide the torchrun world size 2"
+    line = "tensorpar train: error: --tp 4 needs at least 4 processes; the torchrun world size is 2"
     assert ours in ([line], [line, line]), done.stderr
     # torchrun's own failure summary shows the line too; no traceback passes through tensorpar's code.
-    assert "traceback : --tp 4 does not divide the torchrun world size 2" in done.stderr
+    assert "traceback : --tp 4 needs at least 4 processes; the torchrun world size is 2" in done.stderr
     assert not re.search(r'File "[^"]*tensorpar[/\\]', done.stderr), done.stderr
 
 
@@ -505,3 +507,15 @@ def test_init_from_takes_the_weights_at_another_tp_size_and_starts_afresh(files,
     for checkpoint, step, lr, moved in results:
         assert checkpoint == str(tmp_path / "tuned" / "step_1") and step == 1 and lr == 1e-9
         assert moved < 1e-6, moved
+
+
+def test_data_that_is_not_utf8_is_trained_on_its_bytes_and_the_header_says_so(tmp_path):
+    """Issue 26: a binary --data trained as if it were text, without a word."""
+    data = tmp_path / "blob.dat"
+    data.write_bytes(bytes(range(256)) * 40)
+    done = subprocess.run([sys.executable, "-m", "tensorpar", "train", *TINY, "--nproc", "1", "--tp", "1", "--steps",
+                           "1", "--warmup", "0", "--data", str(data), "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    header = next(line for line in done.stdout.splitlines() if "tokens/step, data:" in line)
+    assert header.endswith(f"data: --data {data} (not UTF-8 text: trained on its bytes)"), header

@@ -25,9 +25,22 @@ def test_text_is_read_block_by_block_into_byte_tokens_with_eot_after_each_docume
     files = sorted(tmp_path.iterdir())
     expected = [t for text in texts if text for t in [*text, EOT]]
     for block in (3, 16, 1 << 20):  # documents spanning blocks, and one block for all
-        tokens = data._files_to_tokens(files, "test", block=block)
+        tokens, utf8 = data._files_to_tokens(files, "test", block=block)
         assert tokens.dtype == torch.int16 and tokens.tolist() == expected
+        assert utf8  # a character split between two blocks is still UTF-8
     assert load_corpus(tmp_path).tokens.tolist() == expected
+    assert load_corpus(tmp_path).source == f"--data {tmp_path}"
+
+
+def test_a_file_that_is_not_utf8_is_trained_on_its_bytes_and_the_source_says_so(tmp_path):
+    """Issue 26: binary --data trained silently, as if it were text."""
+    (tmp_path / "a.txt").write_text("plain text\n")
+    (tmp_path / "b.bin.txt").write_bytes(b"\x7fELF\x02\x01\xff\xfe\x00" * 10 + "\u00e9".encode()[:1])
+    corpus = load_corpus(tmp_path)
+    assert corpus.tokens.tolist()[:11] == list(b"plain text\n")
+    assert corpus.source == f"--data {tmp_path} (not UTF-8 text: trained on its bytes)"
+    (tmp_path / "b.bin.txt").write_bytes("\u00e9".encode()[:1])  # cut inside a character, at the end
+    assert load_corpus(tmp_path).source.endswith("(not UTF-8 text: trained on its bytes)")
 
 
 def test_token_file_sidecar_records_count_and_hash(tmp_path):

@@ -1,100 +1,58 @@
-"""tensorpar: Megatron-style tensor parallelism for PyTorch, on any device."""
+"""tensorpar: Megatron-style tensor parallelism for PyTorch, on any device.
 
-import torch as _torch
+The public names (``tp.ColumnParallelLinear``, ``tp.GPT``, ...) load on first use, with torch:
+``import tensorpar`` alone imports neither, so that the ``tensorpar`` command answers ``--help``
+and a mistyped flag at once.
+"""
+
+import importlib
+import importlib.metadata
+import importlib.util
+import re
+import sys
+
+__version__ = "0.4.0"
+
+
+def _torch_version() -> str:
+    """The torch this process uses: the imported one, else the installed one's metadata."""
+    if "torch" in sys.modules:
+        return str(sys.modules["torch"].__version__)
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # a torch built in place has no metadata
+        import torch
+
+        return str(torch.__version__)
+
 
 # Checkpoint loading reads tensor data through torch.load(weights_only=True) (DCP), which can
 # run code from a crafted file before torch 2.6 (CVE-2025-32434).
-if _torch.torch_version.TorchVersion(_torch.__version__) < (2, 6):
+_version = _torch_version()
+if tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", _version).groups()) < (2, 6):
     raise ImportError(f"tensorpar needs torch >= 2.6 (older torch.load can run code from a checkpoint file, "
-                      f"CVE-2025-32434); this is torch {_torch.__version__}: pip install 'torch>=2.6'")
+                      f"CVE-2025-32434); this is torch {_version}: pip install 'torch>=2.6'")
 
-from .buffers import GlobalMemoryBuffer, get_global_memory_buffer
-from .comm import CommLedger, CommRecord
-from .checkpoint_without_output import CheckpointWithoutOutput
-from .comm_model import calibrate_overlap
-from .cross_entropy import vocab_parallel_cross_entropy
-from .embedding import VocabParallelEmbedding
-from .fsdp import fully_shard
-from .grads import (
-    DataParallelGradReducer,
-    MasterWeights,
-    allreduce_sequence_parallel_grads,
-    clip_grad_norm_,
-    get_grad_norm,
-)
-from .initialization import (
-    copy_tensor_model_parallel_attributes,
-    init_method_normal,
-    param_is_not_tensor_parallel_duplicate,
-    scaled_init_method_normal,
-    set_defaults_if_not_set_tensor_model_parallel_attributes,
-    set_tensor_model_parallel_attributes,
-)
-from .linear import (
-    ColumnParallelLinear,
-    LinearWithFrozenWeight,
-    LinearWithGradAccumulationAndAsyncCommunication,
-    RowParallelLinear,
-    linear_with_frozen_weight,
-    linear_with_grad_accumulation_and_async_allreduce,
-)
-from .mappings import (
-    all_gather_last_dim_from_tensor_parallel_region,
-    all_to_all,
-    all_to_all_hp2sp,
-    all_to_all_sp2hp,
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-    reduce_scatter_last_dim_to_tensor_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-    scatter_to_tensor_model_parallel_region,
-    start_reduction_from_tensor_model_parallel_region,
-)
-from .overlap import all_gather_matmul, interleave, matmul_reduce
-from .parallel_state import (
-    RankGenerator,
-    destroy_model_parallel,
-    get_context_parallel_group,
-    get_context_parallel_rank,
-    get_context_parallel_world_size,
-    get_data_parallel_group,
-    get_data_parallel_rank,
-    get_data_parallel_world_size,
-    get_pipeline_model_parallel_group,
-    get_pipeline_model_parallel_rank,
-    get_pipeline_model_parallel_world_size,
-    get_tensor_model_parallel_group,
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_src_rank,
-    get_tensor_model_parallel_world_size,
-    initialize_model_parallel,
-    is_pipeline_first_stage,
-    is_pipeline_last_stage,
-    model_parallel_is_initialized,
-)
-from .random import (
-    CudaRNGStatesTracker,
-    RNGStatesTracker,
-    checkpoint,
-    convert_cuda_rng_state,
-    get_cuda_rng_tracker,
-    get_data_parallel_rng_tracker_name,
-    get_expert_parallel_rng_tracker_name,
-    get_rng_tracker,
-    is_graph_safe_cuda_rng_tracker,
-    model_parallel_cuda_manual_seed,
-    model_parallel_manual_seed,
-)
-from .utils import (
-    VocabUtility,
-    broadcast_data,
-    gather_split_1d_tensor,
-    split_tensor_along_last_dim,
-    split_tensor_into_1d_equal_chunks,
-)
-from .models import GPT, GPTConfig
 
-__version__ = "0.4.0"
+def _load_public_names() -> None:
+    from . import _public
+
+    globals().update({name: value for name, value in vars(_public).items() if not name.startswith("_")})
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(f"module 'tensorpar' has no attribute {name!r}")
+    # A submodule alone (`from .. import comm` inside the library, `tensorpar.comm`): loading
+    # every public name here would import the module that is asking, half initialized.
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    _load_public_names()
+    if name in globals():
+        return globals()[name]
+    raise AttributeError(f"module 'tensorpar' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    _load_public_names()
+    return sorted(globals())

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..errors import UsageError
+from .cli import TORCH_COMMANDS
 from ..overlap import measure_link
 from ..parallel_state import destroy_model_parallel, get_tensor_model_parallel_group, initialize_model_parallel
 from .bench_variants import (
@@ -291,7 +292,7 @@ def _run_command(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench", help="MLP block tensorpar vs DTensor TP on gloo/CPU",
+        "bench", help=TORCH_COMMANDS["bench"][1],
         description="Time an MLP block (column -> GELU -> row) forward and backward: unsharded, tensorpar "
                     "with and without sequence parallelism and overlap, and PyTorch DTensor TP, in "
                     "interleaved rounds on --tp local gloo ranks, each checked against the unsharded block; "
@@ -303,7 +304,8 @@ def register(subparsers) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for ``benchmarks/mlp_vs_dtensor.py``: the ``bench`` flags without the subcommand."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     add_arguments(parser)
     return _run_command(parser.parse_args(argv))
 

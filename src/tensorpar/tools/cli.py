@@ -15,12 +15,19 @@ import sys
 import textwrap
 
 from .. import __version__
-from ..errors import DEBUG_ENV
+from ..errors import DEBUG_ENV, UsageError
+from . import config_file
 from .errors import report, report_signal
-from .launch import OneLineErrorHandler
 
-# Each module defines ``register(subparsers)``, which adds its subcommands and sets ``func``.
+# Each module defines ``register(subparsers)``, which adds its subcommands and sets ``func``;
+# training_cli imports no torch at module level, so its commands' --help and flag errors are quick.
 _COMMAND_MODULES = ("tensorpar.tools.training_cli", "tensorpar.tools.comm_report", "tensorpar.tools.bench")
+# The commands of modules that import torch (seconds): `tensorpar --help` lists them from here,
+# and their module is imported only when the command line names them.
+TORCH_COMMANDS = {
+    "comm": ("tensorpar.tools.comm_report", "predict (and measure) the TP collectives of a layer or GPT step"),
+    "bench": ("tensorpar.tools.bench", "MLP block tensorpar vs DTensor TP on gloo/CPU"),
+}
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -53,20 +60,44 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    import torch
+class _Version(argparse.Action):
+    """``--version``: imports torch for its version only when asked."""
 
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import torch
+
+        print(f"tensorpar {__version__} (torch {torch.__version__})")
+        parser.exit()
+
+
+def _named_command(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (the first argument that is no option), if any."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``tensorpar`` parser: every command's, or (given ``argv``) the torch-importing command
+    modules only where ``argv`` names their command."""
     parser = ArgumentParser(
-        prog="tensorpar", formatter_class=HelpFormatter,
+        prog="tensorpar", formatter_class=HelpFormatter, allow_abbrev=False,
         description="Megatron-style tensor parallelism for PyTorch: train, generate, "
         "export, predict communication, benchmark against DTensor.")
-    parser.add_argument("--version", action="version",
-                        version=f"tensorpar {__version__} (torch {torch.__version__})")
+    parser.add_argument("--version", action=_Version, help="show the version (and torch's) and exit")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    named = _named_command(argv) if argv is not None else None
     for name in _COMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)
+        lazy = [command for command, (module, _) in TORCH_COMMANDS.items() if module == name]
+        if argv is None or not lazy or named in lazy:
+            importlib.import_module(name).register(subparsers)
+        else:
+            for command in lazy:
+                subparsers.add_parser(command, help=TORCH_COMMANDS[command][1], add_help=False)
     for sub in subparsers.choices.values():
         sub.formatter_class = HelpFormatter
+        sub.allow_abbrev = False
         sub.add_argument("--debug", action="store_true",
                          help=f"print full tracebacks of errors (or set {DEBUG_ENV}=1)")
     return parser
@@ -85,28 +116,37 @@ def _suggestion(parser: argparse.ArgumentParser, flag: str) -> str | None:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    """The command line; arguments no parser knows end the command with one line from the subcommand,
-    suggesting the flag meant."""
-    parser = build_parser()
+    """The command line, over the ``--config`` file's flags where it names one; arguments no parser
+    knows end the command with one line from the subcommand, suggesting the flag meant."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
     if unknown:
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
         flag = next((arg for arg in unknown if arg.startswith("-")), None)
         meant = _suggestion(sub, flag) if flag else None
         hint = f" (did you mean {meant}?)" if meant else ""
         sub.error(f"unrecognized arguments: {' '.join(unknown)}{hint}; see {sub.prog} --help")
+    if getattr(args, "config", None) is not None:
+        try:
+            sub.set_defaults(**config_file.read(args.config, parser=sub))
+        except UsageError as exc:
+            sub.error(str(exc))
+        args = parser.parse_args(argv)  # the file's values are the defaults the command line overrides
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``tensorpar`` with ``argv``; returns the exit status."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import record
-
     try:
         args = _parse(argv)
     except SystemExit as exc:  # --help, --version, or a flag argparse rejected (already printed)
         return exc.code or 0
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from .launch import OneLineErrorHandler
+
     if args.debug:
         os.environ[DEBUG_ENV] = "1"  # inherited by the ranks this command starts
     try:

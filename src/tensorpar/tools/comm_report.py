@@ -34,6 +34,7 @@ from ..comm_model import (
     summarize,
 )
 from ..errors import UsageError
+from .cli import TORCH_COMMANDS
 from ..fsdp_model import FSDPConfig, state_bytes_per_rank, step_collectives
 from ..memory_model import activation_memory
 from .comm_measure import check_measurable, gpt_config, measure, record_key, scaled
@@ -139,7 +140,9 @@ def format_report(cfg: CommConfig, args) -> str:
     if totals["comm_share_of_compute"] is not None:
         lines.append(f"compute: {totals['flops_per_rank'] / 1e9:.4g} GFLOP per rank = "
                      f"{_duration(totals['compute_time_s'])} at {args.tflops:g} TFLOP/s; communication = "
-                     f"{100 * totals['comm_share_of_compute']:.1f}% of it if none overlaps")
+                     f"{100 * totals['comm_share_of_compute']:.1f}% of it if none overlaps"
+                     + (f", at the sizes / {args.scale} that --measure runs (--scale): small sizes are "
+                        "latency-bound" if args.measure and args.scale > 1 else ""))
     memory = activation_memory(cfg)
     if memory:
         per = " per GPT layer" if cfg.layer == "gpt-step" else ""
@@ -257,7 +260,7 @@ def _fraction(text: str) -> float:
 def register(subparsers) -> None:
     """Add ``tensorpar comm``."""
     p = subparsers.add_parser(
-        "comm", help="predict (and measure) the TP collectives of a layer or GPT step",
+        "comm", help=TORCH_COMMANDS["comm"][1],
         description="Predict the tensor-parallel collectives (count, bytes, time) of one layer or one GPT "
                     "training step, with or without sequence parallelism; --measure also runs it on --tp "
                     "local gloo ranks and compares.\n\nexample:\n  tensorpar comm --layer column "

@@ -291,7 +291,8 @@ def _stage(kind: str, tp_size: int, device_type: str, options: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tensorpar.tools.gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tensorpar.tools.gpu_check", description=__doc__.splitlines()[0],
+                                     allow_abbrev=False)
     parser.add_argument("--cpu", action="store_true", help="run every check on CPU/gloo at small sizes")
     parser.add_argument("--out", type=Path, default=None, help="directory for the profiler traces")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak")

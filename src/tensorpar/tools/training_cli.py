@@ -10,67 +10,31 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import sys
 from pathlib import Path
 
 from ..errors import UsageError
+from . import config_file
 from .errors import noted_on_signal
-from .launch import launch_local, set_threads
+from .flag_types import SEED as _SEED
+from .flag_types import TIMEOUT as _TIMEOUT
+from .flag_types import non_negative as _non_negative
+from .flag_types import number as _number
+from .flag_types import overlap as _overlap
+from .flag_types import positive as _positive
 from .terminal import for_terminal
 
 DEFAULT_OUT = "tensorpar-run"
 
 
-def _number(kind, *, low: float, low_inclusive: bool = True, high: float | None = None):
-    """An argparse type: a finite ``kind`` in ``[low, high)`` (``(low, high)`` unless ``low_inclusive``)."""
-    bound = (f"{'>=' if low_inclusive else '>'} {low:g}" if high is None
-             else f"in {'[' if low_inclusive else '('}{low:g}, {high:{'d' if kind is int else 'g'}})")
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} "
-                                             f"{bound}, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (value == low and not low_inclusive) \
-                or (high is not None and value >= high):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-    return parse
-
-
-def _overlap(text: str):
-    if text in ("off", "auto"):
-        return text
-    try:
-        return _positive(int)(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected off, auto or a positive number of chunks, got {text!r}") from None
-
-
-def _positive(kind):
-    return _number(kind, low=0, low_inclusive=False)
-
-
-def _non_negative(kind):
-    return _number(kind, low=0)
-
-
-# A collective needs a second to connect; a week is longer than any step waits for a peer.
-_TIMEOUT = _number(float, low=1, high=7 * 24 * 3600)
-# torch seeds are 64-bit; the streams add small offsets (TP rank, resumed step) to the seed.
-_SEED = _number(int, low=0, high=2**32)
-
-
-def _add_world_flags(parser: argparse.ArgumentParser, *, nproc_default: str = "the GPU count, or 2 on CPU") -> None:
+def _add_world_flags(parser: argparse.ArgumentParser, *, nproc_default: str = "the GPU count, or 2 on CPU",
+                     tp_rest: str = "; the rest of the world is data parallel") -> None:
     parser.add_argument("--nproc", type=_positive(int), default=None,
                         help=f"local processes to start (default: {nproc_default}); "
                              "ignored under torchrun, which sets the world")
     parser.add_argument("--tp", type=_positive(int), default=None,
-                        help="tensor-parallel size (default: 2 if the world is even, else 1); "
-                             "the rest of the world is data parallel")
+                        help=f"tensor-parallel size (default: 2 if the world is even, else 1){tp_rest}")
     parser.add_argument("--timeout", type=_TIMEOUT, default=300.0,
                         help="seconds before a collective that does not complete is an error, in [1, 604800)")
 
@@ -201,11 +165,16 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                        help="max global grad norm (0: no clipping; default: 1)")
 
 
+def train_parser() -> argparse.ArgumentParser:
+    """A parser of the ``tensorpar train`` flags (the settings of a run, as its config.toml holds them)."""
+    parser = argparse.ArgumentParser(prog="tensorpar train", allow_abbrev=False)
+    add_train_flags(parser)
+    return parser
+
+
 def parse_train_args(argv: list[str]) -> argparse.Namespace:
     """``tensorpar train`` flags as a namespace (what tests and scripts pass to the loop)."""
-    parser = argparse.ArgumentParser(prog="tensorpar train")
-    add_train_flags(parser)
-    return parser.parse_args(argv)
+    return train_parser().parse_args(argv)
 
 
 # --- the world of processes ---------------------------------------------------------------
@@ -230,8 +199,10 @@ def _resolve_world(args) -> int:
     args.nproc = world if not _under_torchrun() else args.nproc
     if args.tp is None:
         args.tp = 2 if world % 2 == 0 else 1
+    where = "the torchrun world size" if _under_torchrun() else "--nproc"
+    if args.tp > world:
+        raise UsageError(f"--tp {args.tp} needs at least {args.tp} processes; {where} is {world}")
     if world % args.tp:
-        where = "the torchrun world size" if _under_torchrun() else "--nproc"
         raise UsageError(f"--tp {args.tp} does not divide {where} {world}")
     return world
 
@@ -239,6 +210,8 @@ def _resolve_world(args) -> int:
 def _run_in_world(entry, args, nproc: int) -> dict:
     """Run ``entry(args)`` on every rank; returns {rank: result}."""
     # The subcommand's handler is a closure: keep it out of what the workers unpickle.
+    from .launch import launch_local, set_threads
+
     args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
     if _under_torchrun():
         set_threads()
@@ -324,6 +297,8 @@ def _check_train_args(args, world: int) -> None:
     check_memory(config, tp=args.tp, dp=world // args.tp, seq_len=seq_len, micro_batch=args.micro_batch,
                  dtype=args.dtype, local_ranks=local_ranks, fsdp=args.fsdp)
     args.out = args.out or DEFAULT_OUT
+    if getattr(args, "print_config", False):
+        return  # nothing is written
     _check_writable_dir(Path(args.out), "--out")
     if not _under_torchrun():
         # Under torchrun every rank runs this check while rank 0 may already hold the lock and
@@ -343,6 +318,12 @@ def _cmd_train(args) -> int:
     world = _resolve_world(args)
     _check_train_args(args, world)
     from ..training.checkpoint_files import resume_hint
+
+    # What the run directory's config.toml records (rank 0 writes it once it holds the directory).
+    args.run_config = config_file.dumps(args, parser=train_parser())
+    if args.print_config:
+        print(args.run_config, end="", flush=True)
+        return 0
     started = datetime.datetime.now()
     with noted_on_signal(lambda: resume_hint(args.out)):  # the Ctrl-C line says where to continue
         results = _run_in_world(train_entry, args, world)
@@ -452,6 +433,7 @@ def register(subparsers) -> None:
     train = subparsers.add_parser("train", help="train a TP x DP GPT (default: a small one on an embedded corpus)",
                                   description="Train a GPT with tensor and data parallelism.")
     add_train_flags(train)
+    config_file.add_config_flags(train)
     train.set_defaults(func=_cmd_train)
 
     prep = subparsers.add_parser("prepare", help="tokenize text into the token file --data reads",
@@ -485,7 +467,8 @@ def register(subparsers) -> None:
     gen.add_argument("--top-k", type=_positive(int), default=40, help="sample among the k likeliest tokens")
     gen.add_argument("--seed", type=_SEED, default=0, help="seed of the sampling, in [0, 2^32)")
     _add_world_flags(gen, nproc_default="1 with --tp 1 when the checkpoint's tensor files fit in half the memory "
-                                        "free on one device, else the GPU count, or 2 on CPU")
+                                        "free on one device, else the GPU count, or 2 on CPU",
+                     tp_rest="; ranks past --tp repeat the same sampling")
     gen.set_defaults(func=_cmd_generate)
 
     export = subparsers.add_parser("export", help="write a checkpoint as a transformers model directory",

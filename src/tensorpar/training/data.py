@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import hashlib
 import json
@@ -99,22 +100,33 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.glob("*.py") if p.is_file())
 
 
-def _files_to_tokens(files: list[Path], source: str, block: int = 1 << 24) -> torch.Tensor:
-    """Byte tokens of ``files``, each document followed by EOT, read block by block straight into
-    one int16 tensor: 2 bytes per byte of text, and no copy of the text held besides."""
+def _files_to_tokens(files: list[Path], source: str, block: int = 1 << 24) -> tuple[torch.Tensor, bool]:
+    """(byte tokens of ``files``, each document followed by EOT; whether every file is UTF-8 text),
+    read block by block straight into one int16 tensor: 2 bytes per byte of text, and no copy of
+    the text held besides."""
     sizes = [path.stat().st_size for path in files]
     tokens = torch.full((sum(size + 1 for size in sizes if size),), EOT, dtype=torch.int16)
-    buffer, end = bytearray(min(block, max(sizes, default=0)) or 1), 0
+    buffer, end, utf8 = bytearray(min(block, max(sizes, default=0)) or 1), 0, True
     for path, size in zip(files, sizes):
-        start = end
+        start, decoder = end, codecs.getincrementaldecoder("utf-8")()
         with open(path, "rb") as f:  # a file that grew since it was sized is read up to that size
             while end - start < size and (n := f.readinto(memoryview(buffer)[:size - (end - start)])):
                 tokens[end:end + n].copy_(torch.frombuffer(buffer, dtype=torch.uint8, count=n))
                 end += n
+                utf8 = utf8 and _decodes(decoder, memoryview(buffer)[:n])
+        utf8 = utf8 and _decodes(decoder, b"", final=True)
         end += end > start  # EOT (already in place) after a document
     if not end:
         raise DataError(f"{source}: no text found (empty files)")
-    return tokens[:end]
+    return tokens[:end], utf8
+
+
+def _decodes(decoder, data, *, final: bool = False) -> bool:
+    try:
+        decoder.decode(data, final=final)
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def _read_sidecar(path: Path) -> dict:
@@ -157,7 +169,10 @@ def load_corpus(path: str | os.PathLike | None, *, tokenizer: str | None = None)
     if isinstance(files, Corpus):
         return files
     if tokenizer is None:
-        return Corpus(_files_to_tokens(files, source), BYTE_VOCAB_SIZE, "bytes", source)
+        tokens, utf8 = _files_to_tokens(files, source)
+        # Byte tokens take any file; the header says so where it is not the text it looks like.
+        return Corpus(tokens, BYTE_VOCAB_SIZE, "bytes", source if utf8 else f"{source} (not UTF-8 text: "
+                      "trained on its bytes)")
     from .tokenizer import load_tokenizer, tokenize_files
 
     hf_tokenizer = load_tokenizer(tokenizer)

@@ -116,6 +116,8 @@ def train(args) -> RunResult:
     try:
         with signals:
             lock = _claim_out(args)
+            if lock is not None and getattr(args, "run_config", None):  # the settings the command resolved
+                rundir.write_atomic(Path(args.out) / "config.toml", args.run_config.encode())
             result = _train(args, signals)
     except BaseException:
         # The groups stay up: tearing them down here would break the peers' pending collectives

@@ -41,7 +41,7 @@ SET_ASIDE = ".previous-run-"
 _RUN_FILES = ("latest", "metrics.jsonl", "loss.png")
 # Every other name tensorpar writes in ``out``: directories, then files (``step_*`` are directories).
 _WRITTEN_DIRS = ("tensorboard",)
-_WRITTEN_FILES = (LOCK, "latest.tmp", ".metrics.jsonl.tmp", ".loss.png.tmp")
+_WRITTEN_FILES = (LOCK, "latest.tmp", ".metrics.jsonl.tmp", ".loss.png.tmp", "config.toml", ".config.toml.tmp")
 _STEP = re.compile(r"^step_(\d+)$")
 # errno values of a file system that has no (flock) locks.
 _NO_LOCKS = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK}
@@ -229,6 +229,14 @@ def write_file(path: str | os.PathLike, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Replace ``path`` by a whole new file: written beside it as ``.NAME.tmp``, then renamed over it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    write_file(tmp, data)
+    os.replace(tmp, path)
 
 
 def remove_set_aside(out: str | os.PathLike) -> None:

@@ -1,0 +1,158 @@
+"""``tensorpar train --config FILE.toml`` and ``--print-config`` (issue 26): every flag settable in
+the file, the command line over it, bad keys and values refused in one line, the run directory's
+``config.toml``."""
+
+import argparse
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from tensorpar.tools import config_file
+from tensorpar.tools.cli import main
+from tensorpar.tools.training_cli import add_train_flags, train_parser
+from tests.harness import run_on_ranks
+
+TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
+        "--eval-every", "0", "--no-progress", "--nproc", "1", "--tp", "1", "--warmup", "1"]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("config") / "text.txt"
+    path.write_text("def add(a, b):\n    return a + b\n" * 400)
+    return path
+
+
+def _tensorpar(*argv, cwd=None):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-m", "tensorpar", *argv], capture_output=True, text=True, timeout=300,
+                          cwd=cwd, env=env)
+
+
+def test_the_file_sets_flags_the_command_line_overrides_and_print_config_writes_nothing(tmp_path, text):
+    (tmp_path / "run.toml").write_text(
+        f'data = "{text}"\nsteps = 7\nseq-len = 16\nmicro_batch = 2\nlr = 0.001\nfsdp = true\ntensorboard = false\n'
+        'overlap = "off"\nlayers = 2\nhidden = 32\nheads = 4\n')
+    done = _tensorpar("train", "--config", "run.toml", "--steps", "9", "--nproc", "2", "--tp", "1",
+                      "--print-config", cwd=tmp_path)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    printed = tomllib.loads(done.stdout)
+    assert printed["steps"] == 9 and printed["lr"] == 0.001                      # the command line wins
+    assert (printed["seq-len"], printed["micro-batch"], printed["fsdp"], printed["tensorboard"]) == (16, 2, True, False)
+    assert (printed["nproc"], printed["tp"], printed["global-batch"]) == (2, 1, 4)  # resolved, as the run uses them
+    assert "config" not in printed and "print-config" not in printed
+    assert sorted(os.listdir(tmp_path)) == ["run.toml"]                          # no --out made, nothing launched
+    # What --print-config writes is a config file that gives the same settings.
+    (tmp_path / "printed.toml").write_text(done.stdout)
+    again = _tensorpar("train", "--config", "printed.toml", "--print-config", cwd=tmp_path)
+    assert again.returncode == 0 and again.stdout == done.stdout, again.stderr
+
+
+def test_every_flag_of_the_parser_is_a_key_new_ones_included(tmp_path):
+    parser = argparse.ArgumentParser(prog="tensorpar train")
+    add_train_flags(parser)
+    parser.add_argument("--later-flag", type=int, default=3)            # a flag added later: settable as is
+    keys = config_file.settable(parser)
+    # Each flag once: --tensorboard, not --no-tensorboard too.
+    flags = {next(o for o in a.option_strings if o.startswith("--"))[2:] for a in parser._actions if a.option_strings}
+    assert set(keys) == flags - {"help"} and {"later-flag", "seq-len", "no-progress", "tensorboard"} <= set(keys)
+    (tmp_path / "run.toml").write_text("later-flag = 5\nlater_flag = 6\nno-progress = true\nno-tensorboard = 1\n")
+    with pytest.raises(config_file.UsageError, match="unknown key no-tensorboard .did you mean tensorboard"):
+        config_file.read(str(tmp_path / "run.toml"), parser=parser)
+    (tmp_path / "run.toml").write_text("later-flag = 5\nno-progress = true\ntensorboard = false\n")
+    assert config_file.read(str(tmp_path / "run.toml"), parser=parser) == {
+        "later_flag": 5, "no_progress": True, "tensorboard": False}
+
+
+@pytest.mark.parametrize("toml, message", [
+    ("stepz = 5", "unknown key stepz (did you mean steps?)"),
+    ("seq_length = 64", "unknown key seq_length (did you mean seq-len?)"),
+    ("wandb_project_name = 'x'", "unknown key wandb_project_name"),
+    ('steps = "50"', 'steps = "50": a number, written without quotes: steps = 50'),
+    ("steps = 1.5", "steps = 1.5: expected an integer > 0, got '1.5'"),
+    ("steps = 0", "steps = 0: must be an integer > 0, got 0"),
+    ("steps = true", "steps = true: expected a number or text in quotes, not true/false"),
+    ("steps = [1, 2]", "steps = [1, 2]: expected a number or text in quotes, not list"),
+    ("lr = nan", "lr = nan: must be a finite number > 0, got nan"),
+    ("fsdp = 1", "fsdp = 1: fsdp is a switch, write fsdp = true or fsdp = false"),
+    ("data = 5", 'data = 5: expected text, in quotes: data = "5"'),
+    ('dtype = "fp16"', 'dtype = "fp16": choose from fp32, bf16'),
+    ("config = 'other.toml'", "unknown key config"),
+    ("[run]\nsteps = 5", "[run] is a table; keys go at the top level, named like the flags"),
+])
+def test_bad_keys_and_values_are_one_line_naming_the_key(capsys, tmp_path, toml, message):
+    path = tmp_path / "run.toml"
+    path.write_text(toml + "\n")
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"tensorpar train: error: --config {path}: {message}"), err
+
+
+def test_an_unreadable_or_invalid_file_and_a_mistyped_key_through_the_command(capsys, tmp_path):
+    assert main(["train", "--config", str(tmp_path / "none.toml")]) == 2
+    assert capsys.readouterr().err == f"tensorpar train: error: --config {tmp_path / 'none.toml'}: No such file or directory\n"
+    (tmp_path / "bad.toml").write_text("steps = = 5\n")
+    assert main(["train", "--config", str(tmp_path / "bad.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tensorpar train: error: --config {tmp_path / 'bad.toml'} is not valid TOML: ") and \
+        err.count("\n") == 1, err
+    (tmp_path / "run.toml").write_text("steps = 5\nseq-lenn = 64\n")
+    done = _tensorpar("train", "--config", "run.toml", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr == ("tensorpar train: error: --config run.toml: unknown key seq-lenn (did you mean seq-len?); "
+                           "see tensorpar train --help\n")
+
+
+def test_values_round_trip_through_the_toml_written():
+    parser = train_parser()
+    args = parser.parse_args(["--data", 'a "quoted"\\path\n\x7f\u00e9', "--lr", "1e-10", "--overlap", "auto",
+                              "--tensorboard", "--fsdp", "--steps", "3"])
+    text = config_file.dumps(args, parser=parser)
+    table = tomllib.loads(text)
+    assert table["data"] == args.data and table["lr"] == 1e-10 and table["overlap"] == "auto"
+    assert (table["tensorboard"], table["fsdp"], table["no-progress"], table["steps"]) == (True, True, False, 3)
+    assert "resume" not in table  # None: left to its default
+
+
+def _main_body(argv):
+    return main(argv)
+
+
+def test_a_run_keeps_its_config_and_a_resumed_one_prints_the_checkpoint_settings(capsys, tmp_path, text):
+    out = tmp_path / "run"
+    assert run_on_ranks(_main_body, 1, ["train", *TINY, "--steps", "2", "--lr", "0.002", "--data", str(text),
+                                        "--out", str(out)])[0] == 0
+    kept = tomllib.loads((out / "config.toml").read_text())
+    assert (kept["steps"], kept["lr"], kept["seq-len"], kept["data"], kept["out"]) == (2, 0.002, 32, str(text), str(out))
+    assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
+    # Resumed: the settings come from the checkpoint unless a flag gives another value.
+    assert main(["train", "--resume", str(out), "--steps", "4", "--nproc", "1", "--print-config"]) == 0
+    printed = tomllib.loads(capsys.readouterr().out)
+    assert (printed["steps"], printed["lr"], printed["seq-len"], printed["micro-batch"]) == (4, 0.002, 32, 2)
+    assert printed["resume"] == str(out) and printed["data"] == str(text)
+    assert tomllib.loads((out / "config.toml").read_text()) == kept      # printing wrote nothing
+
+
+def test_config_toml_is_never_written_through_a_link(capsys, tmp_path, text):
+    out = tmp_path / "run"
+    out.mkdir()
+    target = tmp_path / "elsewhere.toml"
+    (out / "config.toml").symlink_to(target)
+    assert main(["train", *TINY, "--steps", "1", "--data", str(text), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"tensorpar train: error: {out / 'config.toml'} is a symlink; tensorpar never "
+                                       "writes through links in a run directory: remove it\n")
+    assert not target.exists()
+
+
+def test_without_tomllib_config_is_refused_in_one_line(capsys, monkeypatch, tmp_path):
+    """Python 3.10 has no tomllib: --config says what it needs, the rest of the command works."""
+    (tmp_path / "run.toml").write_text("steps = 5\n")
+    monkeypatch.setitem(sys.modules, "tomllib", None)
+    assert main(["train", "--config", str(tmp_path / "run.toml")]) == 2
+    assert capsys.readouterr().err == (
+        f"tensorpar train: error: --config needs Python 3.11 or newer (the standard library's tomllib); this is "
+        f"Python {sys.version_info.major}.{sys.version_info.minor}\n")
