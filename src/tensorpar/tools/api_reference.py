@@ -11,8 +11,10 @@ import inspect
 import re
 import sys
 
-# The packages whose public names are the API, in the order the page lists them.
-PACKAGES = ("tensorpar", "tensorpar.models", "tensorpar.pipeline", "tensorpar.context")
+# The packages whose public names are the API, in the order the page lists them, and the module
+# that defines each one's names (``tensorpar`` loads its own from ``tensorpar._public`` on first use).
+PACKAGES = {"tensorpar": "tensorpar._public", "tensorpar.models": "tensorpar.models",
+            "tensorpar.pipeline": "tensorpar.pipeline", "tensorpar.context": "tensorpar.context"}
 
 
 def _public_names(module) -> list[str]:
@@ -57,17 +59,12 @@ def reference() -> str:
     lines = ["# API reference", "",
              "Generated from the docstrings by `python -m tensorpar.tools.api_reference`; "
              "do not edit by hand.", ""]
-    for package in PACKAGES:
-        try:
-            module = importlib.import_module(package)
-        except ModuleNotFoundError as missing:
-            if missing.name != package:
-                raise
-            continue
-        lines += [f"## `{package}`", "", _doc(module).splitlines()[0], ""]
+    for package, source in PACKAGES.items():
+        module = importlib.import_module(source)
+        lines += [f"## `{package}`", "", _doc(importlib.import_module(package)).splitlines()[0], ""]
         for name in _public_names(module):
             obj = getattr(module, name)
-            if package != "tensorpar" and getattr(sys.modules["tensorpar"], name, None) is obj:
+            if package != "tensorpar" and getattr(importlib.import_module("tensorpar"), name, None) is obj:
                 continue  # listed once, under tensorpar
             lines += _entry(f"{package}.{name}", obj)
     return "\n".join(lines).rstrip() + "\n"
