@@ -327,7 +327,7 @@ def _shorten(key):
 @pytest.mark.parametrize("case, edit, message", [
     ("entry", _drop("rng.rank1.cpu"), r"checkpoint .*step_1 lacks the entry rng\.rank1\.cpu"),
     ("shape", _reshape("rng.rank1.cpu"), r"checkpoint .*step_1 stores rng\.rank1\.cpu with shape \[8\], expected"),
-    ("storage", _shorten("model.embedding.word.weight"), r"\.metadata stores the chunk of model\.embedding\.word"
+    ("storage", _shorten("model.embedding.word.weight"), r"step_1 stores the chunk of model\.embedding\.word"
                                                          r"\.weight at offsets \[0, 0\] in 10 bytes, fewer than"),
 ])
 def test_checkpoint_mismatches_exit_2_from_both_ranks(runs, tmp_path, case, edit, message):

@@ -62,7 +62,7 @@ from .checkpoint_format import (CONFIG, LATEST, MANIFEST, META, CheckpointError,
                                 describe, on_rank0, sha256)
 from .checkpoint_state import build_state_dict, init_adam_state, param_targets, rng_spec, set_rng_state, unstore
 from .checkpoint_layout import layout_problem, shard_dims
-from .dcp_metadata import expected_entries, mismatch, read_metadata
+from .dcp_metadata import expected_entries, mismatch, read_metadata, storage_problem
 from .rundir import check_dir, write_file
 
 
@@ -281,7 +281,8 @@ def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
         metadata = read_metadata(ckpt, listed=set(read_manifest(ckpt)))
         repadded = _other_padding(state, expected, metadata.state_dict_metadata, model, optimizer)
         problem = mismatch(metadata.state_dict_metadata, expected) or layout_problem(
-            metadata.state_dict_metadata, metadata.storage_data, world=meta["world"], shard_dims=shard_dims(model))
+            metadata.state_dict_metadata, metadata.storage_data, world=meta["world"], shard_dims=shard_dims(model)
+        ) or storage_problem(metadata)
         if problem is not None:
             raise CheckpointError(f"checkpoint {ckpt} {problem}; refusing to load it")
     except (CheckpointError, OSError, ValueError) as exc:

@@ -8,7 +8,7 @@ key set, dtype and global shape, every saving rank's RNG entries included.
 Example::
 
     metadata = read_metadata(ckpt, listed=set(read_manifest(ckpt)))
-    problem = mismatch(metadata.state_dict_metadata, expected_entries(state, meta))
+    problem = mismatch(metadata.state_dict_metadata, expected_entries(state, meta)) or storage_problem(metadata)
 """
 
 from __future__ import annotations
@@ -124,14 +124,12 @@ def read_metadata(ckpt: Path, *, listed: set[str]) -> Metadata:
         if info.offset + info.length > sizes[name]:
             refuse(f"stores {index.fqn} at bytes {info.offset:,}-{info.offset + info.length:,} of {name}, beyond "
                    f"its {sizes[name]:,} bytes")
-    problem = _storage_problem(metadata)
-    if problem is not None:
-        refuse(problem)
     return metadata
 
 
-def _storage_problem(metadata: Metadata) -> str | None:
-    """Why a chunk of a tensor has no storage entry, or one too short to hold its data, or None."""
+def storage_problem(metadata: Metadata) -> str | None:
+    """Why a chunk of a tensor has no storage entry, or one too short to hold its data, or None
+    (checked after :func:`mismatch`, so that a wrong dtype or shape is named as such)."""
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
             continue
