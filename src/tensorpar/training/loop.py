@@ -125,7 +125,8 @@ def _run_config(args, config, *, sizes, device, device_name, tokens_per_step, ra
                "device_name": device_name, "tokens_per_step": tokens_per_step,
                "flops_per_token": rates.flops_per_token, "peak_flops_per_s": rates.peak_flops_per_s,
                "peak_flops_source": peak_source}
-    return {"run": dict(vars(args)), "model": config_to_json(config), "derived": derived}
+    settings = {name: value for name, value in vars(args).items() if name != "command"}  # the CLI's subcommand
+    return {"run": settings, "model": config_to_json(config), "derived": derived}
 
 
 def _resume_hint(out: Path | None) -> str:
