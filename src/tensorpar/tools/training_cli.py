@@ -85,6 +85,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                      help="also write the metrics as TensorBoard scalars to OUT/tensorboard (needs tensorboard; "
                           "default: off)")
+    run.add_argument("--wandb", action=argparse.BooleanOptionalAction, default=None,
+                     help="also log the config and metrics to Weights & Biases from rank 0 (needs wandb; "
+                          "WANDB_MODE=offline: on disk only; project: WANDB_PROJECT, else tensorpar; default: off)")
     data = parser.add_argument_group("data")
     data.add_argument("--data", default=None, metavar="PATH",
                       help="text file, directory of text files, or token file with a .json sidecar "
@@ -256,6 +259,7 @@ def _check_train_args(args, world: int) -> None:
     from ..models.config import GPTConfig
     from ..training.data import VAL_FRACTION, inspect_data, train_token_count
     from ..training.memory import check_memory
+    from ..training.progress import check_wandb
     from ..training.model_config import build_config, check_fits, default_seq_len, hf_init_config
     from ..training.schedule import settle_run
     from ..training.tokenizer import resolve_tokenizer
@@ -279,6 +283,7 @@ def _check_train_args(args, world: int) -> None:
         origin = f"--init-from {args.init_from}"
     if args.init_from_hf is not None:
         saved, origin = hf_init_config(args.init_from_hf), f"--init-from-hf {args.init_from_hf}"
+    check_wandb(args.wandb, meta)
     continue_settings(args, meta)
     resolve_tokenizer(args, meta or init_meta)
     local_ranks = _local_ranks(world)

@@ -12,6 +12,7 @@ evaluation and checkpoints as asked.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -32,6 +33,8 @@ from .checkpoint_files import open_checkpoint, resolve
 from .checkpoint_format import TOKENIZER, CheckpointError
 from .data import VAL_FRACTION, BatchSampler, load_corpus
 from .evaluation import autocast, evaluate
+from .flops import flops_per_token, peak_flops_per_s
+from .metrics import Rates, config_block
 from .model_config import build_config, check_fits, config_to_json, count_parameters, default_seq_len, hf_init_config
 from .progress import Progress
 from .resume import RUN_SETTINGS, continue_settings, data_path, resume_header
@@ -101,6 +104,29 @@ def _run_tokenizer(tokenizer: str | None):
 
 def _say(message: str) -> None:
     print(f"tensorpar train: {message}", file=sys.stderr, flush=True)
+
+
+def _init_header(args, init, config) -> str:
+    """Rank 0's line on a fine-tune: the model the weights come from."""
+    if args.init_from_hf:
+        hf = json.loads((Path(args.init_from_hf) / "config.json").read_text())
+        return (f"initialized from the Hugging Face model {Path(args.init_from_hf).resolve()} "
+                f"({hf.get('model_type')}, {config.num_layers} layers, hidden {config.hidden_size}); "
+                "a fresh optimizer and schedule from step 0")
+    ckpt, _, meta = init
+    return (f"initialized from the weights of {ckpt} (step {meta['step']} of its run, at TP {meta['world']['tp']}); "
+            "a fresh optimizer and schedule from step 0")
+
+
+def _run_config(args, config, *, sizes, device, device_name, tokens_per_step, rates, peak_source) -> dict:
+    """Every effective setting of the run, as the config block at the top of the log shows it."""
+    tp_size, dp_size = sizes
+    derived = {"tp_size": tp_size, "dp_size": dp_size, "devices": rates.devices, "device": str(device),
+               "device_name": device_name, "tokens_per_step": tokens_per_step,
+               "flops_per_token": rates.flops_per_token, "peak_flops_per_s": rates.peak_flops_per_s,
+               "peak_flops_source": peak_source}
+    settings = {name: value for name, value in vars(args).items() if name != "command"}  # the CLI's subcommand
+    return {"run": settings, "model": config_to_json(config), "derived": derived}
 
 
 def train(args) -> RunResult:
@@ -226,7 +252,15 @@ def _train(args, signals: Signals) -> RunResult:
     val_sampler = BatchSampler(val_tokens, seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=1,
                                dp_rank=dp_rank, dp_size=dp_size, seed=args.seed, stream=1)
     tokens_per_step = args.global_batch * seq_len
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    peak, peak_source = peak_flops_per_s(device_name, dtype=args.dtype)
+    rates = Rates(devices=dist.get_world_size(), flops_per_token=flops_per_token(config, seq_len=seq_len),
+                  peak_flops_per_s=peak)
+    run_config = _run_config(args, config, sizes=(tp_size, dp_size), device=device, device_name=device_name,
+                             tokens_per_step=tokens_per_step, rates=rates, peak_source=peak_source)
     if is_rank0:
+        print("tensorpar train: run config (every effective setting, as TOML)\n" + config_block(run_config),
+              flush=True)
         print(f"tensorpar train: {count_parameters(model) / 1e6:.2f}M parameters, TP={tp_size} DP={dp_size}, "
               f"global batch {args.global_batch} sequences ({args.micro_batch} per micro-batch x {dp_size} DP "
               f"x {args.grad_accum} accumulation) = {tokens_per_step:,} tokens/step, data: {corpus.source}",
@@ -234,6 +268,8 @@ def _train(args, signals: Signals) -> RunResult:
         memory = ", ".join(f"{what} {n / 2**20:.2f} MiB" for what, n in bytes_per_rank(model).items())
         print(f"tensorpar train: per rank {memory}" + (f" (FSDP: 1/{dp_size} of each TP shard)" if fsdp else ""),
               flush=True)
+        if args.init_from or args.init_from_hf:
+            print(f"tensorpar train: {_init_header(args, init, config)}", flush=True)
         if resumed:
             header, note = resume_header(args, resumed[2], ckpt=resumed[0], tp=tp_size, dp=dp_size,
                                          data=corpus.source)
@@ -241,13 +277,17 @@ def _train(args, signals: Signals) -> RunResult:
             if note:
                 _say(note)
     progress = Progress(out=out, total_steps=args.steps, first_step=start, enabled=is_rank0,
-                        bar=not args.no_progress, tensorboard=args.tensorboard)
+                        bar=not args.no_progress, tensorboard=args.tensorboard, rates=rates, device=device,
+                        wandb_config=run_config if args.wandb else None)
     result = RunResult({}, {}, None, 0.0, config_to_json(config))
     measured_tokens, measured_time = 0, 0.0
     # Steps whose loss and grad norm stay on the device until the next log line: reading them
     # back every step would make the CPU wait for each step before queueing the next.
     pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
-    interval_began = time.perf_counter()
+    compiling = getattr(args, "compile", False)
+    if compiling:
+        progress.say("compiling the model (torch.compile) during the first step: this can take minutes")
+    interval_began = loop_began = time.perf_counter()
     control = control_group()
     save_every = args.eval_every if args.save_every is None else args.save_every
     written: list[str] = []  # this run's checkpoints (rank 0's record), oldest first
@@ -274,7 +314,7 @@ def _train(args, signals: Signals) -> RunResult:
             comm.all_reduce(loss_sum, dp_group)
             done = step + 1
             pending.append((done, lr, loss_sum / (len(batches) * dp_size), grad_norm))
-            log = done % args.log_every == 0 or done == args.steps
+            log = done % args.log_every == 0 or done == args.steps or done == start + 1
             evaluating = bool(args.eval_every) and (done % args.eval_every == 0 or done == args.steps)
             stop = stop_requested(signals, control)
             saving = out is not None and bool(stop or (save_every and done % save_every == 0) or done == args.steps)
@@ -286,6 +326,9 @@ def _train(args, signals: Signals) -> RunResult:
                     measured_tokens, measured_time = measured_tokens + tokens_per_step * len(pending), \
                         measured_time + elapsed
                 pending.clear()
+                if compiling and done == start + 1:
+                    progress.say(f"compiled: the first step took {time.perf_counter() - loop_began:.1f}s, "
+                                 "compiling included")
                 interval_began = time.perf_counter()
             if evaluating:
                 val = evaluate(model, val_sampler, iters=args.eval_iters, dtype=args.dtype,

@@ -1,10 +1,12 @@
-"""What a person watching a run sees: a progress bar, ``metrics.jsonl`` and ``loss.png``, and
-with ``tensorboard=True`` the same metrics as TensorBoard scalars in ``<out>/tensorboard``.
+"""What a person watching a run sees: a progress bar, ``metrics.jsonl`` and ``loss.png``, with
+``tensorboard=True`` the same metrics as TensorBoard scalars in ``<out>/tensorboard``, and with
+``wandb_config`` a Weights & Biases run (``WANDB_MODE=offline`` keeps it on disk).
 
 Only rank 0 reports. On a terminal a tqdm bar shows each step; when stderr is not a terminal
-(a log file, a pipe, a batch system) every ``log_every``-th step is one plain line, with no
-carriage-return redraws. tqdm and matplotlib are optional: without tqdm the plain lines are
-used, without matplotlib there is no plot; either absence is noted once.
+(a log file, a pipe, a batch system) each logged step is one plain line (:func:`metrics.format_line`:
+loss, learning rate, grad norm, rates per device and MFU, peak memory, elapsed time and ETA),
+with no carriage-return redraws. tqdm and matplotlib are optional: without tqdm the plain lines
+are used, without matplotlib there is no plot; either absence is noted once.
 
 Crash safety: a ``metrics.jsonl`` row is appended with one ``write`` and cut back off if the
 write fails (disk full), so the file only ever holds whole rows; ``loss.png`` and a rewritten
@@ -14,6 +16,7 @@ opens follows a symlink (see :func:`rundir.open_regular`).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -21,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..errors import UsageError
+from .metrics import Rates, format_line, peak_memory
 from .rundir import check_dir, open_regular
 
 METRICS = "metrics.jsonl"
@@ -30,6 +35,14 @@ TENSORBOARD = "tensorboard"
 
 def _note(message: str) -> None:
     print(f"tensorpar: {message}", file=sys.stderr, flush=True)
+
+
+def check_wandb(given: bool | None, meta: dict | None) -> None:
+    """Refuse ``--wandb`` (``given``, or left out and the resumed run's, ``meta``) without wandb installed."""
+    resumed = bool((meta or {}).get("settings", {}).get("wandb"))
+    if (given or (given is None and resumed)) and importlib.util.find_spec("wandb") is None:
+        how = "" if given else " (the resumed run logged to W&B: --no-wandb continues it without)"
+        raise UsageError(f"--wandb needs the wandb package, which is not installed: pip install wandb{how}")
 
 
 def append_line(path: Path, line: str) -> None:
@@ -77,13 +90,18 @@ class Progress:
     """
 
     def __init__(self, *, out: Path | None, total_steps: int, first_step: int, enabled: bool,
-                 bar: bool = True, tensorboard: bool = False) -> None:
+                 bar: bool = True, tensorboard: bool = False, rates: Rates | None = None, device=None,
+                 wandb_config: dict | None = None) -> None:
         """``bar``: a progress bar if stderr is a terminal (else plain lines at each logged step);
-        ``tensorboard``: also write every metrics row through ``torch.utils.tensorboard``."""
-        self.out, self.enabled, self.total_steps = out, enabled, total_steps
+        ``tensorboard``: also write every metrics row through ``torch.utils.tensorboard``;
+        ``rates``: the per-device rates and MFU of each row; ``device``: whose peak memory each row
+        reports (None: the process's peak RSS); ``wandb_config``: the run's config, to start a
+        Weights & Biases run with and log every row to (None: no W&B)."""
+        self.out, self.enabled, self.total_steps, self.first_step = out, enabled, total_steps, first_step
+        self.rates, self.device = rates, device
         self.rows: list[dict] = []
-        self._bar = self._writer = None
-        self._started = time.perf_counter()
+        self._bar = self._writer = self._wandb = None
+        self._started = self._first_done = time.perf_counter()
         if not enabled:
             return
         if out is not None:
@@ -98,6 +116,12 @@ class Progress:
 
                 check_dir(out / TENSORBOARD)
                 self._writer = SummaryWriter(str(out / TENSORBOARD), purge_step=first_step + 1 if first_step else None)
+        if wandb_config is not None:
+            import wandb  # the command checked that it is installed
+
+            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "tensorpar"),
+                                     name=out.name if out is not None else None,
+                                     dir=str(out) if out is not None else None, config=wandb_config)
         if bar and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
@@ -115,31 +139,51 @@ class Progress:
             for name, value in row.items():
                 if name != "step":
                     self._writer.add_scalar(name, value, row["step"])
+        if self._wandb is not None:
+            self._wandb.log({name: value for name, value in row.items() if name != "step"}, step=row["step"])
+
+    def _eta(self, step: int, now: float) -> float:
+        """Seconds left at the rate since this run's first step (whose warm-up, a compilation
+        included, would skew it); after only that step, at its rate."""
+        if step == self.first_step + 1:
+            return (now - self._started) * (self.total_steps - step)
+        return (now - self._first_done) / (step - self.first_step - 1) * (self.total_steps - step)
 
     def step(self, *, step: int, loss: float, lr: float, tokens_per_s: float, grad_norm: float,
              log: bool) -> None:
         """Advance the bar by one step; write a metrics row when ``log``."""
         if not self.enabled:
             return
+        now = time.perf_counter()
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             self._bar.update(1)
+        if step == self.first_step + 1:
+            self._first_done = now
         if log:
-            self._append({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s,
-                          "grad_norm": grad_norm, "elapsed_s": round(time.perf_counter() - self._started, 3)})
+            rates = self.rates.fields(tokens_per_s=tokens_per_s) if self.rates is not None else {}
+            row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                   **rates, **peak_memory(self.device), "elapsed_s": round(now - self._started, 3),
+                   "eta_s": round(self._eta(step, now), 1)}
+            self._append(row)
             if self._bar is None:
-                _note(f"step {step}/{self.total_steps} loss {loss:.4f} lr {lr:.2e} {tokens_per_s:,.0f} tokens/s")
+                _note(format_line(row, total_steps=self.total_steps))
 
     def eval(self, *, step: int, val_loss: float) -> None:
         if not self.enabled:
             return
         self._append({"step": step, "val_loss": val_loss})
-        message = f"step {step} validation loss {val_loss:.4f}"
+        self.say(f"step {step} validation loss {val_loss:.4f}")
+        self.plot()
+
+    def say(self, message: str) -> None:
+        """One line of news (above the bar on a terminal)."""
+        if not self.enabled:
+            return
         if self._bar is not None:
             self._bar.write(message, file=sys.stderr)
         else:
             _note(message)
-        self.plot()
 
     def plot(self) -> None:
         """Write ``loss.png`` (train and validation loss against step)."""
@@ -180,3 +224,5 @@ class Progress:
             self._bar.close()
         if self._writer is not None:
             self._writer.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -117,7 +117,7 @@ SETTINGS_SCHEMA = {
     "sp": FLAG, "recompute": FLAG, "grad_fusion": FLAG, "tp_invariant": FLAG, "tensorboard": FLAG,
     "overlap": (choice("off", "auto"), integer(1)), "interleave": integer(1),
     "weight_decay": number(0), "clip_grad": number(0), "eval_every": integer(0), "eval_iters": integer(1),
-    "log_every": integer(1), "save_every": (integer(0), NULL), "keep_last": integer(0),
+    "log_every": integer(1), "save_every": (integer(0), NULL), "keep_last": integer(0), "wandb": FLAG,
 }
 # The parameter dtypes a config may name: never looked up on torch by name.
 PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
