@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 # The pages whose commands run, in this order (later pages use what earlier ones wrote).
 PAGES = ("README.md", "docs/training.md", "docs/checkpoints.md", "docs/huggingface.md", "docs/library.md",
-         "docs/invariant.md", "docs/porting-from-megatron.md", "docs/fsdp.md", "docs/communication-model.md",
+         "docs/invariant.md", "docs/porting-from-megatron.md", "docs/fsdp.md", "docs/pipeline.md", "docs/context.md", "docs/communication-model.md",
          "docs/benchmarks.md", "docs/multi-node-and-gpus.md", "docs/troubleshooting.md", "docs/architecture.md")
 # Pages with no commands of their own to run.
 GENERATED = {"docs/api.md": "generated from the docstrings; test_api_reference_is_current checks it"}
@@ -90,12 +90,16 @@ def _transcripts(block: str) -> list[tuple[list[str], list[str]]]:
 
 
 def page_steps() -> list[tuple[str, list[str], list[str] | None]]:
-    """("run" or "transcript", command, expected output) of every page, in PAGES order."""
+    """("run", command, None), ("transcript", command, expected output) or ("write", [file], lines)
+    of every page, in PAGES order: a ``toml`` block whose first line is ``# NAME.toml`` is a file
+    the commands after it read."""
     steps = []
     for page in PAGES:
         for language, block in re.findall(r"^```(\w*)\n(.*?)^```", (ROOT / page).read_text(), flags=re.M | re.S):
             if language == "bash":
                 steps += [("run", words, None) for words in _commands(block)]
+            elif language == "toml" and (named := re.match(r"# (\S+\.toml)", block)):
+                steps.append(("write", [named[1]], block.splitlines()))  # the file the next commands read
             elif block.startswith("$ "):
                 steps += [("transcript", words, expected) for words, expected in _transcripts(block)]
     return steps
@@ -161,6 +165,9 @@ def test_every_command_of_the_pages_runs_and_prints_what_the_page_shows(workdir)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     ran = []
     for kind, words, expected in steps:
+        if kind == "write":
+            (workdir / words[0]).write_text("\n".join(expected) + "\n")
+            continue
         if _not_run(words):
             continue
         command = shlex.join(words)
