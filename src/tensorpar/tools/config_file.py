@@ -25,6 +25,7 @@ import difflib
 import sys
 
 from ..errors import UsageError
+from ..training.toml_text import toml_value
 
 # Flags that say how the command runs, not what it runs: never read from or written to a file.
 _NOT_SETTINGS = frozenset({"help", "config", "print_config", "debug"})
@@ -56,7 +57,7 @@ def _is_switch(action: argparse.Action) -> bool:
 
 def _shown(value) -> str:
     """``value`` as the file writes it."""
-    return _toml_value(value) if isinstance(value, (str, int, float)) else repr(value)
+    return toml_value(value) if isinstance(value, (str, int, float)) else repr(value)
 
 
 def _value(key: str, value, action: argparse.Action):
@@ -116,17 +117,6 @@ def read(path: str, *, parser: argparse.ArgumentParser) -> dict[str, object]:
     return values
 
 
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    text = str(value)
-    # A TOML basic string: quote, backslash and control characters escaped.
-    return '"' + "".join(f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F or c in '"\\' else c
-                         for c in text) + '"'
-
-
 def dumps(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> str:
     """``args`` as a TOML file :func:`read` reads back: every flag of ``parser`` that has a value.
 
@@ -137,5 +127,5 @@ def dumps(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> str:
     for key, action in settable(parser).items():
         value = getattr(args, action.dest, None)
         if value is not None:
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{key} = {toml_value(value)}")
     return "\n".join(lines) + "\n"

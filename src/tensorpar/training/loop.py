@@ -126,6 +126,8 @@ def _run_config(args, config, *, sizes, device, device_name, tokens_per_step, ra
                "flops_per_token": rates.flops_per_token, "peak_flops_per_s": rates.peak_flops_per_s,
                "peak_flops_source": peak_source}
     settings = {name: value for name, value in vars(args).items() if name != "command"}  # the CLI's subcommand
+    if settings.get("save_every") is None:  # at every evaluation: the interval that applies
+        settings["save_every"] = args.eval_every
     return {"run": settings, "model": config_to_json(config), "derived": derived}
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
-import math
 import sys
+
+from .toml_text import toml_value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,24 +81,12 @@ def format_line(row: dict, *, total_steps: int) -> str:
     return " | ".join(parts)
 
 
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None) + " }"
-    return json.dumps(str(value))  # a JSON string is a TOML basic string
-
-
 def config_block(sections: dict[str, dict]) -> str:
     """``sections`` ({table: {setting: value}}) as TOML, one ``[table]`` each; a setting that is
     None (not set: e.g. no ``--data``, the embedded corpus) is a comment, TOML having no null."""
     lines = []
     for table, settings in sections.items():
         lines.append(f"[{table}]")
-        lines.extend(f"# {name}: not set" if value is None else f"{name} = {_toml_value(value)}"
+        lines.extend(f"# {name}: not set" if value is None else f"{name} = {toml_value(value)}"
                      for name, value in settings.items())
     return "\n".join(lines)
