@@ -163,7 +163,9 @@ def _config_block(stdout: str) -> dict:
 def test_the_log_begins_with_every_effective_setting_as_toml(two_ranks):
     out, [(settings, stdout, _), _] = two_ranks
     config = _config_block(stdout)
-    assert config["run"] == {name: value for name, value in settings.items() if value is not None}
+    applies = settings["eval_every"] if settings["save_every"] is None else settings["save_every"]
+    assert config["run"] == {name: value for name, value in settings.items() if value is not None} | {
+        "save_every": applies}  # None (at every evaluation) shown as the interval that applies
     # What was left out is there as the run resolved it.
     assert {k: config["run"][k] for k in ("global_batch", "grad_accum", "lr", "min_lr", "lr_decay_steps",
                                           "save_every", "dtype", "wandb", "tensorboard")} == \
