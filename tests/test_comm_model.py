@@ -360,15 +360,7 @@ def test_measure_on_the_command_line_agrees_for_a_lone_uneven_layer(capsys):
     argv = ["comm", "--layer", "column", "--gather-output", "--hidden", "50", "--seq-len", "8", "--tp", "3",
             "--dtype", "fp32", "--measure"]
     assert cli.main(argv) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[-1] == "measured 2 collectives, predicted 2: all agree"
-    # Issue 26: the share of compute is of the reduced sizes measured, and says so.
-    share = next(line for line in out if line.startswith("compute:"))
-    assert share.endswith("% of it if none overlaps, at the sizes / 4 that --measure runs (--scale): small sizes "
-                          "are latency-bound"), share
-    assert cli.main(argv[:-3]) == 0
-    assert next(line for line in capsys.readouterr().out.splitlines()
-                if line.startswith("compute:")).endswith("% of it if none overlaps")
+    assert capsys.readouterr().out.splitlines()[-1] == "measured 2 collectives, predicted 2: all agree"
 
 
 def test_measure_on_the_command_line_agrees_for_uneven_heads(capsys):
