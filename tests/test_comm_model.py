@@ -230,6 +230,7 @@ def test_a_measured_difference_is_flagged():
     assert text.splitlines()[-1] == "measured 4 collectives, predicted 5: 2 differ"
 
 
+@pytest.mark.slow
 def test_measure_on_the_command_line_spawns_ranks_and_agrees(capsys):
     argv = ["comm", "--layer", "row", "--no-input-is-parallel", "--hidden", "256", "--seq-len", "64",
             "--tp", "2", "--measure", "--scale", "4"]
@@ -291,6 +292,7 @@ def _case_id(cfg):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("case", range(len(_cases(2))), ids=[_case_id(c) for c in _cases(2)])
+@pytest.mark.slow
 def test_model_equals_commledger_record(world_size, case):
     cfg = _cases(world_size)[case]
     per_rank = _measured(world_size)
@@ -356,6 +358,7 @@ def test_a_lone_layer_tp_does_not_divide_gathers_shards_padded_to_the_largest():
         ("forward", "all_reduce", (30, 2, 50)), ("backward", "all_gather", (30, 2, 52))]
 
 
+@pytest.mark.slow
 def test_measure_on_the_command_line_agrees_for_a_lone_uneven_layer(capsys):
     argv = ["comm", "--layer", "column", "--gather-output", "--hidden", "50", "--seq-len", "8", "--tp", "3",
             "--dtype", "fp32", "--measure"]
@@ -363,6 +366,7 @@ def test_measure_on_the_command_line_agrees_for_a_lone_uneven_layer(capsys):
     assert capsys.readouterr().out.splitlines()[-1] == "measured 2 collectives, predicted 2: all agree"
 
 
+@pytest.mark.slow
 def test_measure_on_the_command_line_agrees_for_uneven_heads(capsys):
     argv = ["comm", "--layer", "gpt-step", "--hidden", "48", "--heads", "6", "--kv-heads", "2",
             "--ffn-hidden", "200", "--vocab", "101", "--seq-len", "30", "--batch", "1", "--layers", "1",

@@ -129,6 +129,7 @@ EQUIVALENCE_CASES = [
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.slow
 def test_gpt_matches_tp1_loss_grads_and_optimizer_steps(world_size):
     assert run_on_ranks(_equivalence_body, world_size, EQUIVALENCE_CASES) == [True] * world_size
 
@@ -187,6 +188,7 @@ def _uneven_body(cases):
 
 @pytest.mark.parametrize("world_size, cases", [(2, UNEVEN_CASES), (3, UNEVEN_CASES), (4, UNEVEN_CASES),
                                                (6, UNEVEN_CASES[:3])])   # TP 6: a head per rank
+@pytest.mark.slow
 def test_uneven_heads_kv_heads_and_ffn_match_tp1(world_size, cases):
     assert run_on_ranks(_uneven_body, world_size, cases) == [True] * world_size
 
@@ -402,6 +404,7 @@ def _generate_body():
     return True
 
 
+@pytest.mark.slow
 def test_generate_is_identical_on_tp_ranks_and_matches_tp1():
     assert run_on_ranks(_generate_body, 2) == [True, True]
 

@@ -105,6 +105,7 @@ def _parity_body(directory):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.slow
 def test_families_match_transformers_and_round_trip(world_size, tmp_path):
     assert run_on_ranks(_parity_body, world_size, str(tmp_path)) == [True] * world_size
 
@@ -128,6 +129,7 @@ def _greedy_body():
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.slow
 def test_greedy_generation_equals_transformers(world_size):
     assert run_on_ranks(_greedy_body, world_size) == [True] * world_size
 
@@ -185,6 +187,7 @@ def _uneven_qwen2_body():
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.slow
 def test_uneven_qwen2_matches_transformers_at_tp_3_and_4(world_size):
     assert run_on_ranks(_uneven_qwen2_body, world_size) == [True] * world_size
 

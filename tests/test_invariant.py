@@ -128,6 +128,7 @@ def test_training_is_bit_identical_at_every_tp_size(config):
 
 
 @ON_THIS_CPU
+@pytest.mark.slow
 def test_training_is_bit_identical_at_tp_8():
     # 8 heads, and every TP-split size a multiple of 8 blocks: one block per rank.
     config = dataclasses.replace(GPT2, num_heads=8, num_query_groups=8)
@@ -195,6 +196,7 @@ def _weights_body(ckpt):
 
 
 @ON_THIS_CPU
+@pytest.mark.slow
 def test_train_and_a_resume_at_another_tp_size_are_bit_identical(tmp_path):
     """--tp-invariant with hidden and attention dropout: TP=1 for 6 steps; TP=2 +SP saved at step 3
     and resumed at TP=4: the same losses (==) at every step and the same final weights (torch.equal)."""
@@ -213,6 +215,7 @@ def test_train_and_a_resume_at_another_tp_size_are_bit_identical(tmp_path):
     assert [name for name in weights if not torch.equal(weights[name], reference[name])] == []
 
 
+@pytest.mark.slow
 def test_dp_reduction_keeps_tp_sizes_bit_identical_at_dp4(tmp_path):
     """At DP=4 (a tree over the DP ranks too), bf16 autocast and recompute, TP=2 +SP equals TP=1:
     losses ==, weights torch.equal."""
@@ -313,6 +316,7 @@ def _compiled_dropout_body():
     return losses
 
 
+@pytest.mark.slow
 def test_compiled_invariant_dropout_draws_new_masks_without_recompiling():
     """Each forward's key is a graph input, not a constant the graph guards on."""
     losses = run_on_ranks(_compiled_dropout_body, 1, timeout=600)[0]

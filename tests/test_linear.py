@@ -259,6 +259,7 @@ def _row_body():
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.slow
 def test_column_parallel_linear_matches_unsharded(world_size):
     counts = run_on_ranks(_column_body, world_size)
     assert counts == [counts[0]] * world_size and counts[0] == 68
@@ -847,6 +848,7 @@ def _uneven_body():
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.slow
 def test_uneven_partitions_match_unsharded(world_size):
     counts = run_on_ranks(_uneven_body, world_size)
     assert counts == [counts[0]] * world_size and counts[0] == 20

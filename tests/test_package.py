@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 LAUNCHER_SIDE = ("torch.distributed.elastic", "tensorpar.tools", "tensorpar.cli", "tensorpar.training")
 
 
+@pytest.mark.slow
 def test_import_tensorpar_loads_no_launcher_elastic_or_cli_module():
     code = ("import sys, tensorpar, tensorpar.errors, tensorpar.models; "
             f"print(sorted(m for m in sys.modules if m.startswith({LAUNCHER_SIDE!r})))")
@@ -24,6 +27,7 @@ def test_errors_keeps_the_names_the_library_and_commands_use():
     assert exit_code(UsageError("--tp 3")) == 2 and one_line(UsageError("a\nb")) == "a b"
 
 
+@pytest.mark.slow
 def test_the_moved_entry_points_still_work_and_say_they_moved():
     code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
             "try:\n    import tensorpar.cli\nexcept DeprecationWarning as w:\n    print(w)")

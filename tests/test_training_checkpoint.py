@@ -465,6 +465,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     out = tmp_path / "run"
     argv = ["train", "--nproc", "1", *TINY, "--steps", "4", "--save-every", "2", "--out", str(out)]
@@ -485,6 +486,7 @@ def _cli(*argv, timeout=300):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_generate_at_tp2_continues_the_prompt(ckpt_run):
     proc = _cli("generate", "--checkpoint", str(ckpt_run), "--nproc", "2", "--tp", "2",
                 "--prompt", "import os", "--max-new-tokens", "24")
@@ -503,6 +505,7 @@ def _our_logits_body(path, tokens):
         return model(tokens)[..., :model.config.vocab_size]
 
 
+@pytest.mark.slow
 def test_export_to_transformers_gives_the_same_logits(ckpt_run, tmp_path):
     transformers = pytest.importorskip("transformers")
     proc = _cli("export", "--checkpoint", str(ckpt_run), "--to-hf", str(tmp_path / "hf"))

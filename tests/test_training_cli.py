@@ -213,6 +213,7 @@ def test_the_memory_estimate_divides_by_dp_under_fsdp(capsys, monkeypatch):
     assert asked == [False, True]
 
 
+@pytest.mark.slow
 def test_a_missing_path_is_refused_before_the_slow_imports(tmp_path):
     """Checked before torch.distributed.checkpoint (about a second) or transformers (seconds) is imported."""
     nope = str(tmp_path / "nope")
@@ -358,6 +359,7 @@ def test_token_file_sidecar_is_validated(tmp_path):
         load_corpus(path)
 
 
+@pytest.mark.slow
 def test_two_torchrun_nodes_on_localhost_train_together(tmp_path):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -372,6 +374,7 @@ def test_two_torchrun_nodes_on_localhost_train_together(tmp_path):
     assert (tmp_path / "run" / "latest").read_text().strip() == "step_3"
 
 
+@pytest.mark.slow
 def test_an_exception_inside_a_rank_reaches_the_user_as_one_line(tmp_path):
     """Two real ranks; the loss diverges inside them (nothing a preflight can see)."""
     done = subprocess.run([sys.executable, "-m", "tensorpar", "train", "--nproc", "2", "--lr", "1e30", "--steps", "5",
@@ -385,6 +388,7 @@ def test_an_exception_inside_a_rank_reaches_the_user_as_one_line(tmp_path):
         r"\(rank [01]\)", errors[0]), done.stderr
 
 
+@pytest.mark.slow
 def test_under_torchrun_each_rank_prints_its_message_once(tmp_path):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "tensorpar", "train", "--tp", "4", "--out", str(tmp_path / "run")],

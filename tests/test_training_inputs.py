@@ -330,6 +330,7 @@ def _shorten(key):
     ("storage", _shorten("model.embedding.word.weight"), r"step_1 stores the chunk of model\.embedding\.word"
                                                          r"\.weight at offsets \[0, 0\] in 10 bytes, fewer than"),
 ])
+@pytest.mark.slow
 def test_checkpoint_mismatches_exit_2_from_both_ranks(runs, tmp_path, case, edit, message):
     run, step = _copy(runs, tmp_path, "dp2")
     _craft(step, edit)
@@ -348,6 +349,7 @@ def test_a_crafted_rank_count_is_named_as_such(runs, tmp_path):
 
 # --- 9: terminal safety -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_control_characters_reach_a_terminal_escaped_and_a_pipe_as_they_are(runs):
     prompt = "x = 1\x1b[2J\x1b]0;owned\x07"
     argv = [sys.executable, "-m", "tensorpar", "generate", "--checkpoint", str(runs / "run"), "--nproc", "1",

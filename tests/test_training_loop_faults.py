@@ -52,6 +52,7 @@ def _rows(out):
     ("batch:1:3", "ValueError: bad batch at step 3 (rank 1)"),
     ("metrics-enospc:0:3", "OSError: [Errno 28] No space left on device: '{out}/metrics.jsonl' (rank 0)"),
 ])
+@pytest.mark.slow
 def test_a_rank_that_raises_mid_step_ends_every_rank_within_10s_with_the_cause(tmp_path, fault, cause):
     out, stamp = tmp_path / "run", tmp_path / "fault-time"
     proc = _cli("train", "--nproc", "2", *TINY, "--steps", "6", "--save-every", "2", "--log-every", "1",
@@ -83,6 +84,7 @@ def tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
+@pytest.mark.slow
 def test_disk_full_on_a_small_tmpfs(tmpfs):
     out = tmpfs / "run"
     began = time.time()
@@ -162,6 +164,7 @@ def _wait_for_step(proc, out, step, timeout=120):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_the_command_prints_one_line_and_no_traceback(tmp_path):
     out = tmp_path / "run"
     proc = _cli("train", "--nproc", "1", *TINY, "--steps", "100000", "--save-every", "2", "--log-every", "1",
@@ -194,6 +197,7 @@ def _drain(fd) -> bytes:
     ("after a save", ["--save-every", "2"], "mark:0:4"),
     ("during a save", ["--save-every", "2"], "slow-save:0:4"),
 ])
+@pytest.mark.slow
 def test_ctrl_c_on_a_2_process_run_prints_exactly_one_line(tmp_path, moment, flags, fault):
     """As a terminal does: SIGINT to the whole process group (the launcher and both ranks), at
     ``moment``; everything printed after it is the one line, and the command exits 130."""
@@ -232,6 +236,7 @@ def _workers(pid):
     return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_ranks_checkpoints_says_where_and_exits_0(tmp_path):
     """What torchrun does when it is told to stop: it sends SIGTERM to every rank."""
     out = tmp_path / "run"
