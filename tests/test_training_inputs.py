@@ -286,9 +286,9 @@ def test_hf_positions_beyond_memory_are_refused_before_allocating(capsys, tmp_pa
 
 @pytest.mark.parametrize("argv, message", [
     (["prepare", "DATA", "--out", "OUT", "--bpe-vocab", "100000000000"],
-     "argument --bpe-vocab: must be a finite number in [257, 16777216), got 100000000000"),
+     "argument --bpe-vocab: must be an integer in [257, 16777216), got 100000000000"),
     (["generate", "--checkpoint", "CKPT", "--max-new-tokens", "100000000000000000000"],
-     "argument --max-new-tokens: must be a finite number in (0, 1048576), got 100000000000000000000"),
+     "argument --max-new-tokens: must be an integer in (0, 1048576), got 100000000000000000000"),
     (["generate", "--checkpoint", "TOKENS", "--prompt", "1 " + "9" * 5000],
      "--prompt: token id " + "9" * 27 + "... is outside the model's vocabulary of 300"),
     (["generate", "--checkpoint", "TOKENS", "--prompt", "1 99999999999999999999999"],
