@@ -116,3 +116,47 @@ def test_one_process_runs_here_and_leaves_no_world_behind(monkeypatch):
     assert inside["RANK"] == "0" and inside["WORLD_SIZE"] == "1"
     # A later command in this process must not think it runs under torchrun.
     assert set(_world_env().values()) == {None}
+
+
+_SET_BEFORE_THE_LAUNCH = {"marker": None}
+
+
+def _inherited_marker():
+    return _SET_BEFORE_THE_LAUNCH["marker"]
+
+
+@pytest.mark.parametrize("chosen, inherited", [(None, "set here"), ("spawn", None)])
+def test_cpu_ranks_are_forked_unless_the_environment_says_otherwise(monkeypatch, chosen, inherited):
+    """A forked rank inherits this process's modules (and so this marker); a spawned one imports them anew."""
+    if chosen is None:
+        monkeypatch.delenv("TENSORPAR_START_METHOD", raising=False)
+    else:
+        monkeypatch.setenv("TENSORPAR_START_METHOD", chosen)
+    monkeypatch.setitem(_SET_BEFORE_THE_LAUNCH, "marker", "set here")
+    assert launch_local(_inherited_marker, nproc=2) == {0: inherited, 1: inherited}
+
+
+@pytest.mark.parametrize("platform, cuda, chosen, expected", [
+    ("linux", False, None, "fork"), ("linux", True, None, "spawn"), ("darwin", False, None, "spawn"),
+    ("linux", True, "forkserver", "forkserver")])
+def test_the_start_method_is_fork_only_where_it_is_safe(monkeypatch, platform, cuda, chosen, expected):
+    import sys
+
+    import torch
+
+    from tensorpar.tools.launch import start_method
+
+    monkeypatch.setattr(sys, "platform", platform)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    if chosen is None:
+        monkeypatch.delenv("TENSORPAR_START_METHOD", raising=False)
+    else:
+        monkeypatch.setenv("TENSORPAR_START_METHOD", chosen)
+    assert start_method() == expected
+
+
+def test_an_unknown_start_method_is_one_line(monkeypatch):
+    monkeypatch.setenv("TENSORPAR_START_METHOD", "vfork")
+    with pytest.raises(UsageError, match=r"^TENSORPAR_START_METHOD must be one of fork, forkserver, spawn, "
+                                         r"got 'vfork'$"):
+        launch_local(_inherited_marker, nproc=2)
