@@ -265,15 +265,18 @@ def _square(grads: list[torch.Tensor], group) -> torch.Tensor:
 
 
 @torch.no_grad()
-def get_grad_norm(params, *, tp_group=None, dp_group=None) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient (fp32 scalar), identical on every TP x DP rank.
+def get_grad_norm(params, *, tp_group=None, dp_group=None, pp_group=None) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient (fp32 scalar), identical on every TP x DP rank
+    (and, given the pipeline group ``pp_group``, over the stages of every rank of it).
 
     Each element is counted once: TP shards by every rank, replicated parameters by TP
     rank 0 only, rows several ranks hold (``tp_duplicate_rows``: replicated K/V heads) by the
     first of them, and the squares are summed over TP. FSDP shards (DTensor gradients, see
     :func:`tensorpar.fully_shard`) are summed over ``dp_group`` too (default: the DP
     group); plain gradients are replicated over DP and counted as they are. Uses
-    ``main_grad`` where present. One ``torch._foreach_norm`` per kind, and no host
+    ``main_grad`` where present. A parameter marked ``shared`` (a pipeline's copy of the tied
+    embedding on the last stage, as Megatron marks it) is counted by its original only.
+    One ``torch._foreach_norm`` per kind, and no host
     synchronisation. A TP-invariant model's norm is summed in a fixed order (:func:`_ordered_grad_norm`).
     """
     group = resolve_tp_group(tp_group)
@@ -283,7 +286,7 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None) -> torch.Tensor:
     plain, sharded = [], []
     for p in params:
         grad = p.main_grad if hasattr(p, "main_grad") else p.grad
-        if grad is not None and param_is_not_tensor_parallel_duplicate(p, group):
+        if grad is not None and param_is_not_tensor_parallel_duplicate(p, group) and not getattr(p, "shared", False):
             if isinstance(grad, DTensor):
                 sharded.append(grad)
             else:
@@ -295,11 +298,13 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None) -> torch.Tensor:
         comm.all_reduce(shard_square, dp_group)
         square = square + shard_square
     comm.all_reduce(square, group)
+    if pp_group is not None:
+        comm.all_reduce(square, pp_group)
     return square.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, *, tp_group=None, dp_group=None) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, *, tp_group=None, dp_group=None, pp_group=None) -> torch.Tensor:
     """Scale gradients so the TP x DP-aware total norm (:func:`get_grad_norm`) is at most
     ``max_norm``; returns the norm. Works on FSDP shards as on plain gradients, and on a
     TP-invariant model's (its norm's bits do not depend on the TP size).
@@ -308,7 +313,7 @@ def clip_grad_norm_(params, max_norm: float, *, tp_group=None, dp_group=None) ->
     already small): the CPU never waits for the norm.
     """
     params = list(params)
-    norm = get_grad_norm(params, tp_group=tp_group, dp_group=dp_group)
+    norm = get_grad_norm(params, tp_group=tp_group, dp_group=dp_group, pp_group=pp_group)
     grads = [g for p in params if (g := _grad_of(p)) is not None]
     if grads:
         torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))

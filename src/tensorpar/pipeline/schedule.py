@@ -76,32 +76,41 @@ class PipelineSchedule:
         """Forward and backward of ``tokens`` and ``labels`` (``[B, s]``, ``B`` a multiple of the
         micro-batch count; only the first and the last stage's ranks read them): gradients
         accumulate in ``.grad``; returns the mean micro-batch loss (float64, every rank)."""
+        return self.microbatch_losses(tokens, labels).mean()
+
+    def microbatch_losses(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
+                          backward: bool = True) -> torch.Tensor:
+        """Each micro-batch's mean loss ``[M]`` (float64, every rank of the pipeline), after a
+        forward and backward as :meth:`step`'s, or with ``backward=False`` a forward only
+        (an evaluation: no gradient is touched)."""
         for name, batch in (("tokens", tokens), ("labels", labels)):
             if batch is not None and batch.shape[0] % self.microbatches:
                 raise UsageError(f"a batch of {batch.shape[0]} {name} rows does not cut into "
                                  f"{self.microbatches} equal micro-batches")
         self._losses.clear()
         args = (tokens,) if 0 in self.indices else ()
-        self._schedule.step(*args, target=labels if self.last in self.indices else None, return_outputs=False)
-        self._finish_grads()
-        total = torch.zeros((), dtype=torch.float64, device=comm.collective_device(self.pp_group))
-        for loss in self._losses:
-            total += loss.double().to(total.device)
-        total /= self.microbatches
+        target = labels if self.last in self.indices else None
+        if backward:
+            self._schedule.step(*args, target=target, return_outputs=False)
+            self._finish_grads()
+        else:
+            with torch.no_grad():
+                self._schedule.eval(*args, target=target)
+        device = comm.collective_device(self.pp_group)
+        losses = torch.zeros(self.microbatches, dtype=torch.float64, device=device)
+        if self._losses:
+            losses.copy_(torch.stack(self._losses).double())
         holder = dist.get_global_rank(self.pp_group, self.layout.rank_of(self.last))
-        return comm.broadcast(total, holder, self.pp_group)
+        return comm.broadcast(losses, holder, self.pp_group)
 
     def _finish_grads(self) -> None:
         for module in self.stages:
             allreduce_sequence_parallel_grads(module, tp_group=module.tp_group)
-        if not self.tied:
-            return
+        if not self.tied or self.layout.rank_of(0) == self.layout.rank_of(self.last):
+            return  # untied, or (V schedules) one parameter on one rank: its gradient is the sum
         copies = [m.embedding.word.weight for m in self.stages if m.pre_process] + \
                  [m.lm_head.weight for m in self.stages if m.post_process]
-        grads = [w.grad for w in copies if w.grad is not None]
-        if len(grads) == 2:
-            # V schedules: both copies on this rank.
-            grads[0].add_(grads[1])
-            grads[1].copy_(grads[0])
-        elif grads and self.embedding_group is not None:
+        # The training loop's DataParallelGradReducer keeps the gradients in main_grad.
+        grads = [w.main_grad if hasattr(w, "main_grad") else w.grad for w in copies]
+        if grads and grads[0] is not None:
             comm.all_reduce(grads[0], self.embedding_group)

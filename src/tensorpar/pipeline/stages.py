@@ -5,7 +5,9 @@ embedding on the first stage and the final norm, LM head and vocab-parallel loss
 Each part of the GPT is initialised from its own seed (one draw of the default stream for the
 whole model), so with the same ``torch.manual_seed`` a stage's block ``i`` is the PP=1 model's
 block ``i``, at every TP size. With tied embeddings (GPT-2) the last stage holds a copy of the
-embedding's weight as its head weight, initialised alike; the schedule sums the two gradients.
+embedding's weight as its head weight, initialised alike, marked ``shared`` (Megatron's mark:
+the grad norm counts it once); the schedule sums the two gradients. Where the first and the
+last stage are on one rank (the V schedules) the head uses the embedding's parameter itself.
 
 Example::
 
@@ -41,4 +43,10 @@ def build_stages(config: GPTConfig, layout: StageLayout, *, pp_group, tp_group=N
         torch.set_rng_state(state)
         stages.append(GPT(config, tp_group=tp_group, device=device, layers=layout.layers[s],
                           pre_process=s == 0, post_process=s == layout.num_stages - 1))
+    if config.tie_word_embeddings and layout.num_stages > 1 and stages[-1].post_process:
+        head = stages[-1].lm_head
+        if stages[0].pre_process:
+            head.weight = stages[0].embedding.word.weight
+        else:
+            head.weight.shared = True
     return stages

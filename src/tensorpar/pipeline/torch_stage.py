@@ -10,8 +10,9 @@ not tensors, and are not recorded.
 That first step also runs each stage forward and backward once on a dummy micro-batch, to
 learn the shapes. Its backward asks autograd for the input gradients only, but a recomputed
 block (:func:`tensorpar.checkpoint`) runs its own backward inside and adds to its parameters'
-gradients: the gradients are set aside while it runs. ``inferring`` is True meanwhile, so the
-loss function can tell the dummy micro-batch from the real ones.
+gradients (or, under a DataParallelGradReducer, to their ``main_grad``): both are set aside
+while it runs. ``inferring`` is True meanwhile, so the loss function can tell the dummy
+micro-batch from the real ones.
 
 Example::
 
@@ -43,14 +44,19 @@ class TorchStage(PipelineStage):
     inferring = False
 
     def _backward_metadata_inference(self, *args, **kwargs):
-        kept = [(param, param.grad) for param in self.submod.parameters()]
+        params = list(self.submod.parameters())
+        kept = [param.grad for param in params]
+        # A DataParallelGradReducer's hook moves each .grad into main_grad as it arrives.
+        main = [param.main_grad.clone() if hasattr(param, "main_grad") else None for param in params]
         self.inferring = True
         try:
             return super()._backward_metadata_inference(*args, **kwargs)
         finally:
             self.inferring = False
-            for param, grad in kept:
+            for param, grad, main_grad in zip(params, kept, main):
                 param.grad = grad
+                if main_grad is not None:
+                    param.main_grad.copy_(main_grad)
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         return _recorded(super().get_fwd_send_ops(fwd_chunk_id))

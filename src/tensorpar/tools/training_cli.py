@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UsageError
-from . import config_file
+from . import config_file, pipeline_flags
 from .errors import noted_on_signal
 from .flag_types import SEED as _SEED
 from .flag_types import TIMEOUT as _TIMEOUT
@@ -50,6 +50,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     schedule, batch, logging, evaluation, ...) unless a flag gives another value; defaults are
     None until then, so that a given value can be told from one left out."""
     _add_world_flags(parser)
+    pipeline_flags.add_flags(parser)
     run = parser.add_argument_group("run")
     run.add_argument("--steps", type=_positive(int), default=600,
                      help="optimizer steps of the whole run; when resuming, the total to reach, not steps to add")
@@ -200,13 +201,17 @@ def _resolve_world(args) -> int:
     """Fill ``args.nproc`` / ``args.tp``; returns the world size (checked against TP)."""
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (args.nproc or _default_nproc())
     args.nproc = world if not _under_torchrun() else args.nproc
-    if args.tp is None:
-        args.tp = 2 if world % 2 == 0 else 1
     where = "the torchrun world size" if _under_torchrun() else "--nproc"
-    if args.tp > world:
-        raise UsageError(f"--tp {args.tp} needs at least {args.tp} processes; {where} is {world}")
-    if world % args.tp:
-        raise UsageError(f"--tp {args.tp} does not divide {where} {world}")
+    pipeline_flags.check_world(args, world=world, where=where)
+    pp = getattr(args, "pp", 1)
+    if args.tp is None:
+        args.tp = 2 if world // pp % 2 == 0 else 1
+    if args.tp * pp > world:
+        raise UsageError(f"--tp {args.tp}" + (f" x --pp {pp}" if pp > 1 else "")
+                         + f" needs at least {args.tp * pp} processes; {where} is {world}")
+    if world % (args.tp * pp):
+        raise UsageError(f"--tp {args.tp}" + (f" x --pp {pp} = {args.tp * pp}" if pp > 1 else "")
+                         + f" does not divide {where} {world}")
     return world
 
 
@@ -298,8 +303,9 @@ def _check_train_args(args, world: int) -> None:
     seq_len = default_seq_len(args, config)
     check_fits(config, tp=args.tp, seq_len=seq_len)
     train_token_count(tokens, val_fraction=VAL_FRACTION, seq_len=seq_len, source=source)
-    settle_run(args, meta=meta, dp_size=world // args.tp)
-    check_memory(config, tp=args.tp, dp=world // args.tp, seq_len=seq_len, micro_batch=args.micro_batch,
+    settle_run(args, meta=meta, dp_size=world // (args.tp * args.pp))
+    pipeline_flags.check_run(args, config)
+    check_memory(config, tp=args.tp, dp=world // (args.tp * args.pp), seq_len=seq_len, micro_batch=args.micro_batch,
                  dtype=args.dtype, local_ranks=local_ranks, fsdp=args.fsdp)
     args.out = args.out or DEFAULT_OUT
     if getattr(args, "print_config", False):

@@ -261,28 +261,44 @@ def _other_padding(state: dict, expected: dict, stored: dict, model, optimizer) 
     return repadded
 
 
-def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool) -> None:
-    """Load a verified checkpoint into ``model``/``optimizer`` (any TP/DP size), collectively.
+def _over_pipeline(entries: dict, pp_group) -> dict:
+    """``entries`` of every stage of ``pp_group`` (each rank holds its own stages' only)."""
+    if pp_group is None or comm.group_size(pp_group) == 1:
+        return entries
+    every = [None] * comm.group_size(pp_group)
+    dist.all_gather_object(every, entries, group=pp_group)
+    return {key: value for part in every for key, value in part.items()}
+
+
+def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool, pp_group=None) -> None:
+    """Load a verified checkpoint into ``model``/``optimizer`` (any TP/DP/PP size), collectively.
 
     Every rank first validates the whole DCP metadata against the exact state dict expected
     (every saving rank's entries included); only then does DCP read tensor data.
     ``restore_rng`` (only meaningful at the saving run's sizes) also restores this rank's RNG.
+    ``model`` holds this rank's pipeline stages under ``pp_group`` (PP=1's names): the entries
+    expected are every stage's.
     """
     if optimizer is not None:
         init_adam_state(optimizer)
     state, gathered = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=restore_rng)
-    metadata, error, repadded = None, None, []
+    own, metadata, error, repadded = {}, None, None, []
     try:
         meta = read_json(ckpt)[1]
-        expected = expected_entries(state, meta)
         if restore_rng and meta["rng"] != rng_spec():
             raise CheckpointError(f"checkpoint {ckpt}: its RNG states {sorted(meta['rng'])} are not "
                                   f"this process's {sorted(rng_spec())}")
         metadata = read_metadata(ckpt, listed=set(read_manifest(ckpt)))
-        repadded = _other_padding(state, expected, metadata.state_dict_metadata, model, optimizer)
-        problem = mismatch(metadata.state_dict_metadata, expected) or layout_problem(
-            metadata.state_dict_metadata, metadata.storage_data, world=meta["world"], shard_dims=shard_dims(model)
-        ) or storage_problem(metadata)
+        own = expected_entries(state, meta)
+        repadded = _other_padding(state, own, metadata.state_dict_metadata, model, optimizer)
+    except (CheckpointError, OSError, ValueError) as exc:
+        error = exc
+    # Every rank of the pipeline takes part, also one that failed (it is named by agree below).
+    expected, dims = _over_pipeline(own, pp_group), _over_pipeline(shard_dims(model), pp_group)
+    try:
+        problem = None if error is not None else mismatch(metadata.state_dict_metadata, expected) or \
+            layout_problem(metadata.state_dict_metadata, metadata.storage_data, world=meta["world"],
+                           shard_dims=dims) or storage_problem(metadata)
         if problem is not None:
             raise CheckpointError(f"checkpoint {ckpt} {problem}; refusing to load it")
     except (CheckpointError, OSError, ValueError) as exc:

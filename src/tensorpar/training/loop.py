@@ -36,6 +36,7 @@ from .evaluation import autocast, evaluate
 from .flops import flops_per_token, peak_flops_per_s
 from .metrics import Rates, config_block
 from .model_config import build_config, check_fits, config_to_json, count_parameters, default_seq_len, hf_init_config
+from . import pipeline_step
 from .progress import Progress
 from .resume import RUN_SETTINGS, continue_settings, data_path, resume_header
 from .schedule import lr_at, settle_run
@@ -85,7 +86,7 @@ def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: 
             "schedule": {"lr": args.lr, "min_lr": args.min_lr, "warmup": args.warmup,
                          "decay_steps": args.lr_decay_steps},
             "data": {"position": step, "seed": args.seed, "source": args.data or "embedded"},
-            "world": {"tp": sizes[0], "dp": sizes[1]}, "dtype": args.dtype,
+            "world": _world(sizes), "dtype": args.dtype,
             "tokenizer": TOKENIZER if hf_tokenizer is not None else args.tokenizer,
             "settings": {**{name: getattr(args, name) for name in RUN_SETTINGS}, "data": data_path(args.data)}}
     path = checkpoint.save(out, step, model=model, optimizer=optimizer, config=config_to_json(config),
@@ -93,6 +94,11 @@ def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: 
                            write_extra=None if hf_tokenizer is None
                            else lambda d: hf_tokenizer.save_pretrained(str(d / TOKENIZER)))
     return str(path)
+
+
+def _world(sizes) -> dict:
+    """A checkpoint's ``world`` from (TP, DP, PP): PP only where it is not 1, as before PP."""
+    return {"tp": sizes[0], "dp": sizes[1], **({"pp": sizes[2]} if sizes[2] > 1 else {})}
 
 
 def _run_tokenizer(tokenizer: str | None):
@@ -139,7 +145,7 @@ def train(args) -> RunResult:
     SIGTERM stops every rank after the same step, with a checkpoint; SIGINT raises
     ``KeyboardInterrupt`` at once, printing nothing (the command reports it in one line).
     """
-    ps.initialize_model_parallel(args.tp, timeout=args.timeout)
+    ps.initialize_model_parallel(args.tp, getattr(args, "pp", 1), timeout=args.timeout)
     lock, signals = None, Signals()
     try:
         with signals:
@@ -188,6 +194,8 @@ def _claim_out(args) -> rundir.RunLock | None:
 
 def _train(args, signals: Signals) -> RunResult:
     tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    pp_size = comm.group_size(pp_group)
     tp_size, dp_size, dp_rank = (comm.group_size(tp_group), comm.group_size(dp_group),
                                  comm.group_rank(dp_group))
     device = ps.default_device()
@@ -213,7 +221,9 @@ def _train(args, signals: Signals) -> RunResult:
     train_tokens, val_tokens = corpus.split(val_fraction=VAL_FRACTION, seq_len=seq_len)
 
     model_parallel_manual_seed(args.seed)
-    model = GPT(config, device=device)
+    model = GPT(config, device=device) if pp_size == 1 else pipeline_step.PipelinedGPT(
+        config, schedule=args.pp_schedule, microbatches=args.grad_accum, virtual_stages=args.virtual_stages,
+        device=device)
     if args.init_from_hf:
         from ..models.hf import load_weights
 
@@ -222,7 +232,7 @@ def _train(args, signals: Signals) -> RunResult:
         except ValueError as exc:  # NaN/inf weights: only reading them can tell
             raise UsageError(f"--init-from-hf: {exc}") from None
     elif init:
-        checkpoint.load(init[0], model=model, optimizer=None, tp_group=tp_group, restore_rng=False)
+        checkpoint.load(init[0], model=model, optimizer=None, tp_group=tp_group, restore_rng=False, pp_group=pp_group)
     fsdp = getattr(args, "fsdp", False)
     if fsdp:
         fully_shard(model, dp_group=dp_group)
@@ -238,8 +248,9 @@ def _train(args, signals: Signals) -> RunResult:
     out = Path(args.out) if args.out else None
     if resumed:
         ckpt, _, meta = resumed
-        same_world = meta["world"] == {"tp": tp_size, "dp": dp_size}
-        checkpoint.load(ckpt, model=model, optimizer=optimizer, tp_group=tp_group, restore_rng=same_world)
+        same_world = meta["world"] == _world((tp_size, dp_size, pp_size))
+        checkpoint.load(ckpt, model=model, optimizer=optimizer, tp_group=tp_group, restore_rng=same_world,
+                        pp_group=pp_group)
         start = meta["step"]
         if model.dropout_masks is not None:  # TP-invariant masks continue from the step, at any TP size
             model.dropout_masks.counter = start * args.grad_accum
@@ -249,6 +260,7 @@ def _train(args, signals: Signals) -> RunResult:
 
     with autocast(args.dtype, device):  # overlap="auto": measured at the dtype the layers compute in
         calibrate_overlap(model, tokens=args.micro_batch * seq_len)
+    num_parameters = count_parameters(model) if pp_size == 1 else model.num_parameters
     sampler = BatchSampler(train_tokens, seq_len=seq_len, micro_batch=args.micro_batch,
                            grad_accum=args.grad_accum, dp_rank=dp_rank, dp_size=dp_size, seed=args.seed)
     val_sampler = BatchSampler(val_tokens, seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=1,
@@ -263,10 +275,13 @@ def _train(args, signals: Signals) -> RunResult:
     if is_rank0:
         print("tensorpar train: run config (every effective setting, as TOML)\n" + config_block(run_config),
               flush=True)
-        print(f"tensorpar train: {count_parameters(model) / 1e6:.2f}M parameters, TP={tp_size} DP={dp_size}, "
+        print(f"tensorpar train: {num_parameters / 1e6:.2f}M parameters, TP={tp_size} DP={dp_size}"
+              + (f" PP={pp_size}" if pp_size > 1 else "") + ", "
               f"global batch {args.global_batch} sequences ({args.micro_batch} per micro-batch x {dp_size} DP "
               f"x {args.grad_accum} accumulation) = {tokens_per_step:,} tokens/step, data: {corpus.source}",
               flush=True)
+        if pp_size > 1:
+            print(f"tensorpar train: pipeline {args.pp_schedule}, {model.layout.describe()}", flush=True)
         memory = ", ".join(f"{what} {n / 2**20:.2f} MiB" for what, n in bytes_per_rank(model).items())
         print(f"tensorpar train: per rank {memory}" + (f" (FSDP: 1/{dp_size} of each TP shard)" if fsdp else ""),
               flush=True)
@@ -300,18 +315,21 @@ def _train(args, signals: Signals) -> RunResult:
                 group["lr"] = lr
             reducer.zero_grad()
             batches = sampler.micro_batches(step)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            for k, (tokens, labels) in enumerate(batches):
-                reducer.sync = k == len(batches) - 1
-                with autocast(args.dtype, device):
-                    loss = step_model(tokens.to(device), labels.to(device))
-                (loss / len(batches)).backward()
-                loss_sum += loss.detach().double()
+            if pp_size > 1:
+                loss_sum = model.train_step(batches, reducer=reducer, dtype=args.dtype).to(device)
+            else:
+                loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+                for k, (tokens, labels) in enumerate(batches):
+                    reducer.sync = k == len(batches) - 1
+                    with autocast(args.dtype, device):
+                        loss = step_model(tokens.to(device), labels.to(device))
+                    (loss / len(batches)).backward()
+                    loss_sum += loss.detach().double()
             reducer.finish()
-            if config.sequence_parallel:
+            if config.sequence_parallel and pp_size == 1:  # a pipeline's schedule sums them itself
                 grads.allreduce_sequence_parallel_grads(model)
-            grad_norm = (grads.clip_grad_norm_(params, args.clip_grad, dp_group=dp_group) if args.clip_grad > 0
-                         else grads.get_grad_norm(params, dp_group=dp_group))
+            grad_norm = (grads.clip_grad_norm_(params, args.clip_grad, dp_group=dp_group, pp_group=pp_group)
+                         if args.clip_grad > 0 else grads.get_grad_norm(params, dp_group=dp_group, pp_group=pp_group))
             optimizer.step()
             comm.all_reduce(loss_sum, dp_group)
             done = step + 1
@@ -333,14 +351,14 @@ def _train(args, signals: Signals) -> RunResult:
                                  "compiling included")
                 interval_began = time.perf_counter()
             if evaluating:
-                val = evaluate(model, val_sampler, iters=args.eval_iters, dtype=args.dtype,
-                               device=device, dp_group=dp_group)
+                val = (evaluate if pp_size == 1 else pipeline_step.evaluate)(
+                    model, val_sampler, iters=args.eval_iters, dtype=args.dtype, device=device, dp_group=dp_group)
                 result.val_losses[done] = val
                 progress.eval(step=done, val_loss=val)
             if saving:
                 result.checkpoint = _save(out, done, model=model, optimizer=optimizer, config=config,
                                           args=args, tokens_seen=done * tokens_per_step,
-                                          sizes=(tp_size, dp_size), hf_tokenizer=hf_tokenizer)
+                                          sizes=(tp_size, dp_size, pp_size), hf_tokenizer=hf_tokenizer)
                 if is_rank0:
                     if getattr(args, "overwrite", False):
                         rundir.remove_set_aside(out)  # the new run's first checkpoint is safely written

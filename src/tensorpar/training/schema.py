@@ -74,7 +74,7 @@ def check_fields(path: Path, data: object, schema: dict, *, exact: bool = False,
                 continue
             raise SchemaError(f"{path}: field {field!r} is missing")
         if isinstance(rule, dict):
-            check_fields(path, data[name], rule, exact=exact, prefix=f"{field}.")
+            check_fields(path, data[name], rule, exact=exact, optional=optional, prefix=f"{field}.")
             continue
         rules = (rule,) if isinstance(rule, Rule) else rule
         if not any(r.test(data[name]) for r in rules):
@@ -103,7 +103,7 @@ META_SCHEMA = {
     "schedule": {"lr": number(0, above=True), "min_lr": number(0), "warmup": integer(0),
                  "decay_steps": integer(1)},
     "data": {"position": integer(0), "seed": integer(), "source": TEXT},
-    "world": {"tp": integer(1, MAX_RANKS), "dp": integer(1, MAX_RANKS)},
+    "world": {"tp": integer(1, MAX_RANKS), "dp": integer(1, MAX_RANKS), "pp": integer(1, MAX_RANKS)},
     "dtype": choice("fp32", "bf16"), "tokenizer": (TEXT, NULL), "ranks": integer(1, MAX_RANKS),
     "rng": RNG_SPEC, "config_sha256": Rule(lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)
                                             is not None, "64 lowercase hex digits"),
@@ -131,13 +131,13 @@ _CONFIG_RULES = {int: integer(1), float: number(0), bool: FLAG, str: TEXT, dict:
 
 def check_meta(path: Path, meta: object, *, step: int | None = None) -> None:
     """Refuse a ``meta.json`` (of the directory ``step_{step}``) unlike what a save writes."""
-    check_fields(path, meta, META_SCHEMA, optional={"settings", "config_sha256"})
+    check_fields(path, meta, META_SCHEMA, optional={"settings", "config_sha256", "pp"})  # pp: a pipeline's
     if "settings" in meta:
         check_fields(path, meta["settings"], SETTINGS_SCHEMA, optional=set(SETTINGS_SCHEMA), prefix="settings.")
     world = meta["world"]
-    if meta["ranks"] != world["tp"] * world["dp"]:
+    if meta["ranks"] != world["tp"] * world["dp"] * world.get("pp", 1):
         raise SchemaError(f"{path}: field 'ranks' is {meta['ranks']}, but field 'world' is TP {world['tp']} x "
-                          f"DP {world['dp']}")
+                          f"DP {world['dp']}" + (f" x PP {world['pp']}" if "pp" in world else ""))
     if step is not None and meta["step"] != step:
         raise SchemaError(f"{path}: field 'step' is {meta['step']}, but the directory is step_{step}")
 

@@ -1,0 +1,114 @@
+"""``tensorpar train --pp N``: this rank's pipeline stages as one module the training loop steps,
+evaluates and checkpoints as it does a GPT.
+
+The stages (:func:`tensorpar.pipeline.build_stages`) carry the PP=1 model's weights; their
+parameters are named as the PP=1 model names them (a stage's ``blocks.0`` is ``blocks.3`` when
+the stage starts at layer 3; the last stage's copy of a tied embedding is ``embedding.word.weight``),
+so checkpoints are the same files at every PP size. A step runs the step's micro-batches (the
+gradient accumulation) through the schedule; the DP reduction of every stage waits for the
+schedule's end (``sync=False`` while it runs, then ``finish()``), after the schedule has summed
+the SP and tied-embedding gradients: all sums, in any order the same gradient.
+
+Example::
+
+    model = PipelinedGPT(config, schedule="1f1b", microbatches=4, virtual_stages=None, device=device)
+    loss_sum = model.train_step(sampler.micro_batches(step), reducer=reducer, dtype="fp32")
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import comm, parallel_state as ps
+from ..models import GPTConfig
+from ..pipeline import PipelineSchedule, build_stages, stage_layout
+from .data import BatchSampler
+from .evaluation import autocast
+
+
+def _pp1_name(stage, name: str) -> str:
+    """The PP=1 model's name of a stage's parameter ``name``."""
+    if name.startswith("blocks."):
+        local, rest = name[len("blocks."):].split(".", 1)
+        return f"blocks.{stage.layers[int(local)]}.{rest}"
+    if name == "lm_head.weight" and stage.config.tie_word_embeddings:
+        return "embedding.word.weight"
+    return name
+
+
+def _stacked(micro_batches, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``[(tokens, labels)]`` in one batch, which the schedule cuts back into them."""
+    tokens, labels = zip(*micro_batches)
+    return torch.cat(tokens).to(device), torch.cat(labels).to(device)
+
+
+class PipelinedGPT(nn.Module):
+    """This PP rank's stages of a GPT and the schedule that runs them, ``microbatches`` per step.
+
+    ``named_parameters`` gives the PP=1 names (each parameter once); ``num_parameters`` is the
+    whole model's count (the unpadded TP=1 model's, as ``count_parameters`` gives at PP=1).
+    """
+
+    dropout_masks = None  # the invariant mode is not supported under PP
+
+    def __init__(self, config: GPTConfig, *, schedule: str, microbatches: int, virtual_stages: int | None,
+                 device) -> None:
+        super().__init__()
+        pp_group, tp_group = ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group()
+        self.config, self.tp_group, self.pp_group = config, tp_group, pp_group
+        self.layout = stage_layout(config.num_layers, pp_size=comm.group_size(pp_group), schedule=schedule,
+                                   virtual_stages=virtual_stages)
+        self.stages = nn.ModuleList(build_stages(config, self.layout, pp_group=pp_group, tp_group=tp_group,
+                                                 device=device))
+        ends = {self.layout.rank_of(0), self.layout.rank_of(self.layout.num_stages - 1)}
+        embedding_group = ps.get_embedding_group() if comm.group_rank(pp_group) in ends and len(ends) > 1 else None
+        self.schedule = PipelineSchedule(list(self.stages), self.layout, schedule=schedule,
+                                         microbatches=microbatches, pp_group=pp_group,
+                                         embedding_group=embedding_group)
+        self.num_parameters = self._count()
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        seen = set()
+        for stage in self.stages:
+            for name, param in stage.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield prefix + _pp1_name(stage, name), param
+
+    def _count(self) -> int:
+        tp = comm.group_size(self.tp_group)
+        total = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+                    for p in self.parameters() if not getattr(p, "shared", False))
+        count = torch.tensor(float(total), dtype=torch.float64, device=comm.collective_device(self.pp_group))
+        comm.all_reduce(count, self.pp_group)
+        padding = self.stages[0].padded_vocab_size - self.config.vocab_size
+        heads = 1 if self.config.tie_word_embeddings else 2  # the embedding, and an untied LM head
+        return int(count.item()) - padding * self.config.hidden_size * heads
+
+    def train_step(self, micro_batches, *, reducer, dtype: str) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches (``[(tokens, labels)]``, as many as the
+        schedule's); returns the sum of their mean losses (float64, every rank), as PP=1 adds them."""
+        device = next(self.parameters()).device
+        tokens, labels = _stacked(micro_batches, device)
+        reducer.sync = False  # every stage's DP reduction waits for the schedule's end: reducer.finish()
+        with autocast(dtype, device):
+            return self.schedule.microbatch_losses(tokens, labels).sum()
+
+
+@torch.no_grad()
+def evaluate(model: PipelinedGPT, sampler: BatchSampler, *, iters: int, dtype: str, device, dp_group) -> float:
+    """:func:`tensorpar.training.evaluation.evaluate` through the pipeline: the same ``iters``
+    batches, run forward ``M`` at a time (the last group filled up with repeats, not counted)."""
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    m = model.schedule.microbatches
+    for first in range(0, iters, m):
+        batches = [sampler.micro_batches(min(i, iters - 1))[0] for i in range(first, first + m)]
+        tokens, labels = _stacked(batches, device)
+        with autocast(dtype, device):
+            losses = model.schedule.microbatch_losses(tokens, labels, backward=False)
+        total += losses[:iters - first].sum().to(device)
+    model.train()
+    comm.all_reduce(total, dp_group)
+    return float(total) / (iters * comm.group_size(dp_group))
