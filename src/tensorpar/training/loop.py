@@ -1,8 +1,8 @@
-"""The training loop behind ``tensorpar train``: TP x DP GPT training on one rank.
+"""The training loop behind ``tensorpar train``: TP x CP x DP GPT training on one rank.
 
 :func:`train` runs on every rank of an initialized world (``torchrun``, the ``--nproc``
 launcher, or a test's process group). Each step: this DP rank's micro-batches (the same on
-every TP rank of the group), forward under autocast when ``--dtype bf16`` (the weights stay
+every TP and CP rank of the group; CP ranks run their chunks of each, :mod:`.context_run`), forward under autocast when ``--dtype bf16`` (the weights stay
 fp32 and are the optimizer's master copy), backward with the DP all-reduces launched bucket by
 bucket as gradients appear (with ``--fsdp``: FSDP2's reduce-scatters, see
 :mod:`tensorpar.fsdp`), SP grads summed over TP, TP-aware clipping, AdamW, then metrics,
@@ -31,6 +31,7 @@ from ..random import model_parallel_manual_seed
 from . import checkpoint, rundir
 from .checkpoint_files import open_checkpoint, resolve
 from .checkpoint_format import TOKENIZER, CheckpointError
+from .context_run import ContextLayout
 from .data import VAL_FRACTION, BatchSampler, load_corpus
 from .evaluation import autocast, evaluate
 from .flops import flops_per_token, peak_flops_per_s
@@ -78,14 +79,14 @@ def _read_back(pending, result: RunResult, progress: Progress, *, tokens_per_s: 
                       log=log and i == len(pending) - 1)
 
 
-def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: int, sizes, hf_tokenizer) -> str:
+def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: int, world: dict, hf_tokenizer) -> str:
     """Checkpoint ``step``; a Hugging Face tokenizer goes into it, so the run needs nothing outside it."""
     meta = {"step": step, "tokens_seen": tokens_seen, "steps": args.steps, "global_batch": args.global_batch,
             "micro_batch": args.micro_batch,
             "schedule": {"lr": args.lr, "min_lr": args.min_lr, "warmup": args.warmup,
                          "decay_steps": args.lr_decay_steps},
             "data": {"position": step, "seed": args.seed, "source": args.data or "embedded"},
-            "world": {"tp": sizes[0], "dp": sizes[1]}, "dtype": args.dtype,
+            "world": world, "dtype": args.dtype,
             "tokenizer": TOKENIZER if hf_tokenizer is not None else args.tokenizer,
             "settings": {**{name: getattr(args, name) for name in RUN_SETTINGS}, "data": data_path(args.data)}}
     path = checkpoint.save(out, step, model=model, optimizer=optimizer, config=config_to_json(config),
@@ -139,7 +140,7 @@ def train(args) -> RunResult:
     SIGTERM stops every rank after the same step, with a checkpoint; SIGINT raises
     ``KeyboardInterrupt`` at once, printing nothing (the command reports it in one line).
     """
-    ps.initialize_model_parallel(args.tp, timeout=args.timeout)
+    ps.initialize_model_parallel(args.tp, context_parallel_size=getattr(args, "cp", 1), timeout=args.timeout)
     lock, signals = None, Signals()
     try:
         with signals:
@@ -190,6 +191,7 @@ def _train(args, signals: Signals) -> RunResult:
     tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
     tp_size, dp_size, dp_rank = (comm.group_size(tp_group), comm.group_size(dp_group),
                                  comm.group_rank(dp_group))
+    cp = ContextLayout.current(cp_comm=getattr(args, "cp_comm", "p2p"))
     device = ps.default_device()
     is_rank0 = dist.get_rank() == 0
     resumed = open_checkpoint(args.resume) if args.resume else None
@@ -213,7 +215,7 @@ def _train(args, signals: Signals) -> RunResult:
     train_tokens, val_tokens = corpus.split(val_fraction=VAL_FRACTION, seq_len=seq_len)
 
     model_parallel_manual_seed(args.seed)
-    model = GPT(config, device=device)
+    model = GPT(config, cp_group=cp.group, device=device)
     if args.init_from_hf:
         from ..models.hf import load_weights
 
@@ -230,7 +232,8 @@ def _train(args, signals: Signals) -> RunResult:
                                   betas=(0.9, 0.95), eps=1e-8)
     # TP-invariant mode: the same reductions, in orders that do not depend on the TP size.
     grads = invariant if config.tp_invariant else tp_grads
-    reducer = ShardedGradSync(model) if fsdp else grads.DataParallelGradReducer(model.parameters(), dp_group=dp_group)
+    reducer = ShardedGradSync(model) if fsdp else grads.DataParallelGradReducer(model.parameters(),
+                                                                                dp_group=cp.grad_group)
     # Training steps run the compiled model; evaluation and checkpoints use the module itself.
     step_model = torch.compile(model) if getattr(args, "compile", False) else model
     params = list(model.parameters())
@@ -238,7 +241,7 @@ def _train(args, signals: Signals) -> RunResult:
     out = Path(args.out) if args.out else None
     if resumed:
         ckpt, _, meta = resumed
-        same_world = meta["world"] == {"tp": tp_size, "dp": dp_size}
+        same_world = meta["world"] == cp.world(tp=tp_size, dp=dp_size)
         checkpoint.load(ckpt, model=model, optimizer=optimizer, tp_group=tp_group, restore_rng=same_world)
         start = meta["step"]
         if model.dropout_masks is not None:  # TP-invariant masks continue from the step, at any TP size
@@ -263,7 +266,8 @@ def _train(args, signals: Signals) -> RunResult:
     if is_rank0:
         print("tensorpar train: run config (every effective setting, as TOML)\n" + config_block(run_config),
               flush=True)
-        print(f"tensorpar train: {count_parameters(model) / 1e6:.2f}M parameters, TP={tp_size} DP={dp_size}, "
+        print(f"tensorpar train: {count_parameters(model) / 1e6:.2f}M parameters, "
+              f"{cp.describe(tp=tp_size, dp=dp_size, seq_len=seq_len, sequence_parallel=config.sequence_parallel)}, "
               f"global batch {args.global_batch} sequences ({args.micro_batch} per micro-batch x {dp_size} DP "
               f"x {args.grad_accum} accumulation) = {tokens_per_step:,} tokens/step, data: {corpus.source}",
               flush=True)
@@ -273,7 +277,7 @@ def _train(args, signals: Signals) -> RunResult:
         if args.init_from or args.init_from_hf:
             print(f"tensorpar train: {_init_header(args, init, config)}", flush=True)
         if resumed:
-            header, note = resume_header(args, resumed[2], ckpt=resumed[0], tp=tp_size, dp=dp_size,
+            header, note = resume_header(args, resumed[2], ckpt=resumed[0], tp=tp_size, dp=dp_size, cp=cp.size,
                                          data=corpus.source)
             print(f"tensorpar train: {header}", flush=True)
             if note:
@@ -305,7 +309,7 @@ def _train(args, signals: Signals) -> RunResult:
                 reducer.sync = k == len(batches) - 1
                 with autocast(args.dtype, device):
                     loss = step_model(tokens.to(device), labels.to(device))
-                (loss / len(batches)).backward()
+                (loss * cp.loss_scale / len(batches)).backward()
                 loss_sum += loss.detach().double()
             reducer.finish()
             if config.sequence_parallel:
@@ -340,7 +344,7 @@ def _train(args, signals: Signals) -> RunResult:
             if saving:
                 result.checkpoint = _save(out, done, model=model, optimizer=optimizer, config=config,
                                           args=args, tokens_seen=done * tokens_per_step,
-                                          sizes=(tp_size, dp_size), hf_tokenizer=hf_tokenizer)
+                                          world=cp.world(tp=tp_size, dp=dp_size), hf_tokenizer=hf_tokenizer)
                 if is_rank0:
                     if getattr(args, "overwrite", False):
                         rundir.remove_set_aside(out)  # the new run's first checkpoint is safely written
