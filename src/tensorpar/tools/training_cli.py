@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UsageError
-from . import config_file, pipeline_flags
+from . import config_file, context_flags, pipeline_flags
 from .errors import noted_on_signal
 from .flag_types import SEED as _SEED
 from .flag_types import TIMEOUT as _TIMEOUT
@@ -51,6 +51,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     None until then, so that a given value can be told from one left out."""
     _add_world_flags(parser)
     pipeline_flags.add_flags(parser)
+    context_flags.add_context_flags(parser)
     run = parser.add_argument_group("run")
     run.add_argument("--steps", type=_positive(int), default=600,
                      help="optimizer steps of the whole run; when resuming, the total to reach, not steps to add")
@@ -203,15 +204,17 @@ def _resolve_world(args) -> int:
     args.nproc = world if not _under_torchrun() else args.nproc
     where = "the torchrun world size" if _under_torchrun() else "--nproc"
     pipeline_flags.check_world(args, world=world, where=where)
-    pp = getattr(args, "pp", 1)
+    pp, cp = getattr(args, "pp", 1), getattr(args, "cp", 1)  # train's flags only
     if args.tp is None:
-        args.tp = 2 if world // pp % 2 == 0 else 1
+        args.tp = 2 if world // pp % (2 * cp) == 0 else 1
     if args.tp * pp > world:
         raise UsageError(f"--tp {args.tp}" + (f" x --pp {pp}" if pp > 1 else "")
                          + f" needs at least {args.tp * pp} processes; {where} is {world}")
     if world % (args.tp * pp):
         raise UsageError(f"--tp {args.tp}" + (f" x --pp {pp} = {args.tp * pp}" if pp > 1 else "")
                          + f" does not divide {where} {world}")
+    if cp > 1:
+        context_flags.check_world(args, world, where=where)
     return world
 
 
@@ -294,18 +297,19 @@ def _check_train_args(args, world: int) -> None:
     local_ranks = _local_ranks(world)
     tokens, vocab_size, source = inspect_data(args.data, tokenizer=args.tokenizer, local_ranks=local_ranks)
     config = build_config(args, vocab_size=vocab_size, saved=saved, origin=origin)
+    context_flags.check_context(args, config)
     if args.fsdp and config.gradient_accumulation_fusion:
         raise UsageError("--fsdp cannot combine with gradient-accumulation fusion (--grad-fusion, or the resumed "
                          "run's setting): FSDP reduces the gradients itself; drop one of them")
     if args.fsdp and config.tp_invariant:
         raise UsageError("--fsdp cannot combine with --tp-invariant (or the resumed run's setting): FSDP's "
                          "reductions do not follow the invariant mode's fixed orders; drop one of them")
-    seq_len = default_seq_len(args, config)
+    seq_len, dp = default_seq_len(args, config), world // (args.tp * args.cp * args.pp)
     check_fits(config, tp=args.tp, seq_len=seq_len)
     train_token_count(tokens, val_fraction=VAL_FRACTION, seq_len=seq_len, source=source)
-    settle_run(args, meta=meta, dp_size=world // (args.tp * args.pp))
+    settle_run(args, meta=meta, dp_size=dp)
     pipeline_flags.check_run(args, config)
-    check_memory(config, tp=args.tp, dp=world // (args.tp * args.pp), seq_len=seq_len, micro_batch=args.micro_batch,
+    check_memory(config, tp=args.tp, dp=dp, seq_len=seq_len, micro_batch=args.micro_batch,
                  dtype=args.dtype, local_ranks=local_ranks, fsdp=args.fsdp)
     args.out = args.out or DEFAULT_OUT
     if getattr(args, "print_config", False):

@@ -2,12 +2,12 @@
 the file of a rank that held that box, so chunks whose offsets were swapped (each still a valid
 box, the tensor still tiled) are refused instead of loading permuted rows.
 
-DCP names each rank's file ``__{rank}_{n}.distcp``; rank ``r`` of a (TP ``t``, DP ``d``, PP ``p``)
-save is TP rank ``r % t`` and DP rank ``r // t % d`` (Megatron's order: TP, DP, then PP); the
-ranks of every stage write their stages' entries, any of them one that stages share. A chunk is
-the whole tensor (a replicated or gathered entry, written by any rank), this TP rank's shard of
-the sharded dimension (split evenly), or that shard's dim-0 piece for this DP rank (an FSDP box:
-ceil(rows / d) rows each).
+DCP names each rank's file ``__{rank}_{n}.distcp``; rank ``r`` of a (TP ``t``, CP ``c``, DP ``d``,
+PP ``p``) save is TP rank ``r % t`` and DP rank ``r // (t c) % d`` (Megatron's order: TP, CP, DP,
+then PP; CP ranks hold the same weights); the ranks of every stage write their stages' entries,
+any of them one that stages share. A chunk is the whole tensor (a replicated or gathered entry,
+written by any rank), this TP rank's shard of the sharded dimension (split evenly), or that
+shard's dim-0 piece for this DP rank (an FSDP box: ceil(rows / d) rows each).
 
 Example::
 
@@ -59,8 +59,8 @@ def _boxes(size: list[int], dim: int | None, *, tp_rank: int, tp: int, dp_rank: 
 
 def layout_problem(entries: dict, storage: dict, *, world: dict, shard_dims: dict[str, int]) -> str | None:
     """The first chunk stored in a rank's file that this rank did not hold, or None."""
-    tp, dp, pp = world["tp"], world["dp"], world.get("pp", 1)
-    sizes = f"TP {tp} x DP {dp}" + (f" x PP {pp}" if pp > 1 else "")
+    tp, cp, dp, pp = world["tp"], world.get("cp", 1), world["dp"], world.get("pp", 1)
+    named = f"TP {tp} x " + (f"CP {cp} x " if cp > 1 else "") + f"DP {dp}" + (f" x PP {pp}" if pp > 1 else "")
     for key, entry in entries.items():
         if not isinstance(entry, TensorStorageMetadata):
             continue
@@ -69,13 +69,14 @@ def layout_problem(entries: dict, storage: dict, *, world: dict, shard_dims: dic
                 continue
             info = storage[MetadataIndex(key, torch.Size(chunk.offsets))]
             rank = _RANK_FILE.match(info.relative_path)
-            if rank is None or int(rank.group(1)) >= tp * dp * pp:
-                return f"stores a chunk of {key} in {info.relative_path}, which no rank of {sizes} writes"
+            if rank is None or int(rank.group(1)) >= tp * cp * dp * pp:
+                return f"stores a chunk of {key} in {info.relative_path}, which no rank of {named} writes"
             r, own = int(rank.group(1)), _RNG_KEY.match(key)
             if own is not None and int(own.group(1)) != r:
                 return f"stores {key} in {info.relative_path}, the file of rank {r}"
-            held = _boxes(list(entry.size), shard_dims.get(key), tp_rank=r % tp, tp=tp, dp_rank=r // tp % dp, dp=dp)
+            held = _boxes(list(entry.size), shard_dims.get(key), tp_rank=r % tp, tp=tp, dp_rank=r // (tp * cp) % dp,
+                          dp=dp)
             if (list(chunk.offsets), list(chunk.sizes)) not in held:
                 return (f"stores the chunk of {key} at offsets {list(chunk.offsets)} in {info.relative_path}, "
-                        f"which saving rank {r} ({sizes}) does not hold")
+                        f"which saving rank {r} ({named}) does not hold")
     return None

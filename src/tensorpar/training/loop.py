@@ -1,8 +1,8 @@
-"""The training loop behind ``tensorpar train``: TP x DP GPT training on one rank.
+"""The training loop behind ``tensorpar train``: TP x CP x DP GPT training on one rank.
 
 :func:`train` runs on every rank of an initialized world (``torchrun``, the ``--nproc``
 launcher, or a test's process group). Each step: this DP rank's micro-batches (the same on
-every TP rank of the group), forward under autocast when ``--dtype bf16`` (the weights stay
+every TP and CP rank of the group; CP ranks run their chunks of each, :mod:`.context_run`), forward under autocast when ``--dtype bf16`` (the weights stay
 fp32 and are the optimizer's master copy), backward with the DP all-reduces launched bucket by
 bucket as gradients appear (with ``--fsdp``: FSDP2's reduce-scatters, see
 :mod:`tensorpar.fsdp`), SP grads summed over TP, TP-aware clipping, AdamW, then metrics,
@@ -31,6 +31,7 @@ from ..random import model_parallel_manual_seed
 from . import checkpoint, rundir
 from .checkpoint_files import open_checkpoint, resolve
 from .checkpoint_format import TOKENIZER, CheckpointError
+from .context_run import ContextLayout
 from .data import VAL_FRACTION, BatchSampler, load_corpus
 from .evaluation import autocast, evaluate
 from .flops import flops_per_token, peak_flops_per_s
@@ -79,14 +80,14 @@ def _read_back(pending, result: RunResult, progress: Progress, *, tokens_per_s: 
                       log=log and i == len(pending) - 1)
 
 
-def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: int, sizes, hf_tokenizer) -> str:
+def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: int, world: dict, hf_tokenizer) -> str:
     """Checkpoint ``step``; a Hugging Face tokenizer goes into it, so the run needs nothing outside it."""
     meta = {"step": step, "tokens_seen": tokens_seen, "steps": args.steps, "global_batch": args.global_batch,
             "micro_batch": args.micro_batch,
             "schedule": {"lr": args.lr, "min_lr": args.min_lr, "warmup": args.warmup,
                          "decay_steps": args.lr_decay_steps},
             "data": {"position": step, "seed": args.seed, "source": args.data or "embedded"},
-            "world": _world(sizes), "dtype": args.dtype,
+            "world": world, "dtype": args.dtype,
             "tokenizer": TOKENIZER if hf_tokenizer is not None else args.tokenizer,
             "settings": {**{name: getattr(args, name) for name in RUN_SETTINGS}, "data": data_path(args.data)}}
     path = checkpoint.save(out, step, model=model, optimizer=optimizer, config=config_to_json(config),
@@ -96,9 +97,9 @@ def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: 
     return str(path)
 
 
-def _world(sizes) -> dict:
-    """A checkpoint's ``world`` from (TP, DP, PP): PP only where it is not 1, as before PP."""
-    return {"tp": sizes[0], "dp": sizes[1], **({"pp": sizes[2]} if sizes[2] > 1 else {})}
+def _world(*, tp: int, dp: int, pp: int, cp: int) -> dict:
+    """A checkpoint's ``world``: PP and CP only where they are not 1, as before either axis."""
+    return {"tp": tp, "dp": dp, **({"pp": pp} if pp > 1 else {}), **({"cp": cp} if cp > 1 else {})}
 
 
 def _run_tokenizer(tokenizer: str | None):
@@ -145,7 +146,8 @@ def train(args) -> RunResult:
     SIGTERM stops every rank after the same step, with a checkpoint; SIGINT raises
     ``KeyboardInterrupt`` at once, printing nothing (the command reports it in one line).
     """
-    ps.initialize_model_parallel(args.tp, getattr(args, "pp", 1), timeout=args.timeout)
+    ps.initialize_model_parallel(args.tp, getattr(args, "pp", 1), context_parallel_size=getattr(args, "cp", 1),
+                                 timeout=args.timeout)
     lock, signals = None, Signals()
     try:
         with signals:
@@ -198,6 +200,8 @@ def _train(args, signals: Signals) -> RunResult:
     pp_size = comm.group_size(pp_group)
     tp_size, dp_size, dp_rank = (comm.group_size(tp_group), comm.group_size(dp_group),
                                  comm.group_rank(dp_group))
+    cp = ContextLayout.current(cp_comm=getattr(args, "cp_comm", "p2p"))
+    world = _world(tp=tp_size, dp=dp_size, pp=pp_size, cp=cp.size)
     device = ps.default_device()
     is_rank0 = dist.get_rank() == 0
     resumed = open_checkpoint(args.resume) if args.resume else None
@@ -221,7 +225,7 @@ def _train(args, signals: Signals) -> RunResult:
     train_tokens, val_tokens = corpus.split(val_fraction=VAL_FRACTION, seq_len=seq_len)
 
     model_parallel_manual_seed(args.seed)
-    model = GPT(config, device=device) if pp_size == 1 else pipeline_step.PipelinedGPT(
+    model = GPT(config, cp_group=cp.group, device=device) if pp_size == 1 else pipeline_step.PipelinedGPT(
         config, schedule=args.pp_schedule, microbatches=args.grad_accum, virtual_stages=args.virtual_stages,
         device=device)
     if args.init_from_hf:
@@ -240,7 +244,8 @@ def _train(args, signals: Signals) -> RunResult:
                                   betas=(0.9, 0.95), eps=1e-8)
     # TP-invariant mode: the same reductions, in orders that do not depend on the TP size.
     grads = invariant if config.tp_invariant else tp_grads
-    reducer = ShardedGradSync(model) if fsdp else grads.DataParallelGradReducer(model.parameters(), dp_group=dp_group)
+    reducer = ShardedGradSync(model) if fsdp else grads.DataParallelGradReducer(model.parameters(),
+                                                                                dp_group=cp.grad_group)
     # Training steps run the compiled model; evaluation and checkpoints use the module itself.
     step_model = torch.compile(model) if getattr(args, "compile", False) else model
     params = list(model.parameters())
@@ -248,7 +253,7 @@ def _train(args, signals: Signals) -> RunResult:
     out = Path(args.out) if args.out else None
     if resumed:
         ckpt, _, meta = resumed
-        same_world = meta["world"] == _world((tp_size, dp_size, pp_size))
+        same_world = meta["world"] == world
         checkpoint.load(ckpt, model=model, optimizer=optimizer, tp_group=tp_group, restore_rng=same_world,
                         pp_group=pp_group)
         start = meta["step"]
@@ -275,7 +280,8 @@ def _train(args, signals: Signals) -> RunResult:
     if is_rank0:
         print("tensorpar train: run config (every effective setting, as TOML)\n" + config_block(run_config),
               flush=True)
-        print(f"tensorpar train: {num_parameters / 1e6:.2f}M parameters, TP={tp_size} DP={dp_size}"
+        print(f"tensorpar train: {num_parameters / 1e6:.2f}M parameters, "
+              f"{cp.describe(tp=tp_size, dp=dp_size, seq_len=seq_len, sequence_parallel=config.sequence_parallel)}"
               + (f" PP={pp_size}" if pp_size > 1 else "") + ", "
               f"global batch {args.global_batch} sequences ({args.micro_batch} per micro-batch x {dp_size} DP "
               f"x {args.grad_accum} accumulation) = {tokens_per_step:,} tokens/step, data: {corpus.source}",
@@ -288,7 +294,7 @@ def _train(args, signals: Signals) -> RunResult:
         if args.init_from or args.init_from_hf:
             print(f"tensorpar train: {_init_header(args, init, config)}", flush=True)
         if resumed:
-            header, note = resume_header(args, resumed[2], ckpt=resumed[0], tp=tp_size, dp=dp_size,
+            header, note = resume_header(args, resumed[2], ckpt=resumed[0], tp=tp_size, dp=dp_size, cp=cp.size,
                                          data=corpus.source)
             print(f"tensorpar train: {header}", flush=True)
             if note:
@@ -323,7 +329,7 @@ def _train(args, signals: Signals) -> RunResult:
                     reducer.sync = k == len(batches) - 1
                     with autocast(args.dtype, device):
                         loss = step_model(tokens.to(device), labels.to(device))
-                    (loss / len(batches)).backward()
+                    (loss * cp.loss_scale / len(batches)).backward()
                     loss_sum += loss.detach().double()
             reducer.finish()
             if config.sequence_parallel and pp_size == 1:  # a pipeline's schedule sums them itself
@@ -358,7 +364,7 @@ def _train(args, signals: Signals) -> RunResult:
             if saving:
                 result.checkpoint = _save(out, done, model=model, optimizer=optimizer, config=config,
                                           args=args, tokens_seen=done * tokens_per_step,
-                                          sizes=(tp_size, dp_size, pp_size), hf_tokenizer=hf_tokenizer)
+                                          world=world, hf_tokenizer=hf_tokenizer)
                 if is_rank0:
                     if getattr(args, "overwrite", False):
                         rundir.remove_set_aside(out)  # the new run's first checkpoint is safely written

@@ -86,12 +86,15 @@ def setting_changes(args, meta: dict) -> list[str]:
     return changes
 
 
-def resume_header(args, meta: dict, *, ckpt, tp: int, dp: int, data: str) -> tuple[str, str | None]:
-    """Rank 0's line on resume (where the run continues, on what, what changed) and, when the
-    schedule ends before ``--steps``, a note that the rest trains at ``--min-lr``."""
+def resume_header(args, meta: dict, *, ckpt, tp: int, dp: int, data: str, cp: int = 1) -> tuple[str, str | None]:
+    """Rank 0's line on resume (where the run continues, on what, what changed; CP when either
+    run has it) and, when the schedule ends before ``--steps``, a note that the rest trains at ``--min-lr``."""
     start, world = meta["step"], meta["world"]
     changes = setting_changes(args, meta)
-    header = (f"resuming {ckpt} at step {start} of {args.steps}: TP {world['tp']}->{tp}, DP {world['dp']}->{dp}; "
+    saved_cp = world.get("cp", 1)
+    context = f", CP {saved_cp}->{cp}" if max(saved_cp, cp) > 1 else ""
+    header = (f"resuming {ckpt} at step {start} of {args.steps}: TP {world['tp']}->{tp}{context}, "
+              f"DP {world['dp']}->{dp}; "
               f"data: {data} from step {start}; schedule lr {args.lr:g}, warmup {args.warmup}, cosine to "
               f"{args.min_lr:g} at step {args.lr_decay_steps}; "
               + (f"changed: {', '.join(changes)}" if changes else "no setting changed"))

@@ -59,8 +59,8 @@ NULL = Rule(lambda v: v is None, "null")
 def check_fields(path: Path, data: object, schema: dict, *, exact: bool = False, optional=(),
                  prefix: str = "") -> None:
     """Every field of ``schema`` present in ``data`` (those in ``optional`` may be absent) and as
-    its rule says. Fields the schema does not name are refused if ``exact``, else left to their
-    readers."""
+    its rule says (a nested field of ``optional`` as ``"outer.inner"``). Fields the schema does not
+    name are refused if ``exact``, else left to their readers."""
     where = f"field {prefix.rstrip('.')!r}" if prefix else "the file"
     if not isinstance(data, dict):
         raise SchemaError(f"{path}: {where} is a JSON {_json_kind(data)}, expected an object")
@@ -74,7 +74,8 @@ def check_fields(path: Path, data: object, schema: dict, *, exact: bool = False,
                 continue
             raise SchemaError(f"{path}: field {field!r} is missing")
         if isinstance(rule, dict):
-            check_fields(path, data[name], rule, exact=exact, optional=optional, prefix=f"{field}.")
+            inner = {o.removeprefix(f"{name}.") for o in optional if o.startswith(f"{name}.")}
+            check_fields(path, data[name], rule, exact=exact, optional=inner, prefix=f"{field}.")
             continue
         rules = (rule,) if isinstance(rule, Rule) else rule
         if not any(r.test(data[name]) for r in rules):
@@ -103,7 +104,8 @@ META_SCHEMA = {
     "schedule": {"lr": number(0, above=True), "min_lr": number(0), "warmup": integer(0),
                  "decay_steps": integer(1)},
     "data": {"position": integer(0), "seed": integer(), "source": TEXT},
-    "world": {"tp": integer(1, MAX_RANKS), "dp": integer(1, MAX_RANKS), "pp": integer(1, MAX_RANKS)},
+    "world": {"tp": integer(1, MAX_RANKS), "dp": integer(1, MAX_RANKS), "pp": integer(1, MAX_RANKS),
+              "cp": integer(1, MAX_RANKS)},
     "dtype": choice("fp32", "bf16"), "tokenizer": (TEXT, NULL), "ranks": integer(1, MAX_RANKS),
     "rng": RNG_SPEC, "config_sha256": Rule(lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)
                                             is not None, "64 lowercase hex digits"),
@@ -131,13 +133,15 @@ _CONFIG_RULES = {int: integer(1), float: number(0), bool: FLAG, str: TEXT, dict:
 
 def check_meta(path: Path, meta: object, *, step: int | None = None) -> None:
     """Refuse a ``meta.json`` (of the directory ``step_{step}``) unlike what a save writes."""
-    check_fields(path, meta, META_SCHEMA, optional={"settings", "config_sha256", "pp"})  # pp: a pipeline's
+    # world.pp, world.cp: only a pipeline- or context-parallel run records them
+    check_fields(path, meta, META_SCHEMA, optional={"settings", "config_sha256", "world.pp", "world.cp"})
     if "settings" in meta:
         check_fields(path, meta["settings"], SETTINGS_SCHEMA, optional=set(SETTINGS_SCHEMA), prefix="settings.")
     world = meta["world"]
-    if meta["ranks"] != world["tp"] * world["dp"] * world.get("pp", 1):
+    pp, cp = world.get("pp", 1), world.get("cp", 1)
+    if meta["ranks"] != world["tp"] * cp * world["dp"] * pp:
         raise SchemaError(f"{path}: field 'ranks' is {meta['ranks']}, but field 'world' is TP {world['tp']} x "
-                          f"DP {world['dp']}" + (f" x PP {world['pp']}" if "pp" in world else ""))
+                          + (f"CP {cp} x " if cp > 1 else "") + f"DP {world['dp']}" + (f" x PP {pp}" if pp > 1 else ""))
     if step is not None and meta["step"] != step:
         raise SchemaError(f"{path}: field 'step' is {meta['step']}, but the directory is step_{step}")
 

@@ -1,0 +1,63 @@
+"""``tensorpar train --cp N [--cp-comm a2a|p2p]``: the flags, and what context parallelism
+refuses before any process starts.
+
+The world is TP x CP x DP in Megatron's order (TP fastest, then CP, then DP), so ``--nproc``
+must be a multiple of ``--tp`` x ``--cp``. Whatever a CP run cannot do is refused in one line
+naming the flags (:func:`check_context`), from the model config the run will build.
+
+Example::
+
+    add_context_flags(parser)                  # --cp, --cp-comm
+    check_world(args, world, where="--nproc")  # --tp 2 x --cp 2 = 4 must divide the world
+    check_context(args, config)                # e.g. --cp 2 with --compile: refused
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import UsageError
+from .flag_types import positive
+
+
+def add_context_flags(parser: argparse.ArgumentParser) -> None:
+    """``--cp`` and ``--cp-comm``."""
+    parser.add_argument("--cp", type=positive(int), default=1,
+                        help="context-parallel size: each sequence split over this many ranks, which hold the same "
+                             "weights; --nproc = TP x CP x DP (default: 1)")
+    parser.add_argument("--cp-comm", choices=("a2a", "p2p"), default="p2p",
+                        help="how attention reaches the other CP ranks' tokens: a2a (Ulysses all-to-all, at least "
+                             "one query head per TP x CP rank) or p2p (K/V passed around a ring; default)")
+
+
+def check_world(args, world: int, *, where: str) -> None:
+    """Refuse a world that TP x CP does not divide (``where``: the flag or launcher that set it)."""
+    if world % (args.tp * args.cp):
+        raise UsageError(f"--tp {args.tp} x --cp {args.cp} = {args.tp * args.cp} does not divide {where} {world}: "
+                         "the world is TP x CP x DP")
+
+
+def _unsupported(args, config) -> list[str]:
+    """The flags (with their values) a CP run does not support."""
+    bad = {f"--pp {getattr(args, 'pp', 1)}": getattr(args, "pp", 1) > 1, "--tp-invariant": config.tp_invariant, "--fsdp": args.fsdp, "--compile": args.compile,
+           f"--dropout {config.dropout:g}": config.dropout > 0 or config.attention_dropout > 0,
+           f"--interleave {config.interleave}": config.interleave > 1}
+    return [flag for flag, refused in bad.items() if refused]
+
+
+def check_context(args, config) -> None:
+    """Refuse, in one line, a ``--cp`` run that ``config`` (the run's GPTConfig) cannot make."""
+    if args.cp == 1:
+        return
+    unsupported = _unsupported(args, config)
+    if unsupported:
+        raise UsageError(f"--cp {args.cp} does not combine with {', '.join(unsupported)} (not supported under "
+                         "context parallelism); drop them, or train with --cp 1")
+    heads, kv_heads = config.num_heads, config.num_query_groups
+    if heads % args.tp or kv_heads % args.tp:
+        raise UsageError(f"--cp {args.cp} needs --tp {args.tp} to divide the model's {heads} heads and {kv_heads} "
+                         "KV heads (uneven head splits are not supported under context parallelism)")
+    if args.cp_comm == "a2a" and heads // args.tp < args.cp:
+        raise UsageError(f"--cp-comm a2a needs at least one query head per TP x CP rank: the model's {heads} heads "
+                         f"at --tp {args.tp} are {heads // args.tp} per TP rank, fewer than --cp {args.cp}; "
+                         "use --cp-comm p2p, which has no such limit")
