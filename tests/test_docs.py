@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_runner import run_tensorpar
+
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
@@ -175,15 +177,15 @@ def test_every_command_of_the_pages_runs_and_prints_what_the_page_shows(workdir)
         if _not_run(words):
             continue
         command = shlex.join(words)
-        if words[0] == "tensorpar":
-            argv = [sys.executable, "-m", "tensorpar", *words[1:], *SHORTER.get(command, [])]
-        elif words[:2] == ["python", "-c"]:
-            argv = [sys.executable, *words[1:]]
-        else:
-            pytest.fail(f"command {command!r}: run it in this test, or list it in NOT_RUN with the reason")
         cwd = workdir / "empty" if command in IN_EMPTY_DIR else workdir
         cwd.mkdir(exist_ok=True)
-        done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        if words[0] == "tensorpar":
+            done = run_tensorpar([*words[1:], *SHORTER.get(command, [])], cwd=cwd, env=env)
+        elif words[:2] == ["python", "-c"]:
+            done = subprocess.run([sys.executable, *words[1:]], cwd=cwd, env=env, capture_output=True, text=True,
+                                  timeout=300)
+        else:
+            pytest.fail(f"command {command!r}: run it in this test, or list it in NOT_RUN with the reason")
         ran.append(command)
         if kind == "run":
             assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])

@@ -234,8 +234,8 @@ def test_ctrl_c_on_a_2_process_run_prints_exactly_one_line(tmp_path, moment, fla
 
 def _workers(pid):
     """The rank processes a ``--nproc`` launcher started (not multiprocessing's resource tracker)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    children = [c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    return [int(c) for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 @pytest.mark.slow
