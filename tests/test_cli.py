@@ -7,6 +7,7 @@ import pytest
 
 from tensorpar import __version__
 from tensorpar.tools.cli import main
+from tests.cli_runner import run_tensorpar
 
 
 def test_version_and_python_dash_m():
@@ -136,8 +137,7 @@ def test_the_torch_commands_are_listed_and_load_when_named():
     done = subprocess.run([sys.executable, "-m", "tensorpar", "--help"], capture_output=True, text=True, timeout=120)
     for name, (_, summary) in TORCH_COMMANDS.items():
         assert f"{name} " in done.stdout and summary in " ".join(done.stdout.split()), done.stdout
-        shown = subprocess.run([sys.executable, "-m", "tensorpar", name, "--help"], capture_output=True, text=True,
-                               timeout=120)
+        shown = run_tensorpar([name, "--help"])
         assert shown.returncode == 0 and "--tp" in shown.stdout, shown.stderr
 
 
@@ -160,8 +160,7 @@ def test_generate_help_describes_no_data_parallelism():
 
 
 def _tensorpar_help(command):
-    done = subprocess.run([sys.executable, "-m", "tensorpar", command, "--help"], capture_output=True, text=True,
-                          timeout=120)
+    done = run_tensorpar([command, "--help"])
     assert done.returncode == 0, done.stderr
     return done.stdout
 

@@ -4,7 +4,6 @@ the file, the command line over it, bad keys and values refused in one line, the
 
 import argparse
 import os
-import subprocess
 import sys
 import tomllib
 
@@ -13,6 +12,7 @@ import pytest
 from tensorpar.tools import config_file
 from tensorpar.tools.cli import main
 from tensorpar.tools.training_cli import add_train_flags, train_parser
+from tests.cli_runner import run_tensorpar
 from tests.harness import run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
@@ -27,9 +27,7 @@ def text(tmp_path_factory):
 
 
 def _tensorpar(*argv, cwd=None):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-m", "tensorpar", *argv], capture_output=True, text=True, timeout=300,
-                          cwd=cwd, env=env)
+    return run_tensorpar(argv, cwd=cwd)
 
 
 def test_the_file_sets_flags_the_command_line_overrides_and_print_config_writes_nothing(tmp_path, text):

@@ -19,6 +19,7 @@ from tensorpar.training import checkpoint, checkpoint_files
 from tensorpar.training.checkpoint_format import CheckpointError, sha256
 from tensorpar.tools.training_cli import parse_train_args
 from tensorpar.training.dcp_metadata import read_metadata
+from tests.cli_runner import run_tensorpar
 from tests.harness import run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
@@ -482,8 +483,7 @@ def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path):
 
 
 def _cli(*argv, timeout=300):
-    return subprocess.run([sys.executable, "-m", "tensorpar", *argv], capture_output=True, text=True,
-                          timeout=timeout)
+    return run_tensorpar(argv, timeout=timeout)
 
 
 @pytest.mark.slow

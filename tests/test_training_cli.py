@@ -15,6 +15,7 @@ import torch
 from tensorpar.tools.cli import main
 from tensorpar.tools.training_cli import parse_train_args
 from tensorpar.training.data import DataError, load_corpus, write_token_file
+from tests.cli_runner import run_tensorpar
 from tests.harness import free_port, run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
@@ -377,9 +378,8 @@ def test_two_torchrun_nodes_on_localhost_train_together(tmp_path):
 @pytest.mark.slow
 def test_an_exception_inside_a_rank_reaches_the_user_as_one_line(tmp_path):
     """Two real ranks; the loss diverges inside them (nothing a preflight can see)."""
-    done = subprocess.run([sys.executable, "-m", "tensorpar", "train", "--nproc", "2", "--lr", "1e30", "--steps", "5",
-                           "--warmup", "1", "--log-every", "100", *TINY, "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_tensorpar(["train", "--nproc", "2", "--lr", "1e30", "--steps", "5", "--warmup", "1", "--log-every",
+                          "100", *TINY, "--out", str(tmp_path / "run")])
     assert done.returncode == 1, done
     assert "Traceback" not in done.stderr + done.stdout
     errors = [line for line in done.stderr.splitlines() if "error" in line]
@@ -517,9 +517,8 @@ def test_data_that_is_not_utf8_is_trained_on_its_bytes_and_the_header_says_so(tm
     """Issue 26: a binary --data trained as if it were text, without a word."""
     data = tmp_path / "blob.dat"
     data.write_bytes(bytes(range(256)) * 40)
-    done = subprocess.run([sys.executable, "-m", "tensorpar", "train", *TINY, "--nproc", "1", "--tp", "1", "--steps",
-                           "1", "--warmup", "0", "--data", str(data), "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=300)
+    done = run_tensorpar(["train", *TINY, "--nproc", "1", "--tp", "1", "--steps", "1", "--warmup", "0", "--data",
+                          str(data), "--out", str(tmp_path / "run")])
     assert done.returncode == 0, done.stderr
     header = next(line for line in done.stdout.splitlines() if "tokens/step, data:" in line)
     assert header.endswith(f"data: --data {data} (not UTF-8 text: trained on its bytes)"), header

@@ -24,6 +24,7 @@ from tensorpar.tools.training_cli import parse_train_args
 from tensorpar.training.checkpoint_format import sha256
 from tensorpar.training.dcp_metadata import read_metadata
 from tensorpar.training.data import write_token_file
+from tests.cli_runner import run_tensorpar
 from tests.harness import run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
@@ -97,9 +98,8 @@ def _fails(capsys, argv):
     return err.removesuffix("\n").split(": error: ", 1)[1]
 
 
-def _cli(*argv, timeout=300, **kwargs):
-    return subprocess.run([sys.executable, "-m", "tensorpar", *argv], capture_output=True, text=True,
-                          timeout=timeout, **kwargs)
+def _cli(*argv, timeout=300):
+    return run_tensorpar(argv, timeout=timeout)
 
 
 def _one_line_exit_2(proc):

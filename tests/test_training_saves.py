@@ -4,14 +4,13 @@ resume from them continues the run exactly; a byte-token run's export generates 
 ``transformers.pipeline`` what ``tensorpar generate`` does."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from tensorpar.training import checkpoint, checkpoint_files
 from tensorpar.training.checkpoint_format import MANIFEST
 from tensorpar.tools.training_cli import parse_train_args
+from tests.cli_runner import run_tensorpar
 from tests.harness import run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
@@ -101,8 +100,7 @@ def test_the_export_of_a_byte_token_run_generates_in_a_transformers_pipeline_wha
     out, hf = tmp_path / "run", tmp_path / "hf"
     run_on_ranks(_train_body, 1, TINY + ["--tp", "1", "--eval-every", "0", "--steps", "30", "--lr", "1e-2",
                                          "--seq-len", "64", "--out", str(out)])
-    proc = subprocess.run([sys.executable, "-m", "tensorpar", "export", "--checkpoint", str(out), "--to-hf", str(hf)],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_tensorpar(["export", "--checkpoint", str(out), "--to-hf", str(hf)])
     assert proc.returncode == 0, proc.stderr
     assert (hf / "tokenizer.json").is_file()
     pipe = transformers.pipeline("text-generation", model=str(hf))

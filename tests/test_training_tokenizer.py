@@ -4,12 +4,12 @@ train --init-from-hf, generate, export, and a transformers pipeline on the expor
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from tensorpar.tools.cli import main
+from tests.cli_runner import run_tensorpar
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -53,7 +53,7 @@ def test_prepare_with_a_tokenizer_or_a_new_bpe(local_llama, tmp_path, capsys):
 
 
 def _cli(*argv) -> str:
-    proc = subprocess.run([sys.executable, "-m", "tensorpar", *argv], capture_output=True, text=True, timeout=300)
+    proc = run_tensorpar(argv)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -80,8 +80,7 @@ def test_fine_tune_a_local_llama_end_to_end(local_llama, tmp_path):
 
 
 def _cli_in(cwd, *argv) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tensorpar", *argv], capture_output=True, text=True, timeout=300,
-                          cwd=cwd)
+    return run_tensorpar(argv, cwd=cwd)
 
 
 SMALL = ["--steps", "2", "--nproc", "1", "--tp", "1", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len",
