@@ -1,4 +1,5 @@
-"""Run ``tensorpar ARGS`` as a new process, forked from a server that has imported tensorpar once.
+"""Run ``tensorpar ARGS`` as a new process, forked from a server that has imported tensorpar once
+(``harness.forkserver``).
 
 It runs what ``python -m tensorpar ARGS`` runs (``tools.cli.main``) in a process of its own, with
 its own working directory, environment, stdout and stderr, and its exit status, without a new
@@ -14,23 +15,12 @@ Example::
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import subprocess
 import sys
 import tempfile
 
-# What a command imports before its ranks start; the server loads it once.
-PRELOAD = ["tensorpar.tools.cli", "tensorpar.tools.training_cli", "tensorpar.training.loop", "tensorpar.models.hf"]
-_server = None
-
-
-def _context():
-    global _server
-    if _server is None:
-        _server = multiprocessing.get_context("forkserver")
-        _server.set_forkserver_preload(PRELOAD)
-    return _server
+from tests.harness import forkserver
 
 
 def _command(argv: list[str], cwd: str, env: dict, out_path: str, err_path: str) -> None:
@@ -57,7 +47,7 @@ def run_tensorpar(argv: list[str], *, cwd=None, env: dict | None = None, timeout
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         for path in (out_path, err_path):
             open(path, "w").close()
-        process = _context().Process(target=_command, args=(argv, str(cwd or os.getcwd()),
+        process = forkserver().Process(target=_command, args=(argv, str(cwd or os.getcwd()),
                                                             dict(os.environ if env is None else env),
                                                             out_path, err_path))
         process.start()

@@ -1,4 +1,4 @@
-"""Run a test body on N spawned gloo ranks, keeping each world alive for the whole session.
+"""Run a test body on N gloo ranks, keeping each world alive for the whole session.
 
 ``run_on_ranks(fn, world_size, *args)`` calls the module-level function ``fn(*args)`` on every
 rank of a persistent world of ``world_size`` processes (default process group already
@@ -9,12 +9,15 @@ becomes the test failure with that rank's traceback; a body that does not finish
 ``run_in_fresh_world`` does the same in a throwaway world, for bodies that break their process
 group on purpose (timeouts, crashed peers).
 
+Ranks are forked from one server process that imported torch and tensorpar once
+(:func:`forkserver`; ``tests/cli_runner.py`` starts its commands from the same server), so a new
+world starts in a fraction of a second instead of each rank importing torch anew.
+
 Timeouts: a body gets ``TENSORPAR_TEST_TIMEOUT`` seconds (120) and a collective
-``TENSORPAR_COLLECTIVE_TIMEOUT`` (30), each multiplied by the load factor: how much slower than
-on an idle machine the ranks of the last world started (importing torch), from 1 to
-``MAX_LOAD_FACTOR``, or ``TENSORPAR_TEST_LOAD_FACTOR`` when set. So a loaded machine gives slow
-passes, not timeouts. The ranks ignore SIGINT: a Ctrl-C reaches pytest alone, which ends every
-world and stops.
+``TENSORPAR_COLLECTIVE_TIMEOUT`` (30), each multiplied by the load factor: the machine's load
+average per core when the last world started, from 1 to ``MAX_LOAD_FACTOR``, or
+``TENSORPAR_TEST_LOAD_FACTOR`` when set. So a loaded machine gives slow passes, not timeouts.
+The ranks ignore SIGINT: a Ctrl-C reaches pytest alone, which ends every world and stops.
 """
 
 from __future__ import annotations
@@ -32,18 +35,25 @@ from tensorpar.tools.launch import free_port
 
 DEFAULT_TIMEOUT = float(os.environ.get("TENSORPAR_TEST_TIMEOUT", "120"))
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("TENSORPAR_COLLECTIVE_TIMEOUT", "30"))
-# Seconds a rank takes to import torch and tensorpar on an idle machine, per rank sharing a core.
-IDLE_STARTUP_S = 2.5
 MAX_LOAD_FACTOR = 10.0
 STARTUP_TIMEOUT_S = 600.0
+# What the server imports before it forks: the harness, and what a tensorpar command loads before its ranks start.
+PRELOAD = ["tests.harness", "tensorpar.tools.cli", "tensorpar.tools.training_cli", "tensorpar.training.loop",
+           "tensorpar.models.hf"]
 _load_factor = float(os.environ.get("TENSORPAR_TEST_LOAD_FACTOR", "1"))
 
 
-def _measured_load_factor(startup_s: float, world_size: int) -> float:
+def forkserver():
+    """The multiprocessing context whose processes fork from the server that preloaded ``PRELOAD``."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _measured_load_factor(load_average: float, cores: int) -> float:
     if "TENSORPAR_TEST_LOAD_FACTOR" in os.environ:
         return float(os.environ["TENSORPAR_TEST_LOAD_FACTOR"])
-    ranks_per_core = max(1.0, world_size / (os.cpu_count() or 1))
-    return min(MAX_LOAD_FACTOR, max(1.0, startup_s / (IDLE_STARTUP_S * ranks_per_core)))
+    return min(MAX_LOAD_FACTOR, max(1.0, load_average / max(1, cores)))
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
@@ -80,11 +90,11 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
 
 class World:
-    """``world_size`` spawned ranks; ``pg_timeout`` is scaled by the load their start-up measured."""
+    """``world_size`` forked ranks; ``pg_timeout`` is scaled by the machine's load when they start."""
 
     def __init__(self, world_size: int, pg_timeout: float = COLLECTIVE_TIMEOUT_S) -> None:
         global _load_factor
-        ctx = mp.get_context("spawn")
+        ctx = forkserver()
         self.world_size = world_size
         self.results = ctx.Queue()
         self.task_queues = [ctx.Queue() for _ in range(world_size)]
@@ -92,7 +102,6 @@ class World:
         self.procs = [ctx.Process(target=_worker, daemon=True,
                                   args=(r, world_size, port, self.task_queues[r], self.results))
                       for r in range(world_size)]
-        started = time.monotonic()
         try:
             for p in self.procs:
                 p.start()
@@ -101,7 +110,7 @@ class World:
         except BaseException:
             self.close()
             raise
-        _load_factor = _measured_load_factor(time.monotonic() - started, world_size)
+        _load_factor = _measured_load_factor(os.getloadavg()[0], os.cpu_count() or 1)
         for q in self.task_queues:
             q.put(pg_timeout * _load_factor)
 

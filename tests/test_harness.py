@@ -20,14 +20,12 @@ def sleeping_body(marker: str) -> None:
     time.sleep(120)
 
 
-def test_the_load_factor_is_one_when_idle_and_grows_with_the_start_up_time(monkeypatch):
+def test_the_load_factor_is_one_when_idle_and_grows_with_the_load_per_core(monkeypatch):
     monkeypatch.delenv("TENSORPAR_TEST_LOAD_FACTOR", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    idle = harness.IDLE_STARTUP_S
-    assert harness._measured_load_factor(0.5 * idle, 2) == 1.0
-    assert harness._measured_load_factor(3 * idle, 2) == 3.0
-    assert harness._measured_load_factor(3 * idle, 4) == 1.5          # 4 ranks share 2 cores
-    assert harness._measured_load_factor(1000 * idle, 2) == harness.MAX_LOAD_FACTOR
+    assert harness._measured_load_factor(1.5, 2) == 1.0
+    assert harness._measured_load_factor(6.0, 2) == 3.0
+    assert harness._measured_load_factor(6.0, 4) == 1.5
+    assert harness._measured_load_factor(1000.0, 2) == harness.MAX_LOAD_FACTOR
     monkeypatch.setenv("TENSORPAR_TEST_LOAD_FACTOR", "4")
     assert harness._measured_load_factor(0.0, 2) == 4.0
 
