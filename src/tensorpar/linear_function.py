@@ -145,22 +145,20 @@ def _warn_if_full_fp32(device: torch.device) -> None:
     """The upcast fallback's GEMM runs at the program's own fp32 precision: the global flags
     are never changed here (another thread's GEMMs would see them). At full fp32 on a GPU it is
     several times slower than at TF32, which is exact for upcast bf16/fp16 operands."""
-    if device.type == "cuda" and not torch.compiler.is_compiling() and not _tf32_enabled():
+    if device.type == "cuda" and not _tf32_enabled():
         warnings.warn("gradient_accumulation_fusion: this torch has no fused low-precision addmm into an fp32 "
                       "main_grad, so the wgrad GEMM runs upcast at full fp32; set "
                       "torch.backends.cuda.matmul.fp32_precision = 'tf32' to run it at TF32 (exact for bf16/fp16 "
                       "operands, but it applies to every fp32 GEMM of the program)", stacklevel=2)
 
 
-def _accumulate_wgrad_into_main_grad(weight: torch.Tensor, grad_output_2d: torch.Tensor,
-                                     input_2d: torch.Tensor) -> None:
-    """``weight.main_grad += grad_output^T @ input`` as one GEMM with accumulation.
+def _accumulate_wgrad(main_grad: torch.Tensor, grad_output_2d: torch.Tensor, input_2d: torch.Tensor) -> None:
+    """``main_grad += grad_output^T @ input`` as one GEMM with accumulation.
 
     When main_grad (fp32) is wider than the activations, one GEMM accumulates the low-precision
     products into it where the device has that kernel; otherwise the operands are upcast and
     multiplied in fp32 (at TF32 where the program enabled it), the same exact sum either way.
     """
-    main_grad = weight.main_grad
     if main_grad.dtype == grad_output_2d.dtype:
         main_grad.addmm_(grad_output_2d.t(), input_2d)
     elif fused_addmm_supported(main_grad.device, grad_output_2d.dtype):
@@ -170,16 +168,39 @@ def _accumulate_wgrad_into_main_grad(weight: torch.Tensor, grad_output_2d: torch
         main_grad.addmm_(grad_output_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
 
 
+# The same as one op the compiler does not trace into: the kernel probe reads its result on the
+# host (data-dependent under tracing) and addmm's out_dtype overload writes into ``out=``.
+@torch.library.custom_op("tensorpar::accumulate_wgrad", mutates_args=("main_grad",))
+def _accumulate_wgrad_op(main_grad: torch.Tensor, grad_output_2d: torch.Tensor, input_2d: torch.Tensor) -> None:
+    _accumulate_wgrad(main_grad, grad_output_2d, input_2d)
+
+
+@_accumulate_wgrad_op.register_fake
+def _accumulate_wgrad_fake(main_grad, grad_output_2d, input_2d) -> None:
+    return None
+
+
+def _accumulate_wgrad_into_main_grad(weight: torch.Tensor, grad_output_2d: torch.Tensor,
+                                     input_2d: torch.Tensor) -> None:
+    """``weight.main_grad += grad_output^T @ input`` (:func:`_accumulate_wgrad`); compiled, as its op."""
+    accumulate = _accumulate_wgrad_op if torch.compiler.is_compiling() else _accumulate_wgrad
+    accumulate(weight.main_grad, grad_output_2d, input_2d)
+
+
 def _weight_grad_placeholder(weight: torch.Tensor):
     """What autograd gets for a weight whose gradient went into ``main_grad``.
 
     Megatron's protocol: a weight carrying ``grad_added_to_main_grad`` (set up by a DP grad
     reducer) gets a dummy gradient so its post-accumulate hook still fires; zeros when the
     weight is also used elsewhere (``zero_out_wgrad``), since autograd adds the other use's
-    gradient to it. In the weight's dtype, so autograd has nothing to cast.
+    gradient to it. In the weight's dtype, so autograd has nothing to cast. Compiled, always
+    zeros and no flag (the reducer adds them to ``main_grad``).
     """
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
+    if torch.compiler.is_compiling():
+        # A compiled backward cannot set an attribute (dynamo refuses the side effect).
+        return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
     weight.grad_added_to_main_grad = True
     if getattr(weight, "zero_out_wgrad", False):
         return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
