@@ -65,8 +65,9 @@ def _column_layers(model):
 
 
 def _build(overrides, group):
+    """One layer (each layer traces alike; tracing is what these tests spend their time on)."""
     tp.model_parallel_manual_seed(7, tp_group=group)
-    return GPT(GPTConfig(**{**BASE, **overrides}), tp_group=group)
+    return GPT(GPTConfig(**{**BASE, "num_layers": 1, **overrides}), tp_group=group)
 
 
 def _unpadded_full_grads(model):
@@ -277,9 +278,10 @@ def _dropout_body(cases):
     eager_parts, _ = _gathered(eager_heads != 0, 1)
     assert not torch.equal(eager_parts[0], eager_parts[1])
     tokens, labels = _data()
-    for overrides in cases:
+    for k, overrides in enumerate(cases):
         losses = {}
-        for name, tp_group, p in (("tp1", single, 0.3), ("tp", None, 0.3), ("no dropout", None, 0.0)):
+        runs = (("tp1", single, 0.3), ("tp", None, 0.3), ("no dropout", None, 0.0))
+        for name, tp_group, p in runs[:None if k == 0 else 2]:  # dropout changes the loss: seen once
             torch._dynamo.reset()  # each model's own graphs, none reused from the previous one
             model = _build({"dropout": p, **overrides}, tp_group)
             backend, graphs, _, _ = _counting_backend()
@@ -288,12 +290,12 @@ def _dropout_body(cases):
             assert len(graphs) == 1, (overrides, name, len(graphs))
         # Compiled, the masks do not depend on TP (or SP, or recompute): the TP=1 losses, step after step.
         torch.testing.assert_close(losses["tp"], losses["tp1"], rtol=RTOL, atol=ATOL, msg=lambda m: f"{overrides}: {m}")
-        assert losses["tp"][0] != losses["no dropout"][0], overrides
+        assert k > 0 or losses["tp"][0] != losses["no dropout"][0], overrides
     return True
 
 
 def test_compiled_dropout_has_no_graph_break_and_keeps_the_tp_masks():
-    """Hidden and attention dropout > 0 at TP=2 +-SP +-recompute: one graph; replicated masks
+    """Hidden and attention dropout > 0 at TP=2, and with SP and recompute: one graph; replicated masks
     equal on every rank, the heads' masks different per rank, and the losses of TP=1."""
-    cases = [{}, {"sequence_parallel": True}, {"sequence_parallel": True, "recompute": True}]
+    cases = [{}, {"sequence_parallel": True, "recompute": True}]
     assert all(run_on_ranks(_dropout_body, 2, cases, timeout=900))
