@@ -1,11 +1,12 @@
-"""The training loop behind ``tensorpar train``: TP x CP x DP GPT training on one rank.
+"""The training loop behind ``tensorpar train``: TP x CP x PP x DP GPT training on one rank.
 
 :func:`train` runs on every rank of an initialized world (``torchrun``, the ``--nproc``
 launcher, or a test's process group). Each step: this DP rank's micro-batches (the same on
-every TP and CP rank of the group; CP ranks run their chunks of each, :mod:`.context_run`), forward under autocast when ``--dtype bf16`` (the weights stay
-fp32 and are the optimizer's master copy), backward with the DP all-reduces launched bucket by
-bucket as gradients appear (with ``--fsdp``: FSDP2's reduce-scatters, see
-:mod:`tensorpar.fsdp`), SP grads summed over TP, TP-aware clipping, AdamW, then metrics,
+every TP and CP rank of the group; CP ranks run their chunks of each, :mod:`.context_run`; PP
+stages run them through the schedule, :mod:`.pipeline_step`), forward under autocast when
+``--dtype bf16`` (the weights stay fp32 and are the optimizer's master copy), backward with
+the DP all-reduces launched bucket by bucket as gradients appear (with ``--fsdp``: FSDP2's
+reduce-scatters, see :mod:`tensorpar.fsdp`), SP grads summed over TP, TP-aware clipping, AdamW, then metrics,
 evaluation and checkpoints as asked.
 """
 
@@ -28,7 +29,7 @@ from ..errors import UsageError
 from ..fsdp import ShardedGradSync, bytes_per_rank, fully_shard
 from ..models.gpt import GPT
 from ..random import model_parallel_manual_seed
-from . import checkpoint, rundir
+from . import checkpoint, pipeline_step, rundir
 from .checkpoint_files import open_checkpoint, resolve
 from .checkpoint_format import TOKENIZER, CheckpointError
 from .context_run import ContextLayout
@@ -37,7 +38,6 @@ from .evaluation import autocast, evaluate
 from .flops import flops_per_token, peak_flops_per_s
 from .metrics import Rates, config_block
 from .model_config import build_config, check_fits, config_to_json, count_parameters, default_seq_len, hf_init_config
-from . import pipeline_step
 from .progress import Progress
 from .resume import RUN_SETTINGS, continue_settings, data_path, resume_header
 from .schedule import lr_at, settle_run
