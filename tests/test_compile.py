@@ -168,6 +168,7 @@ def _compiled_matches_eager_body(cases, tp1):
     (4, [{"sequence_parallel": True, "recompute": True}]),
     (2, [{"overlap": 2, "interleave": 2}]),
 ])
+@pytest.mark.slow
 def test_compiled_gpt_has_no_graph_break_and_matches_eager(world_size, cases):
     assert all(run_on_ranks(_compiled_matches_eager_body, world_size, cases, False, timeout=900))
 
@@ -294,6 +295,7 @@ def _dropout_body(cases):
     return True
 
 
+@pytest.mark.slow
 def test_compiled_dropout_has_no_graph_break_and_keeps_the_tp_masks():
     """Hidden and attention dropout > 0 at TP=2, and with SP and recompute: one graph; replicated masks
     equal on every rank, the heads' masks different per rank, and the losses of TP=1."""

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,6 +19,7 @@ def test_the_readme_shows_the_example_file_as_it_is():
     assert EXAMPLE.read_text() in blocks
 
 
+@pytest.mark.slow
 def test_readme_gpt_example_trains_under_torchrun():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(

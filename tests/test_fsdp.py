@@ -205,6 +205,7 @@ def runs(tmp_path_factory):
     return plain, fsdp, resumed
 
 
+@pytest.mark.slow
 def test_train_fsdp_matches_plain_data_parallel(runs):
     plain, fsdp, _ = runs
     assert list(fsdp) == list(plain) == [1, 2, 3, 4, 5, 6]

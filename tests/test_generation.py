@@ -66,6 +66,7 @@ def _decode_body(with_tp1: bool):
     return True
 
 
+@pytest.mark.slow
 def test_decode_step_equals_the_recomputation_at_tp_1_2_and_4():
     assert run_on_ranks(_decode_body, 2, True) == [True] * 2
     assert run_on_ranks(_decode_body, 4, False) == [True] * 4  # TP 1 ran above

@@ -88,6 +88,7 @@ def _cli(*argv, env=None, **kwargs):
                             stderr=subprocess.PIPE, text=True, env=env, **kwargs)
 
 
+@pytest.mark.slow
 def test_two_concurrent_runs_on_one_directory(tmp_path):
     out = tmp_path / "run"
     first = _cli("train", "--nproc", "1", *TINY, "--steps", "100000", "--log-every", "1", "--out", str(out))

@@ -58,6 +58,7 @@ def _cli(*argv) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_fine_tune_a_local_llama_end_to_end(local_llama, tmp_path):
     model_dir, text, _ = local_llama
     tokens, run, exported = tmp_path / "tokens.bin", tmp_path / "run", tmp_path / "exported"
@@ -87,6 +88,7 @@ SMALL = ["--steps", "2", "--nproc", "1", "--tp", "1", "--layers", "2", "--hidden
          "16", "--micro-batch", "2", "--warmup", "1", "--eval-every", "0", "--no-progress"]
 
 
+@pytest.mark.slow
 def test_the_tokenizer_travels_with_the_checkpoint_and_generate_takes_one(local_llama, tmp_path):
     """A tokenizer given as a relative path, then deleted: generate from another directory still
     decodes with the copy in the checkpoint. A token-file run without one takes --tokenizer."""
