@@ -103,3 +103,30 @@ def test_train_refuses_a_dp_size_whose_ranks_cannot_sum_subtrees(capsys):
     assert ("--tp-invariant: 3 data-parallel ranks cannot each sum a subtree of the 6 micro-batches per step "
             "(--global-batch 6 / --micro-batch 1; halves, then chains of 3): use a DP size of 1, 2") in err
     assert "Traceback" not in err
+
+
+
+def _reducer_refusals_body():
+    from tensorpar.grads import DataParallelGradReducer, mark_tp_invariant
+
+    plain, weight = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8))
+    try:
+        DataParallelGradReducer([plain], dp_group=None, micro_batches=2)
+    except ValueError as exc:
+        refused = str(exc)
+    mark_tp_invariant([weight])
+    reducer = DataParallelGradReducer([weight], dp_group=None, micro_batches=2)
+    (weight * 2.0).sum().backward()  # one micro-batch of the two the tree sums
+    try:
+        reducer.finish()
+    except RuntimeError as exc:
+        return refused, str(exc)
+    finally:
+        reducer.remove_hooks()
+
+
+def test_the_micro_batch_tree_refuses_a_plain_model_and_a_short_step():
+    refused, short = run_on_ranks(_reducer_refusals_body, 1)[0]
+    assert refused == ("DataParallelGradReducer: micro_batches= sums in the invariant mode's tree; the model is "
+                       "not tp_invariant")
+    assert short == "DataParallelGradReducer: finish() after 1 of the micro_batches=2 backwards its tree sums"

@@ -182,8 +182,8 @@ class DataParallelGradReducer:
         """Wait for every bucket (launching those with unused parameters); set ``.grad`` of fp32 parameters."""
         short = [tree.count for tree in (self.trees or {}).values() if tree.count not in (0, tree.leaves)]
         if short:
-            raise RuntimeError(f"DataParallelGradReducer: a gradient of {short[0]} micro-batches, not the "
-                               f"micro_batches={next(iter(self.trees.values())).leaves} the tree sums")
+            raise RuntimeError(f"DataParallelGradReducer: finish() after {short[0]} of the micro_batches="
+                               f"{next(iter(self.trees.values())).leaves} backwards its tree sums")
         for bucket in self.buckets:
             if bucket.handle is None:
                 self._launch(bucket)
