@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from . import comm
 from .initialization import param_is_not_tensor_parallel_duplicate
 from .parallel_state import get_data_parallel_group, resolve_tp_group
-from .tree_reduce import BLOCKS, all_reduce_tree, tree_sum
+from .tree_reduce import BLOCKS, HalvingTree, all_reduce_tree, tree_sum
 
 
 def mark_tp_invariant(params) -> None:
@@ -103,12 +103,20 @@ class DataParallelGradReducer:
     Parameters in a lower precision than fp32 (bf16) keep their gradient in ``main_grad``
     only (``.grad`` cannot hold fp32): step them through :class:`MasterWeights`. A TP-invariant
     model's buckets are summed in rank order (a tree, when the bucket fills), so an element's sum
-    does not depend on where the TP layout puts it in a bucket.
+    does not depend on where the TP layout puts it in a bucket. Given ``micro_batches`` (a
+    TP-invariant model only), each parameter's gradients of the step's ``micro_batches`` backwards
+    are summed in a fixed tree (:class:`~tensorpar.tree_reduce.HalvingTree`, ``sync`` unused) and
+    the DP sum finishes that tree, with no division: a loss divided by the global number of
+    micro-batches gives the same bits at any DP size (the training loop's invariant mode).
     """
 
-    def __init__(self, params, *, dp_group, bucket_bytes: int = 25 * 2**20) -> None:
+    def __init__(self, params, *, dp_group, bucket_bytes: int = 25 * 2**20, micro_batches: int | None = None) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.ordered = is_tp_invariant(self.params)
+        if micro_batches is not None and not self.ordered:
+            raise ValueError("DataParallelGradReducer: micro_batches= sums in the invariant mode's tree; "
+                             "the model is not tp_invariant")
+        self.trees = None if micro_batches is None else {id(p): HalvingTree(leaves=micro_batches) for p in self.params}
         self.group = dp_group
         self.dp_size = comm.group_size(dp_group)
         self.sync = True
@@ -136,12 +144,18 @@ class DataParallelGradReducer:
         self.buckets.append(bucket)
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        if param.grad is not None and (not param.grad_added_to_main_grad
-                                       or getattr(param, "zero_out_wgrad", False)):
+        if self.trees is not None:
+            total = self.trees[id(param)].add(param.grad)
+            param.grad = None
+            if total is None:  # the step's micro-batches are not all in yet
+                return
+            param.main_grad.copy_(total)
+        elif param.grad is not None and (not param.grad_added_to_main_grad
+                                         or getattr(param, "zero_out_wgrad", False)):
             param.main_grad.add_(param.grad)
         param.grad = None
         param.grad_added_to_main_grad = False
-        if not self.sync or getattr(param, "deferred_wgrad_pending", False):
+        if self.trees is None and not self.sync or getattr(param, "deferred_wgrad_pending", False):
             # Deferred wgrads (defer_wgrad_compute) reach main_grad later: the bucket waits for finish().
             return
         bucket = self._bucket_of[id(param)]
@@ -156,7 +170,7 @@ class DataParallelGradReducer:
         for p in bucket.params:
             # Read by ColumnParallelLinear.compute_deferred_wgrads: too late to add to main_grad.
             p.main_grad_reduced = True
-        if self.dp_size > 1:
+        if self.dp_size > 1 and self.trees is None:
             bucket.buffer.div_(self.dp_size)
         if self.ordered:
             bucket.buffer.copy_(all_reduce_tree(bucket.buffer, self.group))
@@ -166,6 +180,10 @@ class DataParallelGradReducer:
 
     def finish(self) -> None:
         """Wait for every bucket (launching those with unused parameters); set ``.grad`` of fp32 parameters."""
+        short = [tree.count for tree in (self.trees or {}).values() if tree.count not in (0, tree.leaves)]
+        if short:
+            raise RuntimeError(f"DataParallelGradReducer: finish() after {short[0]} of the micro_batches="
+                               f"{next(iter(self.trees.values())).leaves} backwards its tree sums")
         for bucket in self.buckets:
             if bucket.handle is None:
                 self._launch(bucket)
@@ -178,6 +196,8 @@ class DataParallelGradReducer:
                 p.grad = p.main_grad
 
     def zero_grad(self) -> None:
+        for tree in (self.trees or {}).values():
+            tree.reset()
         for bucket in self.buckets:
             bucket.buffer.zero_()
         for p in self.params:

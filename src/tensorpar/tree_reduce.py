@@ -71,3 +71,46 @@ def all_reduce_tree(tensor: torch.Tensor, group) -> torch.Tensor:
         flat = F.pad(flat, (0, -flat.numel() % n))
     total = comm.all_gather(reduce_scatter_tree(flat, group), group)
     return total[:tensor.numel()].view(tensor.shape)
+
+
+class HalvingTree:
+    """A streaming sum of ``leaves`` parts, fed in order, in one fixed tree: halves while the
+    count is even, then a chain (``((p0 + p1) + p2)``) over each odd run of parts.
+
+    The tree of any ``2**i`` consecutive equal pieces of it is a subtree: the sum of micro-batches
+    ``[r A, (r + 1) A)`` on DP rank ``r`` (``A`` = ``leaves / 2**i``), finished over the DP ranks
+    by :func:`all_reduce_tree` (pairwise in rank order), is the sum at DP = 1. Holds ``log2``
+    partial sums; adds in place into the parts (temporaries of the caller).
+
+    Example::
+
+        tree = HalvingTree(leaves=4)
+        for grad in grads: total = tree.add(grad)     # the sum once the 4th part is in, else None
+    """
+
+    def __init__(self, *, leaves: int) -> None:
+        self.leaves, self.run = leaves, leaves // (leaves & -leaves)  # the odd part: the chains' length
+        self.reset()
+
+    def reset(self) -> None:
+        self.count, self.chain, self.nodes = 0, None, []  # nodes: (parts summed, partial sum)
+
+    def add(self, part: torch.Tensor) -> torch.Tensor | None:
+        """Add the next part; the whole sum once the last part is in, else None."""
+        if self.count == self.leaves:
+            raise RuntimeError(f"HalvingTree: more than its {self.leaves} parts")
+        self.chain = part if self.chain is None else self.chain.add_(part)
+        self.count += 1
+        if self.count % self.run:
+            return None
+        node, size, self.chain = self.chain, 1, None
+        while self.nodes and self.nodes[-1][0] == size:
+            node, size = self.nodes.pop()[1].add_(node), size * 2
+        self.nodes.append((size, node))
+        return node if self.count == self.leaves else None
+
+
+def subtree_sizes(leaves: int) -> list[int]:
+    """The numbers of ranks whose equal consecutive pieces of :class:`HalvingTree` ``(leaves)``
+    are subtrees: the powers of two dividing ``leaves``."""
+    return [1 << i for i in range((leaves & -leaves).bit_length())]

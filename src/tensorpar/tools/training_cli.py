@@ -150,8 +150,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--compile", action="store_true",
                        help="torch.compile the model (one graph per micro-batch shape; default: eager)")
     model.add_argument("--tp-invariant", action=argparse.BooleanOptionalAction, default=None,
-                       help="bit-identical losses and weights at every TP size (1, 2, 4, 8; same machine), "
-                            "at extra GEMM launches (default: off)")
+                       help="bit-identical losses and weights at every TP (1, 2, 4, 8) and DP size, given the "
+                            "global batch and micro-batch (same machine), at extra GEMM launches (default: off)")
     model.add_argument("--grad-fusion", action=argparse.BooleanOptionalAction, default=None,
                        help="linear layers accumulate weight grads straight into fp32 main_grad (default: off)")
     model.add_argument("--dtype", choices=("fp32", "bf16"), default=None,

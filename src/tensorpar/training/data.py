@@ -351,6 +351,9 @@ class BatchSampler:
     The global batch of a step is ``grad_accum x dp_size x micro_batch`` windows; micro-batch
     ``k`` of DP rank ``r`` is row ``k``, columns ``r*micro_batch ...`` of that grid, so any
     (DP size, micro-batch) with the same product sees the same windows in each accumulation step.
+    With ``rank_contiguous`` (the TP-invariant mode) it is micro-batch ``r*grad_accum + k`` of the
+    step's ``grad_accum x dp_size`` instead: micro-batch ``j`` holds the same windows at any DP
+    size, and a rank's micro-batches are consecutive (a subtree of the gradient sum).
     """
 
     tokens: torch.Tensor
@@ -361,12 +364,15 @@ class BatchSampler:
     dp_size: int
     seed: int
     stream: int = 0
+    rank_contiguous: bool = False
 
     def offsets(self, step: int) -> torch.Tensor:
         """Offsets of the whole global batch, ``[grad_accum, dp_size, micro_batch]``."""
         high = self.tokens.numel() - self.seq_len - 1
         count = self.grad_accum * self.dp_size * self.micro_batch
         drawn = torch.randint(0, high, (count,), generator=_generator(self.seed, self.stream, step))
+        if self.rank_contiguous:
+            return drawn.view(self.dp_size, self.grad_accum, self.micro_batch).transpose(0, 1)
         return drawn.view(self.grad_accum, self.dp_size, self.micro_batch)
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -29,7 +29,7 @@ from ..errors import UsageError
 from ..fsdp import ShardedGradSync, bytes_per_rank, fully_shard
 from ..models.gpt import GPT
 from ..random import model_parallel_manual_seed
-from . import checkpoint, pipeline_step, rundir
+from . import checkpoint, invariant_batches, pipeline_step, rundir
 from .checkpoint_files import open_checkpoint, resolve
 from .checkpoint_format import TOKENIZER, CheckpointError
 from .context_run import ContextLayout
@@ -244,8 +244,9 @@ def _train(args, signals: Signals) -> RunResult:
                                   betas=(0.9, 0.95), eps=1e-8)
     # TP-invariant mode: the same reductions, in orders that do not depend on the TP size.
     grads = invariant if config.tp_invariant else tp_grads
-    reducer = ShardedGradSync(model) if fsdp else grads.DataParallelGradReducer(model.parameters(),
-                                                                                dp_group=cp.grad_group)
+    # And at any DP size: the step's micro-batches summed in one tree over the global index.
+    reducer = ShardedGradSync(model) if fsdp else grads.DataParallelGradReducer(
+        model.parameters(), dp_group=cp.grad_group, micro_batches=args.grad_accum if config.tp_invariant else None)
     # Training steps run the compiled model; evaluation and checkpoints use the module itself.
     step_model = torch.compile(model) if getattr(args, "compile", False) else model
     params = list(model.parameters())
@@ -257,8 +258,6 @@ def _train(args, signals: Signals) -> RunResult:
         checkpoint.load(ckpt, model=model, optimizer=optimizer, tp_group=tp_group, restore_rng=same_world,
                         pp_group=pp_group)
         start = meta["step"]
-        if model.dropout_masks is not None:  # TP-invariant masks continue from the step, at any TP size
-            model.dropout_masks.counter = start * args.grad_accum
         if not same_world:
             # Another layout has other ranks: continue with fresh, still reproducible, streams.
             model_parallel_manual_seed(args.seed + start)
@@ -267,7 +266,8 @@ def _train(args, signals: Signals) -> RunResult:
         calibrate_overlap(model, tokens=args.micro_batch * seq_len)
     num_parameters = count_parameters(model) if pp_size == 1 else model.num_parameters
     sampler = BatchSampler(train_tokens, seq_len=seq_len, micro_batch=args.micro_batch,
-                           grad_accum=args.grad_accum, dp_rank=dp_rank, dp_size=dp_size, seed=args.seed)
+                           grad_accum=args.grad_accum, dp_rank=dp_rank, dp_size=dp_size, seed=args.seed,
+                           rank_contiguous=config.tp_invariant)
     val_sampler = BatchSampler(val_tokens, seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=1,
                                dp_rank=dp_rank, dp_size=dp_size, seed=args.seed, stream=1)
     tokens_per_step = args.global_batch * seq_len
@@ -321,25 +321,36 @@ def _train(args, signals: Signals) -> RunResult:
                 group["lr"] = lr
             reducer.zero_grad()
             batches = sampler.micro_batches(step)
+            if model.dropout_masks is not None:  # TP-invariant masks: by global micro-batch, at any TP and DP size
+                model.dropout_masks.counter = invariant_batches.first_micro_batch(
+                    step, grad_accum=args.grad_accum, dp_size=dp_size, dp_rank=dp_rank)
             if pp_size > 1:
                 loss_sum = model.train_step(batches, reducer=reducer, dtype=args.dtype).to(device)
             else:
-                loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+                loss_sum, losses = torch.zeros((), dtype=torch.float64, device=device), []
                 for k, (tokens, labels) in enumerate(batches):
                     reducer.sync = k == len(batches) - 1
                     with autocast(args.dtype, device):
                         loss = step_model(tokens.to(device), labels.to(device))
-                    (loss * cp.loss_scale / len(batches)).backward()
+                    # The invariant mode: one division by the global micro-batch count, at any DP size.
+                    (loss * cp.loss_scale / (len(batches) * (dp_size if config.tp_invariant else 1))).backward()
                     loss_sum += loss.detach().double()
+                    losses.append(loss.detach())
             reducer.finish()
             if config.sequence_parallel and pp_size == 1:  # a pipeline's schedule sums them itself
                 grads.allreduce_sequence_parallel_grads(model)
             grad_norm = (grads.clip_grad_norm_(params, args.clip_grad, dp_group=dp_group, pp_group=pp_group)
                          if args.clip_grad > 0 else grads.get_grad_norm(params, dp_group=dp_group, pp_group=pp_group))
             optimizer.step()
-            comm.all_reduce(loss_sum, dp_group)
+            if config.tp_invariant:  # added in global micro-batch order (the invariant mode has no PP)
+                mean = invariant_batches.mean_by_index(
+                    losses, indices=range(dp_rank * len(batches), (dp_rank + 1) * len(batches)),
+                    total=len(batches) * dp_size, dp_group=dp_group, device=device)
+            else:
+                comm.all_reduce(loss_sum, dp_group)
+                mean = loss_sum / (len(batches) * dp_size)
             done = step + 1
-            pending.append((done, lr, loss_sum / (len(batches) * dp_size), grad_norm))
+            pending.append((done, lr, mean, grad_norm))
             log = done % args.log_every == 0 or done == args.steps or done == start + 1
             evaluating = bool(args.eval_every) and (done % args.eval_every == 0 or done == args.steps)
             stop = stop_requested(signals, control)
@@ -357,7 +368,8 @@ def _train(args, signals: Signals) -> RunResult:
                                  "compiling included")
                 interval_began = time.perf_counter()
             if evaluating:
-                val = (evaluate if pp_size == 1 else pipeline_step.evaluate)(
+                val = (invariant_batches.evaluate if config.tp_invariant else evaluate if pp_size == 1
+                       else pipeline_step.evaluate)(
                     model, val_sampler, iters=args.eval_iters, dtype=args.dtype, device=device, dp_group=dp_group)
                 result.val_losses[done] = val
                 progress.eval(step=done, val_loss=val)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from ..errors import UsageError
+from ..tree_reduce import subtree_sizes
 
 DEFAULT_SCHEDULE = {"lr": 3e-3, "warmup": 30}
 MIN_LR_FRACTION = 0.1  # --min-lr, unless given, is this fraction of --lr
@@ -25,7 +26,8 @@ def settle_run(args, *, meta: dict | None, dp_size: int) -> None:
     rate schedule (``--lr``, ``--min-lr``, ``--warmup``, ``--lr-decay-steps``) is the resumed
     run's unless given; a fresh run decays over ``--steps``. The global batch (sequences per
     optimizer step) and the micro-batch are the resumed run's unless given, and gradient
-    accumulation is what makes the global batch at this DP size. Idempotent: the ranks settle
+    accumulation is what makes the global batch at this DP size (the invariant mode needs a DP size
+    whose ranks sum subtrees of the step's micro-batches: a power of two dividing them). Idempotent: the ranks settle
     again what the command line settled.
     """
     start = meta["step"] if meta else 0
@@ -67,6 +69,12 @@ def settle_run(args, *, meta: dict | None, dp_size: int) -> None:
                          f"data-parallel ranks is {args.grad_accum * args.micro_batch * dp_size} sequences per "
                          f"step, not {what} {batch}: leave --grad-accum out to adapt it")
     args.global_batch, args.grad_accum = batch, accum
+    sizes = subtree_sizes(batch // args.micro_batch)
+    if getattr(args, "tp_invariant", False) and dp_size not in sizes:
+        raise UsageError(f"--tp-invariant: {dp_size} data-parallel ranks cannot each sum a subtree of the "
+                         f"{batch // args.micro_batch} micro-batches per step ({what} {batch} / --micro-batch "
+                         f"{args.micro_batch}; halves, then chains of {batch // args.micro_batch // sizes[-1]}): "
+                         f"use a DP size of {', '.join(map(str, sizes))}")
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int) -> float:
