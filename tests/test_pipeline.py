@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import tensorpar as tp
 from tensorpar import pipeline
+from tensorpar.comm_model import CommConfig
 from tensorpar.errors import UsageError
 from tensorpar.models import GPT, GPTConfig
 from tests.harness import run_on_ranks
@@ -178,6 +179,14 @@ def test_the_ledger_records_every_activation_and_gradient_between_stages():
     # Stage 0 sends each micro-batch's activations and receives their gradients; stage 1 the reverse.
     assert sorted(first) == sorted([("send", *activation)] * 3 + [("recv", *activation)] * 3)
     assert sorted(last) == sorted(first)
+    # The cost model (tensorpar comm --pp) predicts these sends: shape, dtype, bytes and counts.
+    cfg = CommConfig(layer="gpt-step", hidden=TINY["hidden_size"], heads=2, seq_len=SEQ, batch=ROWS_PER_MICROBATCH,
+                     layers=TINY["num_layers"], tp=1, dtype="fp32")
+    cost = pipeline.pipeline_cost(cfg, pp_size=2, schedule="1f1b", microbatches=3)
+    assert (cost.send_shape, cost.dtype, cost.bytes_per_send) == activation
+    for records, rank in zip((first, last), cost.ranks):
+        assert [op for op, *_ in records].count("send") == rank.sends == 3
+        assert [op for op, *_ in records].count("recv") == rank.recvs == 3
 
 
 def test_too_few_microbatches_are_refused_in_one_line_naming_the_requirement():

@@ -10,12 +10,14 @@ Example::
     stages = pipeline.build_stages(config, layout, pp_group=pp_group, tp_group=tp_group)
     schedule = pipeline.PipelineSchedule(stages, layout, schedule="1f1b", microbatches=4, pp_group=pp_group)
     loss = schedule.step(tokens, labels)
+    pipeline.bubble_fraction("1f1b", pp_size=2, microbatches=4)   # (0.2, '(P-1)/(M+P-1) = 1/5')
 """
 
+from .cost import PipelineCost, RankTraffic, bubble_fraction, pipeline_cost
 from .plan import SCHEDULES, ScheduleSpec, StageLayout, check_microbatches, stage_layout, stages_per_rank
 from .schedule import PipelineSchedule
 from .stages import build_stages
 from .torch_stage import TorchStage
 
-__all__ = ["SCHEDULES", "PipelineSchedule", "ScheduleSpec", "StageLayout", "TorchStage", "build_stages",
-           "check_microbatches", "stage_layout", "stages_per_rank"]
+__all__ = ["SCHEDULES", "PipelineCost", "PipelineSchedule", "RankTraffic", "ScheduleSpec", "StageLayout", "TorchStage",
+           "bubble_fraction", "build_stages", "check_microbatches", "pipeline_cost", "stage_layout", "stages_per_rank"]

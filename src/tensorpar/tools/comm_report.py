@@ -2,7 +2,8 @@
 
 The prediction is :mod:`tensorpar.comm_model`'s; with ``--fsdp`` the GPT step's under
 :func:`tensorpar.fully_shard` over ``--dp`` ranks, FSDP's all-gathers and reduce-scatters
-included (:mod:`tensorpar.fsdp_model`). ``--measure`` runs the same layer on ``--tp`` (x ``--dp``)
+included (:mod:`tensorpar.fsdp_model`); with ``--pp`` also the pipeline's sends between stages
+and its bubble (:mod:`tensorpar.pipeline.cost`). ``--measure`` runs the same layer on ``--tp`` (x ``--dp``)
 spawned gloo ranks under a :class:`tensorpar.CommLedger` (sizes divided by ``--scale``,
 :mod:`tensorpar.tools.comm_measure`) and prints each measured collective next to the predicted one.
 
@@ -37,6 +38,7 @@ from ..errors import UsageError
 from .cli import TORCH_COMMANDS
 from ..fsdp_model import FSDPConfig, state_bytes_per_rank, step_collectives
 from ..memory_model import activation_memory
+from ..pipeline import SCHEDULES, PipelineCost, pipeline_cost
 from .comm_measure import check_measurable, gpt_config, measure, record_key, scaled
 
 
@@ -119,6 +121,35 @@ def format_overlap(cfg: CommConfig, args) -> list[str]:
             f"{_duration(unchunked + others)}), counting every other collective as exposed"]
 
 
+def _pipeline(cfg: CommConfig, args) -> PipelineCost | None:
+    """With ``--pp``: the pipeline's cost (micro-batches default to 2 x PP, which every schedule runs)."""
+    if args.pp is None:
+        return None
+    return pipeline_cost(cfg, pp_size=args.pp, schedule=args.pp_schedule or "1f1b",
+                         virtual_stages=args.virtual_stages, microbatches=args.microbatches or 2 * args.pp)
+
+
+def format_pipeline(cfg: CommConfig, cost: PipelineCost, args) -> list[str]:
+    """The bytes of one send between stages, each rank's sends per step, and the bubble."""
+    link = {"bandwidth_gbps": args.bandwidth, "latency_us": args.latency}
+    table = _table(["rank", "stages", "activation sends", "gradient sends", "recvs", "sent/rank", "est. time"],
+                   [[r.rank, ", ".join(map(str, r.stages)), r.activation_sends, r.gradient_sends, r.recvs,
+                     _size(r.sends * cost.bytes_per_send), _duration(r.sends * cost.send_time_s(**link))]
+                    for r in cost.ranks])
+    bubble = (f"{100 * cost.bubble:.1f}% of the step, {cost.bubble_formula} (stages of equal time)"
+              if cost.bubble is not None else cost.bubble_formula)
+    return ["", f"pipeline: PP={cost.pp_size}, {cost.schedule}, {cost.stages_per_rank} stage(s) per rank, "
+                f"{cost.microbatches} micro-batches per step of {cfg.batch} x {cfg.seq_len} tokens; "
+                f"{cost.layout.describe()}",
+            f"per send: one micro-batch's hidden states {list(cost.send_shape)} {_dtype_name(cost.dtype)} = "
+            f"{_size(cost.bytes_per_send)} forward, their gradient the same backward, "
+            f"{_duration(cost.send_time_s(**link))} each",
+            "sends per step (each TP rank of a stage sends its own; stages on one rank send nothing):", table,
+            f"bubble: {bubble}",
+            "the TP collectives above are one micro-batch's through the whole model: a stage issues its own "
+            "layers' once per micro-batch"]
+
+
 def format_report(cfg: CommConfig, args) -> str:
     """The op table (ops of every GPT layer folded into one row with a count) and totals."""
     ops = _ops(cfg, args)
@@ -152,7 +183,19 @@ def format_report(cfg: CommConfig, args) -> str:
         state = state_bytes_per_rank(gpt_config(cfg), tp=cfg.tp, dp=fsdp.dp)
         lines.append("held between steps (FSDP shards, fp32, AdamW): " + ", ".join(
             f"{what} {_size(n)}" for what, n in state.items()) + " per rank")
-    return "\n".join(lines + format_overlap(cfg, args))
+    cost = _pipeline(cfg, args)
+    return "\n".join(lines + format_overlap(cfg, args) + (format_pipeline(cfg, cost, args) if cost else []))
+
+
+def _pipeline_json(cost: PipelineCost | None, link: dict) -> dict | None:
+    if cost is None:
+        return None
+    return {"schedule": cost.schedule, "pp_size": cost.pp_size, "stages_per_rank": cost.stages_per_rank,
+            "microbatches": cost.microbatches, "layers_per_stage": [[r.start, r.stop] for r in cost.layout.layers],
+            "send_shape": list(cost.send_shape), "dtype": _dtype_name(cost.dtype),
+            "bytes_per_send": cost.bytes_per_send, "send_time_s": cost.send_time_s(**link),
+            "ranks": [dataclasses.asdict(r) for r in cost.ranks], "bubble": cost.bubble,
+            "bubble_formula": cost.bubble_formula}
 
 
 def report_json(cfg: CommConfig, args) -> dict:
@@ -168,6 +211,7 @@ def report_json(cfg: CommConfig, args) -> dict:
         "link": link,
         "activation_bytes_per_rank": activation_memory(cfg),
         "overlap_plan": overlap_plan(cfg, _link(args)),
+        "pipeline": _pipeline_json(_pipeline(cfg, args), link),
     }
 
 
@@ -262,8 +306,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "comm", help=TORCH_COMMANDS["comm"][1],
         description="Predict the tensor-parallel collectives (count, bytes, time) of one layer or one GPT "
-                    "training step, with or without sequence parallelism; --measure also runs it on --tp "
-                    "local gloo ranks and compares.\n\nexample:\n  tensorpar comm --layer column "
+                    "training step, with or without sequence parallelism; --pp adds a pipeline's sends between "
+                    "stages and its bubble; --measure also runs it on --tp local gloo ranks and compares."
+                    "\n\nexample:\n  tensorpar comm --layer column "
                     "--gather-output --hidden 4096 --seq-len 2048 --batch 1 --tp 2 --dtype bf16")
     p.add_argument("--layer", choices=LAYERS, required=True, help="what to predict")
     p.add_argument("--hidden", type=_positive_int, default=4096, help="hidden size")
@@ -287,6 +332,14 @@ def register(subparsers) -> None:
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="with --fsdp: free each block's gathered parameters after its forward (default: yes; "
                         "no: ZeRO-2-like)")
+    p.add_argument("--pp", type=_positive_int, default=None,
+                   help="with --layer gpt-step: the layers cut into this many pipeline stages; also report "
+                        "the sends between stages and the schedule's bubble")
+    p.add_argument("--pp-schedule", choices=SCHEDULES, default=None, help="with --pp: the schedule (default: 1f1b)")
+    p.add_argument("--virtual-stages", type=_positive_int, default=None,
+                   help="with --pp: stages per rank of interleaved-1f1b, looped-bfs, interleaved-zb (default: 2)")
+    p.add_argument("--microbatches", type=_positive_int, default=None,
+                   help="with --pp: micro-batches per step, each of --batch sequences (default: 2 x PP)")
     p.add_argument("--gather-output", action="store_true", help="column layer gathers its output")
     p.add_argument("--input-is-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="row layer input already split on the last dim (default: yes)")
@@ -316,12 +369,30 @@ def _config(args, **overrides) -> CommConfig:
     return CommConfig(**fields)
 
 
+def _check_pipeline_flags(args) -> None:
+    """Refuse, in one line, pipeline flags without ``--pp`` and what ``--pp`` does not model."""
+    if args.pp is None:
+        flags = (("--pp-schedule", args.pp_schedule), ("--virtual-stages", args.virtual_stages),
+                 ("--microbatches", args.microbatches))
+        given = [flag for flag, value in flags if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply with --pp (the pipeline-parallel size)")
+        return
+    if args.layer != "gpt-step":
+        raise ValueError(f"--pp {args.pp} models a GPT step's stages: use --layer gpt-step, not {args.layer}")
+    for flag, on in (("--measure", args.measure), ("--compare-sp", args.compare_sp), ("--fsdp", args.fsdp)):
+        if on:
+            raise ValueError(f"--pp {args.pp} with {flag} is not supported yet: drop {flag} to get the predicted "
+                             "sends between stages and the bubble")
+
+
 def run(args) -> int:
     """Print the report; with ``--measure`` exit 1 if measurement and prediction differ."""
     try:
         cfg = _config(args)
         if args.dp is not None and not args.fsdp:
             raise ValueError(f"--dp {args.dp} applies with --fsdp (the DP size FSDP shards over)")
+        _check_pipeline_flags(args)
         if args.compare_sp:
             print(format_compare(_config(args, sp=False), _config(args, sp=True), args))
             return 0
@@ -335,6 +406,7 @@ def run(args) -> int:
             cfg = scaled(cfg, args.scale)
             check_measurable(cfg)
         _ops(cfg, args)  # FSDP's layer and sizes are checked here
+        _pipeline(cfg, args)  # and the pipeline's layout and micro-batches
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     print(format_report(cfg, args))

@@ -287,7 +287,7 @@ def _train(args, signals: Signals) -> RunResult:
               f"x {args.grad_accum} accumulation) = {tokens_per_step:,} tokens/step, data: {corpus.source}",
               flush=True)
         if pp_size > 1:
-            print(f"tensorpar train: pipeline {args.pp_schedule}, {model.layout.describe()}", flush=True)
+            print(f"tensorpar train: {model.header}", flush=True)
         memory = ", ".join(f"{what} {n / 2**20:.2f} MiB" for what, n in bytes_per_rank(model).items())
         print(f"tensorpar train: per rank {memory}" + (f" (FSDP: 1/{dp_size} of each TP shard)" if fsdp else ""),
               flush=True)

@@ -13,6 +13,7 @@ Example::
 
     model = PipelinedGPT(config, schedule="1f1b", microbatches=4, virtual_stages=None, device=device)
     loss_sum = model.train_step(sampler.micro_batches(step), reducer=reducer, dtype="fp32")
+    model.header   # 'pipeline 1f1b, stage 0 (rank 0): layers 0-1, ..., predicted bubble 20%'
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 
 from .. import comm, parallel_state as ps
 from ..models import GPTConfig
-from ..pipeline import PipelineSchedule, build_stages, stage_layout
+from ..pipeline import PipelineSchedule, StageLayout, bubble_fraction, build_stages, stage_layout
 from .data import BatchSampler
 from .evaluation import autocast
 
@@ -35,6 +36,15 @@ def _pp1_name(stage, name: str) -> str:
     if name == "lm_head.weight" and stage.config.tie_word_embeddings:
         return "embedding.word.weight"
     return name
+
+
+def pipeline_header(layout: StageLayout, *, schedule: str, microbatches: int, virtual_stages: int | None) -> str:
+    """The run header's line: the schedule, the stage layout and the predicted bubble, e.g.
+    ``pipeline 1f1b, stage 0 (rank 0): layers 0-1, stage 1 (rank 1): layers 2-3, predicted bubble 20%``."""
+    bubble, _ = bubble_fraction(schedule, pp_size=layout.pp_size, microbatches=microbatches,
+                                virtual_stages=virtual_stages)
+    predicted = f"predicted bubble {100 * bubble:.0f}%" if bubble is not None else f"bubble not modelled for {schedule}"
+    return f"pipeline {schedule}, {layout.describe()}, {predicted}"
 
 
 def _stacked(micro_batches, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +77,8 @@ class PipelinedGPT(nn.Module):
                                          microbatches=microbatches, pp_group=pp_group,
                                          embedding_group=embedding_group)
         self.num_parameters = self._count()
+        self.header = pipeline_header(self.layout, schedule=schedule, microbatches=microbatches,
+                                      virtual_stages=virtual_stages)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         seen = set()

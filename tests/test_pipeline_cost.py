@@ -1,0 +1,104 @@
+"""The pipeline's cost model (:mod:`tensorpar.pipeline.cost`): the bubble against hand values,
+the sends of each rank per step, ``tensorpar comm --pp`` and what it refuses, and the bubble in
+the ``tensorpar train --pp`` header. The bytes per send against a measured step are checked in
+tests/test_pipeline.py's ledger test."""
+
+import json
+
+import pytest
+import torch
+
+from tensorpar import pipeline
+from tensorpar.comm_model import CommConfig
+from tensorpar.tools import cli
+from tensorpar.training.pipeline_step import pipeline_header
+
+TINY = CommConfig(layer="gpt-step", hidden=64, heads=2, seq_len=16, batch=2, vocab=64, layers=8, tp=1, dtype="fp32")
+
+
+@pytest.mark.parametrize("schedule, pp, m, v, expected", [
+    ("gpipe", 4, 8, None, 3 / 11),
+    ("1f1b", 2, 4, None, 1 / 5),
+    ("interleaved-1f1b", 4, 8, 2, 3 / 19),       # (P-1)/(V M+P-1)
+    ("interleaved-1f1b", 4, 8, 1, 3 / 11),       # one stage per rank: 1F1B's
+    ("looped-bfs", 4, 4, 3, 3 / 15),
+    ("looped-bfs", 4, 2, 2, 5 / 9),              # M < P: the loop back waits P - M stage-times
+    ("interleaved-zb", 2, 4, 2, None),
+    ("zbv", 2, 4, None, None),
+    ("dualpipev", 2, 4, None, None),
+])
+def test_bubble_fraction_against_hand_values(schedule, pp, m, v, expected):
+    bubble, formula = pipeline.bubble_fraction(schedule, pp_size=pp, microbatches=m, virtual_stages=v)
+    if expected is None:
+        assert bubble is None and formula.startswith("not modelled")
+    else:
+        assert bubble == pytest.approx(expected, rel=1e-12, abs=0) and "(P-1" in formula
+
+
+def test_sends_per_rank_per_step_for_single_interleaved_and_v_placements():
+    def traffic(schedule, pp, **kw):
+        cost = pipeline.pipeline_cost(TINY, pp_size=pp, schedule=schedule, microbatches=4, **kw)
+        return [(r.stages, r.activation_sends, r.gradient_sends, r.activation_recvs, r.gradient_recvs)
+                for r in cost.ranks]
+
+    # An inner stage sends its activations on and its input gradients back: 2 M each way.
+    assert traffic("1f1b", 4) == [((0,), 4, 0, 0, 4), ((1,), 4, 4, 4, 4), ((2,), 4, 4, 4, 4), ((3,), 0, 4, 4, 0)]
+    assert traffic("interleaved-1f1b", 2, virtual_stages=2) == [((0, 2), 8, 4, 4, 8), ((1, 3), 4, 8, 8, 4)]
+    # The V's turn (stage 1 to 2) stays on rank 1: nothing sent there.
+    assert traffic("zbv", 2) == [((0, 3), 4, 4, 4, 4), ((1, 2), 4, 4, 4, 4)]
+
+
+def test_bytes_per_send_with_tp_and_a_padded_sequence_parallel_shard():
+    cost = pipeline.pipeline_cost(TINY, pp_size=2, microbatches=2)
+    assert (cost.send_shape, cost.dtype, cost.bytes_per_send) == ((16, 2, 64), torch.float32, 16 * 2 * 64 * 4)
+    sp = CommConfig(**{**vars(TINY), "seq_len": 15, "tp": 2, "sp": True, "dtype": "bf16"})
+    cost = pipeline.pipeline_cost(sp, pp_size=2, microbatches=2)
+    assert (cost.send_shape, cost.bytes_per_send) == ((8, 2, 64), 8 * 2 * 64 * 2)
+
+
+ARGV = ["comm", "--layer", "gpt-step", "--tp", "1", "--layers", "4", "--hidden", "64", "--heads", "2",
+        "--seq-len", "16", "--vocab", "64", "--pp", "2"]
+
+
+def test_comm_pp_prints_the_sends_and_the_bubble(capsys):
+    assert cli.main([*ARGV, "--microbatches", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("pipeline: ")))
+    assert lines[start] == ("pipeline: PP=2, 1f1b, 1 stage(s) per rank, 4 micro-batches per step of 1 x 16 tokens; "
+                            "stage 0 (rank 0): layers 0-1, stage 1 (rank 1): layers 2-3")
+    assert lines[start + 1].startswith("per send: one micro-batch's hidden states [16, 1, 64] bf16 = 2.0 KiB")
+    assert lines[start + 3].split() == ["rank", "stages", "activation", "sends", "gradient", "sends", "recvs",
+                                        "sent/rank", "est.", "time"]
+    assert [line.split()[:6] for line in lines[start + 4:start + 6]] == [
+        ["0", "0", "4", "0", "4", "8.0"], ["1", "1", "0", "4", "4", "8.0"]]
+    assert lines[start + 6] == "bubble: 20.0% of the step, (P-1)/(M+P-1) = 1/5 (stages of equal time)"
+    assert cli.main([*ARGV, "--pp-schedule", "interleaved-1f1b", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["pipeline"]
+    assert (report["microbatches"], report["stages_per_rank"], report["bubble"]) == (4, 2, pytest.approx(1 / 9))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--measure"], "--pp 2 with --measure is not supported yet"),
+    (["--fsdp"], "--pp 2 with --fsdp is not supported yet"),
+    (["--pp-schedule", "1f1b", "--pp", "4", "--microbatches", "3"], "the 1f1b schedule at PP=4 needs at least PP = 4"),
+    (["--pp", "8", "--pp-schedule", "zbv"], "16 pipeline stages (PP=8 x 2 per rank) exceed the 4 layers"),
+    (["--layer", "mlp"], "--pp 2 models a GPT step's stages: use --layer gpt-step, not mlp"),
+])
+def test_comm_pp_refuses_in_one_line(extra, message, capsys):
+    assert cli.main([*ARGV, *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_pipeline_flags_without_pp_are_refused(capsys):
+    assert cli.main(["comm", "--layer", "gpt-step", "--microbatches", "4", "--virtual-stages", "2"]) == 2
+    assert "--virtual-stages, --microbatches apply with --pp" in capsys.readouterr().err
+
+
+def test_the_train_header_names_the_predicted_bubble():
+    layout = pipeline.stage_layout(4, pp_size=2, schedule="1f1b")
+    assert pipeline_header(layout, schedule="1f1b", microbatches=4, virtual_stages=None) == (
+        "pipeline 1f1b, stage 0 (rank 0): layers 0-1, stage 1 (rank 1): layers 2-3, predicted bubble 20%")
+    v = pipeline.stage_layout(4, pp_size=2, schedule="zbv")
+    assert pipeline_header(v, schedule="zbv", microbatches=4, virtual_stages=None).endswith(
+        ", bubble not modelled for zbv")
