@@ -1,6 +1,7 @@
 """A GPT over a context-parallel group (tensorpar.models.context_split): at CP 2 and 4, in both
 modes, the loss and every weight gradient (summed over CP) equal the CP=1 model's, for a
-GPT-2-style and a Llama-style GQA model, with a sequence 2 x CP does not divide."""
+GPT-2-style and a Llama-style GQA model, with a sequence 2 x CP does not divide, and with
+hidden dropout (each token's mask that of its global position)."""
 
 from __future__ import annotations
 
@@ -48,9 +49,9 @@ def _step(config: GPTConfig, tp_group, cp_group=None):
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, ledger, partial
 
 
-def _gpt_body(name: str, mode: str, recompute: bool):
+def _gpt_body(name: str, mode: str, recompute: bool, dropout: float = 0.0):
     one, cp_group = _groups()
-    config = dataclasses.replace(MODELS[name], context_parallel_comm=mode, recompute=recompute)
+    config = dataclasses.replace(MODELS[name], context_parallel_comm=mode, recompute=recompute, dropout=dropout)
     reference_loss, reference_grads, _, _ = _step(dataclasses.replace(config, recompute=False), one)
     loss, grads, ledger, _ = _step(config, one, cp_group)
     torch.testing.assert_close(loss, reference_loss)
@@ -75,6 +76,11 @@ def test_gpt_at_cp_with_recompute_equals_cp_1(mode):
     run_on_ranks(_gpt_body, 2, "llama", mode, True)
 
 
+@pytest.mark.parametrize("mode", ["a2a", "p2p"])
+def test_gpt_at_cp_with_dropout_equals_cp_1(mode):
+    run_on_ranks(_gpt_body, 2, "gpt2", mode, False, 0.1)
+
+
 def _tp_cp_groups():
     """TP 2 x CP 2 on 4 ranks in Megatron's order (TP fastest): this rank's TP and CP groups."""
     if "tp" not in _GROUPS:
@@ -85,9 +91,10 @@ def _tp_cp_groups():
     return _GROUPS["tp"], _GROUPS["tp-cp"]
 
 
-def _tp_cp_body(name: str, mode: str, sequence_parallel: bool):
+def _tp_cp_body(name: str, mode: str, sequence_parallel: bool, dropout: float = 0.0):
     tp_group, cp_group = _tp_cp_groups()
-    config = dataclasses.replace(MODELS[name], context_parallel_comm=mode, sequence_parallel=sequence_parallel)
+    config = dataclasses.replace(MODELS[name], context_parallel_comm=mode, sequence_parallel=sequence_parallel,
+                                 dropout=dropout)
     reference_loss, reference_grads, _, _ = _step(config, tp_group)
     loss, grads, _, partial = _step(config, tp_group, cp_group)
     torch.testing.assert_close(loss, reference_loss)
@@ -106,10 +113,15 @@ def test_gpt_at_tp_2_cp_2_equals_tp_2_cp_1(name, mode, sequence_parallel):
     assert all(run_on_ranks(_tp_cp_body, 4, name, mode, sequence_parallel))
 
 
+def test_gpt_at_tp_2_cp_2_with_sp_and_dropout_equals_tp_2_cp_1():
+    assert all(run_on_ranks(_tp_cp_body, 4, "llama", "p2p", True, 0.1))
+
+
 def _refusal_body():
     _, cp_group = _groups()
     try:
-        GPT(dataclasses.replace(GPT2, dropout=0.1), tp_group=_groups()[0], cp_group=cp_group, device="cpu")
+        GPT(dataclasses.replace(GPT2, dropout=0.1, attention_dropout=0.1), tp_group=_groups()[0], cp_group=cp_group,
+            device="cpu")
     except ValueError as error:
         return str(error)
     return None
@@ -117,6 +129,6 @@ def _refusal_body():
 
 def test_gpt_at_cp_refuses_what_it_cannot_do_in_one_line():
     message = run_on_ranks(_refusal_body, 2)[0]
-    assert message == "context parallelism does not support dropout=0.1 yet"
+    assert message == "context parallelism does not support attention_dropout=0.1 yet"
     with pytest.raises(ValueError, match="context_parallel_comm must be one of"):
         dataclasses.replace(GPT2, context_parallel_comm="ring")

@@ -142,6 +142,27 @@ def test_sequence_parallel_dropout_draws_and_keeps_only_this_ranks_rows():
             assert 0.35 < keep_fraction < 0.65
 
 
+def test_dropout_by_row_starts_gives_each_cp_rank_the_masks_of_its_global_rows():
+    """A CP rank's rows are two chunks of the sequence: each row gets the mask CP=1 gives its
+    position, in blocks of 2 rows that cross the chunks' edges, and the padding rows are dropped."""
+    from tensorpar.context import SequenceChunks
+
+    x = torch.randn(13, 2, 3)
+    with unittest.mock.patch.object(tp.random, "DROPOUT_BLOCK_ELEMENTS", 2 * 6):
+        torch.manual_seed(5)
+        full = dropout(x, 0.5)
+        for cp in (2, 4):
+            for rank in range(cp):
+                chunks = SequenceChunks(13, cp, rank)
+                torch.manual_seed(5)
+                local = dropout(chunks.shard(x, dim=0, pad_value=1.0), 0.5, valid_rows=13,
+                                row_starts=tuple(c * chunks.chunk_len for c in chunks.chunks()))
+                assert torch.equal(local, chunks.shard(full, dim=0)), (cp, rank)
+    with pytest.raises(ValueError, match=r"valid_rows must be an int in \[1, inf\] \(the full sequence's rows\), "
+                                         "got None"):
+        dropout(x[:12], 0.5, row_starts=(0, 8))
+
+
 def _seed_before_initialize_body():
     with pytest.raises(RuntimeError, match="call tensorpar.initialize_model_parallel"):
         tp.model_parallel_manual_seed(1)

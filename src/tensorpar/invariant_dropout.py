@@ -65,14 +65,16 @@ def _keep(shape, p: float, key: torch.Tensor, sites: list[tuple], device) -> tor
 
 
 def dropout(input_: torch.Tensor, p: float, *, key: torch.Tensor | None, site: tuple, training: bool = True,
-            sequence_parallel: bool = False, tp_group=None, valid_rows: int | None = None) -> torch.Tensor:
+            sequence_parallel: bool = False, tp_group=None, valid_rows: int | None = None,
+            row_starts: tuple[int, ...] | None = None) -> torch.Tensor:
     """Dropout of ``input_`` (``[s, b, ...]``, or this rank's ``[s/TP, b, ...]`` under SP) with a
     mask of fixed sequence blocks, block ``i`` drawn from ``(key, site, i)``; without a ``key``,
-    :func:`tensorpar.random.dropout` (``valid_rows``: its padding; the keyed mode's sequence
-    divides into whole blocks, so it is never padded)."""
+    :func:`tensorpar.random.dropout` (``valid_rows``: its padding, ``row_starts``: its CP chunks;
+    the keyed mode's sequence divides into whole blocks, so it is never padded, and it does not
+    run under CP)."""
     if key is None:
         return stream_dropout(input_, p, training=training, sequence_parallel=sequence_parallel, tp_group=tp_group,
-                              valid_rows=valid_rows)
+                              valid_rows=valid_rows, row_starts=row_starts)
     if not training or p == 0.0:
         return input_
     rows, first_row, full_rows = input_.shape[0], 0, input_.shape[0]

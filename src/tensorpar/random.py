@@ -224,8 +224,8 @@ def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inf
     model_parallel_manual_seed(seed, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank)
 
 
-def dropout(input_: torch.Tensor, p: float, *, training: bool = True,
-            sequence_parallel: bool = False, tp_group=None, valid_rows: int | None = None) -> torch.Tensor:
+def dropout(input_: torch.Tensor, p: float, *, training: bool = True, sequence_parallel: bool = False,
+            tp_group=None, valid_rows: int | None = None, row_starts: tuple[int, ...] | None = None) -> torch.Tensor:
     """Dropout whose mask does not depend on the TP size, seeded from the default stream.
 
     For an activation every TP rank holds whole, or (``sequence_parallel=True``) one split
@@ -240,10 +240,16 @@ def dropout(input_: torch.Tensor, p: float, *, training: bool = True,
     extent, so its values do not depend on the padding (a device generator may map values to
     positions by the size drawn), and the padding rows are zeroed.
 
+    ``row_starts``: the full tensor is ``len(row_starts)`` equal runs of rows of a longer
+    sequence, run ``i`` from its row ``row_starts[i]`` on (a context-parallel rank's chunks):
+    each row gets the mask of its row in that sequence, so the CP layout does not change it;
+    ``valid_rows`` (that sequence's real rows) is then required.
+
     Example::
 
         h = dropout(h, 0.1, sequence_parallel=True)      # h: [s/TP, b, h]
         h = dropout(h, 0.1, sequence_parallel=True, valid_rows=1023)   # 1023 tokens padded to 1024
+        h = dropout(h, 0.1, valid_rows=13, row_starts=(4, 8))          # rows 4-7 and 8-11 of 13 (+3 padding)
     """
     if not training or p == 0.0:
         return input_
@@ -254,16 +260,41 @@ def dropout(input_: torch.Tensor, p: float, *, training: bool = True,
     if sequence_parallel:
         group = resolve_tp_group(tp_group)
         first_row, full_rows = comm.group_rank(group) * rows, comm.group_size(group) * rows
-    if valid_rows is not None:
-        if isinstance(valid_rows, bool) or not isinstance(valid_rows, int) or not 0 < valid_rows <= full_rows:
-            raise ValueError(f"dropout: valid_rows must be an int in [1, {full_rows}] (the full tensor's rows), "
+    segments = _segments(first_row, rows, full_rows, row_starts)
+    # With row_starts valid_rows is required, and may end past this rank's last row.
+    most = full_rows if row_starts is None else float("inf")
+    if valid_rows is not None or row_starts is not None:
+        if isinstance(valid_rows, bool) or not isinstance(valid_rows, int) or not 0 < valid_rows <= most:
+            raise ValueError(f"dropout: valid_rows must be an int in [1, {most}] (the full sequence's rows), "
                              f"got {valid_rows!r}")
         full_rows = valid_rows
-    if torch.compiler.is_compiling():
-        keep = _traced_keep_mask(input_.shape, 1.0 - p, input_.device, dim=0, start=first_row, full=full_rows)
+    if torch.compiler.is_compiling() and len(segments) == 1:
+        keep = _traced_keep_mask(input_.shape, 1.0 - p, input_.device, dim=0, start=segments[0][0], full=full_rows)
+    elif torch.compiler.is_compiling():
+        # One draw of the rows up to this rank's last (as every rank draws), each run keeping its own.
+        end = max(start + count for start, count in segments)
+        whole = _traced_keep_mask((end, *input_.shape[1:]), 1.0 - p, input_.device, dim=0, start=0, full=full_rows)
+        keep = torch.cat([whole.narrow(0, start, count) for start, count in segments])
     else:
-        keep = _keep_mask(input_.shape, 1.0 - p, input_.device, first_row, full_rows)
+        keep = _keep_mask(input_.shape, 1.0 - p, input_.device, segments, full_rows)
     return input_ * keep / (1.0 - p)
+
+
+def _segments(first_row: int, rows: int, full_rows: int, row_starts) -> list[tuple[int, int]]:
+    """``(first row in the sequence, rows)`` of each contiguous run of this rank's rows
+    ``[first_row, first_row + rows)`` of the full tensor, in order (see ``row_starts``)."""
+    if row_starts is None:
+        return [(first_row, rows)]
+    if not row_starts or full_rows % len(row_starts):
+        raise ValueError(f"dropout: row_starts {row_starts!r} must cut the full tensor's {full_rows} rows in "
+                         "equal runs")
+    run = full_rows // len(row_starts)
+    segments = []
+    for i, start in enumerate(row_starts):
+        lo, hi = max(first_row, i * run), min(first_row + rows, (i + 1) * run)
+        if lo < hi:
+            segments.append((start + lo - i * run, hi - lo))
+    return segments
 
 
 def sharded_dropout(input_: torch.Tensor, p: float, *, dim: int, start: int, full_size: int,
@@ -309,9 +340,10 @@ def _traced_keep_mask(shape, keep_prob: float, device, *, dim: int, start: int, 
     return keep.narrow(dim, start, shape[dim])
 
 
-def _keep_mask(shape, keep_prob: float, device, first_row: int, full_rows: int) -> torch.Tensor:
-    """Rows ``[first_row, first_row + shape[0])`` of the block-drawn mask of ``full_rows`` rows;
-    rows from ``full_rows`` on (padding) are False."""
+def _keep_mask(shape, keep_prob: float, device, segments: list[tuple[int, int]], full_rows: int) -> torch.Tensor:
+    """The block-drawn mask of ``full_rows`` rows at this tensor's rows: ``segments`` give, in
+    order, the first row and count of each run of them; rows from ``full_rows`` on (padding)
+    are False."""
     keep = torch.empty(shape, dtype=torch.bool, device=device)
     if keep.numel() == 0:
         return keep
@@ -319,21 +351,29 @@ def _keep_mask(shape, keep_prob: float, device, first_row: int, full_rows: int) 
     rows_per_block = max(1, DROPOUT_BLOCK_ELEMENTS // view.shape[1])
     # One draw from the CPU default generator: no device synchronisation.
     base = int(torch.randint(0, 1 << 62, (1,)))
-    generator = torch.Generator(device=device)
+    generator, local = torch.Generator(device=device), 0
+    for first_row, count in segments:
+        _fill_rows(view[local:local + count], keep_prob, first_row, full_rows, rows_per_block, base, generator)
+        local += count
+    return keep
+
+
+def _fill_rows(view: torch.Tensor, keep_prob: float, first_row: int, full_rows: int, rows_per_block: int,
+               base: int, generator: torch.Generator) -> None:
+    """Write rows ``[first_row, first_row + len(view))`` of the block-drawn mask into ``view``."""
     view[max(0, full_rows - first_row):].fill_(False)
     last_row = min(first_row + view.shape[0], full_rows)
     if last_row <= first_row:
-        return keep
+        return
     for block in range(first_row // rows_per_block, math.ceil(last_row / rows_per_block)):
         start, stop = block * rows_per_block, min((block + 1) * rows_per_block, full_rows)
         generator.manual_seed(slab_seed(base, block))
         lo, hi = max(start, first_row), min(stop, last_row)
         if (lo, hi) == (start, stop):
             view[lo - first_row:hi - first_row].bernoulli_(keep_prob, generator=generator)
-        else:  # a block across this rank's edge: draw it whole, keep our rows
+        else:  # a block across this run's edge: draw it whole, keep our rows
             whole = view.new_empty((stop - start, view.shape[1])).bernoulli_(keep_prob, generator=generator)
             view[lo - first_row:hi - first_row] = whole[lo - start:hi - start]
-    return keep
 
 
 def _device_states(devices) -> dict[torch.device, torch.Tensor]:

@@ -2,8 +2,9 @@
 sequence (:mod:`tensorpar.context`), attention reaches the other ranks' tokens, and the loss is
 the mean over every token of the whole batch.
 
-The GPT calls three things: :func:`shard` (tokens, labels and positions of this rank's chunks,
-padded at the end), :meth:`ContextSplit.attend` (its attention) and :func:`mean_loss`. Weights
+The GPT calls four things: :func:`shard` (tokens, labels and positions of this rank's chunks,
+padded at the end), :func:`dropout_rows` (where those chunks lie, so each token's dropout mask
+is its global position's), :meth:`ContextSplit.attend` (its attention) and :func:`mean_loss`. Weights
 are the same on every CP rank and each rank's gradients are its tokens' share: summed over CP
 (with DP: over DP x CP) they are the CP=1 gradients.
 
@@ -27,7 +28,7 @@ class ContextSplit:
     """What a GPT does differently over ``cp_group``; refuses in one line what it cannot do."""
 
     def __init__(self, config: GPTConfig, cp_group, *, tp_size: int, sequence_parallel: bool) -> None:
-        unsupported = {"dropout": config.dropout > 0, "attention_dropout": config.attention_dropout > 0,
+        unsupported = {"attention_dropout": config.attention_dropout > 0,
                        "tp_invariant": config.tp_invariant, "interleave": config.interleave > 1,
                        "heads or KV heads TP does not divide": config.num_heads % tp_size
                        or config.num_query_groups % tp_size}
@@ -73,6 +74,16 @@ def shard(model, tokens, labels, position_ids, attn_mask, kv_cache):
         position_ids = chunks.shard(position_ids, dim=-1)
     labels = None if labels is None else chunks.shard(labels, dim=1, pad_value=-100)
     return chunks.shard(tokens, dim=1), labels, position_ids
+
+
+def dropout_rows(split: ContextSplit | None, seq_len: int) -> dict:
+    """The hidden dropout's placement of this CP rank's rows of a ``seq_len`` sequence
+    (:func:`tensorpar.random.dropout` ``valid_rows``, ``row_starts``): each token's mask is its
+    global position's, as at CP=1; empty without CP."""
+    if split is None:
+        return {}
+    chunks = context.SequenceChunks.of(seq_len, cp_group=split.group, multiple=split.multiple)
+    return {"valid_rows": seq_len, "row_starts": tuple(c * chunks.chunk_len for c in chunks.chunks())}
 
 
 def mean_loss(losses: torch.Tensor, labels: torch.Tensor, split: ContextSplit | None) -> torch.Tensor:

@@ -90,7 +90,7 @@ class Embedding(nn.Module):
         else:
             self.register_parameter("position", None)
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, key=None, valid_rows=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, key=None, rows=None) -> torch.Tensor:
         # g inside: all-reduce of the partial lookups, or reduce-scatter to [s/TP, b, h] under SP.
         x = self.word(tokens)
         if not self.parallel.sequence_parallel:
@@ -103,7 +103,7 @@ class Embedding(nn.Module):
             x = x + positions
         return invariant_dropout.dropout(x, self.config.dropout, key=key, site=("embedding",), training=self.training,
                                          sequence_parallel=self.parallel.sequence_parallel,
-                                         tp_group=self.parallel.group, valid_rows=valid_rows)
+                                         tp_group=self.parallel.group, **(rows or {}))
 
 
 class Attention(nn.Module):
@@ -273,24 +273,25 @@ class Block(nn.Module):
         self.norm2 = norm(config, parallel)
         self.mlp = MLP(config, parallel)
 
-    def _dropout(self, x: torch.Tensor, key=None, site: str = "", valid_rows=None) -> torch.Tensor:
-        # x is replicated (or SP-split): a TP-size-independent mask (default stream or keyed); valid_rows: SP padding.
+    def _dropout(self, x: torch.Tensor, key=None, site: str = "", rows=None) -> torch.Tensor:
+        # x is replicated (or SP-split): a TP-size-independent mask (default stream or keyed);
+        # rows: the SP padding, or the CP chunks' places in the sequence.
         return invariant_dropout.dropout(x, self.config.dropout, key=key, site=(self.attention.layer_number, site),
                                          training=self.training, sequence_parallel=self.parallel.sequence_parallel,
-                                         tp_group=self.parallel.group, valid_rows=valid_rows)
+                                         tp_group=self.parallel.group, **(rows or {}))
 
-    def forward(self, x, cos=None, sin=None, mask=None, kv_cache=None, key=None, valid_rows=None):
+    def forward(self, x, cos=None, sin=None, mask=None, kv_cache=None, key=None, rows=None):
         # Per-sequence masks, positions and caches (generation) are not split: no interleaving.
         if self.config.interleave > 1 and mask is None and kv_cache is None and (cos is None or cos.dim() == 2):
             # Domino: while one part's attention (MLP) output is summed over TP, the next part computes.
             def residual(h, reduced):
-                return h + self._dropout(reduced[0], valid_rows=valid_rows)
+                return h + self._dropout(reduced[0], rows=rows)
             return interleave(x, [(lambda h: self.attention.start(self.norm1(h), cos, sin), residual),
                                   (lambda h: self.mlp.start(self.norm2(h)), residual)],
                               parts=self.config.interleave)
         attended = self.attention(self.norm1(x), cos, sin, mask, kv_cache, key)
-        x = x + self._dropout(attended, key, "attention", valid_rows)
-        return x + self._dropout(self.mlp(self.norm2(x)), key, "mlp", valid_rows)
+        x = x + self._dropout(attended, key, "attention", rows)
+        return x + self._dropout(self.mlp(self.norm2(x)), key, "mlp", rows)
 
 
 class GPT(nn.Module):
@@ -366,9 +367,11 @@ class GPT(nn.Module):
         and ``last_position_only`` (the logits of the last position alone, except under SP,
         whose sequence is split) serve generation (see :meth:`generate`). A pipeline stage without
         the embedding takes the previous stage's output ``[s(/TP), b, h]`` (of the padded sequence)."""
+        rows = {}  # dropout's placement of this rank's rows: CP chunks, SP padding
         if self.pre_process:
             check_input(self.config, tokens, labels, sp_size=self.parallel.size if self.parallel.sequence_parallel else 1,
                         padding_allowed=attn_mask is None and kv_cache is None)
+            rows = context_split.dropout_rows(self.parallel.context, tokens.shape[1])
             tokens, labels, position_ids = context_split.shard(self, tokens, labels, position_ids, attn_mask, kv_cache)
         seq_len = tokens.shape[1] if self.pre_process else tokens.shape[0] * (
             self.parallel.size if self.parallel.sequence_parallel else 1)
@@ -384,14 +387,15 @@ class GPT(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(seq_len + pad, device=tokens.device)
         key = self.dropout_masks.next_key() if self.dropout_masks is not None and self.training else None
-        valid_rows = seq_len if pad else None  # dropout masks the SP padding apart from the real tokens
-        x = self.embedding(tokens, position_ids, key, valid_rows) if self.pre_process else tokens  # [s(/TP), b, h]
+        if pad:  # dropout masks the SP padding apart from the real tokens
+            rows = {"valid_rows": seq_len}
+        x = self.embedding(tokens, position_ids, key, rows) if self.pre_process else tokens  # [s(/TP), b, h]
         for block in self.blocks:
             if self.config.recompute and torch.is_grad_enabled():
                 x = checkpoint(block, self.config.distribute_saved_activations, x, *rotary, attn_mask, None, key,
-                               valid_rows, tp_group=self.tp_group)
+                               rows, tp_group=self.tp_group)
             else:
-                x = block(x, *rotary, attn_mask, kv_cache, key, valid_rows)
+                x = block(x, *rotary, attn_mask, kv_cache, key, rows)
         if kv_cache is not None:
             kv_cache.length += seq_len + pad
         if not self.post_process:
