@@ -334,7 +334,7 @@ def register(subparsers) -> None:
                         "no: ZeRO-2-like)")
     p.add_argument("--pp", type=_positive_int, default=None,
                    help="with --layer gpt-step: the layers cut into this many pipeline stages; also report "
-                        "the sends between stages and the schedule's bubble")
+                        "the sends between stages and the schedule's bubble (default: no pipeline)")
     p.add_argument("--pp-schedule", choices=SCHEDULES, default=None, help="with --pp: the schedule (default: 1f1b)")
     p.add_argument("--virtual-stages", type=_positive_int, default=None,
                    help="with --pp: stages per rank of interleaved-1f1b, looped-bfs, interleaved-zb (default: 2)")

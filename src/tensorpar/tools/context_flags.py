@@ -39,7 +39,8 @@ def check_world(args, world: int, *, where: str) -> None:
 
 def _unsupported(args, config) -> list[str]:
     """The flags (with their values) a CP run does not support."""
-    bad = {f"--pp {getattr(args, 'pp', 1)}": getattr(args, "pp", 1) > 1, "--tp-invariant": config.tp_invariant, "--fsdp": args.fsdp, "--compile": args.compile,
+    pp = getattr(args, "pp", 1)
+    bad = {f"--pp {pp}": pp > 1, "--tp-invariant": config.tp_invariant, "--fsdp": args.fsdp, "--compile": args.compile,
            # --dropout sets the attention dropout too; the hidden dropout alone would run.
            f"the attention dropout of --dropout {config.attention_dropout:g}": config.attention_dropout > 0,
            f"--interleave {config.interleave}": config.interleave > 1}
