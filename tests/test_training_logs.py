@@ -16,7 +16,8 @@ import torch
 
 from tensorpar.models.config import GPTConfig
 from tensorpar.tools.cli import main
-from tensorpar.tools.training_cli import parse_train_args
+from tensorpar.tools import config_file
+from tensorpar.tools.training_cli import parse_train_args, train_parser
 from tensorpar.training.flops import flops_per_token, peak_flops_per_s
 from tensorpar.training.metrics import Rates
 from tests.harness import run_on_ranks
@@ -164,12 +165,14 @@ def test_the_log_begins_with_every_effective_setting_as_toml(two_ranks):
     out, [(settings, stdout, _), _] = two_ranks
     config = _config_block(stdout)
     applies = settings["eval_every"] if settings["save_every"] is None else settings["save_every"]
-    assert config["run"] == {name: value for name, value in settings.items() if value is not None} | {
-        "save_every": applies}  # None (at every evaluation) shown as the interval that applies
+    how_it_ran = {"config", "print_config", "debug"}  # not settings of the run
+    assert config["run"] == {name.replace("_", "-"): value for name, value in settings.items()
+                             if value is not None and name not in how_it_ran} | {
+        "save-every": applies}  # None (at every evaluation) shown as the interval that applies
     # What was left out is there as the run resolved it.
-    assert {k: config["run"][k] for k in ("global_batch", "grad_accum", "lr", "min_lr", "lr_decay_steps",
-                                          "save_every", "dtype", "wandb", "tensorboard")} == \
-        {"global_batch": 4, "grad_accum": 1, "lr": 3e-3, "min_lr": 3e-3 / 10, "lr_decay_steps": 4, "save_every": 0,
+    assert {k: config["run"][k] for k in ("global-batch", "grad-accum", "lr", "min-lr", "lr-decay-steps",
+                                          "save-every", "dtype", "wandb", "tensorboard")} == \
+        {"global-batch": 4, "grad-accum": 1, "lr": 3e-3, "min-lr": 3e-3 / 10, "lr-decay-steps": 4, "save-every": 0,
          "dtype": "fp32", "wandb": False, "tensorboard": False}
     assert {k: config["model"][k] for k in ("num_layers", "hidden_size", "num_heads", "vocab_size")} == \
         {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 257}
@@ -178,6 +181,12 @@ def test_the_log_begins_with_every_effective_setting_as_toml(two_ranks):
         {"tp_size": 1, "dp_size": 2, "devices": 2, "device": "cpu", "tokens_per_step": 128}
     assert "peak_flops_per_s" not in derived and derived["peak_flops_source"].startswith("no peak is known for a CPU")
     assert "# data: not set" in stdout
+    # The [run] table's lines are a config file that gives the same run.
+    run_table = stdout.split("[run]\n", 1)[1].split("\n[model]", 1)[0]
+    (out.parent / "from-log.toml").write_text(run_table)
+    again = config_file.read(str(out.parent / "from-log.toml"), parser=train_parser())
+    assert again == {name: value for name, value in settings.items()
+                     if value is not None and name not in how_it_ran} | {"save_every": applies}
 
 
 # ------------------------------------------------------------------ the compile lines

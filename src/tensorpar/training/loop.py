@@ -125,6 +125,10 @@ def _init_header(args, init, config) -> str:
             "a fresh optimizer and schedule from step 0")
 
 
+# The CLI's subcommand, the config-file flags, the traceback switch, and the config file's text.
+_NOT_RUN_SETTINGS = frozenset({"command", "config", "print_config", "debug", "run_config"})
+
+
 def _run_config(args, config, *, sizes, device, device_name, tokens_per_step, rates, peak_source) -> dict:
     """Every effective setting of the run, as the config block at the top of the log shows it."""
     tp_size, dp_size = sizes
@@ -132,9 +136,10 @@ def _run_config(args, config, *, sizes, device, device_name, tokens_per_step, ra
                "device_name": device_name, "tokens_per_step": tokens_per_step,
                "flops_per_token": rates.flops_per_token, "peak_flops_per_s": rates.peak_flops_per_s,
                "peak_flops_source": peak_source}
-    settings = {name: value for name, value in vars(args).items() if name != "command"}  # the CLI's subcommand
-    if settings.get("save_every") is None:  # at every evaluation: the interval that applies
-        settings["save_every"] = args.eval_every
+    # Named as the flags and a --config file name them; what says how the command ran is left out.
+    settings = {name.replace("_", "-"): value for name, value in vars(args).items() if name not in _NOT_RUN_SETTINGS}
+    if settings.get("save-every") is None:  # at every evaluation: the interval that applies
+        settings["save-every"] = args.eval_every
     return {"run": settings, "model": config_to_json(config), "derived": derived}
 
 
