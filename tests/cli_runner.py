@@ -40,13 +40,20 @@ def _command(argv: list[str], cwd: str, env: dict, out_path: str, err_path: str)
     sys.exit(code)
 
 
-def run_tensorpar(argv: list[str], *, cwd=None, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``tensorpar *argv`` in a new process; its output as text, as ``subprocess.run(..., text=True)`` gives it."""
+def run_tensorpar(argv: list[str], *, cwd=None, env: dict | None = None, timeout: float = 300,
+                  stdout_to: str | None = None) -> subprocess.CompletedProcess:
+    """``tensorpar *argv`` in a new process; its output as text, as ``subprocess.run(..., text=True)`` gives it.
+
+    ``stdout_to``: a device to write stdout to instead (a terminal: ``os.ttyname`` of a pty's end),
+    whose output the caller reads; the result's stdout is then empty.
+    """
     argv = [str(a) for a in argv]
     with tempfile.TemporaryDirectory() as tmp:
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         for path in (out_path, err_path):
             open(path, "w").close()
+        if stdout_to is not None:
+            out_path = stdout_to
         process = forkserver().Process(target=_command, args=(argv, str(cwd or os.getcwd()),
                                                             dict(os.environ if env is None else env),
                                                             out_path, err_path))
@@ -56,5 +63,7 @@ def run_tensorpar(argv: list[str], *, cwd=None, env: dict | None = None, timeout
             process.kill()
             process.join()
             raise subprocess.TimeoutExpired(["tensorpar", *argv], timeout)
-        with open(out_path) as out, open(err_path) as err:
-            return subprocess.CompletedProcess(["tensorpar", *argv], process.exitcode, out.read(), err.read())
+        with open(err_path) as err:
+            stderr = err.read()
+        stdout = "" if stdout_to is not None else open(out_path).read()
+        return subprocess.CompletedProcess(["tensorpar", *argv], process.exitcode, stdout, stderr)

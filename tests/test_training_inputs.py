@@ -12,8 +12,6 @@ import pickle
 import pty
 import re
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
@@ -352,11 +350,11 @@ def test_a_crafted_rank_count_is_named_as_such(runs, tmp_path):
 @pytest.mark.slow
 def test_control_characters_reach_a_terminal_escaped_and_a_pipe_as_they_are(runs):
     prompt = "x = 1\x1b[2J\x1b]0;owned\x07"
-    argv = [sys.executable, "-m", "tensorpar", "generate", "--checkpoint", str(runs / "run"), "--nproc", "1",
+    argv = ["generate", "--checkpoint", str(runs / "run"), "--nproc", "1",
             "--prompt", prompt, "--max-new-tokens", "4", "--temperature", "0"]
     main_fd, terminal = pty.openpty()
     try:
-        proc = subprocess.run(argv, stdout=terminal, stderr=subprocess.PIPE, timeout=300)
+        proc = run_tensorpar(argv, stdout_to=os.ttyname(terminal))
         os.close(terminal)
         shown = b""
         while chunk := _read(main_fd):
@@ -366,7 +364,7 @@ def test_control_characters_reach_a_terminal_escaped_and_a_pipe_as_they_are(runs
     assert proc.returncode == 0, proc.stderr
     assert b"\x1b" not in shown and b"\x07" not in shown
     assert shown.decode(errors="replace").startswith(r"x = 1\x1b[2J\x1b]0;owned\x07"), shown
-    piped = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    piped = run_tensorpar(argv)
     assert piped.returncode == 0 and piped.stdout.startswith(prompt), piped.stderr
 
 
