@@ -75,6 +75,9 @@ def test_fsdp_by_cp2_trains_the_cp2_run_without_fsdp(tmp_path):
 @pytest.mark.slow
 def test_fsdp_by_pp2_by_tp2_with_sp_on_8_ranks_trains_the_plain_dp_run(runs, tmp_path):
     _assert_same_run(_train(8, tmp_path, "tp2pp2", "--tp", "2", "--pp", "2", "--sp", "--fsdp"), runs["dp"])
+    # Each stage's shards are saved as boxes on its own (TP, DP) mesh: plain DP continues from them.
+    resumed = _train(2, tmp_path, "dp", "--tp", "1", "--resume", str(tmp_path / "tp2pp2" / "step_2"))
+    _assert_same_run(resumed, runs["dp"], steps=(3, 4))
 
 
 def test_fsdp_with_a_v_schedule_and_tied_embeddings_is_refused_in_one_line(capsys, tmp_path):
