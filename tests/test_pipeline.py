@@ -10,6 +10,7 @@ import tensorpar as tp
 from tensorpar import pipeline
 from tensorpar.comm_model import CommConfig
 from tensorpar.errors import UsageError
+from tensorpar.fsdp import gather_dp_shards
 from tensorpar.models import GPT, GPTConfig
 from tests.harness import run_on_ranks
 
@@ -25,7 +26,7 @@ _GROUPS: dict = {}
 
 
 def _groups(tp_size: int, pp_size: int) -> dict:
-    """This rank's TP, PP and embedding groups in Megatron's rank order (TP fastest, then DP,
+    """This rank's TP, PP, DP and embedding groups in Megatron's rank order (TP fastest, then DP,
     then PP); every rank creates every group, in the same order."""
     key = (dist.get_world_size(), tp_size, pp_size)
     if key not in _GROUPS:
@@ -34,7 +35,8 @@ def _groups(tp_size: int, pp_size: int) -> dict:
         ranks = torch.arange(world).reshape(pp_size, dp_size, tp_size)
         mine = {}
         for name, lists in (("tp", ranks.reshape(-1, tp_size)),
-                            ("pp", ranks.permute(1, 2, 0).reshape(-1, pp_size))):
+                            ("pp", ranks.permute(1, 2, 0).reshape(-1, pp_size)),
+                            ("dp", ranks.permute(0, 2, 1).reshape(-1, dp_size))):
             for members in lists.tolist():
                 group = dist.new_group(members)
                 if rank in members:
@@ -155,6 +157,39 @@ def test_1f1b_and_interleaved_at_pp4_equal_pp1():
     cases = [dict(schedule="1f1b", microbatches=4, overrides=dict(GPT2, num_layers=6)),
              dict(schedule="interleaved-1f1b", microbatches=4, overrides=dict(LLAMA, num_layers=8))]
     run_on_ranks(_cases_body, 4, 1, 4, cases, timeout=300)
+
+
+def _fsdp_body():
+    """TP 1 x PP 2 x DP 2 with each stage sharded over DP, the same batch on both DP ranks: FSDP's
+    average over DP is the PP=1 gradient, shard by shard, the tied embedding's copies summed."""
+    groups = _groups(1, 2)
+    config = GPTConfig(**{**TINY, **GPT2})
+    tokens, labels = _batch(2, config.vocab_size)
+    full, expected_loss = _pp1(config, tokens, labels, 2, groups["tp"])
+    layout = pipeline.stage_layout(config.num_layers, pp_size=2, schedule="1f1b")
+    tp.model_parallel_manual_seed(1234, tp_group=groups["tp"])
+    stages = pipeline.fully_shard_stages(pipeline.build_stages(config, layout, pp_group=groups["pp"],
+                                                               tp_group=groups["tp"]), dp_group=groups["dp"])
+    schedule = pipeline.PipelineSchedule(stages, layout, schedule="1f1b", microbatches=2, pp_group=groups["pp"],
+                                         embedding_group=groups["embedding"])
+    loss = schedule.step(tokens, labels)
+    reference = dict(full.named_parameters())
+    errors = {_full_name(stage, name): _worst_error(gather_dp_shards(param.grad, dp_group=groups["dp"]),
+                                                    reference[_full_name(stage, name)].grad)
+              for stage in stages for name, param in stage.named_parameters()}
+    v_stages = pipeline.build_stages(config, pipeline.stage_layout(config.num_layers, pp_size=2, schedule="zbv"),
+                                     pp_group=groups["pp"], tp_group=groups["tp"])
+    if v_stages[0].pre_process:  # PP rank 0 holds the first and the last stage, and their tied embedding
+        with pytest.raises(UsageError, match="FSDP cannot shard the tied embedding that the first and the last"):
+            pipeline.fully_shard_stages(v_stages, dp_group=groups["dp"])
+    return loss.item(), expected_loss.item(), errors
+
+
+@pytest.mark.slow
+def test_each_stage_fully_sharded_over_dp_gives_every_pp1_gradient():
+    for loss, expected, errors in run_on_ranks(_fsdp_body, 4, timeout=300):
+        assert abs(loss - expected) <= RTOL * abs(expected), (loss, expected)
+        assert errors and all(error <= RTOL for error in errors.values()), errors
 
 
 def _ledger_body():

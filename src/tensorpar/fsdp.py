@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from . import comm
 from .parallel_state import get_data_parallel_group
 
-__all__ = ["fully_shard", "reshard", "is_fully_sharded", "dp_mesh", "gather_dp_shards", "scatter_dp_shard",
-           "tp_dp_mesh", "full_box", "ShardedGradSync", "bytes_per_rank"]
+__all__ = ["fully_shard", "reshard", "is_fully_sharded", "dp_mesh", "shard_group", "gather_dp_shards",
+           "scatter_dp_shard", "tp_dp_mesh", "full_box", "ShardedGradSync", "bytes_per_rank"]
 
 
 def _device_type(group: dist.ProcessGroup) -> str:
@@ -55,16 +55,31 @@ def is_fully_sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def shard_group(tensor: DTensor) -> dist.ProcessGroup:
+    """The group an FSDP shard is split over: the DP group, or under CP the DP x CP group.
+
+    Example: ``shard_group(model.blocks[0].norm1.weight)`` after ``fully_shard(model)``.
+    """
+    # Found by the mesh's ranks, not its group handle: meshes of the same ranks compare equal,
+    # and torch may hand a shard an equal mesh of an earlier, destroyed group (a process that
+    # initializes the groups again, as the tests' persistent worlds do).
+    ranks = tensor.device_mesh.mesh.flatten().tolist()
+    for group in (get_data_parallel_group(), get_data_parallel_group(with_context_parallel=True)):
+        if dist.get_process_group_ranks(group) == ranks:
+            return group
+    raise ValueError(f"an FSDP shard over ranks {ranks}, neither the DP nor the DP x CP group: pass dp_group=")
+
+
 def gather_dp_shards(tensor: torch.Tensor, *, dp_group=None) -> torch.Tensor:
     """This rank's whole TP shard from an FSDP shard (a DTensor split on dim 0 over ``dp_group``,
-    default the DP group; collective).
+    default the group it is sharded over; collective).
 
     One all-gather of the dim-0 pieces padded to equal size, as FSDP pads them. Other tensors
     come back as they are.
     """
     if not isinstance(tensor, DTensor):
         return tensor
-    group = dp_group if dp_group is not None else get_data_parallel_group()
+    group = dp_group if dp_group is not None else shard_group(tensor)
     rows, local = tensor.shape[0], tensor.to_local()
     per_rank = -(-rows // comm.group_size(group))
     padded = local.new_zeros((per_rank, *local.shape[1:]))
@@ -75,7 +90,7 @@ def gather_dp_shards(tensor: torch.Tensor, *, dp_group=None) -> torch.Tensor:
 @torch.no_grad()
 def scatter_dp_shard(shard: DTensor, whole: torch.Tensor, *, dp_group=None) -> None:
     """Copy this rank's dim-0 piece of ``whole`` (as :func:`gather_dp_shards` returns) into ``shard``."""
-    group = dp_group if dp_group is not None else get_data_parallel_group()
+    group = dp_group if dp_group is not None else shard_group(shard)
     local = shard.to_local()
     start = comm.group_rank(group) * -(-whole.shape[0] // comm.group_size(group))
     local.copy_(whole[start:start + local.shape[0]])
@@ -102,13 +117,17 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def tp_dp_mesh(tp_group) -> DeviceMesh | None:
-    """The (TP, DP) mesh of tensorpar's layout (global rank = DP rank x TP + TP rank); None at TP=1."""
+def tp_dp_mesh(tp_group, *, dp_group=None) -> DeviceMesh | None:
+    """The (TP, DP) mesh of this rank's TP group and ``dp_group`` (default: the DP group; under
+    CP the DP x CP group FSDP shards over), in this pipeline stage; None at TP=1."""
     tp = comm.group_size(tp_group)
     if tp == 1:
         return None
-    dp_group = get_data_parallel_group()
-    grid = torch.arange(tp * comm.group_size(dp_group)).view(-1, tp).t()
+    dp_group = dp_group if dp_group is not None else get_data_parallel_group()
+    me = dist.get_rank()
+    # The layout is a product of axes: TP rank t of DP rank d is d's rank shifted as t is from this one.
+    tp_ranks = torch.tensor(dist.get_process_group_ranks(tp_group)) - me
+    grid = tp_ranks[:, None] + torch.tensor(dist.get_process_group_ranks(dp_group))[None, :]
     return DeviceMesh.from_group([tp_group, dp_group], _device_type(tp_group), mesh=grid, mesh_dim_names=("tp", "dp"))
 
 
@@ -243,7 +262,9 @@ class ShardedGradSync:
     @sync.setter
     def sync(self, value: bool) -> None:
         self._sync = value
-        self.model.set_requires_gradient_sync(value)
+        for module in self.model.modules():  # every FSDP root: a pipeline rank's stages are one each
+            if isinstance(module, FSDPModule):
+                module.set_requires_gradient_sync(value, recurse=False)
 
     def zero_grad(self) -> None:
         """Drop the gradients; a unit an evaluation left gathered (FSDP keeps the root so after a

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from .. import comm
 from ..errors import UsageError
@@ -113,4 +114,5 @@ class PipelineSchedule:
         # The training loop's DataParallelGradReducer keeps the gradients in main_grad.
         grads = [w.main_grad if hasattr(w, "main_grad") else w.grad for w in copies]
         if grads and grads[0] is not None:
-            comm.all_reduce(grads[0], self.embedding_group)
+            # Under FSDP each copy is sharded alike over its stage's DP group: the shards add up.
+            comm.all_reduce(grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0], self.embedding_group)

@@ -14,6 +14,7 @@ Example::
     torch.manual_seed(1234)
     layout = stage_layout(config.num_layers, pp_size=2, schedule="1f1b")
     stages = build_stages(config, layout, pp_group=pp_group, tp_group=tp_group)
+    fully_shard_stages(stages, dp_group=dp_group)   # optional: FSDP2 over DP, each stage its own root
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from .. import comm
 from ..errors import UsageError
+from ..fsdp import fully_shard
 from ..models import GPT, GPTConfig
 from .plan import StageLayout
 
@@ -49,4 +51,26 @@ def build_stages(config: GPTConfig, layout: StageLayout, *, pp_group, tp_group=N
             head.weight = stages[0].embedding.word.weight
         else:
             head.weight.shared = True
+    return stages
+
+
+def fully_shard_stages(stages: list[GPT], *, dp_group=None, mp_policy=None) -> list[GPT]:
+    """Shard each of this rank's stages over ``dp_group`` (default: the DP group) with
+    :func:`tensorpar.fully_shard`: a unit per block, the stage the root. Call it before
+    :class:`~tensorpar.pipeline.PipelineSchedule`; torch's stages then hold every backward's
+    gradients unreduced and reduce-scatter them once, after the step's last micro-batch.
+
+    Each unit stays gathered from its first forward to the step's end (torchtitan's choice
+    under PP too): resharding after each forward would gather it again for every micro-batch.
+
+    Example::
+
+        stages = fully_shard_stages(build_stages(config, layout, pp_group=pp_group), dp_group=dp_group)
+    """
+    if len(stages) > 1 and stages[-1].post_process and stages[0].pre_process \
+            and stages[-1].lm_head.weight is stages[0].embedding.word.weight:
+        raise UsageError("FSDP cannot shard the tied embedding that the first and the last stage share on one "
+                         "rank (the V schedules zbv and dualpipev): untie the embeddings or choose another schedule")
+    for stage in stages:
+        fully_shard(stage, dp_group=dp_group, reshard_after_forward=False, mp_policy=mp_policy)
     return stages

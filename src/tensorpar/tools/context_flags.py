@@ -40,7 +40,7 @@ def check_world(args, world: int, *, where: str) -> None:
 def _unsupported(args, config) -> list[str]:
     """The flags (with their values) a CP run does not support."""
     pp = getattr(args, "pp", 1)
-    bad = {f"--pp {pp}": pp > 1, "--tp-invariant": config.tp_invariant, "--fsdp": args.fsdp, "--compile": args.compile,
+    bad = {f"--pp {pp}": pp > 1, "--tp-invariant": config.tp_invariant, "--compile": args.compile,
            # --dropout sets the attention dropout too; the hidden dropout alone would run.
            f"the attention dropout of --dropout {config.attention_dropout:g}": config.attention_dropout > 0,
            f"--interleave {config.interleave}": config.interleave > 1}

@@ -18,10 +18,11 @@ from .flag_types import positive
 
 # tensorpar.pipeline.SCHEDULES' names, here without importing torch (``--help`` does not).
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+# The schedules whose first and last stage are on one rank (placement "v").
+V_SCHEDULES = ("zbv", "dualpipev")
 
 # What a pipeline run refuses: (the args attribute, the flag, why).
 _NOT_WITH_PP = (
-    ("fsdp", "--fsdp", "FSDP x PP is not supported yet"),
     ("cp", "--cp", "context parallelism inside a pipeline stage is not supported yet"),
     ("compile", "--compile", "torch.compile of pipeline stages is not supported yet"),
     ("init_from_hf", "--init-from-hf", "loading a Hugging Face model into pipeline stages is not supported yet: "
@@ -66,6 +67,10 @@ def check_run(args, config) -> None:
         given.append(("--tp-invariant", "the invariant mode under PP is not supported yet"))
     if config.gradient_accumulation_fusion:
         given.append(("--grad-fusion", "gradient-accumulation fusion under PP is not supported yet"))
+    if args.fsdp and config.tie_word_embeddings and args.pp_schedule in V_SCHEDULES:
+        given.append((f"--fsdp with --pp-schedule {args.pp_schedule} and tied embeddings",
+                      "its first and last stage share the embedding on one rank, which FSDP cannot shard "
+                      "twice (--model llama-tiny has untied ones; or another schedule)"))
     if given:
         raise UsageError(f"--pp {pp} cannot combine with {' or '.join(f for f, _ in given)} (or the resumed "
                          f"run's setting): {'; '.join(why for _, why in given)}")

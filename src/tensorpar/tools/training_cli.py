@@ -309,7 +309,8 @@ def _check_train_args(args, world: int) -> None:
     train_token_count(tokens, val_fraction=VAL_FRACTION, seq_len=seq_len, source=source)
     settle_run(args, meta=meta, dp_size=dp)
     pipeline_flags.check_run(args, config)
-    check_memory(config, tp=args.tp, dp=dp, seq_len=seq_len, micro_batch=args.micro_batch,
+    # FSDP shards over DP x CP (CP ranks hold the same weights).
+    check_memory(config, tp=args.tp, dp=dp * args.cp, seq_len=seq_len, micro_batch=args.micro_batch,
                  dtype=args.dtype, local_ranks=local_ranks, fsdp=args.fsdp)
     args.out = args.out or DEFAULT_OUT
     if getattr(args, "print_config", False):

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import comm
-from ..fsdp import full_box, gather_dp_shards, reshard, tp_dp_mesh
+from ..fsdp import full_box, gather_dp_shards, reshard, shard_group, tp_dp_mesh
 from ..models.layout import gather_full_tensor, shard_full_tensor
 from ..random import get_rng_tracker
 from .checkpoint_format import ADAM_MOMENTS
@@ -127,7 +127,7 @@ def build_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     ``rng.*``), and the (FSDP shard, gathered copy) pairs a load copies back.
 
     Under :func:`tensorpar.fully_shard` each FSDP shard is saved as its box of the TP=1
-    tensor on the (TP, DP) mesh, so the files are the same with and without FSDP; a strided
+    tensor on the (TP, DP) mesh (DP x CP under CP; the stage's ranks under PP), so the files are the same with and without FSDP; a strided
     weight's DP shard is no such box: it is gathered over DP to its TP shard first (and copied
     back after a load), which a save or load holds on every rank for a moment.
     """
@@ -135,7 +135,8 @@ def build_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     # FSDP keeps the root unit gathered after a forward with no backward (an evaluation): its
     # registered parameters are then the gathered copies, not the shards the optimizer steps.
     reshard(model)
-    fsdp_mesh = tp_dp_mesh(tp_group) if any(isinstance(p, DTensor) for p in model.parameters()) else None
+    shard = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    fsdp_mesh = None if shard is None else tp_dp_mesh(tp_group, dp_group=shard_group(shard))
     state, gathered = {}, []
 
     def entry(tensor, param):

@@ -229,10 +229,11 @@ def _train(args, signals: Signals) -> RunResult:
     settle_run(args, meta=resumed[2] if resumed else None, dp_size=dp_size)
     train_tokens, val_tokens = corpus.split(val_fraction=VAL_FRACTION, seq_len=seq_len)
 
+    fsdp = getattr(args, "fsdp", False)
     model_parallel_manual_seed(args.seed)
     model = GPT(config, cp_group=cp.group, device=device) if pp_size == 1 else pipeline_step.PipelinedGPT(
         config, schedule=args.pp_schedule, microbatches=args.grad_accum, virtual_stages=args.virtual_stages,
-        device=device)
+        device=device, fsdp_group=cp.grad_group if fsdp else None)
     if args.init_from_hf:
         from ..models.hf import load_weights
 
@@ -242,9 +243,8 @@ def _train(args, signals: Signals) -> RunResult:
             raise UsageError(f"--init-from-hf: {exc}") from None
     elif init:
         checkpoint.load(init[0], model=model, optimizer=None, tp_group=tp_group, restore_rng=False, pp_group=pp_group)
-    fsdp = getattr(args, "fsdp", False)
-    if fsdp:
-        fully_shard(model, dp_group=dp_group)
+    if fsdp and pp_size == 1:  # weights are replicated over DP and CP: FSDP shards over both
+        fully_shard(model, dp_group=cp.grad_group)
     optimizer = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(0.9, 0.95), eps=1e-8)
     # TP-invariant mode: the same reductions, in orders that do not depend on the TP size.
@@ -294,7 +294,8 @@ def _train(args, signals: Signals) -> RunResult:
         if pp_size > 1:
             print(f"tensorpar train: {model.header}", flush=True)
         memory = ", ".join(f"{what} {n / 2**20:.2f} MiB" for what, n in bytes_per_rank(model).items())
-        print(f"tensorpar train: per rank {memory}" + (f" (FSDP: 1/{dp_size} of each TP shard)" if fsdp else ""),
+        print(f"tensorpar train: per rank {memory}"
+              + (f" (FSDP: 1/{comm.group_size(cp.grad_group)} of each TP shard)" if fsdp else ""),
               flush=True)
         if args.init_from or args.init_from_hf:
             print(f"tensorpar train: {_init_header(args, init, config)}", flush=True)
@@ -344,8 +345,10 @@ def _train(args, signals: Signals) -> RunResult:
             reducer.finish()
             if config.sequence_parallel and pp_size == 1:  # a pipeline's schedule sums them itself
                 grads.allreduce_sequence_parallel_grads(model)
-            grad_norm = (grads.clip_grad_norm_(params, args.clip_grad, dp_group=dp_group, pp_group=pp_group)
-                         if args.clip_grad > 0 else grads.get_grad_norm(params, dp_group=dp_group, pp_group=pp_group))
+            # FSDP's shards are summed over the group they split (DP x CP); TP and PP as always.
+            grad_norm = (grads.clip_grad_norm_(params, args.clip_grad, dp_group=cp.grad_group, pp_group=pp_group)
+                         if args.clip_grad > 0 else grads.get_grad_norm(params, dp_group=cp.grad_group,
+                                                                        pp_group=pp_group))
             optimizer.step()
             if config.tp_invariant:  # added in global micro-batch order (the invariant mode has no PP)
                 mean = invariant_batches.mean_by_index(

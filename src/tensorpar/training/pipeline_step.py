@@ -7,7 +7,9 @@ the stage starts at layer 3; the last stage's copy of a tied embedding is ``embe
 so checkpoints are the same files at every PP size. A step runs the step's micro-batches (the
 gradient accumulation) through the schedule; the DP reduction of every stage waits for the
 schedule's end (``sync=False`` while it runs, then ``finish()``), after the schedule has summed
-the SP and tied-embedding gradients: all sums, in any order the same gradient.
+the SP and tied-embedding gradients: all sums, in any order the same gradient. Under FSDP
+(``fsdp_group=``) torch's stages reduce-scatter each stage's gradients after its last
+micro-batch instead, averaging over DP as the reducer does.
 
 Example::
 
@@ -23,7 +25,7 @@ from torch import nn
 
 from .. import comm, parallel_state as ps
 from ..models import GPTConfig
-from ..pipeline import PipelineSchedule, StageLayout, bubble_fraction, build_stages, stage_layout
+from ..pipeline import PipelineSchedule, StageLayout, bubble_fraction, build_stages, fully_shard_stages, stage_layout
 from .data import BatchSampler
 from .evaluation import autocast
 
@@ -58,19 +60,21 @@ class PipelinedGPT(nn.Module):
 
     ``named_parameters`` gives the PP=1 names (each parameter once); ``num_parameters`` is the
     whole model's count (the unpadded TP=1 model's, as ``count_parameters`` gives at PP=1).
+    Given ``fsdp_group`` (the DP group), each stage is sharded over it
+    (:func:`tensorpar.pipeline.fully_shard_stages`).
     """
 
     dropout_masks = None  # the invariant mode is not supported under PP
 
     def __init__(self, config: GPTConfig, *, schedule: str, microbatches: int, virtual_stages: int | None,
-                 device) -> None:
+                 device, fsdp_group=None) -> None:
         super().__init__()
         pp_group, tp_group = ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group()
         self.config, self.tp_group, self.pp_group = config, tp_group, pp_group
         self.layout = stage_layout(config.num_layers, pp_size=comm.group_size(pp_group), schedule=schedule,
                                    virtual_stages=virtual_stages)
-        self.stages = nn.ModuleList(build_stages(config, self.layout, pp_group=pp_group, tp_group=tp_group,
-                                                 device=device))
+        stages = build_stages(config, self.layout, pp_group=pp_group, tp_group=tp_group, device=device)
+        self.stages = nn.ModuleList(stages if fsdp_group is None else fully_shard_stages(stages, dp_group=fsdp_group))
         ends = {self.layout.rank_of(0), self.layout.rank_of(self.layout.num_stages - 1)}
         embedding_group = ps.get_embedding_group() if comm.group_rank(pp_group) in ends and len(ends) > 1 else None
         self.schedule = PipelineSchedule(list(self.stages), self.layout, schedule=schedule,
