@@ -1,8 +1,9 @@
 """``tensorpar train --cp N``: the same run as CP=1, resumable at CP=1, and what it refuses.
 
 One shared sequence of tiny runs (module fixture) on the harness's persistent worlds, all on the
-same global batch, with a sequence length (10) that 2 x CP does not divide: CP 1; CP 2 in both
-comm types (p2p checkpointing at step 2); TP 2 x CP 2 with SP; the p2p run resumed at CP 1.
+same global batch, with a sequence length (10) that 2 x CP does not divide: CP 1 without and with
+hidden dropout; CP 2 p2p (checkpointing at step 2); CP 2 a2a and TP 2 x CP 2 with SP, both with
+hidden dropout; the p2p run resumed at CP 1.
 """
 
 import json
@@ -16,6 +17,8 @@ from tests.harness import run_on_ranks
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "10", "--steps", "4", "--warmup", "1",
         "--lr", "1e-2", "--micro-batch", "2", "--global-batch", "2", "--eval-every", "4", "--eval-iters", "1",
         "--log-every", "1", "--no-progress", "--seed", "5"]
+# The hidden dropout alone: CP draws each token's mask at its global position, as CP=1 does.
+HIDDEN_DROPOUT = ["--dropout", "0.1", "--attention-dropout", "0"]
 
 
 def _train_body(argv):
@@ -39,24 +42,25 @@ def _grad_norms(out):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
     cases = {"cp1": (1, ["--tp", "1"]), "p2p": (2, ["--tp", "1", "--cp", "2", "--save-every", "2"]),
-             "a2a": (2, ["--tp", "1", "--cp", "2", "--cp-comm", "a2a"]),
-             "tp2cp2": (4, ["--tp", "2", "--cp", "2", "--sp"]),
+             "cp1 dropout": (1, ["--tp", "1", *HIDDEN_DROPOUT]),
+             "a2a": (2, ["--tp", "1", "--cp", "2", "--cp-comm", "a2a", *HIDDEN_DROPOUT]),
+             "tp2cp2": (4, ["--tp", "2", "--cp", "2", "--sp", *HIDDEN_DROPOUT]),
              "resumed": (1, ["--tp", "1", "--resume", str(root / "p2p" / "step_2")])}
     return root, {name: run_on_ranks(_train_body, world, TINY + flags + ["--out", str(root / name)])
                   for name, (world, flags) in cases.items()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["p2p", "a2a", "tp2cp2"])
-def test_cp2_trains_the_cp1_run(runs, name):
+@pytest.mark.parametrize("name, reference", [("p2p", "cp1"), ("a2a", "cp1 dropout"), ("tp2cp2", "cp1 dropout")])
+def test_cp2_trains_the_cp1_run(runs, name, reference):
     """Losses, validation loss and grad norm (each element counted once) equal CP=1's; every rank logs them."""
     root, results = runs
-    (losses, val, _), = results["cp1"]
+    (losses, val, _), = results[reference]
     assert list(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
     for rank_losses, rank_val, _ in results[name]:
         assert rank_losses == results[name][0][0]  # the same loss on every rank
         assert rank_losses == pytest.approx(losses, rel=1e-5) and rank_val == pytest.approx(val, rel=1e-5)
-    assert _grad_norms(root / name) == pytest.approx(_grad_norms(root / "cp1"), rel=1e-5)
+    assert _grad_norms(root / name) == pytest.approx(_grad_norms(root / reference), rel=1e-5)
 
 
 @pytest.mark.slow
@@ -95,8 +99,8 @@ def _train_error(capsys, *argv):
      "--cp 2 needs --tp 2 to divide the model's 3 heads and 3 KV heads (uneven head splits are not supported "
      "under context parallelism)"),
     (["--nproc", "2", "--tp", "1", "--cp", "2", "--tp-invariant", "--fsdp", "--compile", "--dropout", "0.1"],
-     "--cp 2 does not combine with --tp-invariant, --compile, the attention dropout of --dropout 0.1 (not "
-     "supported under context parallelism); drop them, or train with --cp 1"),
+     "--cp 2 does not combine with --tp-invariant, --compile, --attention-dropout 0.1 (--dropout's unless given) "
+     "(not supported under context parallelism); drop them, or train with --cp 1"),
     (["--nproc", "2", "--tp", "1", "--cp", "2", "--interleave", "2"],
      "--cp 2 does not combine with --interleave 2 (not supported under context parallelism); drop them, or "
      "train with --cp 1"),

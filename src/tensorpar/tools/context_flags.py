@@ -41,8 +41,8 @@ def _unsupported(args, config) -> list[str]:
     """The flags (with their values) a CP run does not support."""
     pp = getattr(args, "pp", 1)
     bad = {f"--pp {pp}": pp > 1, "--tp-invariant": config.tp_invariant, "--compile": args.compile,
-           # --dropout sets the attention dropout too; the hidden dropout alone would run.
-           f"the attention dropout of --dropout {config.attention_dropout:g}": config.attention_dropout > 0,
+           # --dropout sets it unless given; the hidden dropout alone runs.
+           f"--attention-dropout {config.attention_dropout:g} (--dropout's unless given)": config.attention_dropout > 0,
            f"--interleave {config.interleave}": config.interleave > 1}
     return [flag for flag, refused in bad.items() if refused]
 

@@ -139,6 +139,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                        help="position encoding (default: the preset's)")
     model.add_argument("--dropout", type=_number(float, low=0, high=1), default=None,
                        help="dropout probability, in [0, 1) (default: 0)")
+    model.add_argument("--attention-dropout", type=_number(float, low=0, high=1), default=None,
+                       help="dropout probability of the attention weights, in [0, 1) (default: --dropout's)")
     model.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                        help="sequence parallelism (default: off)")
     model.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,

@@ -84,6 +84,7 @@ def build_config(args, *, vocab_size: int, saved: dict | None, origin: str = "th
         raise ConfigMismatch(f"--vocab {requested['vocab_size']} is smaller than the data's vocabulary "
                              f"({vocab_size} token ids)")
     runtime = dict(sequence_parallel=args.sp, recompute=args.recompute, dropout=args.dropout,
+                   attention_dropout=getattr(args, "attention_dropout", None),
                    gradient_accumulation_fusion=args.grad_fusion, overlap=args.overlap, interleave=args.interleave,
                    tp_invariant=args.tp_invariant, context_parallel_comm=getattr(args, "cp_comm", "p2p"))
     if saved is None:

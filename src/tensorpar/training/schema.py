@@ -110,12 +110,12 @@ META_SCHEMA = {
     "rng": RNG_SPEC, "config_sha256": Rule(lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)
                                             is not None, "64 lowercase hex digits"),
 }
+_PROBABILITY = Rule(lambda v: type(v) in (int, float) and 0 <= v < 1, "a number in [0, 1)")
 # What a 0.3+ run records of its settings (resume.RUN_SETTINGS), each as the train flag takes it;
 # every one optional, since a version may record fewer.
 SETTINGS_SCHEMA = {
     "data": (TEXT, NULL), "seq_len": (integer(1), NULL), "seed": integer(0, 2**32 - 1),
-    "dtype": choice("fp32", "bf16"), "dropout": Rule(lambda v: type(v) in (int, float) and 0 <= v < 1,
-                                                     "a number in [0, 1)"),
+    "dtype": choice("fp32", "bf16"), "dropout": _PROBABILITY, "attention_dropout": (_PROBABILITY, NULL),
     "sp": FLAG, "recompute": FLAG, "grad_fusion": FLAG, "tp_invariant": FLAG, "tensorboard": FLAG,
     "overlap": (choice("off", "auto"), integer(1)), "interleave": integer(1),
     "weight_decay": number(0), "clip_grad": number(0), "eval_every": integer(0), "eval_iters": integer(1),
