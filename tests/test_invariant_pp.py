@@ -70,6 +70,39 @@ def test_a_pipeline_checkpoint_resumes_bit_identically_at_another_layout(referen
         assert _differing_weights(ckpt, weights) == []
 
 
+def _api_body(schedule: str, microbatches: int):
+    """``PipelineSchedule.step`` without a reducer against PP=1's plain ``(loss / M).backward()``
+    accumulation: the names of the gradients that differ (torch.equal), and the two losses."""
+    from tensorpar import pipeline
+    from tensorpar.models import GPTConfig
+    from tests.test_pipeline import GPT2, TINY, _batch, _full_name, _groups, _pp1
+
+    import tensorpar as tp
+
+    groups = _groups(1, 2)
+    config = GPTConfig(**TINY, **GPT2, tp_invariant=True, dropout=0.1)
+    tokens, labels = _batch(microbatches, config.vocab_size)
+    full, expected = _pp1(config, tokens, labels, microbatches, groups["tp"])
+    layout = pipeline.stage_layout(config.num_layers, pp_size=2, schedule=schedule)
+    tp.model_parallel_manual_seed(1234, tp_group=groups["tp"])
+    stages = pipeline.build_stages(config, layout, pp_group=groups["pp"], tp_group=groups["tp"])
+    schedule_ = pipeline.PipelineSchedule(stages, layout, schedule=schedule, microbatches=microbatches,
+                                          pp_group=groups["pp"], embedding_group=groups["embedding"])
+    loss = schedule_.step(tokens, labels)
+    reference = dict(full.named_parameters())
+    differing = [name for stage in stages for name, param in stage.named_parameters()
+                 if not torch.equal(param.grad, reference[_full_name(stage, name)].grad)]
+    return differing, loss.item(), expected.item()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "looped-bfs"])
+def test_the_schedule_alone_accumulates_the_bits_of_pp1(schedule):
+    """3 micro-batches (a chain: their order shows; looped BFS runs the backwards in reverse), a
+    tied embedding, dropout: every gradient of every stage torch.equal to PP=1's."""
+    for differing, loss, expected in run_on_ranks(_api_body, 2, schedule, 3, timeout=120):
+        assert differing == [] and loss == pytest.approx(expected, rel=1e-12)
+
+
 @pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv", "dualpipev"])
 def test_schedules_that_split_the_backward_are_refused_with_tp_invariant(schedule, capsys, tmp_path):
     assert main(["train", "--nproc", "2", "--pp", "2", "--pp-schedule", schedule, "--grad-accum", "4",

@@ -157,9 +157,11 @@ class DataParallelGradReducer:
             self._ready(param)
 
     def add_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        """Add one micro-batch's gradient of ``param`` to its tree (``micro_batches=``), as the
-        hook does with each ``.grad``: for a caller that takes the micro-batches' gradients apart
-        itself and hands them over in micro-batch order (a pipeline schedule in the invariant mode).
+        """Add the next micro-batch's gradient of ``param`` to its tree (``micro_batches=``).
+
+        What the hook does with each ``.grad``, for a caller that takes the micro-batches'
+        gradients apart itself and hands them over in micro-batch order (a pipeline schedule in
+        the invariant mode).
 
         Example::
 

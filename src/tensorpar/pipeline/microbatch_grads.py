@@ -73,8 +73,9 @@ class MicroBatchGrads:
                 self._sums[id(param)] = grad if total is None else total.add_(grad)
 
     def finish(self) -> None:
-        """Hand on the tied copies' per-micro-batch sums; without a sink set ``.grad``. Every
-        parameter with a gradient must have had one from each micro-batch."""
+        """After the schedule: hand on the tied copies' sums; without a sink, set ``.grad``.
+
+        Every parameter with a gradient must have had one from each micro-batch."""
         for param in self._params:
             if id(param) in self._tied:
                 self._sum_tied(param)

@@ -9,8 +9,9 @@ gradient accumulation) through the schedule; the DP reduction of every stage wai
 schedule's end (``sync=False`` while it runs, then ``finish()``), after the schedule has summed
 the SP and tied-embedding gradients: all sums, in any order the same gradient. In the invariant
 mode (:mod:`.invariant_batches`) each micro-batch's loss is divided by the global micro-batch
-count, its gradients go into the reducer's tree in micro-batch order (``add_grad``) and its
-dropout masks are keyed by its global index, all as at PP=1.
+count, its gradients go into the reducer's tree in micro-batch order (``add_grad``; a stage's
+DP reduction runs once its last micro-batch's are in) and its dropout masks are keyed by its
+global index, all as at PP=1.
 
 Example::
 
