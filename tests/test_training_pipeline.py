@@ -111,8 +111,6 @@ REFUSED = [
     (["--nproc", "2", "--virtual-stages", "2"], "--virtual-stages 2 needs --pp greater than 1"),
     (["--nproc", "2", "--pp", "2", "--grad-accum", "2", "--fsdp", "--compile"],
      "--pp 2 cannot combine with --fsdp or --compile"),
-    (["--nproc", "2", "--pp", "2", "--pp-schedule", "zbv", "--layers", "4", "--grad-accum", "2", "--tp-invariant"],
-     "--pp 2 --pp-schedule zbv: the zbv schedule cannot keep the invariant mode's bits"),
 ]
 
 
