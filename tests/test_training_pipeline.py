@@ -111,7 +111,6 @@ REFUSED = [
     (["--nproc", "2", "--virtual-stages", "2"], "--virtual-stages 2 needs --pp greater than 1"),
     (["--nproc", "2", "--pp", "2", "--grad-accum", "2", "--fsdp", "--compile"],
      "--pp 2 cannot combine with --compile (or the resumed run's setting): torch.compile of pipeline stages"),
-    (["--nproc", "2", "--pp", "2", "--grad-accum", "2", "--tp-invariant"], "--pp 2 cannot combine with --tp-invariant"),
 ]
 
 

@@ -145,17 +145,40 @@ class DataParallelGradReducer:
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if self.trees is not None:
-            total = self.trees[id(param)].add(param.grad)
-            param.grad = None
-            if total is None:  # the step's micro-batches are not all in yet
-                return
-            param.main_grad.copy_(total)
-        elif param.grad is not None and (not param.grad_added_to_main_grad
-                                         or getattr(param, "zero_out_wgrad", False)):
+            if param.grad is not None:  # None: an earlier hook took it (a pipeline's, for add_grad)
+                grad, param.grad = param.grad, None
+                self.add_grad(param, grad)
+            return
+        if param.grad is not None and (not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False)):
             param.main_grad.add_(param.grad)
         param.grad = None
         param.grad_added_to_main_grad = False
-        if self.trees is None and not self.sync or getattr(param, "deferred_wgrad_pending", False):
+        if self.sync:
+            self._ready(param)
+
+    def add_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Add the next micro-batch's gradient of ``param`` to its tree (``micro_batches=``).
+
+        What the hook does with each ``.grad``, for a caller that takes the micro-batches'
+        gradients apart itself and hands them over in micro-batch order (a pipeline schedule in
+        the invariant mode).
+
+        Example::
+
+            reducer.add_grad(param, grad_of_micro_batch_k)   # k = 0, 1, ... in order
+        """
+        if self.trees is None:
+            raise ValueError("DataParallelGradReducer.add_grad: only with micro_batches= (the invariant mode's tree)")
+        total = self.trees[id(param)].add(grad)
+        if total is None:  # the step's micro-batches are not all in yet
+            return
+        param.main_grad.copy_(total)
+        param.grad_added_to_main_grad = False
+        self._ready(param)
+
+    def _ready(self, param: nn.Parameter) -> None:
+        """Mark ``param``'s gradient complete; launch its bucket's reduction once all are."""
+        if getattr(param, "deferred_wgrad_pending", False):
             # Deferred wgrads (defer_wgrad_compute) reach main_grad later: the bucket waits for finish().
             return
         bucket = self._bucket_of[id(param)]
@@ -302,7 +325,7 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None, pp_group=None) -> tor
     group = resolve_tp_group(tp_group)
     params = list(params)
     if is_tp_invariant(params):
-        return _ordered_grad_norm(params, group)
+        return _ordered_grad_norm(params, group, pp_group)
     plain, sharded = [], []
     for p in params:
         grad = p.main_grad if hasattr(p, "main_grad") else p.grad
@@ -354,31 +377,39 @@ def _block_squares(grad: torch.Tensor, param: nn.Parameter, blocks: int) -> list
     return sums
 
 
-def _ordered_grad_norm(params: list[nn.Parameter], group) -> torch.Tensor:
-    """The L2 norm of the gradient (fp32), the same bits at every TP size.
+def _ordered_grad_norm(params: list[nn.Parameter], group, pp_group=None) -> torch.Tensor:
+    """The L2 norm of the gradient (fp32), the same bits at every TP and PP size.
 
-    TP-sharded parameters: squares summed per fixed block, block ``i`` of every parameter folded
-    in parameter order, then a tree over the blocks (a rank's blocks form a subtree, finished
-    across ranks); replicated parameters are then added in parameter order on every rank.
-    Gradients are whole on every DP rank (the invariant mode has no FSDP): no DP sum.
+    Each parameter gives a row: the sums of squares of its fixed blocks (TP-sharded ones) and
+    of the whole (replicated ones). The rows are added in the PP=1 model's parameter order (with
+    ``pp_group``, gathered from every stage and ordered by ``pipeline_stage``); then a tree over
+    the blocks (a rank's blocks form a subtree, finished across TP ranks), plus the replicated
+    part. Gradients are whole on every DP rank (the invariant mode has no FSDP): no DP sum; a
+    pipeline's tied copy (``shared``) is counted by its original only.
     """
     blocks = BLOCKS // comm.group_size(group)
-    sharded: list[torch.Tensor | None] = [None] * blocks
-    replicated = None
+    device = comm.collective_device(group)
+    rows = []
     for param in params:
         grad = _grad_of(param)
-        if grad is None:
+        if grad is None or getattr(param, "shared", False):
             continue
         grad = grad.float()
         if getattr(param, "tensor_model_parallel", False):
-            for i, square in enumerate(_block_squares(grad, param, blocks)):
-                sharded[i] = square if sharded[i] is None else sharded[i] + square
+            squares = [*_block_squares(grad, param, blocks), grad.new_zeros(())]
         else:
-            square = grad.square().sum()
-            replicated = square if replicated is None else replicated + square
-    device = comm.collective_device(group)
-    local = tree_sum(s if s is not None else torch.zeros((), device=device) for s in sharded)
-    total = all_reduce_tree(local.reshape(1).to(device), group)[0]
-    if replicated is not None:
-        total = total + replicated.to(device)
-    return total.sqrt()
+            squares = [grad.new_zeros(()) for _ in range(blocks)] + [grad.square().sum()]
+        stage = torch.tensor(float(getattr(param, "pipeline_stage", 0)), device=grad.device)
+        rows.append(torch.stack([stage, *squares]).to(device))
+    table = torch.stack(rows) if rows else torch.zeros(0, blocks + 2, device=device)
+    if pp_group is not None and comm.group_size(pp_group) > 1:
+        sizes = comm.all_gather(comm.scalars([len(rows)], pp_group, dtype=torch.int64), pp_group).tolist()
+        table = comm.all_gather(table, pp_group, sizes=sizes)
+        table = table[torch.sort(table[:, 0], stable=True).indices]
+    # One add per parameter, in order, from zero (0 + x is x): each block's sum as at PP=1.
+    total_squares = torch.zeros(blocks + 1, device=device)
+    for row in table[:, 1:]:
+        total_squares = total_squares + row
+    local = tree_sum(total_squares[:blocks].clone().unbind())
+    total = all_reduce_tree(local.reshape(1), group)[0]
+    return (total + total_squares[blocks]).sqrt()

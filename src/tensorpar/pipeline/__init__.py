@@ -14,11 +14,13 @@ Example::
 """
 
 from .cost import PipelineCost, RankTraffic, bubble_fraction, pipeline_cost
-from .plan import SCHEDULES, ScheduleSpec, StageLayout, check_microbatches, stage_layout, stages_per_rank
+from .microbatch_grads import MicroBatchGrads
+from .plan import (SCHEDULES, ScheduleSpec, StageLayout, check_invariant, check_microbatches, stage_layout,
+                   stages_per_rank)
 from .schedule import PipelineSchedule
 from .stages import build_stages, fully_shard_stages
 from .torch_stage import TorchStage
 
-__all__ = ["SCHEDULES", "PipelineCost", "PipelineSchedule", "RankTraffic", "ScheduleSpec", "StageLayout", "TorchStage",
-           "bubble_fraction", "build_stages", "check_microbatches", "fully_shard_stages", "pipeline_cost", "stage_layout",
-           "stages_per_rank"]
+__all__ = ["SCHEDULES", "MicroBatchGrads", "PipelineCost", "PipelineSchedule", "RankTraffic", "ScheduleSpec",
+           "StageLayout", "TorchStage", "bubble_fraction", "build_stages", "check_invariant", "check_microbatches",
+           "fully_shard_stages", "pipeline_cost", "stage_layout", "stages_per_rank"]

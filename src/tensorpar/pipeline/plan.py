@@ -9,6 +9,7 @@ Example::
 
     layout = stage_layout(5, pp_size=2, schedule="1f1b")     # layers [0, 3) and [3, 5)
     check_microbatches("1f1b", microbatches=4, pp_size=2)     # UsageError if it cannot run
+    check_invariant("zbv")                                    # UsageError: it cannot keep tp_invariant's bits
 """
 
 from __future__ import annotations
@@ -28,16 +29,22 @@ class ScheduleSpec:
 
     torch_class: type
     placement: str
+    not_invariant: str | None = None  # why the schedule cannot keep tp_invariant's bits (None: it keeps them)
 
+
+# torch's weight pass (stage_backward_weight) writes .grad itself, outside autograd's
+# accumulation: no hook sees a micro-batch's weight gradient to put it in the fixed tree.
+_SPLIT = ("it splits each backward into an input pass and a later weight pass that adds to .grad outside "
+          "autograd, so no micro-batch's weight gradient can be put in the mode's fixed tree")
 
 SCHEDULES = {
     "gpipe": ScheduleSpec(pipelining.ScheduleGPipe, "single"),
     "1f1b": ScheduleSpec(pipelining.Schedule1F1B, "single"),
     "interleaved-1f1b": ScheduleSpec(pipelining.ScheduleInterleaved1F1B, "loop"),
     "looped-bfs": ScheduleSpec(pipelining.ScheduleLoopedBFS, "loop"),
-    "interleaved-zb": ScheduleSpec(pipelining.ScheduleInterleavedZeroBubble, "loop"),
-    "zbv": ScheduleSpec(pipelining.ScheduleZBVZeroBubble, "v"),
-    "dualpipev": ScheduleSpec(pipelining.ScheduleDualPipeV, "v"),
+    "interleaved-zb": ScheduleSpec(pipelining.ScheduleInterleavedZeroBubble, "loop", _SPLIT),
+    "zbv": ScheduleSpec(pipelining.ScheduleZBVZeroBubble, "v", _SPLIT),
+    "dualpipev": ScheduleSpec(pipelining.ScheduleDualPipeV, "v", _SPLIT),
 }
 
 
@@ -47,6 +54,15 @@ def schedule_spec(schedule: str) -> ScheduleSpec:
     if spec is None:
         raise UsageError(f"unknown pipeline schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
     return spec
+
+
+def check_invariant(schedule: str) -> None:
+    """Raise a UsageError naming why if ``schedule`` cannot run ``tp_invariant=True`` bit for bit."""
+    why = schedule_spec(schedule).not_invariant
+    if why is not None:
+        keeps = ", ".join(name for name, spec in SCHEDULES.items() if spec.not_invariant is None)
+        raise UsageError(f"the {schedule.lower()} schedule cannot keep the invariant mode's bits: {why}; "
+                         f"use {keeps}")
 
 
 def stages_per_rank(schedule: str, virtual_stages: int | None) -> int:

@@ -9,6 +9,12 @@ schedule the gradients are finished as PP=1's are: the SP partial sums over TP, 
 embedding's two copies (first and last stage) summed over the embedding group. ``step``
 returns the mean micro-batch loss, broadcast to every rank of the pipeline.
 
+With ``tp_invariant=True`` each micro-batch's gradient is taken apart and handed on in
+micro-batch order (:class:`~.microbatch_grads.MicroBatchGrads`): to ``grad_sink`` (a
+``DataParallelGradReducer(micro_batches=)``'s ``add_grad``: PP=1's fixed tree), or added into
+``.grad``; the tied embedding's two copies are summed per micro-batch, as PP=1's autograd does.
+The schedules that split the backward (:func:`~.plan.check_invariant`) are refused.
+
 Example::
 
     schedule = PipelineSchedule(stages, layout, schedule="1f1b", microbatches=4, pp_group=pp_group)
@@ -27,8 +33,9 @@ from .. import comm
 from ..errors import UsageError
 from ..grads import allreduce_sequence_parallel_grads
 from ..models import GPT
+from .microbatch_grads import MicroBatchGrads
+from .plan import StageLayout, check_invariant, check_microbatches, schedule_spec
 from .torch_stage import TorchStage
-from .plan import StageLayout, check_microbatches, schedule_spec
 
 
 class PipelineSchedule:
@@ -37,13 +44,23 @@ class PipelineSchedule:
 
     ``embedding_group`` (the ranks of the first and last stage, per TP rank, as Megatron's
     embedding group) is needed with tied embeddings when those stages are on different ranks.
+    ``loss_divisor`` is what each micro-batch's loss is divided by before its backward (default
+    ``microbatches``; the invariant mode's training loop: the global count, ``microbatches x DP``).
+    In the invariant mode, create a ``DataParallelGradReducer`` after the schedule.
     """
 
     def __init__(self, stages: list[GPT], layout: StageLayout, *, schedule: str, microbatches: int, pp_group,
-                 embedding_group=None) -> None:
+                 embedding_group=None, loss_divisor: int | None = None) -> None:
         spec = schedule_spec(schedule)
         check_microbatches(schedule, microbatches=microbatches, pp_size=layout.pp_size,
                            virtual_stages=None if spec.placement == "single" else len(stages))
+        self.invariant = stages[0].config.tp_invariant
+        if self.invariant:
+            check_invariant(schedule)
+            if any(hasattr(p, "main_grad") for m in stages for p in m.parameters()):
+                raise UsageError("tp_invariant pipeline: create the DataParallelGradReducer after the "
+                                 "PipelineSchedule (the schedule takes each micro-batch's gradient first)")
+        self.loss_divisor = microbatches if loss_divisor is None else loss_divisor
         rank = comm.group_rank(pp_group)
         self.indices = layout.stages_of(rank)
         if len(stages) != len(self.indices):
@@ -61,6 +78,11 @@ class PipelineSchedule:
         pipeline_stages = [TorchStage(module, index, layout.num_stages, device, group=pp_group)
                            for module, index in zip(stages, self.indices)]
         self._last_stage = pipeline_stages[-1]
+        self._torch_stages = pipeline_stages
+        tied = [m.embedding.word.weight for m in stages if m.pre_process and self.tied] + \
+               [m.lm_head.weight for m in stages if m.post_process and self.tied and not m.pre_process]
+        self._grads = MicroBatchGrads(pipeline_stages, microbatches=microbatches, tied=tied,
+                                      embedding_group=embedding_group) if self.invariant else None
         self._losses: list[torch.Tensor] = []
         self._schedule = spec.torch_class(pipeline_stages[0] if spec.placement == "single" else pipeline_stages,
                                           microbatches, loss_fn=self._loss, scale_grads=False)
@@ -71,7 +93,7 @@ class PipelineSchedule:
         loss = self.stages[-1].loss(logits.transpose(0, 1), labels)
         if not self._last_stage.inferring:
             self._losses.append(loss.detach())
-        return loss / self.microbatches
+        return loss / self.loss_divisor
 
     def step(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of ``tokens`` and ``labels`` (``[B, s]``, ``B`` a multiple of the
@@ -80,10 +102,12 @@ class PipelineSchedule:
         return self.microbatch_losses(tokens, labels).mean()
 
     def microbatch_losses(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
-                          backward: bool = True) -> torch.Tensor:
+                          backward: bool = True, grad_sink=None, first_micro_batch: int = 0) -> torch.Tensor:
         """Each micro-batch's mean loss ``[M]`` (float64, every rank of the pipeline), after a
         forward and backward as :meth:`step`'s, or with ``backward=False`` a forward only
-        (an evaluation: no gradient is touched)."""
+        (an evaluation: no gradient is touched). In the invariant mode: ``grad_sink(param, grad)``
+        gets each micro-batch's gradients in order (default: summed into ``.grad``), and the
+        dropout masks of micro-batch ``k`` are keyed by ``first_micro_batch + k``."""
         for name, batch in (("tokens", tokens), ("labels", labels)):
             if batch is not None and batch.shape[0] % self.microbatches:
                 raise UsageError(f"a batch of {batch.shape[0]} {name} rows does not cut into "
@@ -91,6 +115,10 @@ class PipelineSchedule:
         self._losses.clear()
         args = (tokens,) if 0 in self.indices else ()
         target = labels if self.last in self.indices else None
+        for stage in self._torch_stages:
+            stage.first_micro_batch = first_micro_batch
+        if self._grads is not None:
+            self._grads.sink = grad_sink
         if backward:
             self._schedule.step(*args, target=target, return_outputs=False)
             self._finish_grads()
@@ -105,9 +133,11 @@ class PipelineSchedule:
         return comm.broadcast(losses, holder, self.pp_group)
 
     def _finish_grads(self) -> None:
+        if self._grads is not None:  # first: with a reducer, its DP sums come before the SP sums, as at PP=1
+            self._grads.finish()
         for module in self.stages:
             allreduce_sequence_parallel_grads(module, tp_group=module.tp_group)
-        if not self.tied or self.layout.rank_of(0) == self.layout.rank_of(self.last):
+        if not self.tied or self.invariant or self.layout.rank_of(0) == self.layout.rank_of(self.last):
             return  # untied, or (V schedules) one parameter on one rank: its gradient is the sum
         copies = [m.embedding.word.weight for m in self.stages if m.pre_process] + \
                  [m.lm_head.weight for m in self.stages if m.post_process]

@@ -6,7 +6,8 @@ Each part of the GPT is initialised from its own seed (one draw of the default s
 whole model), so with the same ``torch.manual_seed`` a stage's block ``i`` is the PP=1 model's
 block ``i``, at every TP size. With tied embeddings (GPT-2) the last stage holds a copy of the
 embedding's weight as its head weight, initialised alike, marked ``shared`` (Megatron's mark:
-the grad norm counts it once); the schedule sums the two gradients. Where the first and the
+the grad norm counts it once); the schedule sums the two gradients. Every parameter carries
+its ``pipeline_stage``. Where the first and the
 last stage are on one rank (the V schedules) the head uses the embedding's parameter itself.
 
 Example::
@@ -27,7 +28,7 @@ from ..fsdp import fully_shard
 from ..models import GPT, GPTConfig
 from .plan import StageLayout
 
-_UNSUPPORTED = {"tp_invariant": "the invariant mode", "gradient_accumulation_fusion": "gradient-accumulation fusion"}
+_UNSUPPORTED = {"gradient_accumulation_fusion": "gradient-accumulation fusion"}
 
 
 def build_stages(config: GPTConfig, layout: StageLayout, *, pp_group, tp_group=None, device=None) -> list[GPT]:
@@ -45,6 +46,9 @@ def build_stages(config: GPTConfig, layout: StageLayout, *, pp_group, tp_group=N
         torch.set_rng_state(state)
         stages.append(GPT(config, tp_group=tp_group, device=device, layers=layout.layers[s],
                           pre_process=s == 0, post_process=s == layout.num_stages - 1))
+    for s, stage in zip(layout.stages_of(comm.group_rank(pp_group)), stages):
+        for param in stage.parameters():
+            param.pipeline_stage = s  # the invariant mode's grad norm adds in PP=1's parameter order
     if config.tie_word_embeddings and layout.num_stages > 1 and stages[-1].post_process:
         head = stages[-1].lm_head
         if stages[0].pre_process:

@@ -14,6 +14,10 @@ gradients (or, under a DataParallelGradReducer, to their ``main_grad``): both ar
 while it runs. ``inferring`` is True meanwhile, so the loss function can tell the dummy
 micro-batch from the real ones.
 
+Each forward and backward records the schedule's micro-batch id (``microbatch``). In the
+invariant mode a forward sets its GPT's dropout counter to ``first_micro_batch`` plus that id,
+so micro-batch ``k``'s masks are PP=1's, whatever order the schedule runs them in.
+
 Example::
 
     stage = TorchStage(module, stage_index, num_stages, device, group=pp_group)
@@ -42,6 +46,18 @@ class TorchStage(PipelineStage):
     gradients alone."""
 
     inferring = False
+    microbatch = 0          # the schedule's id of the micro-batch in forward or backward
+    first_micro_batch = 0   # the global index of the step's micro-batch 0 (the invariant mode's masks)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        self.microbatch = fwd_chunk_id
+        if self.submod.dropout_masks is not None:
+            self.submod.dropout_masks.counter = self.first_micro_batch + fwd_chunk_id
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        self.microbatch = bwd_chunk_id
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def _backward_metadata_inference(self, *args, **kwargs):
         params = list(self.submod.parameters())

@@ -1,6 +1,7 @@
 """``tensorpar train``'s pipeline flags (``--pp``, ``--pp-schedule``, ``--virtual-stages``) and
 their checks before launch: the world TP x PP divides, the stages the layers make, the
-micro-batches the schedule runs, and what PP does not combine with yet, one line each.
+micro-batches the schedule runs, the schedules that keep ``--tp-invariant``'s bits, and what PP
+does not combine with yet, one line each.
 
 Example::
 
@@ -63,8 +64,6 @@ def check_run(args, config) -> None:
             raise UsageError(f"--virtual-stages {args.virtual_stages} needs --pp greater than 1")
         return
     given = [(flag, why) for name, flag, why in _NOT_WITH_PP if _given(getattr(args, name, None))]
-    if config.tp_invariant:
-        given.append(("--tp-invariant", "the invariant mode under PP is not supported yet"))
     if config.gradient_accumulation_fusion:
         given.append(("--grad-fusion", "gradient-accumulation fusion under PP is not supported yet"))
     if args.fsdp and config.tie_word_embeddings and args.pp_schedule in V_SCHEDULES:
@@ -74,10 +73,12 @@ def check_run(args, config) -> None:
     if given:
         raise UsageError(f"--pp {pp} cannot combine with {' or '.join(f for f, _ in given)} (or the resumed "
                          f"run's setting): {'; '.join(why for _, why in given)}")
-    from ..pipeline import check_microbatches, stage_layout
+    from ..pipeline import check_invariant, check_microbatches, stage_layout
 
     what = f"--pp {pp} --pp-schedule {args.pp_schedule}"
     try:
+        if config.tp_invariant:
+            check_invariant(args.pp_schedule)
         stage_layout(config.num_layers, pp_size=pp, schedule=args.pp_schedule, virtual_stages=args.virtual_stages)
         check_microbatches(args.pp_schedule, microbatches=args.grad_accum, pp_size=pp,
                            virtual_stages=args.virtual_stages)

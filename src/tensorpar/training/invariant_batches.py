@@ -50,16 +50,20 @@ def mean_by_index(values: list[torch.Tensor], *, indices, total: int, dp_group, 
 @torch.no_grad()
 def evaluate(model, sampler: BatchSampler, *, iters: int, dtype: str, device, dp_group) -> float:
     """The mean validation loss over the ``iters`` micro-batches ``sampler`` draws at DP = 1, the
-    DP ranks running consecutive shares of them: the same value at any DP size."""
+    DP ranks running consecutive shares of them: the same value at any DP size (and PP size: a
+    pipeline's ``losses`` runs its share through the schedule)."""
     size, rank = comm.group_size(dp_group), comm.group_rank(dp_group)
     single = dataclasses.replace(sampler, dp_rank=0, dp_size=1)
     share = -(-iters // size)
     indices = range(rank * share, min((rank + 1) * share, iters))
+    batches = [single.micro_batches(i)[0] for i in indices]
     model.eval()
-    losses = []
-    for i in indices:
-        (tokens, labels), = single.micro_batches(i)
-        with autocast(dtype, device):
-            losses.append(model(tokens.to(device), labels.to(device)))
+    if hasattr(model, "losses"):  # a pipeline (training.pipeline_step.PipelinedGPT)
+        losses = model.losses(batches, dtype=dtype)
+    else:
+        losses = []
+        for tokens, labels in batches:
+            with autocast(dtype, device):
+                losses.append(model(tokens.to(device), labels.to(device)))
     model.train()
     return float(mean_by_index(losses, indices=indices, total=iters, dp_group=dp_group, device=device))

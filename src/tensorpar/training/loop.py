@@ -331,7 +331,8 @@ def _train(args, signals: Signals) -> RunResult:
                 model.dropout_masks.counter = invariant_batches.first_micro_batch(
                     step, grad_accum=args.grad_accum, dp_size=dp_size, dp_rank=dp_rank)
             if pp_size > 1:
-                loss_sum = model.train_step(batches, reducer=reducer, dtype=args.dtype).to(device)
+                losses = model.train_step(batches, reducer=reducer, dtype=args.dtype).to(device)
+                loss_sum, losses = losses.sum(), list(losses.unbind())
             else:
                 loss_sum, losses = torch.zeros((), dtype=torch.float64, device=device), []
                 for k, (tokens, labels) in enumerate(batches):
@@ -350,7 +351,7 @@ def _train(args, signals: Signals) -> RunResult:
                          if args.clip_grad > 0 else grads.get_grad_norm(params, dp_group=cp.grad_group,
                                                                         pp_group=pp_group))
             optimizer.step()
-            if config.tp_invariant:  # added in global micro-batch order (the invariant mode has no PP)
+            if config.tp_invariant:  # added in global micro-batch order
                 mean = invariant_batches.mean_by_index(
                     losses, indices=range(dp_rank * len(batches), (dp_rank + 1) * len(batches)),
                     total=len(batches) * dp_size, dp_group=dp_group, device=device)

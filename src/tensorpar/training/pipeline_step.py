@@ -9,7 +9,11 @@ gradient accumulation) through the schedule; the DP reduction of every stage wai
 schedule's end (``sync=False`` while it runs, then ``finish()``), after the schedule has summed
 the SP and tied-embedding gradients: all sums, in any order the same gradient. Under FSDP
 (``fsdp_group=``) torch's stages reduce-scatter each stage's gradients after its last
-micro-batch instead, averaging over DP as the reducer does.
+micro-batch instead, averaging over DP as the reducer does. In the invariant mode
+(:mod:`.invariant_batches`) each micro-batch's loss is divided by the global micro-batch
+count, its gradients go into the reducer's tree in micro-batch order (``add_grad``; a stage's
+DP reduction runs once its last micro-batch's are in) and its dropout masks are keyed by its
+global index, all as at PP=1.
 
 Example::
 
@@ -24,6 +28,7 @@ import torch
 from torch import nn
 
 from .. import comm, parallel_state as ps
+from ..invariant_dropout import MaskCounter
 from ..models import GPTConfig
 from ..pipeline import PipelineSchedule, StageLayout, bubble_fraction, build_stages, fully_shard_stages, stage_layout
 from .data import BatchSampler
@@ -64,8 +69,6 @@ class PipelinedGPT(nn.Module):
     (:func:`tensorpar.pipeline.fully_shard_stages`).
     """
 
-    dropout_masks = None  # the invariant mode is not supported under PP
-
     def __init__(self, config: GPTConfig, *, schedule: str, microbatches: int, virtual_stages: int | None,
                  device, fsdp_group=None) -> None:
         super().__init__()
@@ -77,9 +80,13 @@ class PipelinedGPT(nn.Module):
         self.stages = nn.ModuleList(stages if fsdp_group is None else fully_shard_stages(stages, dp_group=fsdp_group))
         ends = {self.layout.rank_of(0), self.layout.rank_of(self.layout.num_stages - 1)}
         embedding_group = ps.get_embedding_group() if comm.group_rank(pp_group) in ends and len(ends) > 1 else None
+        # The invariant mode: one division by the global micro-batch count, at any DP size, as at PP=1.
+        dp_size = comm.group_size(ps.get_data_parallel_group()) if config.tp_invariant else 1
         self.schedule = PipelineSchedule(list(self.stages), self.layout, schedule=schedule,
                                          microbatches=microbatches, pp_group=pp_group,
-                                         embedding_group=embedding_group)
+                                         embedding_group=embedding_group, loss_divisor=microbatches * dp_size)
+        # The training loop sets its counter to the global index of the step's first micro-batch.
+        self.dropout_masks = MaskCounter(seed=self.stages[0].dropout_masks.seed) if config.tp_invariant else None
         self.num_parameters = self._count()
         self.header = pipeline_header(self.layout, schedule=schedule, microbatches=microbatches,
                                       virtual_stages=virtual_stages)
@@ -104,27 +111,37 @@ class PipelinedGPT(nn.Module):
 
     def train_step(self, micro_batches, *, reducer, dtype: str) -> torch.Tensor:
         """Forward and backward of the step's micro-batches (``[(tokens, labels)]``, as many as the
-        schedule's); returns the sum of their mean losses (float64, every rank), as PP=1 adds them."""
+        schedule's); returns their mean losses ``[M]`` (float64, every rank)."""
         device = next(self.parameters()).device
         tokens, labels = _stacked(micro_batches, device)
         reducer.sync = False  # every stage's DP reduction waits for the schedule's end: reducer.finish()
+        invariant = self.dropout_masks is not None
         with autocast(dtype, device):
-            return self.schedule.microbatch_losses(tokens, labels).sum()
+            return self.schedule.microbatch_losses(tokens, labels, grad_sink=reducer.add_grad if invariant else None,
+                                                   first_micro_batch=self.dropout_masks.counter if invariant else 0)
+
+    def losses(self, batches, *, dtype: str) -> list[torch.Tensor]:
+        """The mean loss of each of ``batches`` (``[(tokens, labels)]``, any number), forward only
+        through the schedule, ``M`` at a time (the last group filled up with repeats, not returned)."""
+        device = next(self.parameters()).device
+        m, out = self.schedule.microbatches, []
+        for first in range(0, len(batches), m):
+            group = [batches[min(i, len(batches) - 1)] for i in range(first, first + m)]
+            tokens, labels = _stacked(group, device)
+            with autocast(dtype, device):
+                out.extend(self.schedule.microbatch_losses(tokens, labels, backward=False).unbind()[:len(batches) - first])
+        return out
 
 
 @torch.no_grad()
 def evaluate(model: PipelinedGPT, sampler: BatchSampler, *, iters: int, dtype: str, device, dp_group) -> float:
     """:func:`tensorpar.training.evaluation.evaluate` through the pipeline: the same ``iters``
-    batches, run forward ``M`` at a time (the last group filled up with repeats, not counted)."""
+    batches, run forward ``M`` at a time (:meth:`PipelinedGPT.losses`)."""
     model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    m = model.schedule.microbatches
-    for first in range(0, iters, m):
-        batches = [sampler.micro_batches(min(i, iters - 1))[0] for i in range(first, first + m)]
-        tokens, labels = _stacked(batches, device)
-        with autocast(dtype, device):
-            losses = model.schedule.microbatch_losses(tokens, labels, backward=False)
-        total += losses[:iters - first].sum().to(device)
+    losses = model.losses([sampler.micro_batches(i)[0] for i in range(iters)], dtype=dtype)
     model.train()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for loss in losses:
+        total += loss.to(device)
     comm.all_reduce(total, dp_group)
     return float(total) / (iters * comm.group_size(dp_group))
