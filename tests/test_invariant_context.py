@@ -1,6 +1,6 @@
 """TP-invariant mode under context parallelism (issues 29 and 30): ``tensorpar train --tp-invariant
---cp-comm a2a`` at (TP, CP) = (1, 2), (2, 2), (1, 4) trains the bits of (1, 1); what it cannot
-keep bit-identical is refused in one line."""
+--cp-comm a2a`` at (TP, CP) = (1, 2), (2, 2) with and without SP, (1, 4) trains the bits of (1, 1);
+what it cannot keep bit-identical is refused in one line."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ RUN = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--
        "--micro-batch", "2", "--global-batch", "4", "--warmup", "1", "--lr", "1e-2", "--clip-grad", "0.1",
        "--eval-every", "3", "--eval-iters", "1", "--no-progress", "--seed", "3", "--tp-invariant",
        "--cp-comm", "a2a"]
+LLAMA = ["--norm", "rmsnorm", "--activation", "swiglu", "--position-embedding", "rope"]
+LAYOUTS = {"1x1": (1, 1), "1x2": (1, 2), "2x2": (2, 2), "2x2-sp": (2, 2, "--sp"), "1x4": (1, 4)}
 
 
 def test_each_cp_ranks_blocks_are_a_subtree_of_the_cp1_tree():
@@ -36,14 +38,18 @@ def test_each_cp_ranks_blocks_are_a_subtree_of_the_cp1_tree():
 
 
 @pytest.mark.slow
-def test_training_is_bit_identical_at_any_cp_size(tmp_path):
-    """(TP, CP) = (1, 2), (2, 2), (1, 4) against (1, 1): training and validation losses == at every
-    step, final weights torch.equal."""
-    layouts = [(1, 1), (1, 2), (2, 2), (1, 4)]
-    runs = {(tp, cp): run_on_ranks(_run_body, tp * cp, RUN + ["--tp", str(tp), "--cp", str(cp),
-                                                               "--out", str(tmp_path / f"{tp}x{cp}")],
-                                   timeout=300)[0] for tp, cp in layouts}
-    losses, val_losses, ckpt = runs[1, 1]
+@pytest.mark.parametrize("model, layouts", [([], list(LAYOUTS)), (LLAMA, ["1x1", "2x2-sp", "1x4"])],
+                         ids=["gpt2-gqa", "llama-gqa"])
+def test_training_is_bit_identical_at_any_cp_size(tmp_path, model, layouts):
+    """(TP, CP) = (1, 2), (2, 2) with and without SP, (1, 4) against (1, 1): training and validation
+    losses == at every step, final weights torch.equal."""
+    runs = {}
+    for name in layouts:
+        tp, cp, *sp = LAYOUTS[name]
+        runs[name] = run_on_ranks(_run_body, tp * cp, RUN + model + ["--tp", str(tp), "--cp", str(cp), *sp,
+                                                                       "--out", str(tmp_path / name)],
+                                  timeout=300)[0]
+    losses, val_losses, ckpt = runs["1x1"]
     assert list(losses) == [1, 2, 3] and list(val_losses) == [3]
     assert {layout: run[:2] for layout, run in runs.items()} == {layout: (losses, val_losses) for layout in layouts}
     reference = run_on_ranks(_weights_body, 1, str(ckpt))[0]
@@ -51,16 +57,50 @@ def test_training_is_bit_identical_at_any_cp_size(tmp_path):
         {layout: [] for layout in layouts}
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--cp", "2"], "p2p attention (the ring adds the partial attention of each rank's keys in an order that "
-                    "depends on the CP size: use a2a)"),
-    (["--cp", "2", "--cp-comm", "a2a", "--tp", "2", "--sp"], "sequence parallelism (not yet)"),
-], ids=["p2p", "sp"])
-def test_train_refuses_what_cp_cannot_keep_bit_identical(capsys, flags, named):
+@pytest.mark.parametrize("cp, flags, named", [
+    (2, [], "p2p attention (the ring adds the partial attention of each rank's keys in an order that depends on "
+            "the CP size: use a2a)"),
+    (3, ["--cp-comm", "a2a"], "CP size 3 (the 8 fixed sequence blocks make 2 x CP whole chunks at CP 1, 2 and 4 "
+                              "only)"),
+], ids=["p2p", "cp3"])
+def test_train_refuses_what_cp_cannot_keep_bit_identical(capsys, cp, flags, named):
     from tensorpar.tools.cli import main
 
-    assert main(["train", "--nproc", "4", "--tp-invariant", "--layers", "1", "--hidden", "32", "--heads", "4",
-                 "--seq-len", "16", "--steps", "1", *flags]) == 2
+    assert main(["train", "--nproc", str(cp), "--cp", str(cp), "--tp-invariant", "--layers", "1", "--hidden", "32",
+                 "--heads", "4", "--seq-len", "16", "--steps", "1", *flags]) == 2
     err = capsys.readouterr().err
-    assert f"--tp-invariant with --cp 2 cannot give the CP 1 bits with {named}" in err
+    assert f"--tp-invariant with --cp {cp} cannot give the CP 1 bits with {named}" in err
     assert "Traceback" not in err
+
+
+def test_the_library_names_what_cp_cannot_keep_bit_identical():
+    from tensorpar.models import GPTConfig
+    from tensorpar.models.context_split import invariant_refusals
+
+    config = GPTConfig(vocab_size=96, max_seq_len=16, num_layers=1, num_heads=12, num_query_groups=2, hidden_size=96,
+                       tp_invariant=True, context_parallel_comm="a2a")
+    # 6 query heads per KV head: at CP 2 each rank has one whole group, at CP 4 groups are cut 3 + 3.
+    assert invariant_refusals(config, tp_size=1, cp_size=2, sequence_parallel=False) == []
+    assert invariant_refusals(config, tp_size=1, cp_size=4, sequence_parallel=False) == [
+        "6 query heads per KV head split over CP ranks (their K/V grads are added in another order; at most 2, or "
+        "whole KV groups per CP rank)"]
+    assert invariant_refusals(config, tp_size=4, cp_size=4, sequence_parallel=True)[0] == (
+        "sequence parallelism at TP 4 x CP 4 (more ranks than the 8 fixed sequence blocks)")
+
+
+def _p2p_refusal_body():
+    import torch.distributed as dist
+
+    from tensorpar.models import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=96, max_seq_len=16, num_layers=1, num_heads=4, hidden_size=32, tp_invariant=True)
+    try:
+        GPT(config, tp_group=dist.new_group([dist.get_rank()]), cp_group=dist.new_group([0, 1]), device="cpu")
+    except ValueError as error:
+        return str(error)
+
+
+def test_a_gpt_refuses_p2p_in_the_invariant_mode_in_one_line():
+    assert run_on_ranks(_p2p_refusal_body, 2)[0] == (
+        "tp_invariant under context parallelism does not support p2p attention (the ring adds the partial attention "
+        "of each rank's keys in an order that depends on the CP size: use a2a)")

@@ -27,7 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm, context, invariant
-from ..mappings import reduce_from_tensor_model_parallel_region
+from ..mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from ..tree_reduce import BLOCKS, sequence_sum, tree_sum
 from .config import GPTConfig
 
@@ -43,8 +47,9 @@ def invariant_refusals(config: GPTConfig, *, tp_size: int, cp_size: int, sequenc
     if (BLOCKS // 2) % cp_size:
         bad.append(f"CP size {cp_size} (the {BLOCKS} fixed sequence blocks make 2 x CP whole chunks at CP 1, 2 "
                    "and 4 only)")
-    if sequence_parallel:
-        bad.append("sequence parallelism (not yet)")
+    if sequence_parallel and tp_size * cp_size > BLOCKS:
+        bad.append(f"sequence parallelism at TP {tp_size} x CP {cp_size} (more ranks than the {BLOCKS} fixed "
+                   "sequence blocks)")
     if config.dropout > 0:
         bad.append(f"hidden dropout {config.dropout:g} (its fixed-block masks are not placed by CP chunk yet)")
     per = config.queries_per_group
@@ -130,17 +135,25 @@ def dropout_rows(split: ContextSplit | None, seq_len: int) -> dict:
 
 def embed(model, tokens, position_ids, key, rows, *, whole) -> torch.Tensor:
     """``model.embedding`` of this rank's ``tokens``; in the invariant mode under CP of the
-    ``whole`` (tokens, position ids) sequence, this rank's chunks of it (:meth:`SequenceChunks.scatter`):
-    the token and position embeddings' grads are then summed over the tokens as at CP = 1."""
+    ``whole`` (tokens, position ids) sequence, this rank's chunks of it (:meth:`SequenceChunks.scatter`,
+    under SP this TP rank's slice of them): the token and position embeddings' grads are then
+    summed over the tokens as at CP = 1."""
     split = model.parallel.context
     if split is None or not split.config.tp_invariant:
         return model.embedding(tokens, position_ids, key, rows)
     tokens, position_ids = whole
-    seq_len = tokens.shape[1]
+    seq_len, parallel = tokens.shape[1], model.parallel
+    chunks = context.SequenceChunks.of(seq_len, cp_group=split.group, multiple=split.multiple)
+    if chunks.padding:  # padding would move the fixed blocks' boundaries
+        raise ValueError(f"tp_invariant under context parallelism: the sequence length {seq_len} is not divisible "
+                         f"by 2 x CP{' x TP' if split.multiple > 1 else ''} = {2 * chunks.cp_size * split.multiple}")
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=tokens.device)
-    chunks = context.SequenceChunks.of(seq_len, cp_group=split.group)
-    return chunks.scatter(model.embedding(tokens, position_ids, key), dim=0, cp_group=split.group)
+    x = model.embedding(tokens, position_ids, key)                 # [s(/TP), b, h], as at CP = 1
+    if parallel.sequence_parallel:  # backward: this TP rank's slice of the gathered gradient
+        x = gather_from_sequence_parallel_region(x, False, group=parallel.group)
+    x = chunks.scatter(x, dim=0, cp_group=split.group)
+    return scatter_to_sequence_parallel_region(x, group=parallel.group) if parallel.sequence_parallel else x
 
 
 def _ordered_sum(losses: torch.Tensor, split: ContextSplit | None) -> torch.Tensor:
