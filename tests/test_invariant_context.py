@@ -1,5 +1,6 @@
 """TP-invariant mode under context parallelism (issues 29 and 30): ``tensorpar train --tp-invariant
---cp-comm a2a`` at (TP, CP) = (1, 2), (2, 2) with and without SP, (1, 4) trains the bits of (1, 1);
+--cp-comm a2a`` at (TP, CP, DP) = (1, 2, 1), (2, 2, 1) with and without SP, (1, 4, 1), (1, 2, 2) trains
+the bits of (1, 1, 1);
 what it cannot keep bit-identical is refused in one line."""
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ RUN = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--
        "--eval-every", "3", "--eval-iters", "1", "--no-progress", "--seed", "3", "--tp-invariant",
        "--cp-comm", "a2a"]
 LLAMA = ["--norm", "rmsnorm", "--activation", "swiglu", "--position-embedding", "rope"]
-LAYOUTS = {"1x1": (1, 1), "1x2": (1, 2), "2x2": (2, 2), "2x2-sp": (2, 2, "--sp"), "1x4": (1, 4)}
+# (TP, CP, DP) and flags; DP 2 runs one of the step's 2 micro-batches per DP rank.
+LAYOUTS = {"1x1": (1, 1, 1), "1x2": (1, 2, 1), "2x2": (2, 2, 1), "2x2-sp": (2, 2, 1, "--sp"), "1x4": (1, 4, 1),
+           "1x2xdp2": (1, 2, 2)}
 
 
 def test_each_cp_ranks_blocks_are_a_subtree_of_the_cp1_tree():
@@ -41,13 +44,13 @@ def test_each_cp_ranks_blocks_are_a_subtree_of_the_cp1_tree():
 @pytest.mark.parametrize("model, layouts", [([], list(LAYOUTS)), (LLAMA, ["1x1", "2x2-sp", "1x4"])],
                          ids=["gpt2-gqa", "llama-gqa"])
 def test_training_is_bit_identical_at_any_cp_size(tmp_path, model, layouts):
-    """(TP, CP) = (1, 2), (2, 2) with and without SP, (1, 4) against (1, 1): training and validation
-    losses == at every step, final weights torch.equal."""
+    """(TP, CP, DP) = (1, 2, 1), (2, 2, 1) with and without SP, (1, 4, 1), (1, 2, 2) against (1, 1, 1):
+    training and validation losses == at every step, final weights torch.equal."""
     runs = {}
     for name in layouts:
-        tp, cp, *sp = LAYOUTS[name]
-        runs[name] = run_on_ranks(_run_body, tp * cp, RUN + model + ["--tp", str(tp), "--cp", str(cp), *sp,
-                                                                       "--out", str(tmp_path / name)],
+        tp, cp, dp, *sp = LAYOUTS[name]
+        runs[name] = run_on_ranks(_run_body, tp * cp * dp, RUN + model + ["--tp", str(tp), "--cp", str(cp), *sp,
+                                                                            "--out", str(tmp_path / name)],
                                   timeout=300)[0]
     losses, val_losses, ckpt = runs["1x1"]
     assert list(losses) == [1, 2, 3] and list(val_losses) == [3]
