@@ -107,3 +107,33 @@ def test_a_gpt_refuses_p2p_in_the_invariant_mode_in_one_line():
     assert run_on_ranks(_p2p_refusal_body, 2)[0] == (
         "tp_invariant under context parallelism does not support p2p attention (the ring adds the partial attention "
         "of each rank's keys in an order that depends on the CP size: use a2a)")
+
+
+def _dropout_body(comm_type):
+    import torch.distributed as dist
+
+    import tensorpar as tp
+    from tensorpar.models import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=96, max_seq_len=16, num_layers=2, num_heads=4, num_query_groups=2, hidden_size=32,
+                       tp_invariant=True, dropout=0.1, attention_dropout=0.0, context_parallel_comm=comm_type)
+    one, world = dist.new_group([dist.get_rank()]), dist.new_group([0, 1])
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for cp_group in (None, world):  # CP 1 on each rank, then CP 2: the same seed, the same masks' keys
+        tp.model_parallel_manual_seed(11, tp_group=one)
+        model = GPT(config, tp_group=one, cp_group=cp_group, device="cpu")
+        for _ in range(2):  # two forwards: the second draws the next key's masks
+            model.zero_grad()
+            loss = model(tokens, tokens.roll(-1, dims=1))
+            loss.backward()
+        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
+    (loss1, grads1), (loss2, grads2) = results
+    return bool(loss1 == loss2), [name for name in grads1 if not torch.equal(grads1[name], grads2[name])]
+
+
+@pytest.mark.slow
+def test_hidden_dropout_under_cp_draws_the_cp1_masks_bit_for_bit():
+    """A GPT with hidden dropout at CP 2 (a2a): the loss == CP 1's and every parameter's grad
+    (complete on each CP rank after backward) torch.equal to it, at the second forward."""
+    assert run_on_ranks(_dropout_body, 2, "a2a") == [(True, [])] * 2

@@ -50,8 +50,6 @@ def invariant_refusals(config: GPTConfig, *, tp_size: int, cp_size: int, sequenc
     if sequence_parallel and tp_size * cp_size > BLOCKS:
         bad.append(f"sequence parallelism at TP {tp_size} x CP {cp_size} (more ranks than the {BLOCKS} fixed "
                    "sequence blocks)")
-    if config.dropout > 0:
-        bad.append(f"hidden dropout {config.dropout:g} (its fixed-block masks are not placed by CP chunk yet)")
     per = config.queries_per_group
     split = context.head_split(config.num_heads // tp_size, config.num_query_groups // tp_size, cp_size) \
         if not bad and config.num_heads // tp_size >= cp_size else []
