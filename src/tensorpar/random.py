@@ -281,13 +281,9 @@ def dropout(input_: torch.Tensor, p: float, *, training: bool = True, sequence_p
 
 
 def row_segments(first_row: int, rows: int, full_rows: int, row_starts) -> list[tuple[int, int]]:
-    """``(first row in the sequence, rows)`` of each contiguous run of this rank's rows
-    ``[first_row, first_row + rows)`` of the full tensor, in order (see :func:`dropout`'s ``row_starts``).
-
-    Example::
-
-        row_segments(0, 4, 4, (2, 12))     # [(2, 2), (12, 2)]: a CP rank's chunks 1 and 6 of 8
-    """
+    """``(first row in the sequence, rows)`` of each contiguous run of this rank's rows ``[first_row,
+    first_row + rows)`` of the full tensor, in order (:func:`dropout`'s ``row_starts``). Example:
+    ``row_segments(0, 4, 4, (2, 12))`` is ``[(2, 2), (12, 2)]``, a CP rank's chunks 1 and 6 of 8."""
     if row_starts is None:
         return [(first_row, rows)]
     if not row_starts or full_rows % len(row_starts):
