@@ -98,9 +98,9 @@ def _train_error(capsys, *argv):
     (["--nproc", "4", "--tp", "2", "--cp", "2", "--heads", "3"],
      "--cp 2 needs --tp 2 to divide the model's 3 heads and 3 KV heads (uneven head splits are not supported "
      "under context parallelism)"),
-    (["--nproc", "2", "--tp", "1", "--cp", "2", "--tp-invariant", "--fsdp", "--compile", "--dropout", "0.1"],
-     "--cp 2 does not combine with --tp-invariant, --compile, --attention-dropout 0.1 (--dropout's unless given) "
-     "(not supported under context parallelism); drop them, or train with --cp 1"),
+    (["--nproc", "2", "--tp", "1", "--cp", "2", "--fsdp", "--compile", "--dropout", "0.1"],
+     "--cp 2 does not combine with --compile, --attention-dropout 0.1 (--dropout's unless given) (not supported "
+     "under context parallelism); drop them, or train with --cp 1"),
     (["--nproc", "2", "--tp", "1", "--cp", "2", "--interleave", "2"],
      "--cp 2 does not combine with --interleave 2 (not supported under context parallelism); drop them, or "
      "train with --cp 1"),

@@ -33,7 +33,7 @@ from .cross_entropy import _check_targets, _VocabParallelCrossEntropy
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .linear_function import compute_dtype_of
 from .mappings import gather_from_tensor_model_parallel_region
-from .tree_reduce import BLOCKS, all_reduce_tree, reduce_scatter_tree, tree_sum
+from .tree_reduce import BLOCKS, all_reduce_tree, reduce_scatter_tree, sequence_sum, tree_sum
 
 def _check_blocks(size: int, stride: int, what: str) -> None:
     """Refuse a dimension of ``size`` (``stride`` pieces) that ``BLOCKS`` blocks per piece do not divide."""
@@ -60,11 +60,43 @@ def _k_blocks(t2d: torch.Tensor, blocks: int) -> torch.Tensor:
     return t2d.view(t2d.shape[0], blocks, -1).transpose(0, 1).contiguous()
 
 
+def _row_blocks(t2d: torch.Tensor, cp_group) -> tuple[torch.Tensor, ...]:
+    """This rank's rows (sequence-major) in its ``BLOCKS / CP`` fixed sequence blocks, each contiguous."""
+    blocks = BLOCKS // (1 if cp_group is None else comm.group_size(cp_group))
+    if t2d.shape[0] % blocks:
+        raise ValueError(f"tp_invariant: this rank's {t2d.shape[0]} rows are not {blocks} equal sequence blocks "
+                         f"(the sequence length must divide by {BLOCKS})")
+    return t2d.chunk(blocks)
+
+
+def _rows_sum(parts_of_block, g2d: torch.Tensor, x2d: torch.Tensor | None, cp_group) -> torch.Tensor:
+    """A sum over rows (a weight or bias grad) at every CP size in one tree: ``parts_of_block(g, x)``
+    of each fixed sequence block (the GEMM of the shape it has at CP = 1), :func:`sequence_sum`, then
+    :func:`all_reduce_tree` over ``cp_group``, in backward (after gradient accumulation the
+    micro-batches' partial sums would be added in another order than at CP = 1)."""
+    gs = _row_blocks(g2d, cp_group)
+    xs = [None] * len(gs) if x2d is None else _row_blocks(x2d, cp_group)
+    return sequence_sum(parts_of_block(g, x) for g, x in zip(gs, xs))
+
+
+def _over_context(tensor: torch.Tensor, cp_group) -> torch.Tensor:
+    """``tensor`` (a rank's subtree of a sum over the sequence) summed over ``cp_group`` (None: as is)."""
+    return tensor if cp_group is None else all_reduce_tree(tensor, cp_group)
+
+
+def _wgrad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return g.t().matmul(x)
+
+
+def _bias_grad(g: torch.Tensor, _) -> torch.Tensor:
+    return g.sum(dim=0)
+
+
 class _Column(torch.autograd.Function):
     """``x W^T + b`` by fixed column groups; dgrad summed over the groups (and ranks) in a tree."""
 
     @staticmethod
-    def forward(ctx, input_, weight, bias, stride, sequence_parallel, group):
+    def forward(ctx, input_, weight, bias, stride, sequence_parallel, group, cp_group):
         dtype = compute_dtype_of(input_)
         input_ = input_.to(dtype)
         total = comm.all_gather(input_, group, dim=0) if sequence_parallel else input_
@@ -76,7 +108,7 @@ class _Column(torch.autograd.Function):
             output = _merged([F.linear(x2d, w, b) for w, b in zip(weights, biases)], stride, 1)
         ctx.save_for_backward(input_, weights)
         ctx.stride, ctx.sequence_parallel, ctx.group, ctx.has_bias = stride, sequence_parallel, group, bias is not None
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype, ctx.cp_group = weight.dtype, cp_group
         return output.view(*total.shape[:-1], -1)
 
     @staticmethod
@@ -92,9 +124,11 @@ class _Column(torch.autograd.Function):
             grad_input = reduce_scatter_tree(grad_input, group, dim=0)
         else:
             grad_input = all_reduce_tree(grad_input, group)
-        grad_weight = _merged([g.t().matmul(x2d) for g in g_groups], stride, 0)
-        grad_bias = _merged([g.sum(dim=0) for g in g_groups], stride, 0) if ctx.has_bias else None
-        return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None
+        cp = ctx.cp_group
+        grad_weight = _over_context(_merged([_rows_sum(_wgrad, g, x2d, cp) for g in g_groups], stride, 0), cp)
+        grad_bias = _over_context(_merged([_rows_sum(_bias_grad, g, None, cp) for g in g_groups], stride, 0), cp) \
+            if ctx.has_bias else None
+        return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None, None
 
 
 class _Row(torch.autograd.Function):
@@ -102,7 +136,7 @@ class _Row(torch.autograd.Function):
     whole (gathered) output grad, so it is complete on every rank."""
 
     @staticmethod
-    def forward(ctx, input_, weight, bias, sequence_parallel, group):
+    def forward(ctx, input_, weight, bias, sequence_parallel, group, cp_group):
         dtype = compute_dtype_of(input_)
         input_ = input_.to(dtype)
         blocks = BLOCKS // comm.group_size(group)
@@ -119,7 +153,7 @@ class _Row(torch.autograd.Function):
             output = output.add_(bias.to(dtype))  # a temporary of this function
         ctx.save_for_backward(xs, ws)
         ctx.sequence_parallel, ctx.group, ctx.has_bias = sequence_parallel, group, bias is not None
-        ctx.weight_dtype, ctx.input_shape = weight.dtype, input_.shape
+        ctx.weight_dtype, ctx.input_shape, ctx.cp_group = weight.dtype, input_.shape, cp_group
         return output
 
     @staticmethod
@@ -130,9 +164,29 @@ class _Row(torch.autograd.Function):
         # Whole rows at every TP size: the same [M, N] operand (and its transpose) everywhere.
         g2d = grad_output.reshape(-1, grad_output.shape[-1]).to(ws.dtype).contiguous()
         grad_input = torch.cat([g2d.matmul(w) for w in ws], dim=1).view(ctx.input_shape)
-        grad_weight = torch.cat([g2d.t().matmul(x) for x in xs], dim=1)
-        grad_bias = g2d.sum(dim=0) if ctx.has_bias else None
-        return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None
+        cp = ctx.cp_group
+        grad_weight = _over_context(torch.cat([_rows_sum(_wgrad, g2d, x, cp) for x in xs], dim=1), cp)
+        grad_bias = _over_context(_rows_sum(_bias_grad, g2d, None, cp), cp) if ctx.has_bias else None
+        return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None
+
+
+def kv_per_query_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` and ``v`` (``[b, kv_heads, s, d]``) with one head per query head of ``q`` (query head
+    ``i`` reads K/V head ``i // (heads / kv_heads)``), for attention without ``enable_gqa``.
+
+    SDPA's ``enable_gqa`` sums a K/V head's grads over its query heads inside the kernel, in an
+    order of its own; here ``index_select``'s backward adds them in query-head order, as context
+    parallelism's all-to-all does for a K/V head whose query heads are on two CP ranks.
+
+    Example::
+
+        k, v = kv_per_query_head(q, k, v)     # q [2, 4, s, d], k [2, 2, s, d] -> k [2, 4, s, d]
+    """
+    per = q.shape[1] // k.shape[1]
+    if per == 1:
+        return k, v
+    reads = torch.arange(k.shape[1], device=k.device).repeat_interleave(per)
+    return k.index_select(1, reads), v.index_select(1, reads)
 
 
 def check_gpt_sizes(config, *, tp_size: int, seq_len: int | None = None) -> None:
@@ -174,11 +228,13 @@ class ColumnLinear(ColumnParallelLinear):
     """:class:`~tensorpar.ColumnParallelLinear` whose GEMMs and sums do not depend on the TP size.
 
     Needs ``output_size`` divisible by ``BLOCKS x stride``; no overlap, gradient-accumulation
-    fusion or deferred wgrads.
+    fusion or deferred wgrads. ``cp_group``: the context-parallel group whose ranks hold other
+    rows of the sequence (the weight grads are summed over it in backward).
     """
 
-    def __init__(self, input_size, output_size, **kwargs) -> None:
+    def __init__(self, input_size, output_size, *, cp_group=None, **kwargs) -> None:
         super().__init__(input_size, output_size, **kwargs)
+        self.cp_group = cp_group
         grads_module.mark_tp_invariant(self.parameters())  # the gradient helpers sum them in order
         check_layer(self)
         if self.defer_wgrad_compute:
@@ -194,7 +250,7 @@ class ColumnLinear(ColumnParallelLinear):
                       "the column weight's rows")
         bias = None if self.skip_bias_add else self.bias
         output = _Column.apply(input_, weight, bias, getattr(weight, "partition_stride", 1),
-                               self.sequence_parallel, self.tp_group)
+                               self.sequence_parallel, self.tp_group, self.cp_group)
         if self.gather_output if runtime_gather_output is None else runtime_gather_output:
             output = gather_from_tensor_model_parallel_region(output, group=self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
@@ -204,11 +260,13 @@ class RowLinear(RowParallelLinear):
     """:class:`~tensorpar.RowParallelLinear` whose GEMMs and sums do not depend on the TP size.
 
     Needs ``input_is_parallel=True`` and ``input_size`` divisible by ``BLOCKS``. Under SP its
-    bias grad is whole on every rank (not marked ``sequence_parallel``).
+    bias grad is whole on every rank (not marked ``sequence_parallel``); ``cp_group`` as
+    :class:`ColumnLinear`'s.
     """
 
-    def __init__(self, input_size, output_size, **kwargs) -> None:
+    def __init__(self, input_size, output_size, *, cp_group=None, **kwargs) -> None:
         super().__init__(input_size, output_size, **kwargs)
+        self.cp_group = cp_group
         grads_module.mark_tp_invariant(self.parameters())  # the gradient helpers sum them in order
         check_layer(self)
         if not self.input_is_parallel:
@@ -222,7 +280,7 @@ class RowLinear(RowParallelLinear):
 
     def forward(self, input_):
         bias = None if self.skip_bias_add else self.bias
-        output = _Row.apply(input_, self.weight, bias, self.sequence_parallel, self.tp_group)
+        output = _Row.apply(input_, self.weight, bias, self.sequence_parallel, self.tp_group, self.cp_group)
         return output, (self.bias if self.skip_bias_add else None)
 
     def start(self, input_):
@@ -231,14 +289,16 @@ class RowLinear(RowParallelLinear):
 
 class _BlockAffine(torch.autograd.Function):
     """``x_hat * weight (+ bias)``; the parameters' grads summed over ``blocks`` fixed row blocks
-    (dim 0, the sequence) in a tree. Under SP (``group``) a rank's blocks are a subtree, finished
-    across ranks here, in backward: summed after gradient accumulation instead, the micro-batches'
-    partial sums would be added in another order than at TP = 1."""
+    (dim 0, the sequence) in the sequence's tree (:func:`sequence_sum`), in backward: summed after
+    gradient accumulation instead, the micro-batches' partial sums would be added in another order
+    than at TP = 1 and CP = 1. Under SP (``group``) the TP ranks' blocks are gathered first (each
+    TP rank's is a run of the sequence, not a subtree of its tree); under CP (``cp_group``) each
+    CP rank's sum is a subtree, finished over the CP ranks."""
 
     @staticmethod
-    def forward(ctx, x_hat, weight, bias, blocks, group):
+    def forward(ctx, x_hat, weight, bias, blocks, group, cp_group):
         ctx.save_for_backward(x_hat, weight)
-        ctx.blocks, ctx.has_bias, ctx.group = blocks, bias is not None, group
+        ctx.blocks, ctx.has_bias, ctx.group, ctx.cp_group = blocks, bias is not None, group, cp_group
         output = x_hat * weight
         return output if bias is None else output + bias
 
@@ -248,12 +308,13 @@ class _BlockAffine(torch.autograd.Function):
         width = grad_output.shape[-1]
         grads = [g.reshape(-1, width) for g in grad_output.chunk(ctx.blocks, dim=0)]
         inputs = [x.reshape(-1, width) for x in x_hat.chunk(ctx.blocks, dim=0)]
-        grad_weight = tree_sum((g * x).sum(dim=0) for g, x in zip(grads, inputs))
-        grad_bias = tree_sum(g.sum(dim=0) for g in grads) if ctx.has_bias else None
-        if ctx.group is not None:
-            summed = all_reduce_tree(torch.stack([grad_weight] + ([grad_bias] if ctx.has_bias else [])), ctx.group)
-            grad_weight, grad_bias = summed[0], (summed[1] if ctx.has_bias else None)
-        return grad_output * weight, grad_weight.to(weight.dtype), grad_bias, None, None
+        parts = torch.stack([torch.stack([(g * x).sum(dim=0)] + ([g.sum(dim=0)] if ctx.has_bias else []))
+                             for g, x in zip(grads, inputs)])
+        if ctx.group is not None:  # [blocks of every TP rank, weight (and bias), width], in sequence order
+            parts = comm.all_gather(parts, ctx.group, dim=0)
+        summed = _over_context(sequence_sum(parts.unbind(0)), ctx.cp_group)
+        grad_bias = summed[1] if ctx.has_bias else None
+        return grad_output * weight, summed[0].to(weight.dtype), grad_bias, None, None, None
 
 
 class _NormBlocks:
@@ -264,17 +325,18 @@ class _NormBlocks:
             raise ValueError(f"tp_invariant: this rank's sequence length {x_hat.shape[0]} is not divisible by "
                              f"its {self.row_blocks} fixed sequence blocks (the sequence length must divide "
                              f"by {BLOCKS})")
-        return _BlockAffine.apply(x_hat, self.weight, self.bias, self.row_blocks, self.tp_group)
+        return _BlockAffine.apply(x_hat, self.weight, self.bias, self.row_blocks, self.tp_group, self.cp_group)
 
 
 class LayerNorm(_NormBlocks, nn.LayerNorm):
     """``nn.LayerNorm`` whose weight and bias grads are summed over ``row_blocks`` fixed sequence
-    blocks, and over ``tp_group`` (SP: this rank holds a slice of the sequence) in backward."""
+    blocks, and over ``tp_group`` (SP: this rank holds a slice of the sequence) and ``cp_group``
+    (CP: this rank holds two chunks of it) in backward."""
 
-    def __init__(self, *args, row_blocks: int, tp_group=None, **kwargs) -> None:
+    def __init__(self, *args, row_blocks: int, tp_group=None, cp_group=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         grads_module.mark_tp_invariant(self.parameters())  # the gradient helpers sum them in order
-        self.row_blocks, self.tp_group = row_blocks, tp_group
+        self.row_blocks, self.tp_group, self.cp_group = row_blocks, tp_group, cp_group
 
     def forward(self, x):
         return self._affine(F.layer_norm(x, self.normalized_shape, None, None, self.eps))
@@ -285,10 +347,10 @@ class RMSNorm(_NormBlocks, nn.RMSNorm):
 
     bias = None
 
-    def __init__(self, *args, row_blocks: int, tp_group=None, **kwargs) -> None:
+    def __init__(self, *args, row_blocks: int, tp_group=None, cp_group=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         grads_module.mark_tp_invariant(self.parameters())  # the gradient helpers sum them in order
-        self.row_blocks, self.tp_group = row_blocks, tp_group
+        self.row_blocks, self.tp_group, self.cp_group = row_blocks, tp_group, cp_group
 
     def forward(self, x):
         return self._affine(F.rms_norm(x, self.normalized_shape, None, self.eps))

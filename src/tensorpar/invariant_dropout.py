@@ -24,6 +24,7 @@ from . import comm
 from .invariant import BLOCKS
 from .parallel_state import resolve_tp_group
 from .random import dropout as stream_dropout
+from .random import row_segments
 
 
 def _hash(*parts) -> int:
@@ -69,9 +70,10 @@ def dropout(input_: torch.Tensor, p: float, *, key: torch.Tensor | None, site: t
             row_starts: tuple[int, ...] | None = None) -> torch.Tensor:
     """Dropout of ``input_`` (``[s, b, ...]``, or this rank's ``[s/TP, b, ...]`` under SP) with a
     mask of fixed sequence blocks, block ``i`` drawn from ``(key, site, i)``; without a ``key``,
-    :func:`tensorpar.random.dropout` (``valid_rows``: its padding, ``row_starts``: its CP chunks;
-    the keyed mode's sequence divides into whole blocks, so it is never padded, and it does not
-    run under CP)."""
+    :func:`tensorpar.random.dropout` (``valid_rows``: its padding, ``row_starts``: its CP chunks).
+    Keyed, ``row_starts`` places a CP rank's chunks in the sequence of ``valid_rows`` rows (the
+    keyed mode's sequence divides into whole blocks, so it is never padded): each block's mask
+    is the one its place in the whole sequence gets at CP = 1."""
     if key is None:
         return stream_dropout(input_, p, training=training, sequence_parallel=sequence_parallel, tp_group=tp_group,
                               valid_rows=valid_rows, row_starts=row_starts)
@@ -81,13 +83,14 @@ def dropout(input_: torch.Tensor, p: float, *, key: torch.Tensor | None, site: t
     if sequence_parallel:
         group = resolve_tp_group(tp_group)
         first_row, full_rows = comm.group_rank(group) * rows, comm.group_size(group) * rows
-    if full_rows % BLOCKS or rows % (full_rows // BLOCKS):
-        raise ValueError(f"tp_invariant dropout: the sequence length {full_rows} is not divisible by the "
+    seq_rows = full_rows if row_starts is None else valid_rows
+    segments = row_segments(first_row, rows, full_rows, row_starts)
+    block = max(1, seq_rows // BLOCKS)
+    if seq_rows % BLOCKS or any(start % block or count % block for start, count in segments):
+        raise ValueError(f"tp_invariant dropout: the sequence length {seq_rows} is not divisible by the "
                          f"{BLOCKS} fixed blocks (or this rank's {rows} rows are not whole blocks)")
-    block = full_rows // BLOCKS
-    first = first_row // block
-    keep = _keep((block, *input_.shape[1:]), p, key, [(*site, first + i) for i in range(rows // block)],
-                 input_.device)
+    blocks = [i for start, count in segments for i in range(start // block, (start + count) // block)]
+    keep = _keep((block, *input_.shape[1:]), p, key, [(*site, i) for i in blocks], input_.device)
     return input_ * keep.view(input_.shape) / (1.0 - p)
 
 

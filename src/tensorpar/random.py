@@ -260,7 +260,7 @@ def dropout(input_: torch.Tensor, p: float, *, training: bool = True, sequence_p
     if sequence_parallel:
         group = resolve_tp_group(tp_group)
         first_row, full_rows = comm.group_rank(group) * rows, comm.group_size(group) * rows
-    segments = _segments(first_row, rows, full_rows, row_starts)
+    segments = row_segments(first_row, rows, full_rows, row_starts)
     # With row_starts valid_rows is required, and may end past this rank's last row.
     most = full_rows if row_starts is None else float("inf")
     if valid_rows is not None or row_starts is not None:
@@ -280,9 +280,10 @@ def dropout(input_: torch.Tensor, p: float, *, training: bool = True, sequence_p
     return input_ * keep / (1.0 - p)
 
 
-def _segments(first_row: int, rows: int, full_rows: int, row_starts) -> list[tuple[int, int]]:
-    """``(first row in the sequence, rows)`` of each contiguous run of this rank's rows
-    ``[first_row, first_row + rows)`` of the full tensor, in order (see ``row_starts``)."""
+def row_segments(first_row: int, rows: int, full_rows: int, row_starts) -> list[tuple[int, int]]:
+    """``(first row in the sequence, rows)`` of each contiguous run of this rank's rows ``[first_row,
+    first_row + rows)`` of the full tensor, in order (:func:`dropout`'s ``row_starts``). Example:
+    ``row_segments(0, 4, 4, (2, 12))`` is ``[(2, 2), (12, 2)]``, a CP rank's chunks 1 and 6 of 8."""
     if row_starts is None:
         return [(first_row, rows)]
     if not row_starts or full_rows % len(row_starts):

@@ -32,6 +32,29 @@ def tree_sum(parts) -> torch.Tensor:
     return parts[0]
 
 
+def balanced_order(n: int) -> list[int]:
+    """``[0, n-1, 1, n-2, ...]``: the order in which the invariant mode adds a sequence's row blocks.
+
+    Context parallelism gives CP rank ``i`` chunks ``i`` and ``2CP-1-i`` of ``2 x CP``; in this
+    order the blocks of each CP rank (at CP = 1, 2, 4 of ``BLOCKS``) are one aligned run, so
+    their :func:`tree_sum` is a subtree of CP = 1's and the CP ranks' sums, added pairwise in
+    rank order, finish the same tree.
+
+    Example::
+
+        balanced_order(4)     # [0, 3, 1, 2]: blocks 0 and 3 (CP rank 0's at CP 2) first
+    """
+    return [i // 2 if i % 2 == 0 else n - 1 - i // 2 for i in range(n)]
+
+
+def sequence_sum(blocks) -> torch.Tensor:
+    """The :func:`tree_sum` of this rank's row blocks of a sequence (in its order: chunk ``i``'s,
+    then chunk ``2CP-1-i``'s) taken in :func:`balanced_order`: a subtree of the CP = 1 tree,
+    which :func:`all_reduce_tree` over the CP group finishes. Adds in place into the blocks."""
+    blocks = list(blocks)
+    return tree_sum(blocks[i] for i in balanced_order(len(blocks)))
+
+
 def _one_add(tensor: torch.Tensor, n: int) -> bool:
     """Whether the backend's own reduction of ``tensor`` over ``n`` ranks is the tree's: two
     operands are one IEEE add, correctly rounded in either order, in fp32 and fp64 (in 16-bit

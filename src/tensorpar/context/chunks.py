@@ -117,3 +117,22 @@ class SequenceChunks:
         gathered = gather_from_sequence_parallel_region(tensor.movedim(dim, 0), False, group=cp_group)
         order = natural_order(self.cp_size, self.chunk_len, gathered.device)[: self.seq_len]
         return gathered.index_select(0, order).movedim(0, dim)
+
+    def scatter(self, tensor: torch.Tensor, *, dim: int, cp_group) -> torch.Tensor:
+        """:meth:`shard` of a whole-sequence ``tensor`` every CP rank computed alike, whose backward
+        all-gathers the gradient (:meth:`gather`): what computed ``tensor`` gets the whole
+        sequence's gradient on every rank, as at CP = 1 (sequence parallelism's scatter, over CP)."""
+        return _Scatter.apply(tensor, self, dim, cp_group)
+
+
+class _Scatter(torch.autograd.Function):
+    """Forward :meth:`SequenceChunks.shard`, backward :meth:`SequenceChunks.gather`."""
+
+    @staticmethod
+    def forward(ctx, tensor, chunks, dim, cp_group):
+        ctx.chunks, ctx.dim, ctx.cp_group = chunks, dim, cp_group
+        return chunks.shard(tensor, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.chunks.gather(grad.contiguous(), dim=ctx.dim, cp_group=ctx.cp_group), None, None, None

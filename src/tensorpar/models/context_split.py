@@ -2,11 +2,17 @@
 sequence (:mod:`tensorpar.context`), attention reaches the other ranks' tokens, and the loss is
 the mean over every token of the whole batch.
 
-The GPT calls four things: :func:`shard` (tokens, labels and positions of this rank's chunks,
+The GPT calls five things: :func:`shard` (tokens, labels and positions of this rank's chunks,
 padded at the end), :func:`dropout_rows` (where those chunks lie, so each token's dropout mask
-is its global position's), :meth:`ContextSplit.attend` (its attention) and :func:`mean_loss`. Weights
-are the same on every CP rank and each rank's gradients are its tokens' share: summed over CP
-(with DP: over DP x CP) they are the CP=1 gradients.
+is its global position's), :func:`embed`, :meth:`ContextSplit.attend` (its attention) and
+:func:`mean_loss`. Weights are the same on every CP rank and each rank's gradients are its
+tokens' share: summed over CP (with DP: over DP x CP) they are the CP=1 gradients.
+
+In the TP-invariant mode (``tp_invariant``, ``a2a`` only) the CP size changes no bit: the
+embedding runs on the whole sequence and hands each rank its chunks, its backward gathering
+the gradient (so its sums over tokens are CP=1's), every other sum over the sequence's rows is
+one fixed tree over sequence blocks finished over CP in backward (:mod:`tensorpar.invariant`),
+attention runs per query head with the same kernel, and the loss sums its blocks in that tree.
 
 Example::
 
@@ -18,24 +24,56 @@ Example::
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from .. import comm, context
-from ..mappings import reduce_from_tensor_model_parallel_region
+from .. import comm, context, invariant
+from ..mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from ..tree_reduce import BLOCKS, sequence_sum, tree_sum
 from .config import GPTConfig
+
+
+def invariant_refusals(config: GPTConfig, *, tp_size: int, cp_size: int, sequence_parallel: bool) -> list[str]:
+    """What the TP-invariant mode cannot keep bit-identical under CP, each in words (empty: fine)."""
+    if not config.tp_invariant or cp_size == 1:
+        return []
+    bad = []
+    if config.context_parallel_comm != "a2a":
+        bad.append("p2p attention (the ring adds the partial attention of each rank's keys in an order that "
+                   "depends on the CP size: use a2a)")
+    if (BLOCKS // 2) % cp_size:
+        bad.append(f"CP size {cp_size} (the {BLOCKS} fixed sequence blocks make 2 x CP whole chunks at CP 1, 2 "
+                   "and 4 only)")
+    if sequence_parallel and tp_size * cp_size > BLOCKS:
+        bad.append(f"sequence parallelism at TP {tp_size} x CP {cp_size} (more ranks than the {BLOCKS} fixed "
+                   "sequence blocks)")
+    per = config.queries_per_group
+    split = context.head_split(config.num_heads // tp_size, config.num_query_groups // tp_size, cp_size) \
+        if not bad and config.num_heads // tp_size >= cp_size else []
+    if per > 2 and any(h0 % per or h1 % per for h0, h1, _, _ in split):
+        bad.append(f"{per} query heads per KV head split over CP ranks (their K/V grads are added in another "
+                   "order; at most 2, or whole KV groups per CP rank)")
+    return bad
 
 
 class ContextSplit:
     """What a GPT does differently over ``cp_group``; refuses in one line what it cannot do."""
 
     def __init__(self, config: GPTConfig, cp_group, *, tp_size: int, sequence_parallel: bool) -> None:
-        unsupported = {"attention_dropout": config.attention_dropout > 0,
-                       "tp_invariant": config.tp_invariant, "interleave": config.interleave > 1,
+        unsupported = {"attention_dropout": config.attention_dropout > 0, "interleave": config.interleave > 1,
                        "heads or KV heads TP does not divide": config.num_heads % tp_size
                        or config.num_query_groups % tp_size}
         named = [name if name.startswith("heads") else f"{name}={getattr(config, name)!r}"
                  for name, bad in unsupported.items() if bad]
         if named:
             raise ValueError(f"context parallelism does not support {', '.join(named)} yet")
+        refused = invariant_refusals(config, tp_size=tp_size, cp_size=comm.group_size(cp_group),
+                                     sequence_parallel=sequence_parallel)
+        if refused:
+            raise ValueError(f"tp_invariant under context parallelism does not support {'; '.join(refused)}")
         if config.context_parallel_comm == "a2a":
             context.head_split(config.num_heads // tp_size, config.num_query_groups // tp_size,
                                comm.group_size(cp_group))
@@ -45,9 +83,16 @@ class ContextSplit:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, *, causal: bool,
                key=None) -> torch.Tensor:
         """:meth:`Attention.attend` over the CP group: ``[s, b, heads/TP d]`` of this rank's tokens."""
-        out = context.context_attention(q, k, v, comm_type=self.config.context_parallel_comm, cp_group=self.group)
+        if self.config.tp_invariant:  # the kernel and the K/V grads' sums of CP = 1 (Attention.attend)
+            out = context.ulysses_attention(q, k, v, cp_group=self.group, attention=_per_query_head)
+        else:
+            out = context.context_attention(q, k, v, comm_type=self.config.context_parallel_comm, cp_group=self.group)
         b, _, s, _ = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def _per_query_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, *invariant.kv_per_query_head(q, k, v), is_causal=True)
 
 
 def over(cp_group, config: GPTConfig, *, tp_size: int, sequence_parallel: bool) -> ContextSplit | None:
@@ -86,13 +131,58 @@ def dropout_rows(split: ContextSplit | None, seq_len: int) -> dict:
     return {"valid_rows": seq_len, "row_starts": tuple(c * chunks.chunk_len for c in chunks.chunks())}
 
 
-def mean_loss(losses: torch.Tensor, labels: torch.Tensor, split: ContextSplit | None) -> torch.Tensor:
-    """The mean of ``losses`` over the labelled tokens of every CP rank, on each.
+def embed(model, tokens, position_ids, key, rows, *, whole) -> torch.Tensor:
+    """``model.embedding`` of this rank's ``tokens``; in the invariant mode under CP of the
+    ``whole`` (tokens, position ids) sequence, this rank's chunks of it (:meth:`SequenceChunks.scatter`,
+    under SP this TP rank's slice of them): the token and position embeddings' grads are then
+    summed over the tokens as at CP = 1."""
+    split = model.parallel.context
+    if split is None or not split.config.tp_invariant:
+        return model.embedding(tokens, position_ids, key, rows)
+    tokens, position_ids = whole
+    seq_len, parallel = tokens.shape[1], model.parallel
+    chunks = context.SequenceChunks.of(seq_len, cp_group=split.group, multiple=split.multiple)
+    if chunks.padding:  # padding would move the fixed blocks' boundaries
+        raise ValueError(f"tp_invariant under context parallelism: the sequence length {seq_len} is not divisible "
+                         f"by 2 x CP{' x TP' if split.multiple > 1 else ''} = {2 * chunks.cp_size * split.multiple}")
+    if position_ids is None:
+        position_ids = torch.arange(seq_len, device=tokens.device)
+    x = model.embedding(tokens, position_ids, key)                 # [s(/TP), b, h], as at CP = 1
+    if parallel.sequence_parallel:  # backward: this TP rank's slice of the gathered gradient
+        x = gather_from_sequence_parallel_region(x, False, group=parallel.group)
+    x = chunks.scatter(x, dim=0, cp_group=split.group)
+    return scatter_to_sequence_parallel_region(x, group=parallel.group) if parallel.sequence_parallel else x
+
+
+def _ordered_sum(losses: torch.Tensor, split: ContextSplit | None) -> torch.Tensor:
+    """The sum of ``losses`` (``[s, b]``, this rank's rows) in the invariant mode's sequence tree,
+    over every CP rank: each rank's subtree placed at its rank and all-reduced (adding zeros,
+    exact), then the rank-order tree. Differentiable (backward: each rank its own tokens')."""
+    blocks = BLOCKS // (1 if split is None else comm.group_size(split.group))
+    if losses.shape[0] % blocks:
+        raise ValueError(f"tp_invariant: this rank's sequence length {losses.shape[0]} is not divisible by its "
+                         f"{blocks} fixed sequence blocks (the sequence length must divide by {BLOCKS})")
+    mine = sequence_sum(block.sum() for block in losses.chunk(blocks))
+    if split is None:
+        return mine
+    rank, size = comm.group_rank(split.group), comm.group_size(split.group)
+    placed = torch.stack([mine if r == rank else torch.zeros_like(mine) for r in range(size)])
+    everyone = reduce_from_tensor_model_parallel_region(placed, group=split.group)
+    return tree_sum(part.clone() for part in everyone.unbind())
+
+
+def mean_loss(losses: torch.Tensor, labels: torch.Tensor, split: ContextSplit | None, *,
+              tp_invariant: bool = False) -> torch.Tensor:
+    """The mean of ``losses`` (``[s, b]``) over the labelled tokens of every CP rank, on each.
 
     The sum is all-reduced forward and not backward: each rank's gradient is its own tokens'.
+    ``tp_invariant``: summed in one fixed tree at every CP size (:func:`_ordered_sum`).
     """
     count = (labels != -100).sum()
+    if split is not None:
+        count = comm.all_reduce(count, split.group)
+    if tp_invariant and (split is not None or losses.shape[0] % BLOCKS == 0):  # (else no training: the norms refuse)
+        return _ordered_sum(losses, split) / count
     if split is None:
         return losses.sum() / count
-    count = comm.all_reduce(count, split.group)
     return reduce_from_tensor_model_parallel_region(losses.sum(), group=split.group) / count

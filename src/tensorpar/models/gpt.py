@@ -202,6 +202,8 @@ class Attention(nn.Module):
         if not self.even and self.group_of_head is not None:
             # Query heads reading their K/V heads unevenly: SDPA's enable_gqa needs equal runs.
             k, v, gqa = k.index_select(1, self.group_of_head), v.index_select(1, self.group_of_head), False
+        elif gqa and self.config.tp_invariant:  # K/V grads summed in an order CP does not change
+            (k, v), gqa = invariant.kv_per_query_head(q, k, v), False
         dropout_p = self.config.attention_dropout if self.training else 0.0
         drop = None  # where SDPA cannot draw the masks: attention written out
         if dropout_p > 0 and key is not None:  # TP-invariant masks, by global head
@@ -372,6 +374,7 @@ class GPT(nn.Module):
             check_input(self.config, tokens, labels, sp_size=self.parallel.size if self.parallel.sequence_parallel else 1,
                         padding_allowed=attn_mask is None and kv_cache is None)
             rows = context_split.dropout_rows(self.parallel.context, tokens.shape[1])
+            whole = tokens, position_ids
             tokens, labels, position_ids = context_split.shard(self, tokens, labels, position_ids, attn_mask, kv_cache)
         seq_len = tokens.shape[1] if self.pre_process else tokens.shape[0] * (
             self.parallel.size if self.parallel.sequence_parallel else 1)
@@ -389,7 +392,8 @@ class GPT(nn.Module):
         key = self.dropout_masks.next_key() if self.dropout_masks is not None and self.training else None
         if pad:  # dropout masks the SP padding apart from the real tokens
             rows = {"valid_rows": seq_len}
-        x = self.embedding(tokens, position_ids, key, rows) if self.pre_process else tokens  # [s(/TP), b, h]
+        x = context_split.embed(self, tokens, position_ids, key, rows, whole=whole) if self.pre_process \
+            else tokens  # [s(/TP), b, h]
         for block in self.blocks:
             if self.config.recompute and torch.is_grad_enabled():
                 x = checkpoint(block, self.config.distribute_saved_activations, x, *rotary, attn_mask, None, key,
@@ -418,7 +422,7 @@ class GPT(nn.Module):
         cross_entropy = invariant.vocab_parallel_cross_entropy if self.config.tp_invariant \
             else vocab_parallel_cross_entropy
         losses = cross_entropy(logits, labels, tp_group=self.tp_group, vocab_size=self.config.vocab_size)
-        return context_split.mean_loss(losses, labels, self.parallel.context)
+        return context_split.mean_loss(losses, labels, self.parallel.context, tp_invariant=self.config.tp_invariant)
 
     def _rotary(self, position_ids: torch.Tensor | None, seq_len: int, device: torch.device):
         """``cos``/``sin`` at the positions, in the compute dtype (the autocast dtype when on: q

@@ -19,8 +19,10 @@ def norm(config: GPTConfig, parallel: "Placement") -> nn.Module:
     rms, layer = (nn.RMSNorm, nn.LayerNorm)
     if config.tp_invariant:
         rms, layer = invariant.RMSNorm, invariant.LayerNorm
-        kwargs["row_blocks"] = invariant.BLOCKS // (parallel.size if sequence_parallel else 1)
+        # This rank's whole blocks: of its CP chunks, of its SP slice of them.
+        kwargs["row_blocks"] = invariant.BLOCKS // (parallel.size if sequence_parallel else 1) // parallel.cp_size
         kwargs["tp_group"] = parallel.group if sequence_parallel else None
+        kwargs["cp_group"] = parallel.cp_group
     if config.norm == "rmsnorm":
         layer_norm = rms(config.hidden_size, **kwargs)
     else:
@@ -42,12 +44,14 @@ class Placement:
         # One rank has no sequence to split.
         self.sequence_parallel = config.sequence_parallel and self.size > 1
         self.context = context_split.over(cp_group, config, tp_size=self.size, sequence_parallel=self.sequence_parallel)
+        self.cp_group, self.cp_size = cp_group, 1 if cp_group is None else comm.group_size(cp_group)
         self.device = torch.device(device) if device is not None else default_device()
         self.column, self.row = ((invariant.ColumnLinear, invariant.RowLinear) if config.tp_invariant
                                  else (ColumnParallelLinear, RowParallelLinear))
 
     def linear_kwargs(self, config: GPTConfig) -> dict:
+        # The invariant layers sum their weight grads over the CP ranks' rows themselves.
         return dict(sequence_parallel=self.sequence_parallel,
                     gradient_accumulation_fusion=config.gradient_accumulation_fusion,
                     params_dtype=config.params_dtype, device=self.device, tp_group=self.group,
-                    overlap=config.overlap)
+                    overlap=config.overlap, **({"cp_group": self.cp_group} if config.tp_invariant else {}))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import UsageError
+from ..models.context_split import invariant_refusals
 from .flag_types import positive
 
 
@@ -40,7 +41,7 @@ def check_world(args, world: int, *, where: str) -> None:
 def _unsupported(args, config) -> list[str]:
     """The flags (with their values) a CP run does not support."""
     pp = getattr(args, "pp", 1)
-    bad = {f"--pp {pp}": pp > 1, "--tp-invariant": config.tp_invariant, "--compile": args.compile,
+    bad = {f"--pp {pp}": pp > 1, "--compile": args.compile,
            # --dropout sets it unless given; the hidden dropout alone runs.
            f"--attention-dropout {config.attention_dropout:g} (--dropout's unless given)": config.attention_dropout > 0,
            f"--interleave {config.interleave}": config.interleave > 1}
@@ -63,3 +64,7 @@ def check_context(args, config) -> None:
         raise UsageError(f"--cp-comm a2a needs at least one query head per TP x CP rank: the model's {heads} heads "
                          f"at --tp {args.tp} are {heads // args.tp} per TP rank, fewer than --cp {args.cp}; "
                          "use --cp-comm p2p, which has no such limit")
+    refused = invariant_refusals(config, tp_size=args.tp, cp_size=args.cp,
+                                 sequence_parallel=config.sequence_parallel and args.tp > 1)
+    if refused:
+        raise UsageError(f"--tp-invariant with --cp {args.cp} cannot give the CP 1 bits with {'; '.join(refused)}")

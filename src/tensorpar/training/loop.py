@@ -249,9 +249,12 @@ def _train(args, signals: Signals) -> RunResult:
                                   betas=(0.9, 0.95), eps=1e-8)
     # TP-invariant mode: the same reductions, in orders that do not depend on the TP size.
     grads = invariant if config.tp_invariant else tp_grads
-    # And at any DP size: the step's micro-batches summed in one tree over the global index.
+    # And at any DP size: the step's micro-batches summed in one tree over the global index. Its
+    # layers sum each micro-batch's grads over CP in backward: only DP is left to the reducer.
     reducer = ShardedGradSync(model) if fsdp else grads.DataParallelGradReducer(
-        model.parameters(), dp_group=cp.grad_group, micro_batches=args.grad_accum if config.tp_invariant else None)
+        model.parameters(), dp_group=dp_group if config.tp_invariant else cp.grad_group,
+        micro_batches=args.grad_accum if config.tp_invariant else None)
+    loss_scale = 1 if config.tp_invariant else cp.loss_scale
     # Training steps run the compiled model; evaluation and checkpoints use the module itself.
     step_model = torch.compile(model) if getattr(args, "compile", False) else model
     params = list(model.parameters())
@@ -340,7 +343,7 @@ def _train(args, signals: Signals) -> RunResult:
                     with autocast(args.dtype, device):
                         loss = step_model(tokens.to(device), labels.to(device))
                     # The invariant mode: one division by the global micro-batch count, at any DP size.
-                    (loss * cp.loss_scale / (len(batches) * (dp_size if config.tp_invariant else 1))).backward()
+                    (loss * loss_scale / (len(batches) * (dp_size if config.tp_invariant else 1))).backward()
                     loss_sum += loss.detach().double()
                     losses.append(loss.detach())
             reducer.finish()
