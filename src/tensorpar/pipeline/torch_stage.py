@@ -18,6 +18,15 @@ Each forward and backward records the schedule's micro-batch id (``microbatch``)
 invariant mode a forward sets its GPT's dropout counter to ``first_micro_batch`` plus that id,
 so micro-batch ``k``'s masks are PP=1's, whatever order the schedule runs them in.
 
+The zero-bubble schedules' weight backward (``interleaved-zb``, ``zbv``, ``dualpipev``) sets
+each ``.grad`` itself, past the post-accumulate-grad hook by which a DataParallelGradReducer
+moves it into ``main_grad``: the stage moves it there, as the hook would.
+
+torch's ``eval`` runs a schedule's own actions with the backward ones turned into no-ops, but
+the V schedules still hand each (absent) input gradient to the stage below on the same rank,
+which torch's stage refuses without a backward: in a forward-only pass that hand-off is
+nothing, so every schedule evaluates through torch's ``eval``.
+
 Example::
 
     stage = TorchStage(module, stage_index, num_stages, device, group=pp_group)
@@ -42,8 +51,9 @@ def _recorded(ops: list[dist.P2POp]) -> list[dist.P2POp]:
 
 
 class TorchStage(PipelineStage):
-    """A ``PipelineStage`` whose P2P ops are recorded and whose shape inference leaves the
-    gradients alone."""
+    """A ``PipelineStage`` whose P2P ops are recorded, whose shape inference leaves the
+    gradients alone, whose weight backward reaches ``main_grad``, and which runs torch's
+    forward-only ``eval`` under every schedule."""
 
     inferring = False
     microbatch = 0          # the schedule's id of the micro-batch in forward or backward
@@ -73,6 +83,20 @@ class TorchStage(PipelineStage):
                 param.grad = grad
                 if main_grad is not None:
                     param.main_grad.copy_(main_grad)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        for param in self.submod.parameters():
+            if param.grad is not None and hasattr(param, "main_grad"):
+                param.main_grad.add_(param.grad)
+                param.grad = None
+
+    def get_local_bwd_output(self, mb_index: int):
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         return _recorded(super().get_fwd_send_ops(fwd_chunk_id))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 
 from ..errors import UsageError
-from ..models.context_split import invariant_refusals
 from .flag_types import positive
 
 
@@ -64,6 +63,8 @@ def check_context(args, config) -> None:
         raise UsageError(f"--cp-comm a2a needs at least one query head per TP x CP rank: the model's {heads} heads "
                          f"at --tp {args.tp} are {heads // args.tp} per TP rank, fewer than --cp {args.cp}; "
                          "use --cp-comm p2p, which has no such limit")
+    from ..models.context_split import invariant_refusals  # torch: not for --help
+
     refused = invariant_refusals(config, tp_size=args.tp, cp_size=args.cp,
                                  sequence_parallel=config.sequence_parallel and args.tp > 1)
     if refused:

@@ -17,8 +17,7 @@ from pathlib import Path
 from ..errors import UsageError
 from . import config_file, context_flags, pipeline_flags
 from .errors import noted_on_signal
-from .flag_types import SEED as _SEED
-from .flag_types import TIMEOUT as _TIMEOUT
+from .flag_types import SEED as _SEED, TIMEOUT as _TIMEOUT
 from .flag_types import non_negative as _non_negative
 from .flag_types import number as _number
 from .flag_types import overlap as _overlap
@@ -137,10 +136,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                        help="MLP activation (default: the preset's)")
     model.add_argument("--position-embedding", choices=("learned", "rope"), default=None,
                        help="position encoding (default: the preset's)")
-    model.add_argument("--dropout", type=_number(float, low=0, high=1), default=None,
-                       help="dropout probability, in [0, 1) (default: 0)")
-    model.add_argument("--attention-dropout", type=_number(float, low=0, high=1), default=None,
-                       help="dropout probability of the attention weights, in [0, 1) (default: --dropout's)")
+    for flag, what in (("--dropout", "dropout probability, in [0, 1) (default: 0)"), ("--attention-dropout",
+                       "dropout probability of the attention weights, in [0, 1) (default: --dropout's)")):
+        model.add_argument(flag, type=_number(float, low=0, high=1), default=None, help=what)
     model.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                        help="sequence parallelism (default: off)")
     model.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
