@@ -57,9 +57,13 @@ def _pp_step(model, reducer, batches):
         reducer.zero_grad()
         total = model.train_step(batches, reducer=reducer, dtype="fp32")
         reducer.finish()
-        return float(total)
+        return float(total.sum())
 
     return step
+
+
+def _virtual_stages(schedule: str) -> int | None:
+    return 2 if schedule == "interleaved-1f1b" else None
 
 
 def _timed(step, iters: int) -> float:
@@ -93,9 +97,8 @@ def run(args) -> dict:
         expected = torch.tensor(steps["pp1"]() if rank == 0 else 0.0, dtype=torch.float64)
         dist.broadcast(expected, 0)
         for schedule in args.schedules:
-            virtual = 2 if schedule == "interleaved-1f1b" else None
             tp.model_parallel_manual_seed(0)
-            model = PipelinedGPT(config, schedule=schedule, microbatches=m, virtual_stages=virtual,
+            model = PipelinedGPT(config, schedule=schedule, microbatches=m, virtual_stages=_virtual_stages(schedule),
                                  device=torch.device("cpu"))
             reducer = tp.DataParallelGradReducer(model.parameters(), dp_group=tp.get_data_parallel_group())
             steps[schedule] = _pp_step(model, reducer, batches)
@@ -118,8 +121,8 @@ def run(args) -> dict:
         for schedule in args.schedules:
             speedups = [t1 / tp_ for t1, tp_ in zip(times["pp1"], times[schedule])]
             bubbles = [1 - s / args.pp for s in speedups]
-            virtual = 2 if schedule == "interleaved-1f1b" else None
-            predicted, _ = bubble_fraction(schedule, pp_size=args.pp, microbatches=m, virtual_stages=virtual)
+            predicted, _ = bubble_fraction(schedule, pp_size=args.pp, microbatches=m,
+                                           virtual_stages=_virtual_stages(schedule))
             row[schedule] = {"step_s": round(statistics.median(times[schedule]), 4),
                              "speedup_vs_pp1": round(statistics.median(speedups), 3),
                              "speedup_range": [round(min(speedups), 3), round(max(speedups), 3)],
