@@ -367,7 +367,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
     _check_targets(target, ignore_index, vocab_size)
 
     def sum_exp(exp):
-        return tree_sum(b.contiguous().sum(dim=-1) for b in exp.split(block, dim=-1))
+        # Each block's sum over its own contiguous run of a row (no copy of ``exp``), the blocks
+        # of a row then added in the tree.
+        block_sums = exp.unflatten(-1, (-1, block)).sum(dim=-1)
+        return tree_sum(block_sums.unbind(dim=-1))
 
     return _VocabParallelCrossEntropy.apply(logits, target, 0.0, ignore_index, tp_group, vocab_size,
                                             (sum_exp, lambda stats: all_reduce_tree(stats, tp_group)))
