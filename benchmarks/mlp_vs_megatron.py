@@ -5,8 +5,9 @@ megatron-core's ``ColumnParallelLinear``/``RowParallelLinear``, in one run::
     /tmp/mcore_venv/bin/pip install torch==2.13.0 megatron-core==0.16.1   # CPU torch first
     PYTHONPATH=src /tmp/mcore_venv/bin/python benchmarks/mlp_vs_megatron.py --tp 2
 
-megatron-core runs on CPU/gloo without sequence parallelism only (its SP all-gather buffer is
-allocated on ``torch.cuda.current_device()``), so SP is off. Same shapes and init method,
+With ``--sp`` both run sequence parallelism (input and output ``[s/TP, b, h]``): megatron-core
+allocates its SP all-gather and reduce-scatter buffers on ``torch.cuda.current_device()``, which
+this script points at the CPU for the run (nothing else of megatron's is changed). Same shapes and init method,
 timed in alternating rounds (the slowest rank's time per round); prints each variant's
 median time over megatron's per round: median and interquartile range.
 """
@@ -51,17 +52,22 @@ def run(args) -> dict:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     h, ffn = args.hidden, 4 * args.hidden
     init = torch.nn.init.xavier_normal_
-    config = ModelParallelConfig(tensor_model_parallel_size=args.tp, use_cpu_initialization=True)
+    if args.sp:
+        torch.cuda.current_device = lambda: "cpu"  # megatron's SP buffers: on the CPU of this run
+    config = ModelParallelConfig(tensor_model_parallel_size=args.tp, use_cpu_initialization=True,
+                                 sequence_parallel=args.sp)
     blocks = {
         "megatron": _Block(mcore.ColumnParallelLinear(h, ffn, config=config, init_method=init, bias=True,
                                                       gather_output=False),
                            mcore.RowParallelLinear(ffn, h, config=config, init_method=init, bias=True,
                                                    input_is_parallel=True, skip_bias_add=False)),
-        "tensorpar_eager": _Block(tp.ColumnParallelLinear(h, ffn, init_method=init),
-                                  tp.RowParallelLinear(ffn, h, input_is_parallel=True, init_method=init)),
+        "tensorpar_eager": _Block(tp.ColumnParallelLinear(h, ffn, init_method=init, sequence_parallel=args.sp),
+                                  tp.RowParallelLinear(ffn, h, input_is_parallel=True, init_method=init,
+                                                       sequence_parallel=args.sp)),
     }
     blocks["tensorpar_compiled"] = torch.compile(blocks["tensorpar_eager"])
-    x = torch.randn(args.seq, args.batch, h, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    seq = args.seq // args.tp if args.sp else args.seq
+    x = torch.randn(seq, args.batch, h, generator=torch.Generator().manual_seed(0), requires_grad=True)
     results = {}
     for name, block in blocks.items():
         began = time.perf_counter()
@@ -87,6 +93,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism on both sides")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--iters", type=int, default=3)
