@@ -11,9 +11,11 @@ from tests.cli_runner import run_tensorpar
 
 
 def test_version_and_python_dash_m():
+    import torch
+
     for command in (["tensorpar"], [sys.executable, "-m", "tensorpar"]):
         done = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0 and done.stdout.startswith(f"tensorpar {__version__} (torch "), done
+        assert done.returncode == 0 and done.stdout == f"tensorpar {__version__} (torch {torch.__version__})\n", done
 
 
 def test_torch_before_2_6_is_refused_at_install_and_import():

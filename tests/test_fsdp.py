@@ -213,6 +213,7 @@ def test_train_fsdp_matches_plain_data_parallel(runs):
         assert fsdp[step] == pytest.approx(plain[step], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp->tp1", "fsdp->fsdp-tp1-dp4", "plain->fsdp"])
 def test_checkpoints_resume_with_or_without_fsdp_at_other_sizes(runs, name):
     plain, _, resumed = runs

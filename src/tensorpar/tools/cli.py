@@ -60,16 +60,26 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _torch_version() -> str:
+    """torch's version from its installed metadata (importing torch takes seconds), else from torch."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:  # a torch on the path that pip did not install
+        import torch
+
+        return torch.__version__
+
+
 class _Version(argparse.Action):
-    """``--version``: imports torch for its version only when asked."""
+    """``--version``: tensorpar's and torch's versions, without importing torch."""
 
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        import torch
-
-        print(f"tensorpar {__version__} (torch {torch.__version__})")
+        print(f"tensorpar {__version__} (torch {_torch_version()})")
         parser.exit()
 
 
