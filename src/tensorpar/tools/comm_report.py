@@ -249,7 +249,7 @@ def format_measured(predicted: list, measured: list[tuple]) -> tuple[str, int]:
     def cell(key):
         if key is None:
             return ["-"] * 4
-        phase, op, shape, dtype, nbytes, _ = key
+        phase, op, shape, dtype, nbytes, *_ = key
         return [phase, op, f"{list(shape)} {dtype}", str(nbytes)]
 
     rows, mismatches = [], 0
