@@ -34,7 +34,7 @@ import dataclasses
 
 import torch
 
-from .comm_model import CommConfig, CommOp, GroupOp, LinkModel, _Builder, _Comm
+from .comm_model import CommConfig, CommOp, GroupOp, LinkModel, _Builder, _Comm, step_flops_per_rank
 from .context import COMM_TYPES, SequenceChunks, head_split
 from .fsdp_model import units
 
@@ -79,11 +79,10 @@ def attention_comm(*, heads: int, kv_heads: int, head_dim: int, batch: int, loca
         backward = []
         for step in range(cp):
             if step < cp - 1:
-                backward.append(op("backward", "send_recv", kv, f"K/V to the next rank (ring step {step + 1})"))
-            backward.append(op("backward", "send_recv", grad, f"dK/dV so far, fp32 (ring step {step + 1})",
-                               torch.float32))
-        return _Comm(forward=tuple(op("forward", "send_recv", kv, f"K/V to the next rank (ring step {step + 1})")
-                                   for step in range(cp - 1)), backward=tuple(backward))
+                backward.append(op("backward", "send_recv", kv, "K/V to the next rank"))
+            backward.append(op("backward", "send_recv", grad, "dK/dV so far (fp32) to the next rank", torch.float32))
+        return _Comm(forward=(op("forward", "send_recv", kv, "K/V to the next rank"),) * (cp - 1),
+                     backward=tuple(backward))
     split = head_split(heads, kv_heads, cp)
     sizes = [h1 - h0 + 2 * (g1 - g0) for h0, h1, g0, g1 in split]
     local = split[cp_rank][1] - split[cp_rank][0]
@@ -202,3 +201,18 @@ def ring_overlap(cfg: CommConfig, cp: ContextConfig, link: LinkModel) -> list[di
         rows.append(dict(phase=phase, steps=cp.cp, communication_s=communication, compute_s=compute,
                          exposed_s=total - compute))
     return rows
+
+
+def overlap_plan(cfg: CommConfig, cp: ContextConfig, link: LinkModel) -> list[dict]:
+    """:func:`tensorpar.comm_model.overlap_plan` of a CP rank's tokens."""
+    if cfg.tp == 1:
+        return []
+    build = _ContextBuilder(cfg, cp, link, 0)
+    build.gpt_step()
+    return build.plan
+
+
+def flops_per_rank(cfg: CommConfig, cp: ContextConfig) -> float:
+    """A CP rank's share of the step's matmul FLOPs: the padded sequence's over CP (the chunks
+    balance the causal work; padding computes as tokens do)."""
+    return step_flops_per_rank(dataclasses.replace(cfg, seq_len=chunks(cfg, cp).padded_len)) / cp.cp

@@ -31,6 +31,8 @@ from .plan import StageLayout, check_microbatches, schedule_spec, stage_layout, 
 # Memory", 2024, for ZB-V); DualPipe's is (PP/2 - 1)(F&B + B - 3W) (DeepSeek-V3 technical
 # report, 2024, table 2), DualPipeV being its V-shaped half.
 NOT_MODELLED = "not modelled: it depends on the backward's split into input and weight gradients"
+# The schedules whose every backward torch splits into an input pass and a later weight pass.
+SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
 
 
 @dataclasses.dataclass(frozen=True)
