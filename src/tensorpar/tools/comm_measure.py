@@ -3,7 +3,10 @@
 
 With an :class:`~tensorpar.fsdp_model.FSDPConfig` the GPT step runs under
 :func:`tensorpar.fully_shard` on TP x DP ranks, its parameters fp32 and gathered in the compute
-dtype (FSDP's mixed precision), as :mod:`tensorpar.fsdp_model` models it.
+dtype (FSDP's mixed precision), as :mod:`tensorpar.fsdp_model` models it. With a
+:class:`~tensorpar.context_model.ContextConfig` it runs over a CP group on TP x CP x DP ranks;
+with a :class:`~tensorpar.pipeline.PipelineCost` as ``tensorpar train --pp`` runs it on TP x PP
+ranks (:func:`measure_pipeline_on_this_rank`); :func:`measure_ranks` returns every rank's keys.
 """
 
 from __future__ import annotations

@@ -3,9 +3,11 @@
 The prediction is :mod:`tensorpar.comm_model`'s; with ``--fsdp`` the GPT step's under
 :func:`tensorpar.fully_shard` over ``--dp`` ranks, FSDP's all-gathers and reduce-scatters
 included (:mod:`tensorpar.fsdp_model`); with ``--pp`` also the pipeline's sends between stages
-and its bubble (:mod:`tensorpar.pipeline.cost`). ``--measure`` runs the same layer on ``--tp`` (x ``--dp``)
-spawned gloo ranks under a :class:`tensorpar.CommLedger` (sizes divided by ``--scale``,
-:mod:`tensorpar.tools.comm_measure`) and prints each measured collective next to the predicted one.
+and its bubble (:mod:`tensorpar.pipeline.cost`); with ``--cp`` the step over a context-parallel
+group (:mod:`tensorpar.context_model`). ``--measure`` runs the same layer on ``--tp`` (x ``--dp``,
+x ``--pp`` or x ``--cp``) spawned gloo ranks under a :class:`tensorpar.CommLedger` (sizes divided
+by ``--scale``, :mod:`tensorpar.tools.comm_measure`) and prints each measured collective next to
+the predicted one (under ``--pp`` and ``--cp`` on every rank, :mod:`tensorpar.tools.comm_axes`).
 
 Example (seed 002)::
 
@@ -38,8 +40,7 @@ from ..context import COMM_TYPES
 from ..errors import UsageError
 from ..fsdp_model import FSDPConfig, state_bytes_per_rank, step_collectives
 from ..memory_model import activation_memory
-from ..pipeline import SCHEDULES, PipelineCost, pipeline_cost
-from ..pipeline.cost import rank_collectives
+from ..pipeline import SCHEDULES, PipelineCost, pipeline_cost, rank_collectives
 from .cli import TORCH_COMMANDS
 from .comm_axes import (compared, context_json, duration, dtype_name, format_context, format_pipeline, format_ranks,
                         ordered_table, pipeline_json, size, table, unpredicted)
