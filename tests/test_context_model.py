@@ -117,7 +117,6 @@ def test_model_equals_commledger_record_on_every_rank(world_size, case):
         assert sum(k[-1] == context.cp for k in got) >= 2  # the loss's, at least, over CP
 
 
-@pytest.mark.slow
 def test_comm_cp_measure_on_the_command_line_agrees(capsys):
     argv = ["comm", "--layer", "gpt-step", "--tp", "1", "--layers", "1", "--hidden", "16", "--heads", "2",
             "--seq-len", "8", "--vocab", "32", "--dtype", "fp32", "--cp", "2", "--cp-comm", "p2p", "--measure"]

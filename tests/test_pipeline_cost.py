@@ -169,7 +169,6 @@ def test_model_counts_what_commledger_records_on_every_rank(world_size, case):
     assert all(key[0] == "backward" and key[1] not in ("send", "recv") for key in extra), extra
 
 
-@pytest.mark.slow
 def test_comm_pp_measure_on_the_command_line_agrees(capsys):
     argv = ["comm", "--layer", "gpt-step", "--tp", "1", "--layers", "2", "--hidden", "16", "--heads", "2",
             "--seq-len", "8", "--vocab", "32", "--dtype", "fp32", "--pp", "2", "--measure"]

@@ -169,7 +169,8 @@ def step_collectives(cfg: CommConfig, config, cp: ContextConfig, *, cp_rank: int
     return ops + grads
 
 
-def _seconds(op: CommOp, link: LinkModel) -> float:
+def transfer_seconds(op: CommOp, link: LinkModel) -> float:
+    """Seconds of ``op`` on ``link``: one latency and the bytes a rank sends."""
     return link.latency_s + op.bytes_sent_per_rank / link.bytes_per_s
 
 
@@ -179,14 +180,14 @@ def ring_overlap(cfg: CommConfig, cp: ContextConfig, link: LinkModel) -> list[di
     (seconds on ``link``). In ring step ``t`` a rank attends to the K/V in hand (3 chunk pairs in
     step 0, two of them causal, 2 in every other, each computed whole) while the next K/V travel,
     and in backward also the dK/dV of step ``t - 1``; the last dK/dV pass waits alone."""
-    cfg_chunks = chunks(cfg, cp)
+    mine = chunks(cfg, cp)
     comm = attention_comm(heads=cfg.heads // cfg.tp, kv_heads=cfg.kv_heads // cfg.tp, head_dim=cfg.hidden // cfg.heads,
-                          batch=cfg.batch, local_len=cfg_chunks.local_len, cp=cp.cp, cp_rank=0, comm_type="p2p",
+                          batch=cfg.batch, local_len=mine.local_len, cp=cp.cp, cp_rank=0, comm_type="p2p",
                           dtype=cfg.torch_dtype, tp=cfg.tp)
-    kv_s = _seconds(comm.forward[0], link) if comm.forward else 0.0
-    grad_s = _seconds(comm.backward[-1], link)
+    kv_s = transfer_seconds(comm.forward[0], link) if comm.forward else 0.0
+    grad_s = transfer_seconds(comm.backward[-1], link)
     # A chunk pair: Q K^T and P V forward (2 matmuls), 5 backward (the scores again, dV, dP, dK, dQ).
-    pair = 2 * cfg.batch * (cfg.heads // cfg.tp) * cfg_chunks.chunk_len ** 2 * (cfg.hidden // cfg.heads)
+    pair = 2 * cfg.batch * (cfg.heads // cfg.tp) * mine.chunk_len ** 2 * (cfg.hidden // cfg.heads)
     rows = []
     for phase, matmuls in (("forward", 2), *((("recompute", 2),) if cfg.recompute else ()), ("backward", 5)):
         backward = phase == "backward"

@@ -17,7 +17,7 @@ import re
 import torch
 
 from ..comm_model import DTYPES, CommConfig, CommOp
-from ..context_model import ContextConfig, attention_comm, chunks, ring_overlap
+from ..context_model import ContextConfig, attention_comm, chunks, ring_overlap, transfer_seconds
 from ..pipeline import PipelineCost
 from ..pipeline.cost import SPLIT_BACKWARD
 from .comm_measure import record_key
@@ -109,7 +109,7 @@ def format_context(cfg: CommConfig, cp: ContextConfig, link) -> list[str]:
                           batch=cfg.batch, local_len=mine.local_len, cp=cp.cp, cp_rank=0, comm_type=cp.comm_type,
                           dtype=cfg.torch_dtype, tp=cfg.tp)
     ops = comm.forward + comm.backward
-    seconds = sum(link.latency_s + op.bytes_sent_per_rank / link.bytes_per_s for op in ops)
+    seconds = sum(transfer_seconds(op, link) for op in ops)
     lines.append(f"attention's collectives per layer on CP rank 0: {len(comm.forward)} forward, {len(comm.backward)} "
                  f"backward, {size(sum(op.bytes_sent_per_rank for op in ops))} sent, {duration(seconds)}"
                  + (" (again in the recompute)" if cfg.recompute else ""))

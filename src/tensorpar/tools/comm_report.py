@@ -169,8 +169,8 @@ def _totals(cfg: CommConfig, ops: list, args) -> dict:
     context = _context(args)
     if context:
         flops = context_model.flops_per_rank(cfg, context)
-        totals.update(flops_per_rank=flops, compute_time_s=flops / (args.tflops * 1e12),
-                      comm_share_of_compute=totals["time_s"] / (flops / (args.tflops * 1e12)))
+        compute_s = flops / (args.tflops * 1e12)
+        totals.update(flops_per_rank=flops, compute_time_s=compute_s, comm_share_of_compute=totals["time_s"] / compute_s)
     return totals
 
 
