@@ -255,15 +255,16 @@ def _measure_rank(cfg: CommConfig, fsdp: FSDPConfig | None, context: ContextConf
 
 def measure(cfg: CommConfig, *, fsdp: FSDPConfig | None = None) -> list[tuple]:
     """Start ``cfg.tp`` (x ``fsdp.dp``) local gloo ranks, run the layer on them, return rank 0's record keys."""
-    return launch_local(_measure_rank, cfg, fsdp, nproc=cfg.tp * (fsdp.dp if fsdp else 1))[0]
+    return measure_ranks(cfg, fsdp=fsdp)[0]
 
 
-def measure_ranks(cfg: CommConfig, *, context: ContextConfig | None = None,
+def measure_ranks(cfg: CommConfig, *, fsdp: FSDPConfig | None = None, context: ContextConfig | None = None,
                   pipeline: PipelineCost | None = None) -> dict[int, list[tuple]]:
-    """Start TP x CP x DP (``context``) or TP x PP (``pipeline``) local gloo ranks, run the GPT
-    step on them, return every rank's record keys."""
-    nproc = cfg.tp * (context.cp * context.dp if context else 1) * (pipeline.pp_size if pipeline else 1)
-    return launch_local(_measure_rank, cfg, None, context, pipeline, nproc=nproc)
+    """Start TP (x ``fsdp``'s DP, x ``context``'s CP x DP, or x ``pipeline``'s PP) local gloo ranks,
+    run the layer or GPT step on them, return every rank's record keys."""
+    nproc = cfg.tp * (fsdp.dp if fsdp else 1) * (context.cp * context.dp if context else 1) * (
+        pipeline.pp_size if pipeline else 1)
+    return launch_local(_measure_rank, cfg, fsdp, context, pipeline, nproc=nproc)
 
 
 def scaled(cfg: CommConfig, scale: int) -> CommConfig:
