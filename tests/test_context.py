@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tensorpar import CommLedger
 from tensorpar.context import SequenceChunks, context_attention, head_split, natural_order
+from tensorpar.context_model import attention_comm
 from tests.harness import run_on_ranks
 
 _GROUPS: dict = {}
@@ -91,22 +92,15 @@ def _attention_body(mode: str, heads: int, kv_heads: int, seq_len: int, tp_size:
 
 
 def _expected_records(mode: str, heads: int, kv_heads: int, seq_len: int, cp: int, rank: int) -> list:
-    """What CP rank ``rank``'s ledger must hold: ``(op, phase, bytes, group size)`` in order
-    (an all-to-all records the tensor the rank sends: its own size under unequal splits)."""
+    """What CP rank ``rank``'s ledger must hold: ``(op, phase, bytes, group size)`` in order, as
+    the communication model predicts them (an all-to-all records the tensor the rank sends: its
+    own size under unequal splits)."""
     if cp == 1:
         return []
-    local = SequenceChunks(seq_len, cp, 0).local_len
-    token_bytes = 2 * local * 8 * 4                          # b = 2, d = 8, fp32, per head
-    if mode == "p2p":
-        kv = ("send_recv", None, 2 * kv_heads * token_bytes, cp)
-        return ([kv[:1] + ("forward",) + kv[2:]] * (cp - 1)
-                + [kv[:1] + ("backward",) + kv[2:]] * (2 * cp - 1))
-    split = head_split(heads, kv_heads, cp)
-    sent = sum(h1 - h0 + 2 * (g1 - g0) for h0, h1, g0, g1 in split) * token_bytes
-    h0, h1, g0, g1 = split[rank]
-    received = cp * (h1 - h0 + 2 * (g1 - g0)) * token_bytes
-    return [("all_to_all", "forward", sent, cp), ("all_to_all", "forward", cp * (h1 - h0) * token_bytes, cp),
-            ("all_to_all", "backward", heads * token_bytes, cp), ("all_to_all", "backward", received, cp)]
+    comm = attention_comm(heads=heads, kv_heads=kv_heads, head_dim=8, batch=2,  # b = 2, d = 8, fp32
+                          local_len=SequenceChunks(seq_len, cp, 0).local_len, cp=cp, cp_rank=rank, comm_type=mode,
+                          dtype=torch.float32)
+    return [(op.op, op.phase, op.bytes, op.group_size) for op in comm.forward + comm.backward]
 
 
 def _check_records(records: list, mode: str, heads: int, kv_heads: int, seq_len: int, cp: int, tp: int = 1):

@@ -1,16 +1,25 @@
 """The pipeline's cost model (:mod:`tensorpar.pipeline.cost`): the bubble against hand values,
-the sends of each rank per step, ``tensorpar comm --pp`` and what it refuses, and the bubble in
-the ``tensorpar train --pp`` header. The bytes per send against a measured step are checked in
+the sends of each rank per step, every rank's collectives against CommLedger for every schedule
+(``tensorpar comm --pp --measure``), what ``tensorpar comm --pp`` refuses, and the bubble in the
+``tensorpar train --pp`` header. The bytes per send against a measured step are also checked in
 tests/test_pipeline.py's ledger test."""
 
+import collections
+import functools
 import json
+import traceback
 
 import pytest
 import torch
 
+import tensorpar as tp
 from tensorpar import pipeline
-from tensorpar.comm_model import CommConfig
+from tensorpar.comm_model import CommConfig, collectives
+from tensorpar.pipeline import SCHEDULES
 from tensorpar.tools import cli
+from tensorpar.tools.comm_axes import compared, unpredicted
+from tensorpar.tools.comm_measure import measure_pipeline_on_this_rank, record_key
+from tests.harness import run_on_ranks
 from tensorpar.training.pipeline_step import pipeline_header
 
 TINY = CommConfig(layer="gpt-step", hidden=64, heads=2, seq_len=16, batch=2, vocab=64, layers=8, tp=1, dtype="fp32")
@@ -78,8 +87,8 @@ def test_comm_pp_prints_the_sends_and_the_bubble(capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--measure"], "--pp 2 with --measure is not supported yet"),
     (["--fsdp"], "--pp 2 with --fsdp is not supported yet"),
+    (["--compare-sp"], "--pp 2 with --compare-sp is not supported yet"),
     (["--pp-schedule", "1f1b", "--pp", "4", "--microbatches", "3"], "the 1f1b schedule at PP=4 needs at least PP = 4"),
     (["--pp", "8", "--pp-schedule", "zbv"], "16 pipeline stages (PP=8 x 2 per rank) exceed the 4 layers"),
     (["--layer", "mlp"], "--pp 2 models a GPT step's stages: use --layer gpt-step, not mlp"),
@@ -88,6 +97,86 @@ def test_comm_pp_refuses_in_one_line(extra, message, capsys):
     assert cli.main([*ARGV, *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_each_rank_issues_its_stages_collectives_per_micro_batch_and_the_sums_after():
+    cfg = CommConfig(**{**vars(TINY), "tp": 2, "sp": True, "layers": 4})
+    cost = pipeline.pipeline_cost(cfg, pp_size=2, schedule="1f1b", microbatches=3)
+    first, last = (pipeline.rank_collectives(cfg, cost, rank) for rank in (0, 1))
+    # One micro-batch's TP collectives through the whole model, each on the stage holding its layer.
+    whole = [op for op in collectives(cfg) if op.phase != "grads"]
+    assert len([op for op in first + last if op.op not in ("send", "recv") and op.phase != "grads"]) == 3 * len(whole)
+    for ops, rank in ((first, cost.ranks[0]), (last, cost.ranks[1])):
+        assert [op.op for op in ops].count("send") == rank.sends == 3
+        assert [op.op for op in ops].count("recv") == rank.recvs == 3
+    # After the schedule: the stage's SP grads (2 blocks, the positions on the first, the final norm on
+    # the last), the tied embedding over the embedding group, the losses, the norm over TP and PP.
+    after = [(op.layer, op.op, op.shape, op.dtype, op.group_size) for op in first if op.phase == "grads"]
+    assert after == [("stage 0", "all_reduce", ((2 * 6 + 16) * 64,), torch.float32, 2),
+                     ("embedding.word", "all_reduce", (32, 64), torch.float32, 2),
+                     ("loss", "broadcast", (3,), torch.float64, 2),
+                     ("grad_norm", "all_reduce", (), torch.float32, 2), ("grad_norm", "all_reduce", (), torch.float32, 2)]
+    assert [op.shape for op in last if op.phase == "grads"][0] == ((2 * 6 + 2) * 64,)
+
+
+def _measure_body(cases):
+    results = []
+    for cfg, cost in cases:
+        tp.initialize_model_parallel(cfg.tp, cost.pp_size)
+        try:
+            results.append(measure_pipeline_on_this_rank(cfg, cost))
+        except Exception:  # one case's failure is that case's, not the batch's
+            results.append(traceback.format_exc())
+        finally:
+            tp.destroy_model_parallel()
+    return results
+
+
+SMALL = dict(layer="gpt-step", hidden=16, heads=2, seq_len=8, batch=1, vocab=32, layers=4, dtype="fp32")
+
+
+def _cases(world_size):
+    if world_size == 2:  # TP 1: every schedule's sends, receives and the rest, exactly
+        return [(CommConfig(**SMALL, tp=1), pipeline.pipeline_cost(CommConfig(**SMALL, tp=1), pp_size=2,
+                                                                  schedule=s, microbatches=4)) for s in SCHEDULES]
+    cfg = CommConfig(**SMALL, tp=2, sp=True, recompute=True)
+    return [(cfg, pipeline.pipeline_cost(cfg, pp_size=2, schedule=s, microbatches=4))
+            for s in ("1f1b", "gpipe", "interleaved-1f1b", "zbv")]
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(world_size):
+    return run_on_ranks(_measure_body, world_size, _cases(world_size))
+
+
+@pytest.mark.parametrize("world_size, case", [(2, i) for i in range(len(SCHEDULES))]
+                         + [pytest.param(4, i, marks=pytest.mark.slow) for i in range(4)],
+                         ids=[f"tp1-{s}" for s in SCHEDULES] + [f"tp2-sp-recompute-{s}" for s in
+                                                                ("1f1b", "gpipe", "interleaved-1f1b", "zbv")])
+def test_model_counts_what_commledger_records_on_every_rank(world_size, case):
+    cfg, cost = _cases(world_size)[case]
+    extra = collections.Counter()
+    for rank, results in enumerate(_measured(world_size)):
+        got = results[case]
+        assert not isinstance(got, str), got
+        predicted = [record_key(op) for op in pipeline.rank_collectives(cfg, cost, rank // cfg.tp)]
+        if unpredicted(cfg, cost):  # the split backward's TP collectives: more than predicted, left out
+            extra += collections.Counter(got) - collections.Counter(predicted)
+            got, predicted = ([k for k in keys if compared(cfg, cost, k)] for keys in (got, predicted))
+        assert collections.Counter(got) == collections.Counter(predicted), (rank, cost.schedule)
+    # The weight pass runs some TP layers' backward again: extra backward TP collectives, nothing else.
+    assert bool(extra) == bool(unpredicted(cfg, cost))
+    assert all(key[0] == "backward" and key[1] not in ("send", "recv") for key in extra), extra
+
+
+def test_comm_pp_measure_on_the_command_line_agrees(capsys):
+    argv = ["comm", "--layer", "gpt-step", "--tp", "1", "--layers", "2", "--hidden", "16", "--heads", "2",
+            "--seq-len", "8", "--vocab", "32", "--dtype", "fp32", "--pp", "2", "--measure"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    # Per rank: 4 micro-batches' sends and receives, the tied embedding's sum, the losses, the norm.
+    assert out[-1] == "measured 22 collectives on 2 ranks, predicted 22: all agree"
+    assert "each kind of collective counted (the schedule interleaves them)" in out
 
 
 def test_pipeline_flags_without_pp_are_refused(capsys):

@@ -135,16 +135,9 @@ class CommConfig:
         under SP (the GPT pads it)."""
         tp = "the tensor-parallel size"
         attention = [("hidden", self.heads, "heads"), ("heads", self.kv_heads, "kv_heads")]
-        needs = {
-            "column": [],
-            "row": [],
-            "mlp": [],
-            "attention": attention,
-            "embedding": [("vocab", self.tp, tp)],
-            "loss": [("vocab", self.tp, tp)],
-            "gpt-layer": attention,
-            "gpt-step": attention,
-        }[self.layer]
+        vocab = [("vocab", self.tp, tp)]
+        needs = {"attention": attention, "gpt-layer": attention, "gpt-step": attention, "embedding": vocab,
+                 "loss": vocab}.get(self.layer, [])
         return needs + ([("seq_len", self.tp, tp)] if self.sp and self.layer != "gpt-step" else [])
 
     @property
@@ -177,12 +170,30 @@ class CommOp:
         return numel * torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def group_size(self) -> int:
+        """The ranks of the group it runs over (TP's; see :class:`GroupOp`)."""
+        return self.tp
+
+    @property
     def bytes_sent_per_rank(self) -> float:
-        return bytes_sent_per_rank(self.op, self.bytes, self.tp)
+        return bytes_sent_per_rank(self.op, self.bytes, self.group_size)
 
     def time_s(self, *, bandwidth_gbps: float, latency_us: float) -> float:
         """Ring estimate: one latency plus the bytes this rank sends over the link."""
         return latency_us * 1e-6 + self.bytes_sent_per_rank / (bandwidth_gbps * 1e9)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupOp(CommOp):
+    """A collective over a group other than TP: ``group`` names it (``cp``, ``dp x cp``, ``pp``,
+    ``embedding``), ``size`` is its ranks (``tp`` stays the step's TP size)."""
+
+    group: str = "tp"
+    size: int = 1
+
+    @property
+    def group_size(self) -> int:
+        return self.size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,16 +417,9 @@ def forward_flops_per_rank(cfg: CommConfig) -> float:
     mlp = 2 * tokens * 2 * h * f / n
     qkv = h + 2 * cfg.kv_heads * (h // cfg.heads)  # grouped-query attention: fewer K/V heads
     attention = 2 * tokens * (qkv * h + h * h) / n + 2 * 2 * cfg.batch * cfg.seq_len ** 2 * h / n
-    return {
-        "column": 2 * tokens * h * h / n,
-        "row": 2 * tokens * h * h / n,
-        "mlp": mlp,
-        "attention": attention,
-        "embedding": 0.0,
-        "loss": 0.0,
-        "gpt-layer": attention + mlp,
-        "gpt-step": cfg.layers * (attention + mlp) + 2 * tokens * h * cfg.vocab / n,
-    }[cfg.layer]
+    return {"column": 2 * tokens * h * h / n, "row": 2 * tokens * h * h / n, "mlp": mlp, "attention": attention,
+            "embedding": 0.0, "loss": 0.0, "gpt-layer": attention + mlp,
+            "gpt-step": cfg.layers * (attention + mlp) + 2 * tokens * h * cfg.vocab / n}[cfg.layer]
 
 
 def step_flops_per_rank(cfg: CommConfig) -> float:

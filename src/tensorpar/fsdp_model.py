@@ -28,7 +28,6 @@ import re
 
 import torch
 
-from .comm import bytes_sent_per_rank
 from .comm_model import CommConfig, CommOp, LinkModel, collectives
 
 PARAM_GATHER = "FSDP parameter all-gather"
@@ -55,8 +54,8 @@ class DataParallelOp(CommOp):
     dp: int = 1
 
     @property
-    def bytes_sent_per_rank(self) -> float:
-        return bytes_sent_per_rank(self.op, self.bytes, self.dp)
+    def group_size(self) -> int:
+        return self.dp
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,10 +17,11 @@ Example (GPT at hidden 4096, seq 2048, bf16, PP=2, 1F1B, 4 micro-batches)::
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
-from ..comm_model import CommConfig
+from ..comm_model import CommConfig, CommOp, GroupOp, LinkModel, collectives
 from .plan import StageLayout, check_microbatches, schedule_spec, stage_layout, stages_per_rank
 
 # Why the zero-bubble and DualPipeV schedules get no number: their bubble depends on how the
@@ -30,6 +31,8 @@ from .plan import StageLayout, check_microbatches, schedule_spec, stage_layout, 
 # Memory", 2024, for ZB-V); DualPipe's is (PP/2 - 1)(F&B + B - 3W) (DeepSeek-V3 technical
 # report, 2024, table 2), DualPipeV being its V-shaped half.
 NOT_MODELLED = "not modelled: it depends on the backward's split into input and weight gradients"
+# The schedules whose every backward torch splits into an input pass and a later weight pass.
+SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +105,11 @@ def bubble_fraction(schedule: str, *, pp_size: int, microbatches: int,
     return idle / (v * m + idle), f"{formula} = {idle}/{v * m + idle}"
 
 
+def _remote(layout: StageLayout, stage: int, neighbour: int) -> bool:
+    """Whether ``neighbour`` is a stage on another rank (neighbours on one rank call each other)."""
+    return 0 <= neighbour < layout.num_stages and layout.rank_of(neighbour) != layout.rank_of(stage)
+
+
 def pipeline_cost(cfg: CommConfig, *, pp_size: int, schedule: str = "1f1b", virtual_stages: int | None = None,
                   microbatches: int) -> PipelineCost:
     """The point-to-point traffic and bubble of one step of ``cfg``'s GPT (``cfg.layers``
@@ -114,20 +122,68 @@ def pipeline_cost(cfg: CommConfig, *, pp_size: int, schedule: str = "1f1b", virt
     # slice (the GPT pads a sequence SP does not split evenly).
     seq = -(-cfg.seq_len // cfg.tp) if cfg.sp else cfg.seq_len
     shape = (seq, cfg.batch, cfg.hidden)
-    last = layout.num_stages - 1
-
-    def remote(stage: int, neighbour: int) -> int:
-        """1 if ``neighbour`` is a stage on another rank (neighbours on one rank call each other)."""
-        return int(0 <= neighbour <= last and layout.rank_of(neighbour) != layout.rank_of(stage))
-
     ranks = []
     for rank in range(pp_size):
         stages = layout.stages_of(rank)
-        to_next = microbatches * sum(remote(s, s + 1) for s in stages)
-        to_previous = microbatches * sum(remote(s, s - 1) for s in stages)
+        to_next = microbatches * sum(_remote(layout, s, s + 1) for s in stages)
+        to_previous = microbatches * sum(_remote(layout, s, s - 1) for s in stages)
         # Forward: activations to the next stage, from the previous; backward: the reverse.
         ranks.append(RankTraffic(rank, stages, activation_sends=to_next, gradient_sends=to_previous,
                                  activation_recvs=to_previous, gradient_recvs=to_next))
     return PipelineCost(schedule.lower(), pp_size, layout.num_stages // pp_size, microbatches, layout, shape,
                         cfg.torch_dtype, seq * cfg.batch * cfg.hidden * cfg.element_size, tuple(ranks),
                         bubble, formula)
+
+
+def _stage_of(op: CommOp, layout: StageLayout) -> int | None:
+    """The stage whose module issues TP collective ``op`` (None: the training loop's, after the step)."""
+    block = re.match(r"blocks\.(\d+)\.", op.layer)
+    if block:
+        return next(s for s, layers in enumerate(layout.layers) if int(block.group(1)) in layers)
+    if op.phase == "grads":
+        return None
+    return 0 if op.layer.startswith("embedding") else layout.num_stages - 1
+
+
+def rank_collectives(cfg: CommConfig, cost: PipelineCost, rank: int, *, tied: bool = True,
+                     link: LinkModel | None = None) -> list[CommOp]:
+    """Every collective PP rank ``rank`` issues in a step of ``cost``'s pipeline after the first
+    (the first also exchanges shapes), as ``tensorpar train --pp`` runs it with its fp32
+    ``main_grad`` (DP 1): per micro-batch its stages' TP collectives and sends and receives, then
+    each stage's SP-gradient sum over TP, the tied embedding's gradient summed over the embedding
+    group (``tied``, first and last stage on different ranks), the micro-batch losses broadcast
+    from the last stage and the grad norm over TP and PP. Grouped by stage and micro-batch, not in
+    the schedule's order (which interleaves them); ``link`` decides ``overlap_chunks="auto"``."""
+    layout, m, fp32 = cost.layout, cost.microbatches, torch.float32
+    last = layout.num_stages - 1
+
+    def op(layer, phase, kind, shape, dtype, what, group, size, reduce_op="sum"):
+        return GroupOp(layer, phase, kind, tuple(shape), dtype, cfg.tp, what, reduce_op, group=group, size=size)
+
+    def p2p(stage, phase, kind, what):
+        return [op(f"stage {stage}", phase, kind, cost.send_shape, cost.dtype, what, "pp", 2, None)] * m
+
+    tp_ops = collectives(cfg, link=link)
+    ops: list[CommOp] = []
+    for s in layout.stages_of(rank):
+        if _remote(layout, s, s - 1):
+            ops += p2p(s, "forward", "recv", f"activations from stage {s - 1}")
+            ops += p2p(s, "backward", "send", f"their gradient to stage {s - 1}")
+        ops += [tp for tp in tp_ops if _stage_of(tp, layout) == s] * m
+        if _remote(layout, s, s + 1):
+            ops += p2p(s, "forward", "send", f"activations to stage {s + 1}")
+            ops += p2p(s, "backward", "recv", f"their gradient from stage {s + 1}")
+    for s in layout.stages_of(rank):
+        if cfg.sp and cfg.tp > 1:  # as comm_model counts them, this stage's share
+            numel = (len(layout.layers[s]) * 6 + 2 * (s == last)) * cfg.hidden + cfg.seq_len * cfg.hidden * (s == 0)
+            ops.append(op(f"stage {s}", "grads", "all_reduce", (numel,), fp32, "sequence-parallel param grads",
+                          "tp", cfg.tp))
+    ends = (layout.rank_of(0), layout.rank_of(last))
+    if tied and last and ends[0] != ends[1] and rank in ends:
+        ops.append(op("embedding.word", "grads", "all_reduce", (-(-cfg.vocab // cfg.tp), cfg.hidden), fp32,
+                      "tied embedding grad: first + last stage", "embedding", 2))
+    ops.append(op("loss", "grads", "broadcast", (m,), torch.float64, "micro-batch losses from the last stage",
+                  "pp", cost.pp_size, None))
+    if cfg.tp > 1:
+        ops.append(op("grad_norm", "grads", "all_reduce", (), fp32, "grad norm", "tp", cfg.tp))
+    return ops + [op("grad_norm", "grads", "all_reduce", (), fp32, "grad norm over the stages", "pp", cost.pp_size)]

@@ -3,9 +3,11 @@
 The prediction is :mod:`tensorpar.comm_model`'s; with ``--fsdp`` the GPT step's under
 :func:`tensorpar.fully_shard` over ``--dp`` ranks, FSDP's all-gathers and reduce-scatters
 included (:mod:`tensorpar.fsdp_model`); with ``--pp`` also the pipeline's sends between stages
-and its bubble (:mod:`tensorpar.pipeline.cost`). ``--measure`` runs the same layer on ``--tp`` (x ``--dp``)
-spawned gloo ranks under a :class:`tensorpar.CommLedger` (sizes divided by ``--scale``,
-:mod:`tensorpar.tools.comm_measure`) and prints each measured collective next to the predicted one.
+and its bubble (:mod:`tensorpar.pipeline.cost`); with ``--cp`` the step over a context-parallel
+group (:mod:`tensorpar.context_model`). ``--measure`` runs the same layer on ``--tp`` (x ``--dp``,
+x ``--pp`` or x ``--cp``) spawned gloo ranks under a :class:`tensorpar.CommLedger` (sizes divided
+by ``--scale``, :mod:`tensorpar.tools.comm_measure`) and prints each measured collective next to
+the predicted one (under ``--pp`` and ``--cp`` on every rank, :mod:`tensorpar.tools.comm_axes`).
 
 Example (seed 002)::
 
@@ -17,61 +19,52 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import re
 import sys
 
-import torch
 
 from ..comm_model import (
     DTYPES,
     LAYERS,
     WGRAD_REGATHER,
     CommConfig,
+    GroupOp,
     LinkModel,
     collectives,
     overlap_plan,
     summarize,
 )
+from .. import context_model
+from ..context import COMM_TYPES
 from ..errors import UsageError
-from .cli import TORCH_COMMANDS
 from ..fsdp_model import FSDPConfig, state_bytes_per_rank, step_collectives
 from ..memory_model import activation_memory
-from ..pipeline import SCHEDULES, PipelineCost, pipeline_cost
-from .comm_measure import check_measurable, gpt_config, measure, record_key, scaled
+from ..pipeline import SCHEDULES, PipelineCost, pipeline_cost, rank_collectives
+from .cli import TORCH_COMMANDS
+from .comm_axes import (compared, context_json, duration, dtype_name, format_context, format_pipeline, format_ranks,
+                        ordered_table, pipeline_json, size, table, unpredicted)
+from .comm_measure import check_measurable, gpt_config, measure, measure_ranks, record_key, scaled
 
 
 # --- formatting ---------------------------------------------------------------------------------
-
-def _size(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype).replace("torch.", ""))
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
-                     for row in [header, *rows])
-
 
 def _fsdp(args) -> FSDPConfig | None:
     return FSDPConfig(dp=args.dp or 2, reshard_after_forward=args.reshard_after_forward) if args.fsdp else None
 
 
-def _ops(cfg: CommConfig, args) -> list:
-    """The predicted collectives: the TP ones, or with ``--fsdp`` the whole TP x FSDP step's."""
-    fsdp = _fsdp(args)
+def _context(args) -> context_model.ContextConfig | None:
+    if args.cp is None:
+        return None
+    return context_model.ContextConfig(cp=args.cp, comm_type=args.cp_comm or "p2p", dp=args.dp or 1)
+
+
+def _ops(cfg: CommConfig, args, *, cp_rank: int = 0) -> list:
+    """The predicted collectives: the TP ones, or with ``--fsdp`` the whole TP x FSDP step's, or
+    with ``--cp`` CP rank ``cp_rank``'s of the whole CP x TP step."""
+    fsdp, context = _fsdp(args), _context(args)
+    if context is not None:
+        return context_model.step_collectives(cfg, gpt_config(cfg), context, cp_rank=cp_rank, link=_link(args))
     if fsdp is None:
         return collectives(cfg, link=_link(args))
     return step_collectives(cfg, gpt_config(cfg), fsdp, link=_link(args))
@@ -83,10 +76,12 @@ def _describe(cfg: CommConfig, args) -> str:
                              (f"overlap {cfg.overlap_chunks}", cfg.overlap_chunks != 1)) if on]
     sizes = (f"hidden={cfg.hidden} ffn={cfg.ffn_hidden} heads={cfg.heads} seq={cfg.seq_len} batch={cfg.batch} "
              f"vocab={cfg.vocab} layers={cfg.layers}")
-    fsdp = _fsdp(args)
+    fsdp, context = _fsdp(args), _context(args)
     if fsdp:
         modes.append(f"FSDP over DP={fsdp.dp}"
                      + ("" if fsdp.reshard_after_forward else " without resharding after forward"))
+    if context:
+        modes.append(f"CP={context.cp} ({context.comm_type})" + (f", DP={context.dp}" if context.dp > 1 else ""))
     return f"{cfg.layer} at TP={cfg.tp}, {cfg.dtype}{', ' + ', '.join(modes) if modes else ''} ({sizes})"
 
 
@@ -97,8 +92,8 @@ def _link(args) -> LinkModel:
 
 def format_overlap(cfg: CommConfig, args) -> list[str]:
     """The chunks of each chunkable collective and the communication predicted to stay exposed."""
-    link = _link(args)
-    plan = overlap_plan(cfg, link)
+    link, context = _link(args), _context(args)
+    plan = context_model.overlap_plan(cfg, context, link) if context else overlap_plan(cfg, link)
     if not plan:
         return []
     rows: dict[tuple, list] = {}
@@ -108,17 +103,17 @@ def format_overlap(cfg: CommConfig, args) -> list[str]:
         row[0] += 1
         row[1] += entry["exposed_s"]
         row[2] += entry["unchunked_exposed_s"]
-    table = _table(["layer", "phase", "op", "chunks", "exposed", "unchunked", "x"],
-                   [[layer, phase, op, chunks, _duration(exposed), _duration(unchunked), count]
-                    for (layer, phase, op, chunks), (count, exposed, unchunked) in rows.items()])
+    rows_text = table(["layer", "phase", "op", "chunks", "exposed", "unchunked", "x"],
+                      [[layer, phase, op, chunks, duration(exposed), duration(unchunked), count]
+                       for (layer, phase, op, chunks), (count, exposed, unchunked) in rows.items()])
     chunkable = {(e["layer"], e["phase"], e["op"]) for e in plan}
     others = sum(op.time_s(bandwidth_gbps=args.bandwidth, latency_us=args.latency) for op in _ops(cfg, args)
                  if (op.layer, op.phase, op.op) not in chunkable)
     chosen, unchunked = (sum(e[k] for e in plan) for k in ("exposed_s", "unchunked_exposed_s"))
     return ["", f"overlap ({cfg.overlap_chunks}; link overlap efficiency {args.overlap_efficiency:g}): each "
-                "collective chunked against its GEMM, time it adds beyond the GEMM", table,
-            f"predicted exposed communication: {_duration(chosen + others)} (unchunked: "
-            f"{_duration(unchunked + others)}), counting every other collective as exposed"]
+                "collective chunked against its GEMM, time it adds beyond the GEMM", rows_text,
+            f"predicted exposed communication: {duration(chosen + others)} (unchunked: "
+            f"{duration(unchunked + others)}), counting every other collective as exposed"]
 
 
 def _pipeline(cfg: CommConfig, args) -> PipelineCost | None:
@@ -129,73 +124,54 @@ def _pipeline(cfg: CommConfig, args) -> PipelineCost | None:
                          virtual_stages=args.virtual_stages, microbatches=args.microbatches or 2 * args.pp)
 
 
-def format_pipeline(cfg: CommConfig, cost: PipelineCost, args) -> list[str]:
-    """The bytes of one send between stages, each rank's sends per step, and the bubble."""
-    link = {"bandwidth_gbps": args.bandwidth, "latency_us": args.latency}
-    table = _table(["rank", "stages", "activation sends", "gradient sends", "recvs", "sent/rank", "est. time"],
-                   [[r.rank, ", ".join(map(str, r.stages)), r.activation_sends, r.gradient_sends, r.recvs,
-                     _size(r.sends * cost.bytes_per_send), _duration(r.sends * cost.send_time_s(**link))]
-                    for r in cost.ranks])
-    bubble = (f"{100 * cost.bubble:.1f}% of the step, {cost.bubble_formula} (stages of equal time)"
-              if cost.bubble is not None else cost.bubble_formula)
-    return ["", f"pipeline: PP={cost.pp_size}, {cost.schedule}, {cost.stages_per_rank} stage(s) per rank, "
-                f"{cost.microbatches} micro-batches per step of {cfg.batch} x {cfg.seq_len} tokens; "
-                f"{cost.layout.describe()}",
-            f"per send: one micro-batch's hidden states {list(cost.send_shape)} {_dtype_name(cost.dtype)} = "
-            f"{_size(cost.bytes_per_send)} forward, their gradient the same backward, "
-            f"{_duration(cost.send_time_s(**link))} each",
-            "sends per step (each TP rank of a stage sends its own; stages on one rank send nothing):", table,
-            f"bubble: {bubble}",
-            "the TP collectives above are one micro-batch's through the whole model: a stage issues its own "
-            "layers' once per micro-batch"]
-
-
 def format_report(cfg: CommConfig, args) -> str:
     """The op table (ops of every GPT layer folded into one row with a count) and totals."""
     ops = _ops(cfg, args)
     link = {"bandwidth_gbps": args.bandwidth, "latency_us": args.latency}
     rows: dict[tuple, list] = {}
     for op in ops:
-        key = (op.phase, re.sub(r"^blocks\.\d+", "blocks.*", op.layer), op.op, op.shape, op.dtype, op.what)
+        what = op.what + (f" [{op.group}]" if isinstance(op, GroupOp) else "")
+        key = (op.phase, re.sub(r"^blocks\.\d+", "blocks.*", op.layer), op.op, op.shape, op.dtype, what)
         rows.setdefault(key, [0, op])[0] += 1
-    table = _table(["phase", "layer", "op", "shape", "dtype", "bytes", "sent/rank", "est. time", "x", "what"],
-                   [[phase, layer, kind, list(shape), _dtype_name(dtype), _size(op.bytes),
-                     _size(op.bytes_sent_per_rank), _duration(op.time_s(**link)), count, what]
-                    for (phase, layer, kind, shape, dtype, what), (count, op) in rows.items()])
-    totals = summarize(cfg, ops, **link, tflops=args.tflops)
-    lines = [f"tensorpar comm: {_describe(cfg, args)}", "", table if ops else "(no collectives)", ""]
+    rows_text = table(["phase", "layer", "op", "shape", "dtype", "bytes", "sent/rank", "est. time", "x", "what"],
+                      [[phase, layer, kind, list(shape), dtype_name(dtype), size(op.bytes),
+                        size(op.bytes_sent_per_rank), duration(op.time_s(**link)), count, what]
+                       for (phase, layer, kind, shape, dtype, what), (count, op) in rows.items()])
+    totals = _totals(cfg, ops, args)
+    lines = [f"tensorpar comm: {_describe(cfg, args)}", "", rows_text if ops else "(no collectives)", ""]
     for name, t in [("total", totals), *totals["by_phase"].items()]:
-        lines.append(f"{name:<10} {t['count']:>4} ops  {_size(t['bytes']):>10} tensors  "
-                     f"{_size(t['bytes_sent_per_rank']):>10} sent/rank  {_duration(t['time_s']):>10}")
+        lines.append(f"{name:<10} {t['count']:>4} ops  {size(t['bytes']):>10} tensors  "
+                     f"{size(t['bytes_sent_per_rank']):>10} sent/rank  {duration(t['time_s']):>10}")
     lines.append(f"link: {args.bandwidth:g} GB/s per rank, {args.latency:g} us per collective (ring)")
     if totals["comm_share_of_compute"] is not None:
         lines.append(f"compute: {totals['flops_per_rank'] / 1e9:.4g} GFLOP per rank = "
-                     f"{_duration(totals['compute_time_s'])} at {args.tflops:g} TFLOP/s; communication = "
+                     f"{duration(totals['compute_time_s'])} at {args.tflops:g} TFLOP/s; communication = "
                      f"{100 * totals['comm_share_of_compute']:.1f}% of it if none overlaps"
                      + (f", at the sizes / {args.scale} that --measure runs (--scale): small sizes are "
                         "latency-bound" if args.measure and args.scale > 1 else ""))
-    memory = activation_memory(cfg)
+    memory = activation_memory(cfg) if args.cp is None else None  # (the memory model does not divide by CP)
     if memory:
         per = " per GPT layer" if cfg.layer == "gpt-step" else ""
-        lines.append(f"activations kept for backward{per}: {_size(memory)} per rank")
+        lines.append(f"activations kept for backward{per}: {size(memory)} per rank")
     fsdp = _fsdp(args)
     if fsdp:
         state = state_bytes_per_rank(gpt_config(cfg), tp=cfg.tp, dp=fsdp.dp)
         lines.append("held between steps (FSDP shards, fp32, AdamW): " + ", ".join(
-            f"{what} {_size(n)}" for what, n in state.items()) + " per rank")
-    cost = _pipeline(cfg, args)
-    return "\n".join(lines + format_overlap(cfg, args) + (format_pipeline(cfg, cost, args) if cost else []))
+            f"{what} {size(n)}" for what, n in state.items()) + " per rank")
+    cost, context = _pipeline(cfg, args), _context(args)
+    return "\n".join(lines + format_overlap(cfg, args) + (format_pipeline(cfg, cost, args) if cost else [])
+                     + (format_context(cfg, context, _link(args)) if context else []))
 
 
-def _pipeline_json(cost: PipelineCost | None, link: dict) -> dict | None:
-    if cost is None:
-        return None
-    return {"schedule": cost.schedule, "pp_size": cost.pp_size, "stages_per_rank": cost.stages_per_rank,
-            "microbatches": cost.microbatches, "layers_per_stage": [[r.start, r.stop] for r in cost.layout.layers],
-            "send_shape": list(cost.send_shape), "dtype": _dtype_name(cost.dtype),
-            "bytes_per_send": cost.bytes_per_send, "send_time_s": cost.send_time_s(**link),
-            "ranks": [dataclasses.asdict(r) for r in cost.ranks], "bubble": cost.bubble,
-            "bubble_formula": cost.bubble_formula}
+def _totals(cfg: CommConfig, ops: list, args) -> dict:
+    """:func:`summarize`'s totals; under ``--cp`` of a CP rank's share of the compute."""
+    totals = summarize(cfg, ops, bandwidth_gbps=args.bandwidth, latency_us=args.latency, tflops=args.tflops)
+    context = _context(args)
+    if context:
+        flops = context_model.flops_per_rank(cfg, context)
+        compute_s = flops / (args.tflops * 1e12)
+        totals.update(flops_per_rank=flops, compute_time_s=compute_s, comm_share_of_compute=totals["time_s"] / compute_s)
+    return totals
 
 
 def report_json(cfg: CommConfig, args) -> dict:
@@ -205,13 +181,15 @@ def report_json(cfg: CommConfig, args) -> dict:
         "config": dataclasses.asdict(cfg),
         "fsdp": dataclasses.asdict(_fsdp(args)) if args.fsdp else None,
         "ops": [{"layer": op.layer, "phase": op.phase, "op": op.op, "shape": list(op.shape),
-                 "dtype": _dtype_name(op.dtype), "bytes": op.bytes, "bytes_sent_per_rank": op.bytes_sent_per_rank,
-                 "time_s": op.time_s(**link), "reduce_op": op.reduce_op, "what": op.what} for op in ops],
-        "totals": summarize(cfg, ops, **link, tflops=args.tflops),
+                 "dtype": dtype_name(op.dtype), "bytes": op.bytes, "bytes_sent_per_rank": op.bytes_sent_per_rank,
+                 "time_s": op.time_s(**link), "reduce_op": op.reduce_op, "what": op.what,
+                 "group": getattr(op, "group", "tp"), "group_size": op.group_size} for op in ops],
+        "totals": _totals(cfg, ops, args),
         "link": link,
-        "activation_bytes_per_rank": activation_memory(cfg),
+        "activation_bytes_per_rank": activation_memory(cfg) if args.cp is None else None,
         "overlap_plan": overlap_plan(cfg, _link(args)),
-        "pipeline": _pipeline_json(_pipeline(cfg, args), link),
+        "pipeline": pipeline_json(_pipeline(cfg, args), link),
+        "context": context_json(cfg, _context(args), _link(args)),
     }
 
 
@@ -229,40 +207,26 @@ def format_compare(tp_cfg: CommConfig, sp_cfg: CommConfig, args) -> str:
                 if op.phase == phase:
                     counts[op.op] = counts.get(op.op, 0) + 1
             column[f"{phase} ops"] = ", ".join(f"{k} x{v}" for k, v in counts.items()) or "-"
-        column["bytes sent per rank"] = _size(totals["bytes_sent_per_rank"])
+        column["bytes sent per rank"] = size(totals["bytes_sent_per_rank"])
         # SP's extra traffic: the column layers save only their input shard and re-gather it.
-        column["  without wgrad re-gathers"] = _size(sum(op.bytes_sent_per_rank for op in ops
+        column["  without wgrad re-gathers"] = size(sum(op.bytes_sent_per_rank for op in ops
                                                          if op.what != WGRAD_REGATHER))
-        column["tensor bytes"] = _size(totals["bytes"])
-        column["est. time"] = _duration(totals["time_s"])
+        column["tensor bytes"] = size(totals["bytes"])
+        column["est. time"] = duration(totals["time_s"])
         memory = activation_memory(cfg)
-        column["activations per layer, per rank"] = _size(memory) if memory else "n/a"
+        column["activations per layer, per rank"] = size(memory) if memory else "n/a"
         columns.append(column)
     rows = [[name, columns[0][name], columns[1][name]] for name in columns[0]
             if columns[0][name] != "-" or columns[1][name] != "-"]
     return "\n".join([f"tensorpar comm --compare-sp: {_describe(tp_cfg, args)}", "",
-                      _table(["", "TP", "TP+SP"], rows)])
+                      table(["", "TP", "TP+SP"], rows)])
 
 
 def format_measured(predicted: list, measured: list[tuple]) -> tuple[str, int]:
     """Predicted ops and measured record keys row by row; returns the text and the mismatch count."""
-    def cell(key):
-        if key is None:
-            return ["-"] * 4
-        phase, op, shape, dtype, nbytes, _ = key
-        return [phase, op, f"{list(shape)} {dtype}", str(nbytes)]
-
-    rows, mismatches = [], 0
-    for i, (p, m) in enumerate(itertools.zip_longest(predicted, measured)):
-        expected = record_key(p) if p is not None else None
-        same = expected == m
-        mismatches += not same
-        rows.append([str(i + 1), p.layer if p is not None else "-", *cell(expected), *cell(m),
-                     "ok" if same else "DIFFERS"])
-    header = ["#", "layer", "phase", "predicted op", "shape", "bytes", "phase", "measured op", "shape", "bytes", ""]
-    summary = (f"measured {len(measured)} collectives, predicted {len(predicted)}: "
-               + ("all agree" if not mismatches else f"{mismatches} differ"))
-    return _table(header, rows) + "\n" + summary, mismatches
+    text, mismatches = ordered_table(predicted, measured)
+    return text + f"\nmeasured {len(measured)} collectives, predicted {len(predicted)}: " + (
+        "all agree" if not mismatches else f"{mismatches} differ"), mismatches
 
 
 # --- command ------------------------------------------------------------------------------------
@@ -307,7 +271,8 @@ def register(subparsers) -> None:
         "comm", help=TORCH_COMMANDS["comm"][1],
         description="Predict the tensor-parallel collectives (count, bytes, time) of one layer or one GPT "
                     "training step, with or without sequence parallelism; --pp adds a pipeline's sends between "
-                    "stages and its bubble; --measure also runs it on --tp local gloo ranks and compares."
+                    "stages and its bubble, --cp context parallelism's collectives and the ring's overlap; "
+                    "--measure also runs it on local gloo ranks and compares."
                     "\n\nexample:\n  tensorpar comm --layer column "
                     "--gather-output --hidden 4096 --seq-len 2048 --batch 1 --tp 2 --dtype bf16")
     p.add_argument("--layer", choices=LAYERS, required=True, help="what to predict")
@@ -328,7 +293,8 @@ def register(subparsers) -> None:
     p.add_argument("--fsdp", action="store_true", help="gpt-step under tp.fully_shard: FSDP's all-gathers and "
                                                       "reduce-scatters over --dp ranks too")
     p.add_argument("--dp", type=_positive_int, default=None,
-                   help="with --fsdp: the DP size FSDP shards over (default 2)")
+                   help="with --fsdp: the DP size FSDP shards over (default 2); with --cp: the DP ranks the "
+                        "weight grads are also averaged over (default 1)")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="with --fsdp: free each block's gathered parameters after its forward (default: yes; "
                         "no: ZeRO-2-like)")
@@ -340,6 +306,11 @@ def register(subparsers) -> None:
                    help="with --pp: stages per rank of interleaved-1f1b, looped-bfs, interleaved-zb (default: 2)")
     p.add_argument("--microbatches", type=_positive_int, default=None,
                    help="with --pp: micro-batches per step, each of --batch sequences (default: 2 x PP)")
+    p.add_argument("--cp", type=_positive_int, default=None,
+                   help="with --layer gpt-step: context parallelism over this many ranks, each holding 2 of "
+                        "2 x CP chunks of every sequence (default: none)")
+    p.add_argument("--cp-comm", choices=COMM_TYPES, default=None,
+                   help="with --cp: a2a (Ulysses all-to-all) or p2p (K/V ring; the default)")
     p.add_argument("--gather-output", action="store_true", help="column layer gathers its output")
     p.add_argument("--input-is-parallel", action=argparse.BooleanOptionalAction, default=True,
                    help="row layer input already split on the last dim (default: yes)")
@@ -354,7 +325,8 @@ def register(subparsers) -> None:
     output = p.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="machine-readable output")
     output.add_argument("--compare-sp", action="store_true", help="TP and TP+SP side by side")
-    output.add_argument("--measure", action="store_true", help="also run it on --tp local gloo ranks")
+    output.add_argument("--measure", action="store_true",
+                        help="also run it on local gloo ranks (--tp x --dp, --pp or --cp) and compare")
     p.add_argument("--scale", type=_positive_int, default=1,
                    help="with --measure: divide seq-len, hidden, ffn-hidden and vocab by this")
     p.set_defaults(func=run)
@@ -380,19 +352,34 @@ def _check_pipeline_flags(args) -> None:
         return
     if args.layer != "gpt-step":
         raise ValueError(f"--pp {args.pp} models a GPT step's stages: use --layer gpt-step, not {args.layer}")
-    for flag, on in (("--measure", args.measure), ("--compare-sp", args.compare_sp), ("--fsdp", args.fsdp)):
+    for flag, on in (("--cp", args.cp is not None), ("--compare-sp", args.compare_sp), ("--fsdp", args.fsdp)):
         if on:
             raise ValueError(f"--pp {args.pp} with {flag} is not supported yet: drop {flag} to get the predicted "
                              "sends between stages and the bubble")
+
+
+def _check_context_flags(args, cfg: CommConfig) -> None:
+    """Refuse, in one line, ``--cp-comm`` without ``--cp`` and what ``--cp`` does not model."""
+    if args.cp is None:
+        if args.cp_comm is not None:
+            raise ValueError("--cp-comm applies with --cp (the context-parallel size)")
+        return
+    if args.cp == 1:
+        raise ValueError("--cp 1 splits nothing: drop --cp, or give a context-parallel size of at least 2")
+    for flag, on in (("--compare-sp", args.compare_sp), ("--fsdp", args.fsdp)):
+        if on:
+            raise ValueError(f"--cp {args.cp} with {flag} is not supported yet: drop {flag}")
+    context_model.check(cfg, _context(args))
 
 
 def run(args) -> int:
     """Print the report; with ``--measure`` exit 1 if measurement and prediction differ."""
     try:
         cfg = _config(args)
-        if args.dp is not None and not args.fsdp:
-            raise ValueError(f"--dp {args.dp} applies with --fsdp (the DP size FSDP shards over)")
+        if args.dp is not None and not args.fsdp and args.cp is None:
+            raise ValueError(f"--dp {args.dp} applies with --fsdp (the DP size FSDP shards over) or --cp")
         _check_pipeline_flags(args)
+        _check_context_flags(args, cfg)
         if args.compare_sp:
             print(format_compare(_config(args, sp=False), _config(args, sp=True), args))
             return 0
@@ -412,13 +399,49 @@ def run(args) -> int:
     print(format_report(cfg, args))
     if not args.measure:
         return 0
-    fsdp = _fsdp(args)
-    if cfg.tp == 1 and not fsdp:
+    fsdp, cost, context = _fsdp(args), _pipeline(cfg, args), _context(args)
+    if cfg.tp == 1 and not (fsdp or cost or context):
         print("\n--measure: nothing to measure with one TP rank")
         return 0
-    ranks = cfg.tp * (fsdp.dp if fsdp else 1)
+    ranks = cfg.tp * (fsdp.dp if fsdp else 1) * (cost.pp_size if cost else 1) * (context.cp * context.dp if context else 1)
     print(f"\nmeasuring on {ranks} local gloo ranks" + (f" (sizes / {args.scale})" if args.scale > 1 else ""))
     sys.stdout.flush()
-    text, mismatches = format_measured(_ops(cfg, args), measure(cfg, fsdp=fsdp))
+    if cost:
+        text, mismatches = _measured_pipeline(cfg, cost)
+    elif context:
+        text, mismatches = _measured_context(cfg, context, args)
+    else:
+        text, mismatches = format_measured(_ops(cfg, args), measure(cfg, fsdp=fsdp))
     print(text)
     return 1 if mismatches else 0
+
+
+def _measured_pipeline(cfg: CommConfig, cost: PipelineCost) -> tuple[str, int]:
+    """Each rank's collectives of a pipelined step against :func:`rank_collectives`, counted by kind."""
+    measured = measure_ranks(cfg, pipeline=cost)
+    predicted = {rank: rank_collectives(cfg, cost, rank // cfg.tp) for rank in measured}
+    note = unpredicted(cfg, cost)
+    if note:
+        predicted = {rank: [op for op in ops if compared(cfg, cost, record_key(op))] for rank, ops in predicted.items()}
+        measured = {rank: [key for key in keys if compared(cfg, cost, key)] for rank, keys in measured.items()}
+
+    def label(rank: int) -> str:
+        stages = ", ".join(map(str, cost.layout.stages_of(rank // cfg.tp)))
+        return f"rank {rank} (TP rank {rank % cfg.tp}, PP rank {rank // cfg.tp}: stage {stages})"
+
+    text, mismatches = format_ranks(predicted, measured, counted=True, label=label)
+    return ("each kind of collective counted (the schedule interleaves them)\n" + (f"{note}\n" if note else "")
+            + text.lstrip("\n")), mismatches
+
+
+def _measured_context(cfg: CommConfig, context, args) -> tuple[str, int]:
+    """Each rank's collectives of a CP step against its CP rank's prediction, in issue order."""
+    measured = measure_ranks(cfg, context=context)
+    predicted = {rank: _ops(cfg, args, cp_rank=rank // cfg.tp % context.cp) for rank in measured}
+
+    def label(rank: int) -> str:
+        dp = f", DP rank {rank // (cfg.tp * context.cp)}" if context.dp > 1 else ""
+        return f"rank {rank} (TP rank {rank % cfg.tp}, CP rank {rank // cfg.tp % context.cp}{dp})"
+
+    text, mismatches = format_ranks(predicted, measured, counted=False, label=label)
+    return text.lstrip("\n"), mismatches
