@@ -1,5 +1,9 @@
-"""Memory estimates on one TP rank: the activations a layer keeps for backward
-(:func:`activation_memory`) and everything a GPT needs to train (:func:`gpt_training_memory`).
+"""Memory estimates on one rank: the activations a layer keeps for backward
+(:func:`activation_memory`, Korthikanti et al.'s accounting), what a block of tensorpar's GPT
+keeps (:func:`gpt_layer_activations`, as measured) and everything a GPT needs to train
+(:func:`gpt_training_memory`): at any TP and CP size, for the whole model or the pipeline
+stages a rank holds (:class:`StageShare`; :func:`tensorpar.pipeline.pipeline_memory` fills them
+in from a schedule).
 
 Pure arithmetic over :class:`tensorpar.comm_model.CommConfig` sizes or a GPT config; nothing is built.
 """
@@ -112,12 +116,12 @@ class StageShare:
 
 
 def local_tokens(seq_len: int, *, tp: int, cp: int, sp: bool) -> int:
-    """Tokens of one sequence a rank's activations hold: its two CP chunks (padded, as
-    :class:`tensorpar.context.SequenceChunks` pads them), of which its SP slice outside the
-    TP region (the GPT pads a sequence SP does not split evenly)."""
+    """Tokens of one sequence a CP rank's TP group holds: its two CP chunks (padded, as
+    :class:`tensorpar.context.SequenceChunks` pads them); under SP each TP rank holds 1/TP of
+    them outside the TP region (the GPT pads a sequence SP does not split evenly)."""
     multiple = tp if sp and tp > 1 else 1
     if cp > 1:
-        seq_len = 2 * -(-seq_len // (2 * cp * multiple)) * multiple
+        return 2 * -(-seq_len // (2 * cp * multiple)) * multiple
     return -(-seq_len // multiple) * multiple
 
 
@@ -164,9 +168,8 @@ def gpt_layer_activations(config, *, tp: int, cp: int = 1, seq_len: int, micro_b
     return [*norm("ln1"), *attention, *norm("ln2"), *mlp, *masks]
 
 
-def _bytes(items: list[Activation], *, tp: int) -> float:
-    # The token count is already this rank's under SP (local_tokens): only TP-sharded items divide.
-    return sum(a.numel * a.element_size / (tp if a.tp_sharded else 1) for a in items)
+def _bytes(items: list[Activation], *, tp: int, sp: bool) -> float:
+    return sum(a.bytes_per_rank(tp=tp, sp=sp) for a in items)
 
 
 def _transient(config, *, tp: int, cp: int, seq_len: int, micro_batch: int, dtype: str, last: bool,
@@ -180,7 +183,7 @@ def _transient(config, *, tp: int, cp: int, seq_len: int, micro_batch: int, dtyp
     e = 2 if dtype == "bf16" else 4
     sp = config.sequence_parallel and tp > 1
     tokens = local_tokens(seq_len, tp=tp, cp=cp, sp=sp) * micro_batch
-    whole = tokens * (tp if sp else 1)  # inside the TP region every TP rank holds every token
+    whole = tokens  # inside the TP region every TP rank holds every token
     kv = whole * 2 * config.num_query_groups * config.head_dim / tp
     freed = loss_saved if last else 0
     parts = [whole * config.ffn_hidden_size / tp * e - freed]
@@ -249,10 +252,10 @@ def gpt_training_memory(config, *, tp: int, dp: int = 1, seq_len: int, micro_bat
     grad_bytes = 4 if config.gradient_accumulation_fusion else param_bytes  # fused: fp32 main_grad
     sp = config.sequence_parallel and tp > 1
     e = 2 if dtype == "bf16" else 4
-    tokens = local_tokens(seq_len, tp=tp, cp=cp, sp=sp) * micro_batch
+    tokens = local_tokens(seq_len, tp=tp, cp=cp, sp=sp) * micro_batch / (tp if sp else 1)  # outside the TP region
     hidden_state = tokens * config.hidden_size * param_bytes  # between blocks: the residual stream's dtype
     every = gpt_layer_activations(config, tp=tp, cp=cp, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype)
-    block_bytes = _bytes(every[:1] if config.recompute else every, tp=tp)
+    block_bytes = _bytes(every[:1] if config.recompute else every, tp=tp, sp=sp)
     logits = tokens * (tp if sp else 1) * config.padded_vocab_size(tp) / tp * e
     final_norm = (3 if config.norm == "rmsnorm" else 2) * tokens * config.hidden_size * e
 
@@ -262,12 +265,12 @@ def gpt_training_memory(config, *, tp: int, dp: int = 1, seq_len: int, micro_bat
         return stage.layers * block_bytes + (final_norm + logits if stage.last else 0) + handed_on - received
 
     activations = sum(stage.in_flight * per_microbatch(stage) for stage in stages)
-    mlp_saved = 0 if config.recompute else _bytes(every[[a.name for a in every].index("ln2 input"):], tp=tp)
+    mlp_saved = 0 if config.recompute else _bytes(every[[a.name for a in every].index("ln2 input"):], tp=tp, sp=sp)
     activations += max(_transient(config, tp=tp, cp=cp, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
                                   last=stage.last, loss_saved=final_norm + logits, mlp_saved=mlp_saved)
                        for stage in stages)
     if config.recompute:
-        activations += _bytes(every, tp=tp)  # the block recomputed in backward
+        activations += _bytes(every, tp=tp, sp=sp)  # the block recomputed in backward
     buffers = sum(stage.microbatches * ((not stage.first) + (not stage.last)) for stage in stages) * hidden_state
     if fsdp:
         whole_blocks = layers if pipelined or not reshard_after_forward else min(2, layers)
