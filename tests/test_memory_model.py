@@ -43,6 +43,16 @@ def test_context_parallelism_divides_the_per_token_activations_not_the_parameter
         gpt_training_memory(rope, cp=1, dp=4, fsdp=True, **sizes)["parameters"]
 
 
+def test_attention_dropout_keeps_the_s_by_s_tensors_of_sdpas_math_path():
+    sizes = dict(tp=1, seq_len=256, micro_batch=2)
+    fused = gpt_layer_activations(_config(), **sizes)
+    math = gpt_layer_activations(_config(dropout=0.1), **sizes)
+    assert "softmax output" not in [a.name for a in fused]
+    scores = [a for a in math if a.name in ("softmax output", "attention dropout mask", "attention dropout output")]
+    assert [a.numel for a in scores] == [2 * 4 * 256 * 256] * 3
+    assert sum(a.name.endswith("dropout mask") and a.element_size == 1 for a in math) == 2   # the hidden ones
+
+
 def test_the_pipeline_estimate_refuses_naming_the_largest_stage(monkeypatch):
     from tensorpar.training import memory
 

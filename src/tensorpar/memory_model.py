@@ -134,7 +134,8 @@ def gpt_layer_activations(config, *, tp: int, cp: int = 1, seq_len: int, micro_b
     without RoPE) views attention keeps; RoPE's rotated Q and K; the softmax statistics; the
     attention output, which is the projection's input where the kernel writes it in Q's layout
     (plain MHA without RoPE at CP = 1); the MLP's ``fc`` output and activation (SwiGLU: ``silu(gate)``
-    and the product); 1-byte dropout masks when ``dropout > 0``. Under CP each rank holds
+    and the product); 1-byte dropout masks when ``dropout > 0``. With ``attention_dropout > 0``
+    attention runs SDPA's math path, which keeps copies of Q, K, V and three ``s x s`` tensors. Under CP each rank holds
     ``2 x ceil(s / 2CP)`` tokens of every sequence; ``a2a`` keeps Q, K, V again in its head split
     (and no RoPE outputs), ``p2p`` keeps its merged output in fp32.
     """
@@ -155,16 +156,24 @@ def gpt_layer_activations(config, *, tp: int, cp: int = 1, seq_len: int, micro_b
     qkv = (heads + 2 * groups) * d
     q_is_view = not rope and heads == groups and heads % tp == 0 and groups % tp == 0
     attention = [hidden("q, k, v (heads split)" if comm == "a2a" else "q, k, v", qkv, sharded=True)]
-    if rope and comm != "a2a":
-        attention.append(hidden("rotated q, k", (heads + groups) * d, sharded=True))
-    attention += [Activation("softmax statistics", micro_batch * heads * s, 4, True),
-                  hidden("attention output", size=4 if comm == "p2p" else e, sharded=True)]
-    if comm is not None or not q_is_view:
+    if config.attention_dropout > 0 and comm is None:
+        # SDPA's math path (the fused kernels draw no dropout here): its own copies of Q, K, V
+        # (the first item), and the s x s probabilities, dropout mask and dropped probabilities.
+        scores = micro_batch * heads * s * s
+        attention += [Activation(name, scores, e, True) for name in ("softmax output", "attention dropout mask",
+                                                                    "attention dropout output")]
         attention.append(hidden("attention proj input", sharded=True))
+    else:
+        if rope and comm != "a2a":
+            attention.append(hidden("rotated q, k", (heads + groups) * d, sharded=True))
+        attention += [Activation("softmax statistics", micro_batch * heads * s, 4, True),
+                      hidden("attention output", size=4 if comm == "p2p" else e, sharded=True)]
+        if comm is not None or not q_is_view:
+            attention.append(hidden("attention proj input", sharded=True))
     f = config.ffn_hidden_size
     mlp = [hidden("mlp fc output", 2 * f if swiglu else f, sharded=True),
            *([hidden("silu(gate)", f, sharded=True)] if swiglu else []), hidden("mlp proj input", f, sharded=True)]
-    masks = [hidden(f"{site} dropout mask", size=1) for site in ("attention", "mlp")] if config.dropout > 0 else []
+    masks = [hidden(f"{site} residual dropout mask", size=1) for site in ("attention", "mlp")] if config.dropout > 0 else []
     return [*norm("ln1"), *attention, *norm("ln2"), *mlp, *masks]
 
 
