@@ -218,7 +218,8 @@ def pipeline_memory(config, *, pp_size: int, schedule: str = "1f1b", microbatche
     Example::
 
         ranks = pipeline_memory(config, pp_size=2, microbatches=4, tp=1, seq_len=1024, micro_batch=1)
-        max(ranks, key=lambda r: r["total"])["stages"]      # (0,): the first stage, 2 micro-batches
+        largest = max(ranks, key=lambda r: r["total"])
+        largest["rank"], largest["in_flight"]                # e.g. 0, {0: 2}: stage 0, 2 micro-batches
     """
     layout = stage_layout(config.num_layers, pp_size=pp_size, schedule=schedule, virtual_stages=virtual_stages,
                           layers_per_stage=layers_per_stage)
