@@ -191,3 +191,52 @@ def test_the_train_header_names_the_predicted_bubble():
     v = pipeline.stage_layout(4, pp_size=2, schedule="zbv")
     assert pipeline_header(v, schedule="zbv", microbatches=4, virtual_stages=None).endswith(
         ", bubble not modelled for zbv")
+
+
+@pytest.mark.parametrize("schedule, pp, m, v, expected", [
+    ("gpipe", 2, 4, None, ({0: 4}, {1: 4})),                                  # every forward first
+    ("1f1b", 4, 8, None, ({0: 4}, {1: 3}, {2: 2}, {3: 1})),                   # min(M, P - s): P on stage 0
+    ("1f1b", 2, 2, None, ({0: 2}, {1: 1})),
+    ("looped-bfs", 2, 4, 2, ({0: 4, 2: 4}, {1: 4, 3: 4})),                    # M on each stage
+    ("interleaved-1f1b", 4, 8, 2, ({0: 7, 4: 4}, {1: 5, 5: 4}, {2: 4, 6: 3}, {3: 4, 7: 1})),
+    ("interleaved-zb", 2, 4, 2, ({0: 2, 2: 2}, {1: 2, 3: 2})),                # held until the weight pass
+    ("zbv", 4, 8, None, ({0: 7, 7: 1}, {1: 6, 6: 2}, {2: 5, 5: 3}, {3: 4, 4: 4})),   # 2P a rank
+    ("dualpipev", 2, 4, None, ({0: 4, 3: 1}, {1: 3, 2: 2})),                  # 2P + 1
+])
+def test_micro_batches_in_flight_per_stage_follow_the_schedules_order(schedule, pp, m, v, expected):
+    assert pipeline.in_flight(schedule, pp_size=pp, microbatches=m, virtual_stages=v) == expected
+
+
+def _tiny_gpt(**fields):
+    from tensorpar.models import GPTConfig
+
+    return GPTConfig(vocab_size=256, max_seq_len=32, num_layers=8, num_heads=2, hidden_size=32, **fields)
+
+
+def test_pipeline_memory_counts_each_stage_and_its_micro_batches_in_flight():
+    from tensorpar.memory_model import gpt_training_memory
+
+    sizes = dict(tp=1, seq_len=32, micro_batch=2)
+
+    def ranks(schedule, m, config=None):
+        return pipeline.pipeline_memory(config or _tiny_gpt(), pp_size=2, schedule=schedule, microbatches=m, **sizes)
+
+    # 1F1B's stage 0 holds PP micro-batches at any M: as many as GPipe's at M = PP; the last stage one.
+    first = [ranks(s, m)[0]["activations"] for s, m in (("1f1b", 4), ("1f1b", 8), ("gpipe", 2))]
+    assert first[0] == first[1] == first[2]
+    gpipe = [ranks("gpipe", m)[0]["activations"] for m in (2, 4, 8)]
+    assert gpipe[2] - gpipe[1] == 2 * (gpipe[1] - gpipe[0]) > 0      # linear in the micro-batches held
+    assert ranks("1f1b", 8)[1]["in_flight"] == {1: 1}
+    # Each stage its own parameters: together the PP=1 model's, plus the last stage's copy of a
+    # tied embedding; torch's receive buffers, one per micro-batch (activations in, gradients in).
+    whole = gpt_training_memory(_tiny_gpt(), **sizes)["parameters"]
+    embedding = _tiny_gpt().padded_vocab_size(1) * 32 * 4
+    for tied in (True, False):
+        per_rank = ranks("1f1b", 4, _tiny_gpt(tie_word_embeddings=tied))
+        full = gpt_training_memory(_tiny_gpt(tie_word_embeddings=tied), **sizes)["parameters"]
+        assert sum(r["parameters"] for r in per_rank) == full + (embedding if tied else 0)
+        assert [r["buffers"] for r in per_rank] == [4 * 32 * 2 * 32 * 4] * 2
+    assert whole == gpt_training_memory(_tiny_gpt(), **sizes)["parameters"]
+    # The V schedules hold the first and the last stage on rank 0: one embedding for both.
+    v = ranks("zbv", 4)
+    assert sum(r["parameters"] for r in v) == whole

@@ -13,7 +13,8 @@ Example::
     pipeline.bubble_fraction("1f1b", pp_size=2, microbatches=4)   # (0.2, '(P-1)/(M+P-1) = 1/5')
 """
 
-from .cost import PipelineCost, RankTraffic, bubble_fraction, pipeline_cost, rank_collectives
+from .cost import (PipelineCost, RankTraffic, bubble_fraction, in_flight, pipeline_cost, pipeline_memory,
+                   rank_collectives)
 from .microbatch_grads import MicroBatchGrads
 from .plan import (SCHEDULES, ScheduleSpec, StageLayout, check_invariant, check_microbatches, stage_layout,
                    stages_per_rank)
@@ -23,4 +24,5 @@ from .torch_stage import TorchStage
 
 __all__ = ["SCHEDULES", "MicroBatchGrads", "PipelineCost", "PipelineSchedule", "RankTraffic", "ScheduleSpec",
            "StageLayout", "TorchStage", "bubble_fraction", "build_stages", "check_invariant", "check_microbatches",
-           "fully_shard_stages", "pipeline_cost", "rank_collectives", "stage_layout", "stages_per_rank"]
+           "fully_shard_stages", "in_flight", "pipeline_cost", "pipeline_memory", "rank_collectives", "stage_layout",
+           "stages_per_rank"]

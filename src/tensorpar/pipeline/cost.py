@@ -1,5 +1,6 @@
 """The analytic cost of a pipeline step: the bytes of each activation send between stages, the
-sends and receives of each rank per step, and the schedule's bubble fraction.
+sends and receives of each rank per step, the schedule's bubble fraction, the micro-batches each
+stage holds in flight (:func:`in_flight`) and so each PP rank's memory (:func:`pipeline_memory`).
 
 Pure arithmetic on a :class:`tensorpar.comm_model.CommConfig` (``batch`` is the micro-batch
 size; ``dtype`` the dtype of the hidden states between blocks: the parameters' dtype, so fp32
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 
 import torch
 
 from ..comm_model import CommConfig, CommOp, GroupOp, LinkModel, collectives
+from ..memory_model import StageShare, gpt_training_memory
 from .plan import StageLayout, check_microbatches, schedule_spec, stage_layout, stages_per_rank
 
 # Why the zero-bubble and DualPipeV schedules get no number: their bubble depends on how the
@@ -110,6 +113,78 @@ def _remote(layout: StageLayout, stage: int, neighbour: int) -> bool:
     return 0 <= neighbour < layout.num_stages and layout.rank_of(neighbour) != layout.rank_of(stage)
 
 
+def _rank_actions(schedule: str, *, pp_size: int, microbatches: int, stages: int, rank: int) -> list[tuple]:
+    """``(stage, kind, micro-batch)`` of each compute action PP rank ``rank`` runs, in order;
+    ``kind`` is ``F`` (forward), ``B`` (whole backward), ``I`` (input gradient) or ``W`` (weight
+    gradient). The single-stage schedules' loops are written out as torch runs them; the
+    multi-stage ones are torch's own ``pipeline_order`` (its ``_calculate_single_rank_operations``)."""
+    spec, name = schedule_spec(schedule), schedule.lower()
+    m = microbatches
+    if spec.placement == "single":
+        if name == "gpipe":
+            return [(rank, "F", k) for k in range(m)] + [(rank, "B", k) for k in range(m)]
+        warmup = min(m, pp_size - rank)  # torch's Schedule1F1B: then B, F alternate, then the last Bs
+        steady = [a for k in range(m - warmup) for a in ((rank, "B", k), (rank, "F", warmup + k))]
+        return ([(rank, "F", k) for k in range(warmup)] + steady
+                + [(rank, "B", k) for k in range(m - warmup, m)])
+    rounds = max(1, m // pp_size)
+    fields = types.SimpleNamespace(pp_group_size=pp_size, n_local_stages=stages, _n_microbatches=m,
+                                   number_of_rounds=rounds, microbatches_per_round=m // rounds, rank=rank,
+                                   num_stages=pp_size * stages, _num_stages=pp_size * stages,
+                                   _stages=[None] * stages)
+    actions = []
+    for action in spec.torch_class._calculate_single_rank_operations(fields, rank):
+        for one in (action.sub_actions or (action,)) if action is not None else ():
+            actions.append((one.stage_index, one.computation_type.value, one.microbatch_index))
+    return actions
+
+
+def in_flight(schedule: str, *, pp_size: int, microbatches: int, virtual_stages: int | None = None,
+              layers: tuple[int, ...] | None = None) -> tuple[dict[int, int], ...]:
+    """Per PP rank, ``{stage: micro-batches}`` whose activations its stages hold at once at the
+    rank's peak (the most blocks' worth: ``layers[s]`` blocks on stage ``s``, default 1 each).
+
+    A micro-batch is in flight on a stage from its forward to the backward that frees its
+    saved tensors: the whole backward (``B``), or for the zero-bubble schedules, which split it,
+    the weight pass (``W``), which still needs the saved inputs of every linear layer. Read off
+    the order each schedule runs (:func:`_rank_actions`); in closed form (``P`` ranks, ``M``
+    micro-batches, stage ``s``):
+
+    - GPipe: ``M`` on every stage (every forward before any backward).
+    - 1F1B: ``min(M, P - s)``: ``P`` on stage 0, 1 on the last (torch's warm-up forwards).
+    - looped-bfs: ``M`` on each of a rank's ``V`` stages: every forward of the step comes
+      before its first backward (the most of any schedule: ``V M`` micro-batch-stages).
+    - interleaved-1f1b: torch's warm-up, ``min((V-1) R + 2(P-1-r), V M)`` forwards on rank ``r``
+      (``R`` micro-batches a round: ``M / max(1, M // P)``), plus the one its first steady step
+      runs, over the rank's stages in round-robin order (``P = 4``, ``M = 8``, rank 0: 7 + 4).
+    - interleaved-zb: the same with a warm-up of ``(V-1) R + (P-1-r)``, each micro-batch held
+      until its weight pass, which the schedule runs late: ``R`` on each stage at ``M >= P``.
+    - zbv: ``2P`` micro-batch-stages on every rank (rank ``r``: ``2(P-r) - 1`` warm-up forwards on
+      its first stage, then the second stage's, each freed by its weight pass); dualpipev:
+      ``2P + 1`` (its overlapped forward-backward pairs run the forward first).
+
+    Example::
+
+        in_flight("1f1b", pp_size=4, microbatches=8)   # ({0: 4}, {1: 3}, {2: 2}, {3: 1})
+    """
+    check_microbatches(schedule, microbatches=microbatches, pp_size=pp_size, virtual_stages=virtual_stages)
+    per_rank = stages_per_rank(schedule, virtual_stages)
+    layout = stage_layout(pp_size * per_rank, pp_size=pp_size, schedule=schedule, virtual_stages=virtual_stages)
+    weight = layers or (1,) * layout.num_stages
+    peaks = []
+    for rank in range(pp_size):
+        held = {stage: 0 for stage in layout.stages_of(rank)}
+        best, best_weight = dict(held), -1
+        for stage, kind, _ in _rank_actions(schedule, pp_size=pp_size, microbatches=microbatches,
+                                            stages=per_rank, rank=rank):
+            held[stage] += 1 if kind == "F" else -1 if kind in ("B", "W") else 0
+            total = sum(weight[s] * n for s, n in held.items())
+            if total > best_weight:
+                best, best_weight = dict(held), total
+        peaks.append(best)
+    return tuple(peaks)
+
+
 def pipeline_cost(cfg: CommConfig, *, pp_size: int, schedule: str = "1f1b", virtual_stages: int | None = None,
                   microbatches: int) -> PipelineCost:
     """The point-to-point traffic and bubble of one step of ``cfg``'s GPT (``cfg.layers``
@@ -187,3 +262,31 @@ def rank_collectives(cfg: CommConfig, cost: PipelineCost, rank: int, *, tied: bo
     if cfg.tp > 1:
         ops.append(op("grad_norm", "grads", "all_reduce", (), fp32, "grad norm", "tp", cfg.tp))
     return ops + [op("grad_norm", "grads", "all_reduce", (), fp32, "grad norm over the stages", "pp", cost.pp_size)]
+def pipeline_memory(config, *, pp_size: int, schedule: str = "1f1b", microbatches: int,
+                    virtual_stages: int | None = None, layers_per_stage=None, **sizes) -> list[dict]:
+    """Per PP rank, :func:`tensorpar.memory_model.gpt_training_memory` of the stages it holds
+    (the :func:`~.plan.stage_layout` of ``config.num_layers``) with the micro-batches
+    :func:`in_flight` puts on each, plus ``rank``, ``stages`` and ``in_flight``; ``sizes`` are
+    ``gpt_training_memory``'s (``tp``, ``dp``, ``seq_len``, ``micro_batch``, ``dtype``, ``fsdp``, ``cp``).
+
+    Example::
+
+        ranks = pipeline_memory(config, pp_size=2, microbatches=4, tp=1, seq_len=1024, micro_batch=1)
+        largest = max(ranks, key=lambda r: r["total"])
+        largest["rank"], largest["in_flight"]                # e.g. 0, {0: 2}: stage 0, 2 micro-batches
+    """
+    layout = stage_layout(config.num_layers, pp_size=pp_size, schedule=schedule, virtual_stages=virtual_stages,
+                          layers_per_stage=layers_per_stage)
+    counts = in_flight(schedule, pp_size=pp_size, microbatches=microbatches, virtual_stages=virtual_stages,
+                       layers=tuple(len(r) for r in layout.layers))
+    last = layout.num_stages - 1
+    # The V schedules hold the first and the last stage on one rank: one embedding parameter for both.
+    shared = config.tie_word_embeddings and layout.rank_of(0) == layout.rank_of(last)
+    ranks = []
+    for rank, held in enumerate(counts):
+        shares = tuple(StageShare(len(layout.layers[s]), first=s == 0, last=s == last, in_flight=held[s],
+                                  microbatches=microbatches, tied_here=shared and rank == layout.rank_of(0))
+                       for s in layout.stages_of(rank))
+        ranks.append({"rank": rank, "stages": layout.stages_of(rank), "in_flight": held,
+                      **gpt_training_memory(config, stages=shares, **sizes)})
+    return ranks

@@ -266,7 +266,7 @@ def _open_checkpoint(flag: str, path: str) -> tuple[Path, dict, dict]:
 def _check_train_args(args, world: int) -> None:
     from ..models.config import GPTConfig
     from ..training.data import VAL_FRACTION, inspect_data, train_token_count
-    from ..training.memory import check_memory
+    from ..training.memory import check_run_memory
     from ..training.progress import check_wandb
     from ..training.model_config import build_config, check_fits, default_seq_len, hf_init_config
     from ..training.schedule import settle_run
@@ -309,9 +309,8 @@ def _check_train_args(args, world: int) -> None:
     train_token_count(tokens, val_fraction=VAL_FRACTION, seq_len=seq_len, source=source)
     settle_run(args, meta=meta, dp_size=dp)
     pipeline_flags.check_run(args, config)
-    # FSDP shards over DP x CP (CP ranks hold the same weights).
-    check_memory(config, tp=args.tp, dp=dp * args.cp, seq_len=seq_len, micro_batch=args.micro_batch,
-                 dtype=args.dtype, local_ranks=local_ranks, fsdp=args.fsdp)
+    # Per PP rank under --pp; CP divides the activations, FSDP shards over DP x CP.
+    check_run_memory(args, config, dp=dp, seq_len=seq_len, local_ranks=local_ranks)
     args.out = args.out or DEFAULT_OUT
     if getattr(args, "print_config", False):
         return  # nothing is written

@@ -5,9 +5,14 @@ gradients, AdamW state and activations per rank, estimated from the config alone
 memory each rank has: a CUDA device's, or on CPU the host's available memory shared by its
 local ranks (``MemAvailable`` of ``/proc/meminfo``, else ``os.sysconf``).
 
+With ``--pp`` the estimate is per pipeline stage: each PP rank's stages and the micro-batches
+the schedule holds in flight on them; the largest is checked and named.
+
 Example::
 
     check_memory(config, tp=2, dp=1, seq_len=128, micro_batch=16, dtype="fp32", local_ranks=2)
+    check_memory(config, tp=1, dp=1, seq_len=128, micro_batch=4, dtype="fp32", local_ranks=2, pp=2,
+                 schedule="1f1b", microbatches=8)
 """
 
 from __future__ import annotations
@@ -82,16 +87,46 @@ def check_inference_memory(config, *, tp: int, tokens: int, local_ranks: int) ->
 
 
 def check_memory(config, *, tp: int, dp: int, seq_len: int, micro_batch: int, dtype: str, local_ranks: int,
-                 fsdp: bool = False) -> None:
-    """Refuse a run whose estimated bytes per rank exceed what each rank has, naming both."""
-    need = gpt_training_memory(config, tp=tp, dp=dp, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype,
-                               fsdp=fsdp)
+                 fsdp: bool = False, cp: int = 1, pp: int = 1, schedule: str = "1f1b", microbatches: int = 1,
+                 virtual_stages: int | None = None) -> None:
+    """Refuse a run whose estimated bytes per rank exceed what each rank has, naming both.
+
+    ``cp``: context parallelism divides the activations, FSDP shards over ``dp x cp``. With
+    ``pp > 1`` the estimate is each PP rank's (its stages, and the ``microbatches`` the
+    ``schedule`` holds in flight on them: :func:`tensorpar.pipeline.pipeline_memory`), and the
+    largest is checked and named."""
+    sizes = dict(tp=tp, dp=dp, cp=cp, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, fsdp=fsdp)
+    where = ""
+    if pp > 1:
+        from ..pipeline import pipeline_memory
+
+        ranks = pipeline_memory(config, pp_size=pp, schedule=schedule, microbatches=microbatches,
+                                virtual_stages=virtual_stages, **sizes)
+        need = max(ranks, key=lambda r: r["total"])
+        stages = ", ".join(f"stage {s} with {n} micro-batches in flight" for s, n in need["in_flight"].items())
+        where = f" on PP rank {need['rank']} of --pp {pp} ({stages} under --pp-schedule {schedule})"
+    else:
+        need = gpt_training_memory(config, **sizes)
     tables = rotary_table_bytes(config, tp=tp)
     have, what = memory_per_rank(local_ranks=local_ranks)
     if need["total"] + tables > have:
+        parts = [*([f"rotary tables {_gib(tables)}"] if tables else []), f"parameters {_gib(need['parameters'])}",
+                 f"gradients {_gib(need['gradients'])}", f"AdamW state {_gib(need['optimizer'])}",
+                 f"activations {_gib(need['activations'])} for --micro-batch {micro_batch} x --seq-len {seq_len}"
+                 + (f" at --cp {cp}" if cp > 1 else "")]
+        if need["buffers"]:
+            parts.append(f"pipeline receive buffers {_gib(need['buffers'])}")
+        if fsdp:
+            parts.append(f"FSDP units gathered {_gib(need['gathered'])}")
         raise UsageError(
-            f"the model ({_model(config)}) needs an estimated {_gib(need['total'] + tables)} per rank at --tp {tp} "
-            f"({'rotary tables ' + _gib(tables) + ', ' if tables else ''}parameters {_gib(need['parameters'])}, gradients {_gib(need['gradients'])}, AdamW state "
-            f"{_gib(need['optimizer'])}, activations {_gib(need['activations'])} for --micro-batch {micro_batch} "
-            f"x --seq-len {seq_len}{', FSDP units gathered ' + _gib(need['gathered']) if fsdp else ''}), more than "
-            f"{what}: choose a smaller model or batch, or a larger --tp")
+            f"the model ({_model(config)}) needs an estimated {_gib(need['total'] + tables)} per rank at --tp {tp}"
+            f"{where} ({', '.join(parts)}), more than {what}: choose a smaller model or batch, or a larger --tp"
+            + (" or --pp" if pp > 1 else ""))
+
+
+def check_run_memory(args, config, *, dp: int, seq_len: int, local_ranks: int) -> None:
+    """:func:`check_memory` of ``tensorpar train``'s ``args`` (``--tp``, ``--cp``, ``--pp`` and its
+    schedule, ``--grad-accum`` micro-batches, ``--micro-batch``, ``--dtype``, ``--fsdp``)."""
+    check_memory(config, tp=args.tp, dp=dp, cp=args.cp, pp=args.pp, schedule=args.pp_schedule,
+                 microbatches=args.grad_accum, virtual_stages=args.virtual_stages, seq_len=seq_len,
+                 micro_batch=args.micro_batch, dtype=args.dtype, local_ranks=local_ranks, fsdp=args.fsdp)
