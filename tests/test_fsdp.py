@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -95,6 +96,61 @@ def _versus_plain_dp_body(overrides: dict, accumulate: int, reshard: bool):
 ], ids=["plain", "sp", "sp-recompute-accumulate", "untied-llama-zero2"])
 def test_fsdp_matches_plain_data_parallel(overrides, accumulate, reshard):
     assert run_on_ranks(_versus_plain_dp_body, 4, overrides, accumulate, reshard) == [True] * 4
+
+
+def _hsdp_body():
+    """HSDP 2 x 2 at TP 1 (and a TP 2 x (1 x 2) mesh check): plain DP's losses, grads, norms and weights."""
+    from tensorpar.fsdp import describe, shard_group
+
+    tp.initialize_model_parallel(1)
+    dp_rank, dp_group = tp.get_data_parallel_rank(), tp.get_data_parallel_group()
+    config = GPTConfig(**BASE)
+    plain, hybrid = _build(config), tp.fully_shard(_build(config), dp_replicate=2)
+    word = hybrid.embedding.word.weight
+    assert word.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
+    assert word.device_mesh.mesh.tolist() == [[0, 1], [2, 3]] and word.placements[0].is_replicate()
+    group = shard_group(word)
+    assert tp.comm.group_size(group) == 2 and word.to_local().shape[0] == -(-word.shape[0] // 2)
+    me = dist.get_rank()
+    assert describe(hybrid) == (f"HSDP on a 2 x 2 mesh: dim 0 (dp_replicate) replicates over ranks {[me % 2, me % 2 + 2]}, "
+                                f"dim 1 (dp_shard) shards each TP shard 1/2 over ranks {[me - me % 2, me - me % 2 + 1]}")
+    with pytest.raises(ValueError, match="HSDP shards split over 2 ranks, not dp_group's 4"):
+        word.grad = word.detach().clone()
+        clip_grad_norm_(hybrid.parameters(), 1.0, dp_group=dp_group)
+    word.grad = None
+    reducer = DataParallelGradReducer(plain.parameters(), dp_group=dp_group)
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    opt_hybrid = torch.optim.AdamW(hybrid.parameters(), lr=1e-2)
+    close = dict(rtol=1e-6, atol=1e-8)
+    for step in range(3):
+        reducer.zero_grad()
+        opt_hybrid.zero_grad()
+        for k in range(2):
+            tokens, labels = _batch(step, k, dp_rank)
+            reducer.sync = k == 1
+            hybrid.set_requires_gradient_sync(k == 1)
+            loss_plain, loss_hybrid = plain(tokens, labels) / 2, hybrid(tokens, labels) / 2
+            torch.testing.assert_close(loss_hybrid, loss_plain, **close)
+            loss_plain.backward()
+            loss_hybrid.backward()
+        reducer.finish()
+        norm_plain = clip_grad_norm_(plain.parameters(), 0.05)
+        norm_hybrid = clip_grad_norm_(hybrid.parameters(), 0.05, dp_group=group)
+        torch.testing.assert_close(norm_hybrid, norm_plain, **close)
+        for (name, p), q in zip(hybrid.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(_full(p.grad), q.grad, **close, msg=lambda m: f"{name}: {m}")
+        opt_plain.step()
+        opt_hybrid.step()
+    # AdamW's steps of 1e-2 turn fp32 noise in a small gradient into differences far above its 1e-6 relative.
+    for (name, p), q in zip(hybrid.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(_full(p.data), q.data, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    with pytest.raises(ValueError, match="dp_replicate=3 does not divide the DP size 4"):
+        tp.fully_shard(_build(config), dp_replicate=3)
+    return True
+
+
+def test_hsdp_2x2_matches_plain_data_parallel():
+    assert run_on_ranks(_hsdp_body, 4) == [True] * 4
 
 
 def _layout_body():
@@ -197,7 +253,7 @@ def runs(tmp_path_factory):
     fsdp = _train(4, 2, root / "fsdp", "--sp", "--fsdp", "--save-every", "3", "--eval-every", "2", "--eval-iters", "1")
     resumed = {
         # FSDP checkpoint -> no FSDP at TP1 x DP1, and -> FSDP at TP1 x DP4.
-        "fsdp->tp1": _train(1, 1, root / "r1", "--resume", str(root / "fsdp" / "step_3")),
+        "fsdp->tp1": _train(1, 1, root / "r1", "--no-fsdp", "--resume", str(root / "fsdp" / "step_3")),
         "fsdp->fsdp-tp1-dp4": _train(4, 1, root / "r2", "--fsdp", "--resume", str(root / "fsdp" / "step_3")),
         # Plain checkpoint -> FSDP at the same sizes.
         "plain->fsdp": _train(4, 2, root / "r3", "--fsdp", "--resume", str(root / "plain" / "step_3")),

@@ -28,10 +28,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import comm
+from .parallel_registry import CREATED, GROUPS
 from .parallel_state import get_data_parallel_group
 
-__all__ = ["fully_shard", "reshard", "is_fully_sharded", "dp_mesh", "shard_group", "gather_dp_shards",
-           "scatter_dp_shard", "tp_dp_mesh", "full_box", "ShardedGradSync", "bytes_per_rank"]
+__all__ = ["fully_shard", "reshard", "is_fully_sharded", "dp_mesh", "hsdp_mesh", "shard_group", "gather_dp_shards",
+           "scatter_dp_shard", "tp_dp_mesh", "full_box", "ShardedGradSync", "describe", "bytes_per_rank"]
 
 
 def _device_type(group: dist.ProcessGroup) -> str:
@@ -41,6 +42,43 @@ def _device_type(group: dist.ProcessGroup) -> str:
 def dp_mesh(dp_group: dist.ProcessGroup) -> DeviceMesh:
     """A 1-D ``DeviceMesh`` over ``dp_group`` on the backend's device type."""
     return DeviceMesh.from_group(dp_group, _device_type(dp_group))
+
+
+def _hsdp_groups(dp_ranks: list[int], replicate: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (replicate, shard) groups of its DP group (collective over the world: every
+    rank creates every DP group's, in one order, the first time; kept until destroy_model_parallel)."""
+    key = f"hsdp x{replicate} {dp_ranks}"
+    if key not in GROUPS:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (replicate, dp_ranks))
+        for r, ranks in sorted({(r, tuple(ranks)) for r, ranks in every}):
+            grid = torch.tensor(ranks).reshape(r, -1)
+            for kind, rows in (("replicate", grid.t()), ("shard", grid)):
+                for row in rows.tolist():
+                    group = dist.new_group(ranks=row)
+                    if dist.get_rank() in row:
+                        GROUPS[f"hsdp x{r} {list(ranks)} {kind}"] = group
+                        CREATED.append(group)
+        GROUPS[key] = GROUPS[f"{key} shard"]
+    return GROUPS[f"{key} replicate"], GROUPS[f"{key} shard"]
+
+
+def hsdp_mesh(dp_group: dist.ProcessGroup, replicate: int) -> DeviceMesh:
+    """The 2-D (``dp_replicate``, ``dp_shard``) mesh of ``dp_group`` for HSDP (collective): its ranks
+    as ``replicate`` rows of ``DP / replicate`` consecutive ranks; a shard group is a row, a
+    replica group a column. ``replicate=1`` is the 1-D mesh :func:`dp_mesh`.
+
+    Example: at DP 4, ``hsdp_mesh(dp_group, 2)`` shards over DP ranks {0, 1} and {2, 3} and
+    replicates over {0, 2} and {1, 3}.
+    """
+    ranks, size = dist.get_process_group_ranks(dp_group), comm.group_size(dp_group)
+    if replicate < 1 or size % replicate:
+        raise ValueError(f"fully_shard: dp_replicate={replicate} does not divide the DP size {size}")
+    if replicate == 1:
+        return dp_mesh(dp_group)
+    groups = _hsdp_groups(ranks, replicate)
+    return DeviceMesh.from_group(list(groups), _device_type(dp_group), mesh=torch.tensor(ranks).reshape(replicate, -1),
+                                 mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def reshard(model: nn.Module) -> None:
@@ -56,18 +94,25 @@ def is_fully_sharded(model: nn.Module) -> bool:
 
 
 def shard_group(tensor: DTensor) -> dist.ProcessGroup:
-    """The group an FSDP shard is split over: the DP group, or under CP the DP x CP group.
+    """The group an FSDP shard is split over: the DP group, or under CP the DP x CP group; under
+    HSDP (``fully_shard(dp_replicate=R)``) this rank's row of it, the shard group.
 
     Example: ``shard_group(model.blocks[0].norm1.weight)`` after ``fully_shard(model)``.
     """
     # Found by the mesh's ranks, not its group handle: meshes of the same ranks compare equal,
     # and torch may hand a shard an equal mesh of an earlier, destroyed group (a process that
     # initializes the groups again, as the tests' persistent worlds do).
-    ranks = tensor.device_mesh.mesh.flatten().tolist()
-    for group in (get_data_parallel_group(), get_data_parallel_group(with_context_parallel=True)):
+    mesh = tensor.device_mesh.mesh
+    ranks = next(row for row in mesh.reshape(-1, mesh.shape[-1]).tolist() if dist.get_rank() in row)
+    for group in (get_data_parallel_group(), get_data_parallel_group(with_context_parallel=True), *_hsdp_shard_groups()):
         if dist.get_process_group_ranks(group) == ranks:
             return group
     raise ValueError(f"an FSDP shard over ranks {ranks}, neither the DP nor the DP x CP group: pass dp_group=")
+
+
+def _hsdp_shard_groups() -> list[dist.ProcessGroup]:
+    """This rank's HSDP shard groups that :func:`hsdp_mesh` made."""
+    return [group for name, group in GROUPS.items() if name.startswith("hsdp") and name.endswith("shard")]
 
 
 def gather_dp_shards(tensor: torch.Tensor, *, dp_group=None) -> torch.Tensor:
@@ -192,8 +237,13 @@ def _refuse(model: nn.Module, units: list[nn.Module]) -> None:
 
 
 def fully_shard(model: nn.Module, *, dp_group=None, units=None, reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+                mp_policy: MixedPrecisionPolicy | None = None, dp_replicate: int = 1) -> nn.Module:
     """Shard ``model`` over ``dp_group`` (default: the DP group) with FSDP2, composed with TP.
+
+    ``dp_replicate=R`` gives HSDP: FSDP2 on the 2-D mesh :func:`hsdp_mesh`, each parameter
+    sharded over ``DP / R`` consecutive DP ranks and replicated over the ``R`` replicas (FSDP
+    reduce-scatters within a replica, then all-reduces across them); pass
+    ``dp_group=shard_group(p)`` to ``clip_grad_norm_``, which sums the shards' squares over it.
 
     One FSDP unit per module of ``units`` (default for a :class:`~tensorpar.models.GPT`: one
     per transformer block), then the root: the embedding, final norm and (tied) LM head stay
@@ -218,7 +268,7 @@ def fully_shard(model: nn.Module, *, dp_group=None, units=None, reshard_after_fo
     units = _default_units(model) if units is None else list(units)
     _refuse(model, units)
     attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}
-    mesh = dp_mesh(group)
+    mesh = hsdp_mesh(group, dp_replicate)
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     for unit in units:
         _torch_fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
@@ -278,6 +328,25 @@ class ShardedGradSync:
 
     def remove_hooks(self) -> None:
         """FSDP's hooks stay with the model."""
+
+
+def describe(model: nn.Module) -> str:
+    """Which of the FSDP mesh's dimensions shards over which ranks, and which replicates (this
+    rank's groups), for a run header.
+
+    Example: ``"HSDP on a 2 x 2 mesh: dim 0 (dp_replicate) replicates over ranks [0, 2], dim 1
+    (dp_shard) shards each TP shard 1/2 over ranks [0, 1]"``.
+    """
+    mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
+    grid = mesh.mesh.reshape(-1, mesh.shape[-1]).tolist()  # rows: the shard groups
+    me = dist.get_rank()
+    row = next(r for r in grid if me in r)
+    shards = f"shards each TP shard 1/{len(row)} over ranks {row}"
+    if mesh.ndim == 1:
+        return f"FSDP {shards}"
+    column = [r[row.index(me)] for r in grid]
+    return (f"HSDP on a {len(grid)} x {len(row)} mesh: dim 0 ({mesh.mesh_dim_names[0]}) replicates over ranks "
+            f"{column}, dim 1 ({mesh.mesh_dim_names[1]}) {shards}")
 
 
 def bytes_per_rank(model: nn.Module) -> dict[str, int]:

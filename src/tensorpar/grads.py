@@ -316,7 +316,8 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None, pp_group=None) -> tor
     rank 0 only, rows several ranks hold (``tp_duplicate_rows``: replicated K/V heads) by the
     first of them, and the squares are summed over TP. FSDP shards (DTensor gradients, see
     :func:`tensorpar.fully_shard`) are summed over ``dp_group`` too (default: the DP
-    group); plain gradients are replicated over DP and counted as they are. Uses
+    group; under HSDP the shard group, which each replica holds whole); plain gradients are
+    replicated over DP and counted as they are. Uses
     ``main_grad`` where present. A parameter marked ``shared`` (a pipeline's copy of the tied
     embedding on the last stage, as Megatron marks it) is counted by its original only.
     One ``torch._foreach_norm`` per kind, and no host
@@ -337,6 +338,10 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None, pp_group=None) -> tor
     square = _square(plain, group)
     if sharded:
         dp_group = dp_group if dp_group is not None else get_data_parallel_group()
+        mesh = sharded[0].device_mesh
+        if mesh.ndim == 2 and comm.group_size(dp_group) != mesh.size(1):  # HSDP: the shards of one replica
+            raise ValueError(f"get_grad_norm: HSDP shards split over {mesh.size(1)} ranks, not dp_group's "
+                             f"{comm.group_size(dp_group)}: pass dp_group=tensorpar.fsdp.shard_group(param)")
         shard_square = _square([g.to_local() for g in sharded], dp_group)
         comm.all_reduce(shard_square, dp_group)
         square = square + shard_square

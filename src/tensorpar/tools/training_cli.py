@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UsageError
-from . import config_file, context_flags, pipeline_flags
+from . import config_file, context_flags, fsdp_flags, pipeline_flags
 from .errors import noted_on_signal
 from .flag_types import SEED as _SEED, TIMEOUT as _TIMEOUT
 from .flag_types import non_negative as _non_negative
@@ -61,9 +61,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                           "(its latest); any TP/DP size. The run keeps every setting it had (data, sequence "
                           "length, schedule, batch, logging, ...) unless a flag gives another value, and says "
                           "so (default: start a new run)")
-    run.add_argument("--fsdp", action="store_true",
-                     help="shard parameters, gradients and optimizer state over the data-parallel ranks "
-                          "(FSDP2, ZeRO-3): --nproc N --tp T gives T-way TP and N/T-way FSDP")
+    fsdp_flags.add_fsdp_flags(run)
     run.add_argument("--overwrite", action="store_true",
                      help="start over in an --out that holds a run: its files are removed once this run's "
                           "first checkpoint is written")
@@ -282,6 +280,7 @@ def _check_train_args(args, world: int) -> None:
         raise UsageError(f"{starts[0]} and {starts[1]} both say where the run starts: give one of them (--resume "
                          "continues a run; --init-from and --init-from-hf start a new one from weights)")
     saved = meta = init_meta = ckpt = None
+    replicate_given = args.dp_replicate is not None  # before a resumed run's fills it in
     origin = "the checkpoint"
     if args.resume is not None:
         ckpt, saved, meta = _open_checkpoint("--resume", args.resume)
@@ -298,17 +297,12 @@ def _check_train_args(args, world: int) -> None:
     tokens, vocab_size, source = inspect_data(args.data, tokenizer=args.tokenizer, local_ranks=local_ranks)
     config = build_config(args, vocab_size=vocab_size, saved=saved, origin=origin)
     context_flags.check_context(args, config)
-    if args.fsdp and config.gradient_accumulation_fusion:
-        raise UsageError("--fsdp cannot combine with gradient-accumulation fusion (--grad-fusion, or the resumed "
-                         "run's setting): FSDP reduces the gradients itself; drop one of them")
-    if args.fsdp and config.tp_invariant:
-        raise UsageError("--fsdp cannot combine with --tp-invariant (or the resumed run's setting): FSDP's "
-                         "reductions do not follow the invariant mode's fixed orders; drop one of them")
     seq_len, dp = default_seq_len(args, config), world // (args.tp * args.cp * args.pp)
     check_fits(config, tp=args.tp, seq_len=seq_len)
     train_token_count(tokens, val_fraction=VAL_FRACTION, seq_len=seq_len, source=source)
     settle_run(args, meta=meta, dp_size=dp)
     pipeline_flags.check_run(args, config)
+    fsdp_flags.check_fsdp(args, config, dp=dp * args.cp, replicate_given=replicate_given)
     # Per PP rank under --pp; CP divides the activations, FSDP shards over DP x CP.
     check_run_memory(args, config, dp=dp, seq_len=seq_len, local_ranks=local_ranks)
     args.out = args.out or DEFAULT_OUT

@@ -7,7 +7,8 @@ PP ``p``) save is TP rank ``r % t`` and DP rank ``r // (t c) % d`` (Megatron's o
 then PP; CP ranks hold the same weights); the ranks of every stage write their stages' entries,
 any of them one that stages share. A chunk is the whole tensor (a replicated or gathered entry,
 written by any rank), this TP rank's shard of the sharded dimension (split evenly), or that
-shard's dim-0 piece for this DP rank (an FSDP box: ceil(rows / d) rows each).
+shard's dim-0 piece for this DP rank (an FSDP box: ceil(rows / d) rows each; under HSDP, with
+``world.dp_replicate`` R, the piece of DP rank ``% (d / R)`` of ``d / R``).
 
 Example::
 
@@ -60,6 +61,7 @@ def _boxes(size: list[int], dim: int | None, *, tp_rank: int, tp: int, dp_rank: 
 def layout_problem(entries: dict, storage: dict, *, world: dict, shard_dims: dict[str, int]) -> str | None:
     """The first chunk stored in a rank's file that this rank did not hold, or None."""
     tp, cp, dp, pp = world["tp"], world.get("cp", 1), world["dp"], world.get("pp", 1)
+    shards = dp // world.get("dp_replicate", 1)  # HSDP: a replica of DP / R consecutive DP ranks
     named = f"TP {tp} x " + (f"CP {cp} x " if cp > 1 else "") + f"DP {dp}" + (f" x PP {pp}" if pp > 1 else "")
     for key, entry in entries.items():
         if not isinstance(entry, TensorStorageMetadata):
@@ -74,8 +76,8 @@ def layout_problem(entries: dict, storage: dict, *, world: dict, shard_dims: dic
             r, own = int(rank.group(1)), _RNG_KEY.match(key)
             if own is not None and int(own.group(1)) != r:
                 return f"stores {key} in {info.relative_path}, the file of rank {r}"
-            held = _boxes(list(entry.size), shard_dims.get(key), tp_rank=r % tp, tp=tp, dp_rank=r // (tp * cp) % dp,
-                          dp=dp)
+            held = _boxes(list(entry.size), shard_dims.get(key), tp_rank=r % tp, tp=tp,
+                          dp_rank=r // (tp * cp) % dp % shards, dp=shards)
             if (list(chunk.offsets), list(chunk.sizes)) not in held:
                 return (f"stores the chunk of {key} at offsets {list(chunk.offsets)} in {info.relative_path}, "
                         f"which saving rank {r} ({named}) does not hold")

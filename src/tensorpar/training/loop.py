@@ -21,12 +21,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .. import comm, invariant, parallel_state as ps
 from .. import grads as tp_grads
 from ..comm_model import calibrate_overlap
 from ..errors import UsageError
-from ..fsdp import ShardedGradSync, bytes_per_rank, fully_shard
+from ..fsdp import ShardedGradSync, bytes_per_rank, describe as describe_fsdp, fully_shard, shard_group
 from ..models.gpt import GPT
 from ..random import model_parallel_manual_seed
 from . import checkpoint, invariant_batches, pipeline_step, rundir
@@ -97,9 +98,10 @@ def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: 
     return str(path)
 
 
-def _world(*, tp: int, dp: int, pp: int, cp: int) -> dict:
-    """A checkpoint's ``world``: PP and CP only where they are not 1, as before either axis."""
-    return {"tp": tp, "dp": dp, **({"pp": pp} if pp > 1 else {}), **({"cp": cp} if cp > 1 else {})}
+def _world(*, tp: int, dp: int, pp: int, cp: int, dp_replicate: int = 1) -> dict:
+    """A checkpoint's ``world``: PP, CP and HSDP's replicas only where they are not 1, as before each."""
+    return {"tp": tp, "dp": dp, **({"pp": pp} if pp > 1 else {}), **({"cp": cp} if cp > 1 else {}),
+            **({"dp_replicate": dp_replicate} if dp_replicate > 1 else {})}
 
 
 def _run_tokenizer(tokenizer: str | None):
@@ -206,13 +208,13 @@ def _train(args, signals: Signals) -> RunResult:
     tp_size, dp_size, dp_rank = (comm.group_size(tp_group), comm.group_size(dp_group),
                                  comm.group_rank(dp_group))
     cp = ContextLayout.current(cp_comm=getattr(args, "cp_comm", "p2p"))
-    world = _world(tp=tp_size, dp=dp_size, pp=pp_size, cp=cp.size)
     device = ps.default_device()
     is_rank0 = dist.get_rank() == 0
     resumed = open_checkpoint(args.resume) if args.resume else None
     init = open_checkpoint(args.init_from) if args.init_from else None
     started_from = resumed or init
     continue_settings(args, resumed[2] if resumed else None)
+    world = _world(tp=tp_size, dp=dp_size, pp=pp_size, cp=cp.size, dp_replicate=args.dp_replicate if args.fsdp else 1)
     resolve_tokenizer(args, started_from[2] if started_from else None)
     corpus = load_corpus(args.data, tokenizer=args.tokenizer)
     args.tokenizer = corpus.tokenizer
@@ -244,7 +246,7 @@ def _train(args, signals: Signals) -> RunResult:
     elif init:
         checkpoint.load(init[0], model=model, optimizer=None, tp_group=tp_group, restore_rng=False, pp_group=pp_group)
     if fsdp and pp_size == 1:  # weights are replicated over DP and CP: FSDP shards over both
-        fully_shard(model, dp_group=cp.grad_group)
+        fully_shard(model, dp_group=cp.grad_group, dp_replicate=args.dp_replicate)
     optimizer = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(0.9, 0.95), eps=1e-8)
     # TP-invariant mode: the same reductions, in orders that do not depend on the TP size.
@@ -258,6 +260,8 @@ def _train(args, signals: Signals) -> RunResult:
     # Training steps run the compiled model; evaluation and checkpoints use the module itself.
     step_model = torch.compile(model) if getattr(args, "compile", False) else model
     params = list(model.parameters())
+    # The group whose shards the grad norm sums: DP (x CP), under HSDP one replica's shards.
+    norm_group = shard_group(next(p for p in params if isinstance(p, DTensor))) if fsdp else cp.grad_group
     start = 0
     out = Path(args.out) if args.out else None
     if resumed:
@@ -298,7 +302,7 @@ def _train(args, signals: Signals) -> RunResult:
             print(f"tensorpar train: {model.header}", flush=True)
         memory = ", ".join(f"{what} {n / 2**20:.2f} MiB" for what, n in bytes_per_rank(model).items())
         print(f"tensorpar train: per rank {memory}"
-              + (f" (FSDP: 1/{comm.group_size(cp.grad_group)} of each TP shard)" if fsdp else ""),
+              + (f" ({describe_fsdp(model)})" if fsdp else ""),
               flush=True)
         if args.init_from or args.init_from_hf:
             print(f"tensorpar train: {_init_header(args, init, config)}", flush=True)
@@ -349,9 +353,9 @@ def _train(args, signals: Signals) -> RunResult:
             reducer.finish()
             if config.sequence_parallel and pp_size == 1:  # a pipeline's schedule sums them itself
                 grads.allreduce_sequence_parallel_grads(model)
-            # FSDP's shards are summed over the group they split (DP x CP); TP and PP as always.
-            grad_norm = (grads.clip_grad_norm_(params, args.clip_grad, dp_group=cp.grad_group, pp_group=pp_group)
-                         if args.clip_grad > 0 else grads.get_grad_norm(params, dp_group=cp.grad_group,
+            # FSDP's shards are summed over the group they split (norm_group); TP and PP as always.
+            grad_norm = (grads.clip_grad_norm_(params, args.clip_grad, dp_group=norm_group, pp_group=pp_group)
+                         if args.clip_grad > 0 else grads.get_grad_norm(params, dp_group=norm_group,
                                                                         pp_group=pp_group))
             optimizer.step()
             if config.tp_invariant:  # added in global micro-batch order

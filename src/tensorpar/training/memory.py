@@ -126,7 +126,9 @@ def check_memory(config, *, tp: int, dp: int, seq_len: int, micro_batch: int, dt
 
 def check_run_memory(args, config, *, dp: int, seq_len: int, local_ranks: int) -> None:
     """:func:`check_memory` of ``tensorpar train``'s ``args`` (``--tp``, ``--cp``, ``--pp`` and its
-    schedule, ``--grad-accum`` micro-batches, ``--micro-batch``, ``--dtype``, ``--fsdp``)."""
-    check_memory(config, tp=args.tp, dp=dp, cp=args.cp, pp=args.pp, schedule=args.pp_schedule,
+    schedule, ``--grad-accum`` micro-batches, ``--micro-batch``, ``--dtype``, ``--fsdp``; under
+    HSDP, ``--dp-replicate`` replicas each shard over ``dp`` / R)."""
+    replicas = getattr(args, "dp_replicate", 1) if args.fsdp else 1
+    check_memory(config, tp=args.tp, dp=dp // replicas, cp=args.cp, pp=args.pp, schedule=args.pp_schedule,
                  microbatches=args.grad_accum, virtual_stages=args.virtual_stages, seq_len=seq_len,
                  micro_batch=args.micro_batch, dtype=args.dtype, local_ranks=local_ranks, fsdp=args.fsdp)

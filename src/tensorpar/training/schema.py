@@ -105,7 +105,7 @@ META_SCHEMA = {
                  "decay_steps": integer(1)},
     "data": {"position": integer(0), "seed": integer(), "source": TEXT},
     "world": {"tp": integer(1, MAX_RANKS), "dp": integer(1, MAX_RANKS), "pp": integer(1, MAX_RANKS),
-              "cp": integer(1, MAX_RANKS)},
+              "cp": integer(1, MAX_RANKS), "dp_replicate": integer(1, MAX_RANKS)},
     "dtype": choice("fp32", "bf16"), "tokenizer": (TEXT, NULL), "ranks": integer(1, MAX_RANKS),
     "rng": RNG_SPEC, "config_sha256": Rule(lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)
                                             is not None, "64 lowercase hex digits"),
@@ -117,6 +117,7 @@ SETTINGS_SCHEMA = {
     "data": (TEXT, NULL), "seq_len": (integer(1), NULL), "seed": integer(0, 2**32 - 1),
     "dtype": choice("fp32", "bf16"), "dropout": _PROBABILITY, "attention_dropout": (_PROBABILITY, NULL),
     "sp": FLAG, "recompute": FLAG, "grad_fusion": FLAG, "tp_invariant": FLAG, "tensorboard": FLAG,
+    "fsdp": FLAG, "dp_replicate": integer(1, MAX_RANKS),
     "overlap": (choice("off", "auto"), integer(1)), "interleave": integer(1),
     "weight_decay": number(0), "clip_grad": number(0), "eval_every": integer(0), "eval_iters": integer(1),
     "log_every": integer(1), "save_every": (integer(0), NULL), "keep_last": integer(0), "wandb": FLAG,
@@ -134,7 +135,8 @@ _CONFIG_RULES = {int: integer(1), float: number(0), bool: FLAG, str: TEXT, dict:
 def check_meta(path: Path, meta: object, *, step: int | None = None) -> None:
     """Refuse a ``meta.json`` (of the directory ``step_{step}``) unlike what a save writes."""
     # world.pp, world.cp: only a pipeline- or context-parallel run records them
-    check_fields(path, meta, META_SCHEMA, optional={"settings", "config_sha256", "world.pp", "world.cp"})
+    check_fields(path, meta, META_SCHEMA, optional={"settings", "config_sha256", "world.pp", "world.cp",
+                                                                "world.dp_replicate"})
     if "settings" in meta:
         check_fields(path, meta["settings"], SETTINGS_SCHEMA, optional=set(SETTINGS_SCHEMA), prefix="settings.")
     world = meta["world"]
