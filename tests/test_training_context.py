@@ -95,9 +95,9 @@ def _train_error(capsys, *argv):
     (["--nproc", "4", "--tp", "1", "--cp", "4", "--cp-comm", "a2a", "--heads", "2"],
      "--cp-comm a2a needs at least one query head per TP x CP rank: the model's 2 heads at --tp 1 are 2 per TP "
      "rank, fewer than --cp 4; use --cp-comm p2p, which has no such limit"),
-    (["--nproc", "4", "--tp", "2", "--cp", "2", "--heads", "3"],
-     "--cp 2 needs --tp 2 to divide the model's 3 heads and 3 KV heads (uneven head splits are not supported "
-     "under context parallelism)"),
+    (["--nproc", "4", "--tp", "2", "--cp", "2", "--cp-comm", "a2a", "--heads", "3"],
+     "--cp-comm a2a needs at least one query head per TP x CP rank: the model's 3 heads at --tp 2 are 1 on the "
+     "smallest TP rank, fewer than --cp 2; use --cp-comm p2p, which has no such limit"),
     (["--nproc", "2", "--tp", "1", "--cp", "2", "--fsdp", "--compile", "--dropout", "0.1"],
      "--cp 2 does not combine with --compile, --attention-dropout 0.1 (--dropout's unless given) (not supported "
      "under context parallelism); drop them, or train with --cp 1"),

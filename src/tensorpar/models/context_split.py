@@ -50,9 +50,10 @@ def invariant_refusals(config: GPTConfig, *, tp_size: int, cp_size: int, sequenc
     if sequence_parallel and tp_size * cp_size > BLOCKS:
         bad.append(f"sequence parallelism at TP {tp_size} x CP {cp_size} (more ranks than the {BLOCKS} fixed "
                    "sequence blocks)")
-    per = config.queries_per_group
+    per, even = config.queries_per_group, not (config.num_heads % tp_size or config.num_query_groups % tp_size)
+    # (uneven TP splits: refused by the invariant mode's own check)
     split = context.head_split(config.num_heads // tp_size, config.num_query_groups // tp_size, cp_size) \
-        if not bad and config.num_heads // tp_size >= cp_size else []
+        if not bad and even and config.num_heads // tp_size >= cp_size else []
     if per > 2 and any(h0 % per or h1 % per for h0, h1, _, _ in split):
         bad.append(f"{per} query heads per KV head split over CP ranks (their K/V grads are added in another "
                    "order; at most 2, or whole KV groups per CP rank)")
@@ -63,30 +64,30 @@ class ContextSplit:
     """What a GPT does differently over ``cp_group``; refuses in one line what it cannot do."""
 
     def __init__(self, config: GPTConfig, cp_group, *, tp_size: int, sequence_parallel: bool) -> None:
-        unsupported = {"attention_dropout": config.attention_dropout > 0, "interleave": config.interleave > 1,
-                       "heads or KV heads TP does not divide": config.num_heads % tp_size
-                       or config.num_query_groups % tp_size}
-        named = [name if name.startswith("heads") else f"{name}={getattr(config, name)!r}"
-                 for name, bad in unsupported.items() if bad]
+        unsupported = {"attention_dropout": config.attention_dropout > 0, "interleave": config.interleave > 1}
+        named = [f"{name}={getattr(config, name)!r}" for name, bad in unsupported.items() if bad]
         if named:
             raise ValueError(f"context parallelism does not support {', '.join(named)} yet")
         refused = invariant_refusals(config, tp_size=tp_size, cp_size=comm.group_size(cp_group),
                                      sequence_parallel=sequence_parallel)
         if refused:
             raise ValueError(f"tp_invariant under context parallelism does not support {'; '.join(refused)}")
-        if config.context_parallel_comm == "a2a":
-            context.head_split(config.num_heads // tp_size, config.num_query_groups // tp_size,
-                               comm.group_size(cp_group))
+        if config.context_parallel_comm == "a2a":  # the fewest heads a TP rank has (uneven splits: floor)
+            context.head_split(config.num_heads // tp_size, 1, comm.group_size(cp_group))
         self.config, self.group = config, cp_group
         self.multiple = tp_size if sequence_parallel else 1
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, *, causal: bool,
-               key=None) -> torch.Tensor:
-        """:meth:`Attention.attend` over the CP group: ``[s, b, heads/TP d]`` of this rank's tokens."""
+    def attend(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key=None) -> torch.Tensor:
+        """``layer``'s :meth:`Attention.attend` (causal) over the CP group: ``[s, b, heads/TP d]`` of
+        this rank's tokens. Its query heads ``first_head..`` read K/V heads ``h // p`` of the
+        ones this TP rank holds, unevenly under an uneven TP split (a KV head replicated over TP)."""
+        p, first = self.config.queries_per_group, layer.first_head
+        kv_of_head = [h // p - first // p for h in range(first, first + layer.local_heads)]
         if self.config.tp_invariant:  # the kernel and the K/V grads' sums of CP = 1 (Attention.attend)
             out = context.ulysses_attention(q, k, v, cp_group=self.group, attention=_per_query_head)
         else:
-            out = context.context_attention(q, k, v, comm_type=self.config.context_parallel_comm, cp_group=self.group)
+            out = context.context_attention(q, k, v, comm_type=self.config.context_parallel_comm, cp_group=self.group,
+                                            kv_of_head=kv_of_head)
         b, _, s, _ = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 

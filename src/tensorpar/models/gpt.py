@@ -172,7 +172,9 @@ class Attention(nn.Module):
             # SDPA's is_causal aligns the causal mask top-left; after cached keys, query i is
             # position keys - s + i and sees every key up to it (bottom-right alignment).
             mask = torch.ones(s, keys, dtype=torch.bool, device=q.device).tril(keys - s)
-        return (self.context or self).attend(q, k, v, mask, causal=mask is None, key=key)
+        if self.context is not None:  # (no mask nor cache: CP runs training and evaluation only)
+            return self.context.attend(self, q, k, v, key=key)
+        return self.attend(q, k, v, mask, causal=mask is None, key=key)
 
     def split_heads(self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         """``q`` ``[b, heads/TP, s, d]``, ``k`` and ``v`` ``[b, groups/TP, s, d]`` from the QKV
