@@ -1,7 +1,8 @@
 """A GPT over a context-parallel group (tensorpar.models.context_split): at CP 2 and 4, in both
 modes, the loss and every weight gradient (summed over CP) equal the CP=1 model's, for a
-GPT-2-style and a Llama-style GQA model, with a sequence 2 x CP does not divide, and with
-hidden dropout (each token's mask that of its global position)."""
+GPT-2-style and a Llama-style GQA model, with a sequence 2 x CP does not divide, with heads TP
+or CP does not divide, and with hidden and attention dropout (each token's and each (head, query,
+key)'s mask that of its global position)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def _step(config: GPTConfig, tp_group, cp_group=None):
 
 def _gpt_body(name: str, mode: str, recompute: bool, dropout: float = 0.0):
     one, cp_group = _groups()
-    config = dataclasses.replace(MODELS[name], context_parallel_comm=mode, recompute=recompute, dropout=dropout)
+    config = dataclasses.replace(MODELS[name], context_parallel_comm=mode, recompute=recompute, dropout=dropout,
+                                 attention_dropout=dropout)
     reference_loss, reference_grads, _, _ = _step(dataclasses.replace(config, recompute=False), one)
     loss, grads, ledger, _ = _step(config, one, cp_group)
     torch.testing.assert_close(loss, reference_loss)
@@ -80,8 +82,9 @@ def test_gpt_with_6_heads_and_2_kv_heads_at_cp_4_a2a_equals_cp_1():
 
 
 @pytest.mark.parametrize("mode", ["a2a", "p2p"])
-def test_gpt_at_cp_with_recompute_equals_cp_1(mode):
-    run_on_ranks(_gpt_body, 2, "llama", mode, True)
+def test_gpt_at_cp_with_recompute_and_dropout_equals_cp_1(mode):
+    # The recomputed blocks draw the forward's masks again (hidden and attention dropout).
+    run_on_ranks(_gpt_body, 2, "llama", mode, True, 0.1)
 
 
 @pytest.mark.parametrize("mode", ["a2a", "p2p"])
@@ -103,7 +106,7 @@ def _tp_cp_groups(tp_size: int = 2):
 def _tp_cp_body(name: str, mode: str, sequence_parallel: bool, dropout: float = 0.0, tp_size: int = 2):
     tp_group, cp_group = _tp_cp_groups(tp_size)
     config = dataclasses.replace(MODELS[name], context_parallel_comm=mode, sequence_parallel=sequence_parallel,
-                                 dropout=dropout)
+                                 dropout=dropout, attention_dropout=dropout)
     reference_loss, reference_grads, _, _ = _step(config, tp_group)
     loss, grads, _, partial = _step(config, tp_group, cp_group)
     torch.testing.assert_close(loss, reference_loss)
@@ -134,15 +137,16 @@ def test_llama_with_4_heads_and_2_kv_heads_at_tp_4_cp_2_equals_tp_4_cp_1():
     assert all(run_on_ranks(_tp_cp_body, 8, "llama", "p2p", True, 0.0, 4))
 
 
-def test_gpt_at_tp_2_cp_2_with_sp_and_dropout_equals_tp_2_cp_1():
-    assert all(run_on_ranks(_tp_cp_body, 4, "llama", "p2p", True, 0.1))
+@pytest.mark.parametrize("name,mode", [("llama", "p2p"), ("uneven", "a2a")])
+def test_gpt_at_tp_2_cp_2_with_sp_and_dropout_equals_tp_2_cp_1(name, mode):
+    """Hidden and attention dropout: each (head, query, key) the mask TP 2 x CP 1 draws there."""
+    assert all(run_on_ranks(_tp_cp_body, 4, name, mode, True, 0.1))
 
 
 def _refusal_body():
     _, cp_group = _groups()
     try:
-        GPT(dataclasses.replace(GPT2, dropout=0.1, attention_dropout=0.1), tp_group=_groups()[0], cp_group=cp_group,
-            device="cpu")
+        GPT(dataclasses.replace(GPT2, interleave=2), tp_group=_groups()[0], cp_group=cp_group, device="cpu")
     except ValueError as error:
         return str(error)
     return None
@@ -150,6 +154,6 @@ def _refusal_body():
 
 def test_gpt_at_cp_refuses_what_it_cannot_do_in_one_line():
     message = run_on_ranks(_refusal_body, 2)[0]
-    assert message == "context parallelism does not support attention_dropout=0.1 yet"
+    assert message == "context parallelism does not support interleave=2 yet"
     with pytest.raises(ValueError, match="context_parallel_comm must be one of"):
         dataclasses.replace(GPT2, context_parallel_comm="ring")

@@ -53,7 +53,7 @@ def _pass_on(tensor: torch.Tensor, group, tag: int) -> comm.Handle:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, reads):
+    def forward(ctx, q, k, v, group, scale, reads, keep, dropout_p):
         n, r = comm.group_size(group), comm.group_rank(group)
         b, heads, s, d = q.shape
         groups = k.shape[1]
@@ -66,20 +66,22 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             pending = _pass_on(kv, group, _KV_TAG) if step < n - 1 else None
             keys, values = (t.unsqueeze(2).split(half, dim=3) for t in _per_query(kv, reads))
-            for a, c, causal in _visible_pairs(n, r, (r - step) % n):
-                block = block_attention(queries[a], keys[c], values[c], scale=scale, causal=causal)
+            source = (r - step) % n
+            for a, c, causal in _visible_pairs(n, r, source):
+                block = block_attention(queries[a], keys[c], values[c], scale=scale, causal=causal,
+                                        drop=_block_drop(keep, dropout_p, queries[a].shape, a, n, source, c))
                 out[a], lse[a] = block if out[a] is None else merge(out[a], lse[a], *block)
             if pending is not None:
                 kv = pending.wait()
         out, lse = torch.cat(out, dim=3), torch.cat(lse, dim=3)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.reads = group, scale, reads
+        ctx.save_for_backward(q, k, v, out, lse, keep)
+        ctx.group, ctx.scale, ctx.reads, ctx.dropout_p = group, scale, reads, dropout_p
         return out.view(b, heads, s, d).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, scale, reads = ctx.group, ctx.scale, ctx.reads
+        q, k, v, out, lse, keep = ctx.saved_tensors
+        group, scale, reads, dropout_p = ctx.group, ctx.scale, ctx.reads, ctx.dropout_p
         n, r = comm.group_size(group), comm.group_rank(group)
         b, heads, s, d = q.shape
         half = s // 2
@@ -95,9 +97,11 @@ class _RingAttention(torch.autograd.Function):
             keys, values = (t.unsqueeze(2).split(half, dim=3) for t in held)
             grad_held = held.new_zeros(held.shape, dtype=torch.float32).unsqueeze(3)    # [2, b, G, 1, s, d]
             grad_k, grad_v = grad_held[0].split(half, dim=3), grad_held[1].split(half, dim=3)
-            for a, c, causal in _visible_pairs(n, r, (r - step) % n):
+            source = (r - step) % n
+            for a, c, causal in _visible_pairs(n, r, source):
+                drop = _block_drop(keep, dropout_p, queries[a].shape, a, n, source, c)
                 dq, dk, dv = block_attention_backward(queries[a], keys[c], values[c], grad_outs[a], lses[a],
-                                                      deltas[a], scale=scale, causal=causal)
+                                                      deltas[a], scale=scale, causal=causal, drop=drop)
                 grad_q[a].add_(dq)
                 grad_k[c].add_(dk)
                 grad_v[c].add_(dv)
@@ -111,7 +115,18 @@ class _RingAttention(torch.autograd.Function):
                 kv = pending.wait()
         grad_kv = (in_flight.wait() if in_flight is not None else grad_kv).squeeze(3)
         grad_q = torch.cat(grad_q, dim=3).view(b, heads, s, d)
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None, None
+
+
+def _block_drop(keep: torch.Tensor | None, p: float, shape, query_half: int, n: int, source: int, key_half: int):
+    """The dropout factor ``keep / (1 - p)`` of (this rank's query chunk ``query_half``, key chunk
+    ``key_half`` of rank ``source``), shaped as the block's probabilities (``shape``: its queries')."""
+    if keep is None:
+        return None
+    length = shape[-2]
+    first = chunk_ids(n, source)[key_half] * length
+    block = keep[..., query_half * length:(query_half + 1) * length, first:first + length]
+    return block.reshape(*shape[:-1], length) / (1.0 - p)
 
 
 def _per_query(kv: torch.Tensor, reads: torch.Tensor | None) -> torch.Tensor:
@@ -120,14 +135,16 @@ def _per_query(kv: torch.Tensor, reads: torch.Tensor | None) -> torch.Tensor:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group,
-                   scale: float | None = None, kv_of_head=None) -> torch.Tensor:
+                   scale: float | None = None, kv_of_head=None, keep: torch.Tensor | None = None,
+                   dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence, exact.
 
     ``q`` ``[b, heads, 2L, d]``, ``k`` and ``v`` ``[b, kv_heads, 2L, d]``: this rank's two
     chunks (:meth:`SequenceChunks.shard`), query head ``i`` reading K/V head
     ``i // (heads / kv_heads)`` (SDPA's ``enable_gqa``), or ``kv_of_head[i]`` when given (any
-    K/V heads, in non-decreasing order). ``scale`` defaults to ``1/sqrt(d)``. Returns
-    ``[b, heads, 2L, d]``.
+    K/V heads, in non-decreasing order). ``scale`` defaults to ``1/sqrt(d)``. ``keep``
+    (attention dropout at ``dropout_p``): ``[b, heads, 2L, 2 CP L]`` booleans of this rank's
+    queries over every key in sequence order. Returns ``[b, heads, 2L, d]``.
     """
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] \
             or q.shape[2:] != k.shape[2:] or (kv_of_head is None and q.shape[1] % k.shape[1]) or q.shape[2] % 2:
@@ -138,4 +155,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_grou
     reads = kv_reads(heads, groups, kv_of_head)
     uniform = heads % groups == 0 and reads == kv_reads(heads, groups, None)
     reads = None if uniform else torch.tensor(reads, device=q.device)
-    return _RingAttention.apply(q, k, v, cp_group, scale, reads)
+    return _RingAttention.apply(q, k, v, cp_group, scale, reads, keep, dropout_p)

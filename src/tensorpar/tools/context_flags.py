@@ -40,10 +40,7 @@ def check_world(args, world: int, *, where: str) -> None:
 def _unsupported(args, config) -> list[str]:
     """The flags (with their values) a CP run does not support."""
     pp = getattr(args, "pp", 1)
-    bad = {f"--pp {pp}": pp > 1, "--compile": args.compile,
-           # --dropout sets it unless given; the hidden dropout alone runs.
-           f"--attention-dropout {config.attention_dropout:g} (--dropout's unless given)": config.attention_dropout > 0,
-           f"--interleave {config.interleave}": config.interleave > 1}
+    bad = {f"--pp {pp}": pp > 1, "--compile": args.compile, f"--interleave {config.interleave}": config.interleave > 1}
     return [flag for flag, refused in bad.items() if refused]
 
 
