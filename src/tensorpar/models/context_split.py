@@ -29,13 +29,13 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm, context, invariant
+from ..context import attention_dropout
 from ..mappings import (
     gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
 )
 from ..tree_reduce import BLOCKS, sequence_sum, tree_sum
-from ..context import attention_dropout
 from .config import GPTConfig
 from .traced_attention import written_out_attention
 
@@ -102,7 +102,6 @@ class ContextSplit:
                                             kv_of_head=kv_of_head)
         b, _, s, _ = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
-
 
     def _dropped(self, q, k, v, p: float, kv_of_head: list[int], *, heads: range, seq_len: int) -> torch.Tensor:
         """Attention with dropout over the CP group, ``heads`` this TP rank's global query heads."""

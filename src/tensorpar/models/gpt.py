@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import invariant, invariant_dropout
+from ..context import attention_dropout
 from ..cross_entropy import vocab_parallel_cross_entropy
 from ..embedding import VocabParallelEmbedding
 from ..initialization import (
@@ -56,7 +57,6 @@ from ..initialization import (
 )
 from ..overlap import interleave
 from ..parallel_state import resolve_tp_group
-from ..context import attention_dropout
 from ..random import checkpoint, sharded_dropout
 from . import context_split, generation, layout
 from .config import GPTConfig
@@ -217,8 +217,8 @@ class Attention(nn.Module):
             drop = functools.partial(invariant_dropout.drop_heads, p=dropout_p, key=key, layer=self.layer_number,
                                      first_head=self.first_head)
         elif dropout_p > 0 and torch.compiler.is_compiling():
-            # A traced graph cannot fork the generator (SDPA would draw every rank's heads the
-            # same mask): each rank keeps its heads' slice of one mask.
+            # A traced graph cannot seed the position masks' generators: each rank keeps its
+            # heads' slice of one mask of the default stream.
             drop = functools.partial(sharded_dropout, p=dropout_p, dim=1, start=self.first_head,
                                      full_size=self.config.num_heads)
         elif dropout_p > 0:  # each global head's mask by position: independent over heads, any TP or CP size
