@@ -95,7 +95,7 @@ class _RingAttention(torch.autograd.Function):
             pending = _pass_on(kv, group, _KV_TAG) if step < n - 1 else None
             held = _per_query(kv, reads)
             keys, values = (t.unsqueeze(2).split(half, dim=3) for t in held)
-            grad_held = held.new_zeros(held.shape, dtype=torch.float32).unsqueeze(3)    # [2, b, G, 1, s, d]
+            grad_held = held.new_zeros(held.shape, dtype=torch.float32).unsqueeze(3)    # [2, b, G or heads, 1, s, d]
             grad_k, grad_v = grad_held[0].split(half, dim=3), grad_held[1].split(half, dim=3)
             source = (r - step) % n
             for a, c, causal in _visible_pairs(n, r, source):
