@@ -50,6 +50,10 @@ def test_ulysses_head_split_is_balanced_with_the_kv_heads_each_rank_reads():
     assert head_split(3, 3, 2) == [(0, 2, 0, 2), (2, 3, 2, 3)]
     with pytest.raises(ValueError, match="at least one query head per CP rank: 2 heads at CP 4"):
         head_split(2, 1, 4)
+    # A TP rank's heads 0-2 of 6 with 3 K/V heads (TP 2): heads 0, 1 read K/V head 0, head 2 reads 1.
+    assert head_split(3, 2, 2, kv_of_head=[0, 0, 1]) == [(0, 2, 0, 1), (2, 3, 1, 2)]
+    with pytest.raises(ValueError, match=r"kv_of_head \[1, 0\] must name, in non-decreasing order"):
+        head_split(2, 2, 2, kv_of_head=[1, 0])
 
 
 def _gather_body(seq_len: int):

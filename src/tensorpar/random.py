@@ -341,17 +341,18 @@ def _traced_keep_mask(shape, keep_prob: float, device, *, dim: int, start: int, 
     return keep.narrow(dim, start, shape[dim])
 
 
-def _keep_mask(shape, keep_prob: float, device, segments: list[tuple[int, int]], full_rows: int) -> torch.Tensor:
+def _keep_mask(shape, keep_prob: float, device, segments: list[tuple[int, int]], full_rows: int,
+               base: int | None = None) -> torch.Tensor:
     """The block-drawn mask of ``full_rows`` rows at this tensor's rows: ``segments`` give, in
     order, the first row and count of each run of them; rows from ``full_rows`` on (padding)
-    are False."""
+    are False. ``base``: the blocks' seed base (default: one draw of the default stream)."""
     keep = torch.empty(shape, dtype=torch.bool, device=device)
     if keep.numel() == 0:
         return keep
     view = keep.view(shape[0], -1) if keep.dim() else keep.view(1, 1)
     rows_per_block = max(1, DROPOUT_BLOCK_ELEMENTS // view.shape[1])
     # One draw from the CPU default generator: no device synchronisation.
-    base = int(torch.randint(0, 1 << 62, (1,)))
+    base = int(torch.randint(0, 1 << 62, (1,))) if base is None else base
     generator, local = torch.Generator(device=device), 0
     for first_row, count in segments:
         _fill_rows(view[local:local + count], keep_prob, first_row, full_rows, rows_per_block, base, generator)

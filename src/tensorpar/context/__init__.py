@@ -26,12 +26,13 @@ from .ulysses import head_split, ulysses_attention
 COMM_TYPES = ("a2a", "p2p")
 
 
-def context_attention(q, k, v, *, comm_type: str, cp_group, scale: float | None = None):
-    """Causal attention of this CP rank's tokens by ``comm_type`` (``"a2a"`` or ``"p2p"``)."""
+def context_attention(q, k, v, *, comm_type: str, cp_group, scale: float | None = None, kv_of_head=None):
+    """Causal attention of this CP rank's tokens by ``comm_type`` (``"a2a"`` or ``"p2p"``);
+    ``kv_of_head``: the K/V head each query head reads (default: GQA's even runs)."""
     if comm_type == "a2a":
-        return ulysses_attention(q, k, v, cp_group=cp_group, scale=scale)
+        return ulysses_attention(q, k, v, cp_group=cp_group, scale=scale, kv_of_head=kv_of_head)
     if comm_type == "p2p":
-        return ring_attention(q, k, v, cp_group=cp_group, scale=scale)
+        return ring_attention(q, k, v, cp_group=cp_group, scale=scale, kv_of_head=kv_of_head)
     raise ValueError(f"context-parallel comm_type must be one of {COMM_TYPES}, got {comm_type!r}")
 
 

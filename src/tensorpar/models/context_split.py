@@ -23,10 +23,13 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from .. import comm, context, invariant
+from ..context import attention_dropout
 from ..mappings import (
     gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
@@ -34,6 +37,7 @@ from ..mappings import (
 )
 from ..tree_reduce import BLOCKS, sequence_sum, tree_sum
 from .config import GPTConfig
+from .traced_attention import written_out_attention
 
 
 def invariant_refusals(config: GPTConfig, *, tp_size: int, cp_size: int, sequence_parallel: bool) -> list[str]:
@@ -50,9 +54,13 @@ def invariant_refusals(config: GPTConfig, *, tp_size: int, cp_size: int, sequenc
     if sequence_parallel and tp_size * cp_size > BLOCKS:
         bad.append(f"sequence parallelism at TP {tp_size} x CP {cp_size} (more ranks than the {BLOCKS} fixed "
                    "sequence blocks)")
-    per = config.queries_per_group
+    if config.attention_dropout > 0:
+        bad.append("attention dropout (its keyed masks are not drawn per CP rank yet; --attention-dropout 0 "
+                   "keeps the hidden dropout)")
+    per, even = config.queries_per_group, not (config.num_heads % tp_size or config.num_query_groups % tp_size)
+    # (uneven TP splits: refused by the invariant mode's own check)
     split = context.head_split(config.num_heads // tp_size, config.num_query_groups // tp_size, cp_size) \
-        if not bad and config.num_heads // tp_size >= cp_size else []
+        if not bad and even and config.num_heads // tp_size >= cp_size else []
     if per > 2 and any(h0 % per or h1 % per for h0, h1, _, _ in split):
         bad.append(f"{per} query heads per KV head split over CP ranks (their K/V grads are added in another "
                    "order; at most 2, or whole KV groups per CP rank)")
@@ -63,32 +71,54 @@ class ContextSplit:
     """What a GPT does differently over ``cp_group``; refuses in one line what it cannot do."""
 
     def __init__(self, config: GPTConfig, cp_group, *, tp_size: int, sequence_parallel: bool) -> None:
-        unsupported = {"attention_dropout": config.attention_dropout > 0, "interleave": config.interleave > 1,
-                       "heads or KV heads TP does not divide": config.num_heads % tp_size
-                       or config.num_query_groups % tp_size}
-        named = [name if name.startswith("heads") else f"{name}={getattr(config, name)!r}"
-                 for name, bad in unsupported.items() if bad]
-        if named:
-            raise ValueError(f"context parallelism does not support {', '.join(named)} yet")
+        if config.interleave > 1:
+            raise ValueError(f"context parallelism does not support interleave={config.interleave!r} yet")
         refused = invariant_refusals(config, tp_size=tp_size, cp_size=comm.group_size(cp_group),
                                      sequence_parallel=sequence_parallel)
         if refused:
             raise ValueError(f"tp_invariant under context parallelism does not support {'; '.join(refused)}")
-        if config.context_parallel_comm == "a2a":
-            context.head_split(config.num_heads // tp_size, config.num_query_groups // tp_size,
-                               comm.group_size(cp_group))
+        if config.context_parallel_comm == "a2a":  # the fewest heads a TP rank has (uneven splits: floor)
+            context.head_split(config.num_heads // tp_size, 1, comm.group_size(cp_group))
         self.config, self.group = config, cp_group
         self.multiple = tp_size if sequence_parallel else 1
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, *, causal: bool,
-               key=None) -> torch.Tensor:
-        """:meth:`Attention.attend` over the CP group: ``[s, b, heads/TP d]`` of this rank's tokens."""
+    def attend(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, key=None,
+               seq_len: int) -> torch.Tensor:
+        """``layer``'s :meth:`Attention.attend` (causal) over the CP group: ``[s, b, heads/TP d]`` of
+        this rank's tokens of a ``seq_len`` sequence. Its query heads ``first_head..`` read K/V
+        heads ``h // p`` of the ones this TP rank holds, unevenly under an uneven TP split (a KV
+        head replicated over TP). Attention dropout: for each (head, query, key) this rank
+        computes, the mask CP=1 draws there (:mod:`tensorpar.context.attention_dropout`)."""
+        p, first = self.config.queries_per_group, layer.first_head
+        kv_of_head = [h // p - first // p for h in range(first, first + layer.local_heads)]
+        dropout_p = self.config.attention_dropout if layer.training else 0.0
         if self.config.tp_invariant:  # the kernel and the K/V grads' sums of CP = 1 (Attention.attend)
             out = context.ulysses_attention(q, k, v, cp_group=self.group, attention=_per_query_head)
+        elif dropout_p > 0:
+            out = self._dropped(q, k, v, dropout_p, kv_of_head, heads=range(first, first + layer.local_heads),
+                                seq_len=seq_len)
         else:
-            out = context.context_attention(q, k, v, comm_type=self.config.context_parallel_comm, cp_group=self.group)
+            out = context.context_attention(q, k, v, comm_type=self.config.context_parallel_comm, cp_group=self.group,
+                                            kv_of_head=kv_of_head)
         b, _, s, _ = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _dropped(self, q, k, v, p: float, kv_of_head: list[int], *, heads: range, seq_len: int) -> torch.Tensor:
+        """Attention with dropout over the CP group, ``heads`` this TP rank's global query heads."""
+        chunks = context.SequenceChunks.of(seq_len, cp_group=self.group, multiple=self.multiple)
+        base, padded = attention_dropout.draw_base(), chunks.padded_len
+        mask = functools.partial(attention_dropout.keep_mask, base, p, batch=q.shape[0], seq_len=seq_len, keys=padded,
+                                 device=q.device)
+        if self.config.context_parallel_comm == "p2p":  # this rank's query chunks over every key
+            keep = mask(heads=heads, rows=[(c * chunks.chunk_len, chunks.chunk_len) for c in chunks.chunks()])
+            return context.ring_attention(q, k, v, cp_group=self.group, kv_of_head=kv_of_head, keep=keep, dropout_p=p)
+        # a2a: this CP rank's heads over the whole sequence
+        h0, h1, _, _ = context.head_split(len(heads), k.shape[1], chunks.cp_size, kv_of_head=kv_of_head)[chunks.cp_rank]
+        drop = functools.partial(attention_dropout.apply, keep=mask(heads=heads[h0:h1], rows=[(0, padded)]), p=p)
+
+        def attention(q, k, v):
+            return written_out_attention(q, k, v, mask=None, causal=True, gqa=q.shape[1] != k.shape[1], drop=drop)
+        return context.ulysses_attention(q, k, v, cp_group=self.group, attention=attention, kv_of_head=kv_of_head)
 
 
 def _per_query_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -46,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import invariant, invariant_dropout
+from ..context import attention_dropout
 from ..cross_entropy import vocab_parallel_cross_entropy
 from ..embedding import VocabParallelEmbedding
 from ..initialization import (
@@ -57,7 +57,7 @@ from ..initialization import (
 )
 from ..overlap import interleave
 from ..parallel_state import resolve_tp_group
-from ..random import checkpoint, get_rng_tracker, sharded_dropout
+from ..random import checkpoint, sharded_dropout
 from . import context_split, generation, layout
 from .config import GPTConfig
 from .inputs import check_input, pad_sequence
@@ -152,17 +152,20 @@ class Attention(nn.Module):
                                  **proj_layout, **parallel.linear_kwargs(config))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                mask: torch.Tensor | None = None, kv_cache: KVCache | None = None, key=None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, kv_cache: KVCache | None = None, key=None,
+                seq_len: int | None = None) -> torch.Tensor:
         # g (or the SP reduce-scatter) happens inside the row layer.
-        return self.proj(self._heads(x, cos, sin, mask, kv_cache, key))[0]
+        return self.proj(self._heads(x, cos, sin, mask, kv_cache, key, seq_len))[0]
 
     def start(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         """:meth:`forward` with ``g`` left in flight: ``.wait()`` gives ``(output, None)``."""
         return self.proj.start(self._heads(x, cos, sin))
 
     def _heads(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-               mask: torch.Tensor | None = None, kv_cache: KVCache | None = None, key=None) -> torch.Tensor:
-        """Attention of this rank's heads, before the output projection."""
+               mask: torch.Tensor | None = None, kv_cache: KVCache | None = None, key=None,
+               seq_len: int | None = None) -> torch.Tensor:
+        """Attention of this rank's heads, before the output projection (``seq_len``: the
+        sequence's real length, where the one attended is padded or CP-split)."""
         # f (or the SP all-gather) happens inside the column layer.
         q, k, v = self.split_heads(self.qkv(x)[0], cos, sin)
         if kv_cache is not None:
@@ -172,7 +175,9 @@ class Attention(nn.Module):
             # SDPA's is_causal aligns the causal mask top-left; after cached keys, query i is
             # position keys - s + i and sees every key up to it (bottom-right alignment).
             mask = torch.ones(s, keys, dtype=torch.bool, device=q.device).tril(keys - s)
-        return (self.context or self).attend(q, k, v, mask, causal=mask is None, key=key)
+        if self.context is not None:  # (no mask nor cache: CP runs training and evaluation only)
+            return self.context.attend(self, q, k, v, key=key, seq_len=seq_len)
+        return self.attend(q, k, v, mask, causal=mask is None, key=key, seq_len=seq_len)
 
     def split_heads(self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         """``q`` ``[b, heads/TP, s, d]``, ``k`` and ``v`` ``[b, groups/TP, s, d]`` from the QKV
@@ -193,11 +198,13 @@ class Attention(nn.Module):
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
-               causal: bool, key=None) -> torch.Tensor:
+               causal: bool, key=None, seq_len: int | None = None) -> torch.Tensor:
         """Attention of this rank's heads over ``k``, ``v`` (``mask``: True = attend; ``causal``:
-        top-left aligned), ``[s, b, heads/TP d]``: SDPA, or written out where its dropout masks
-        cannot be SDPA's: with a ``key`` (TP-invariant training: per global head,
-        :func:`tensorpar.invariant_dropout.drop_heads`) or under ``torch.compile``."""
+        top-left aligned), ``[s, b, heads/TP d]``: SDPA, or with attention dropout written out,
+        its masks by global head and position (:mod:`tensorpar.context.attention_dropout`, the
+        masks a CP rank draws again; ``seq_len``: the real length of a padded sequence), with a
+        ``key`` per global head (TP-invariant training, :func:`tensorpar.invariant_dropout.drop_heads`),
+        and under ``torch.compile`` this rank's slice of one mask (:func:`sharded_dropout`)."""
         gqa = q.shape[1] != k.shape[1]
         if not self.even and self.group_of_head is not None:
             # Query heads reading their K/V heads unevenly: SDPA's enable_gqa needs equal runs.
@@ -210,19 +217,21 @@ class Attention(nn.Module):
             drop = functools.partial(invariant_dropout.drop_heads, p=dropout_p, key=key, layer=self.layer_number,
                                      first_head=self.first_head)
         elif dropout_p > 0 and torch.compiler.is_compiling():
-            # A traced graph cannot fork the generator (SDPA would draw every rank's heads the
-            # same mask): each rank keeps its heads' slice of one mask.
+            # A traced graph cannot seed the position masks' generators: each rank keeps its
+            # heads' slice of one mask of the default stream.
             drop = functools.partial(sharded_dropout, p=dropout_p, dim=1, start=self.first_head,
                                      full_size=self.config.num_heads)
+        elif dropout_p > 0:  # each global head's mask by position: independent over heads, any TP or CP size
+            (b, heads, s, _), cached = q.shape, k.shape[2] - q.shape[2]   # queries after any cached keys
+            keep = attention_dropout.keep_mask(attention_dropout.draw_base(), dropout_p, batch=b,
+                                               heads=range(self.first_head, self.first_head + heads),
+                                               rows=[(cached, s)], seq_len=cached + (seq_len or s),
+                                               keys=k.shape[2], device=q.device)
+            drop = functools.partial(attention_dropout.apply, keep=keep, p=dropout_p)
         if drop is not None:
             out = written_out_attention(q, k, v, mask=mask, causal=causal, gqa=gqa, drop=drop)
-        else:
-            # The probabilities of different heads live on different ranks: their dropout masks
-            # must be independent, so they come from the per-rank model-parallel stream.
-            with get_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
-                # enable_gqa: query head i reads K/V head i // p, with no copy.
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                     is_causal=causal, enable_gqa=gqa)
+        else:  # enable_gqa: query head i reads K/V head i // p, with no copy.
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
         b, _, s, _ = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)            # [s, b, heads/TP d]
 
@@ -291,7 +300,7 @@ class Block(nn.Module):
             return interleave(x, [(lambda h: self.attention.start(self.norm1(h), cos, sin), residual),
                                   (lambda h: self.mlp.start(self.norm2(h)), residual)],
                               parts=self.config.interleave)
-        attended = self.attention(self.norm1(x), cos, sin, mask, kv_cache, key)
+        attended = self.attention(self.norm1(x), cos, sin, mask, kv_cache, key, (rows or {}).get("valid_rows"))
         x = x + self._dropout(attended, key, "attention", rows)
         return x + self._dropout(self.mlp(self.norm2(x)), key, "mlp", rows)
 

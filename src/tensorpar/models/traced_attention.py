@@ -1,11 +1,11 @@
-"""Attention whose probabilities are dropped per TP rank's heads, for ``torch.compile``.
+"""Attention written out, its probabilities dropped by a mask SDPA could not draw.
 
-SDPA draws its dropout mask from the default generator, which is the same on every TP rank;
-eager tensorpar swaps in the per-rank stream around it (``get_rng_tracker().fork()``), which
-a traced graph cannot do. Traced, attention is written out instead, and its probabilities go
-through :func:`tensorpar.random.sharded_dropout`: each rank keeps its heads' slice of one mask.
-The TP-invariant mode writes it out too, dropping with its per-head keyed masks
-(:func:`tensorpar.invariant_dropout.drop_heads`).
+SDPA draws its dropout mask inside the kernel, in an order no other split of the work (TP
+ranks' heads, CP ranks' blocks) can replay. So attention with dropout is written out: eager,
+with each global head's mask by position (:mod:`tensorpar.context.attention_dropout`, the mask
+a CP rank draws again for its part); traced by ``torch.compile``, which cannot seed
+generators, with this rank's heads' slice of one mask (:func:`tensorpar.random.sharded_dropout`);
+in the TP-invariant mode with its per-head keyed masks (:func:`tensorpar.invariant_dropout.drop_heads`).
 """
 
 from __future__ import annotations

@@ -40,10 +40,7 @@ def check_world(args, world: int, *, where: str) -> None:
 def _unsupported(args, config) -> list[str]:
     """The flags (with their values) a CP run does not support."""
     pp = getattr(args, "pp", 1)
-    bad = {f"--pp {pp}": pp > 1, "--compile": args.compile,
-           # --dropout sets it unless given; the hidden dropout alone runs.
-           f"--attention-dropout {config.attention_dropout:g} (--dropout's unless given)": config.attention_dropout > 0,
-           f"--interleave {config.interleave}": config.interleave > 1}
+    bad = {f"--pp {pp}": pp > 1, "--compile": args.compile, f"--interleave {config.interleave}": config.interleave > 1}
     return [flag for flag, refused in bad.items() if refused]
 
 
@@ -55,13 +52,11 @@ def check_context(args, config) -> None:
     if unsupported:
         raise UsageError(f"--cp {args.cp} does not combine with {', '.join(unsupported)} (not supported under "
                          "context parallelism); drop them, or train with --cp 1")
-    heads, kv_heads = config.num_heads, config.num_query_groups
-    if heads % args.tp or kv_heads % args.tp:
-        raise UsageError(f"--cp {args.cp} needs --tp {args.tp} to divide the model's {heads} heads and {kv_heads} "
-                         "KV heads (uneven head splits are not supported under context parallelism)")
+    heads = config.num_heads  # an uneven TP split's smallest rank holds heads // TP of them
     if args.cp_comm == "a2a" and heads // args.tp < args.cp:
+        where = "on the smallest" if heads % args.tp else "per"
         raise UsageError(f"--cp-comm a2a needs at least one query head per TP x CP rank: the model's {heads} heads "
-                         f"at --tp {args.tp} are {heads // args.tp} per TP rank, fewer than --cp {args.cp}; "
+                         f"at --tp {args.tp} are {heads // args.tp} {where} TP rank, fewer than --cp {args.cp}; "
                          "use --cp-comm p2p, which has no such limit")
     from ..models.context_split import invariant_refusals  # torch: not for --help
 
