@@ -45,6 +45,33 @@ def test_chunks_pair_chunk_i_with_2cp_minus_1_minus_i_and_pad_any_length():
         chunks[0].shard(x, dim=0)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_long_block_pair_is_computed_in_query_tiles_with_the_untiled_results(monkeypatch, causal):
+    """The ring's block attention takes a long pair's queries a few rows at a time (bounded fp32
+    scores): outputs, log-sum-exps and q/k/v gradients are the whole softmax's."""
+    from tensorpar.context import blockwise
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 2, 12, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 1, 12, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    grad_out = torch.randn(1, 2, 2, 12, 4, generator=g, dtype=torch.float64)
+    q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+    scores = q_ @ k_.transpose(-1, -2) * 0.5
+    if causal:
+        scores = scores.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float("-inf"))
+    reference = scores.softmax(-1) @ v_
+    reference.backward(grad_out)
+    monkeypatch.setattr(blockwise, "SCORE_TILE", 40)  # 3 query rows of 12 keys a tile: 4 tiles
+    assert blockwise.query_rows(12, 12) == 3
+    out, lse = blockwise.block_attention(q, k, v, scale=0.5, causal=causal)
+    torch.testing.assert_close(out, reference.detach().float())
+    torch.testing.assert_close(lse, scores.logsumexp(-1).detach().float())
+    grads = blockwise.block_attention_backward(q, k, v, grad_out.float(), lse, (grad_out * out).sum(-1).float(),
+                                               scale=0.5, causal=causal)
+    for got, expected in zip(grads, (q_.grad, k_.grad, v_.grad)):
+        torch.testing.assert_close(got, expected.float())
+
+
 def test_ulysses_head_split_is_balanced_with_the_kv_heads_each_rank_reads():
     assert head_split(4, 2, 4) == [(0, 1, 0, 1), (1, 2, 0, 1), (2, 3, 1, 2), (3, 4, 1, 2)]
     assert head_split(3, 3, 2) == [(0, 2, 0, 2), (2, 3, 2, 3)]

@@ -187,8 +187,8 @@ def _transient(config, *, tp: int, cp: int, seq_len: int, micro_batch: int, dtyp
     freed by then: the loss's logits gradient (fp32; under bf16 also the fp32 logits and the
     bf16 result) while everything is saved; one FFN-wide gradient in the last block's MLP, the
     loss's ``loss_saved`` (final norm, logits) freed; under CP the attention's own, the last
-    block's ``mlp_saved`` (second norm, MLP) freed too: the ring's fp32 scores of one (query
-    chunk, key chunk) pair, three at a time, and its K/V buffers; Ulysses' all-to-all buffers."""
+    block's ``mlp_saved`` (second norm, MLP) freed too: the ring's fp32 scores of one query
+    tile of a (query chunk, key chunk) pair, three at a time, and its K/V buffers; Ulysses' all-to-all buffers."""
     e = 2 if dtype == "bf16" else 4
     sp = config.sequence_parallel and tp > 1
     tokens = local_tokens(seq_len, tp=tp, cp=cp, sp=sp) * micro_batch
@@ -199,11 +199,14 @@ def _transient(config, *, tp: int, cp: int, seq_len: int, micro_batch: int, dtyp
     if last:
         parts.append(whole * config.padded_vocab_size(tp) / tp * (4 if e == 4 else 10))
     if cp > 1 and config.context_parallel_comm == "p2p":
+        from .context.blockwise import query_rows  # torch: not for the command's --help
+
         chunk = whole // micro_batch // 2
         # Backward: the K/V in hand, the next ones arriving, their gradient (fp32), the one sent
         # before it and its arriving successor, and dQ (fp32).
         buffers = (5 * kv + whole * config.num_heads * config.head_dim / tp) * 4
-        parts.append(3 * micro_batch * config.num_heads / tp * chunk * chunk * 4 + buffers - freed - mlp_saved)
+        tile = query_rows(chunk, chunk) * chunk
+        parts.append(3 * micro_batch * config.num_heads / tp * tile * 4 + buffers - freed - mlp_saved)
     elif cp > 1:
         parts.append(3 * (whole * config.num_heads * config.head_dim / tp + kv) * e - freed - mlp_saved)
     return max(0, *parts)
