@@ -7,8 +7,8 @@ padded at the end), :func:`dropout_rows` (where those chunks lie, so each token'
 is its global position's), :func:`embed`, :meth:`ContextSplit.attend` (its attention) and
 :func:`mean_loss`. A pipeline stage without the embedding takes the previous stage's chunks
 (:func:`stage_rows`: their positions and dropout rows), and the last stage's loss this rank's
-labels (:func:`shard_labels`). Weights are the same on every CP rank and each rank's gradients are its
-tokens' share: summed over CP (with DP: over DP x CP) they are the CP=1 gradients.
+labels (:func:`shard_labels`). Weights are the same on every CP rank and each rank's gradients
+are its tokens' share: summed over CP (with DP: over DP x CP) they are the CP=1 gradients.
 
 In the TP-invariant mode (``tp_invariant``, ``a2a`` only) the CP size changes no bit: the
 embedding runs on the whole sequence and hands each rank its chunks, its backward gathering
