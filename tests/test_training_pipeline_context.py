@@ -5,8 +5,8 @@ One module fixture of tiny runs on the harness's persistent worlds, all on one g
 micro-batches, with a sequence length (10) that 2 x CP does not divide (each CP rank's chunks are
 padded, and so is what passes between the stages): PP 1 x CP 1; PP 2 x CP 2 in p2p with 1F1B
 (checkpointing at step 2) and in a2a with interleaved 1F1B (2 stages per rank); the p2p run
-resumed at PP 1 x CP 1. TP 2 x CP 2 x PP 2 with SP (8 ranks) and the invariant mode's bits are
-tests of their own.
+resumed at PP 1 x CP 1. TP 2 x CP 2 x PP 2 with SP (8 ranks), hidden dropout and the invariant
+mode's bits are tests of their own.
 """
 
 import json
@@ -75,6 +75,19 @@ def test_tp2_x_cp2_x_pp2_with_sp_trains_the_pp1_x_cp1_run(runs, tmp_path):
     _, results = runs
     (losses, val, _), = results["pp1"]
     for rank_losses, rank_val, _ in _train(8, tmp_path, "--tp", "2", "--pp", "2", "--cp", "2", "--sp"):
+        _assert_close(rank_losses, losses)
+        _assert_close(rank_val, val)
+
+
+@pytest.mark.slow
+def test_hidden_dropout_at_pp2_x_cp2_draws_the_masks_of_pp2_x_cp1(tmp_path):
+    """A Llama-style model (rotary positions in every stage) with hidden dropout: PP draws the masks
+    in the schedule's order, so the reference is PP 2 x CP 1; CP 2 gives each token of every stage,
+    the later one's padded chunks too, its global position's mask and rotation."""
+    llama = ["--norm", "rmsnorm", "--activation", "swiglu", "--position-embedding", "rope", "--dropout", "0.1",
+             "--attention-dropout", "0", "--pp", "2", "--tp", "1"]
+    (losses, val, _), _ = _train(2, tmp_path / "cp1", *llama)
+    for rank_losses, rank_val, _ in _train(4, tmp_path / "cp2", *llama, "--cp", "2"):
         _assert_close(rank_losses, losses)
         _assert_close(rank_val, val)
 
