@@ -39,6 +39,8 @@ NOT_RUN = {
     "torchrun": "two nodes; test_training_cli.py::test_two_torchrun_nodes_on_localhost_train_together runs two "
                 "torchrun launchers on one machine",
     "python -m tensorpar.tools.gpu_check": "needs CUDA; test_gpu_check.py runs the same checks with --cpu",
+    "tensorpar train --nproc 4 --tp 1 --pp 2 --cp 2": "4 ranks, seconds of the suite's budget; "
+                                                      "test_training_pipeline_context.py trains PP 2 x CP 2",
 }
 
 TINY = ["--layers", "1", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--micro-batch", "2",

@@ -307,11 +307,12 @@ def _layout_body(order, tp_size, pp_size, cp_size, ep_size, etp_size):
     return True
 
 
-# (tp, pp, cp, ep, etp) per order: a dense and an expert/context layout each; Megatron refuses a
-# PP > 1 layout whose expert DP differs from the dense DP unless the order ends in pp.
+# (tp, pp, cp, ep, etp) per order: a dense and an expert/context layout each, and PP with CP;
+# Megatron refuses a PP > 1 layout whose expert DP differs from the dense DP unless the order ends in pp.
 ORDER_LAYOUTS = {
-    "tp-cp-ep-dp-pp": [(2, 2, 1, 1, 2), (2, 1, 2, 1, 2), (1, 2, 1, 2, 1), (2, 4, 1, 1, 1)],
-    "tp-cp-pp-ep-dp": [(2, 2, 1, 1, 2), (2, 1, 2, 1, 2)],
+    "tp-cp-ep-dp-pp": [(2, 2, 1, 1, 2), (2, 1, 2, 1, 2), (1, 2, 1, 2, 1), (2, 4, 1, 1, 1), (2, 2, 2, 1, 2),
+                       (1, 2, 2, 1, 1)],
+    "tp-cp-pp-ep-dp": [(2, 2, 1, 1, 2), (2, 1, 2, 1, 2), (1, 2, 2, 1, 2)],
     "tp-ep-dp-pp": [(2, 2, 1, 1, 2), (1, 1, 1, 4, 2)],
     "tp-pp-ep-dp": [(2, 2, 1, 1, 2), (1, 1, 1, 4, 2)],
 }

@@ -192,6 +192,45 @@ def test_each_stage_fully_sharded_over_dp_gives_every_pp1_gradient():
         assert errors and all(error <= RTOL for error in errors.values()), errors
 
 
+def _context_body():
+    """PP 2 x CP 2 on Megatron's groups: each CP rank's gradients are its tokens' share, which summed
+    over CP are PP=1 CP=1's; the loss is the whole sequence's; what passes between the stages is
+    each CP rank's chunks (7 tokens padded to 8: 4 per rank, not 7)."""
+    ps = tp.parallel_state
+    tp.initialize_model_parallel(1, 2, context_parallel_size=2)
+    tp_group, pp_group, cp_group = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+                                    ps.get_context_parallel_group())
+    errors, sent = {}, set()
+    for schedule, comm_type, overrides in (("1f1b", "p2p", LLAMA), ("interleaved-1f1b", "a2a", GPT2)):
+        config = GPTConfig(**{**TINY, **overrides, "context_parallel_comm": comm_type})
+        tokens, labels = (t[:, :-1] for t in _batch(2, config.vocab_size))
+        full, expected_loss = _pp1(config, tokens, labels, 2, tp_group)
+        layout = pipeline.stage_layout(config.num_layers, pp_size=2, schedule=schedule)
+        tp.model_parallel_manual_seed(1234, tp_group=tp_group)
+        stages = pipeline.build_stages(config, layout, pp_group=pp_group, tp_group=tp_group, cp_group=cp_group)
+        schedule_ = pipeline.PipelineSchedule(stages, layout, schedule=schedule, microbatches=2, pp_group=pp_group,
+                                              embedding_group=ps.get_embedding_group(check_initialized=False))
+        with pytest.raises(UsageError, match="needs the tokens or labels on every rank"):
+            schedule_.step()
+        with tp.CommLedger() as ledger:
+            loss = schedule_.step(tokens, labels)
+        assert abs(loss.item() - expected_loss.item()) <= RTOL * abs(expected_loss.item()), (schedule, loss)
+        sent |= {r.shape for r in ledger.records if r.op in ("send", "recv")}
+        reference = dict(full.named_parameters())
+        for stage in stages:
+            for name, param in stage.named_parameters():
+                grad = param.grad.clone()
+                dist.all_reduce(grad, group=cp_group)
+                errors[schedule, name] = _worst_error(grad, reference[_full_name(stage, name)].grad)
+    return errors, sent
+
+
+def test_pp2_by_cp2_gives_every_pp1_gradient_and_sends_each_cp_ranks_chunks():
+    for errors, sent in run_on_ranks(_context_body, 4, timeout=300):
+        assert errors and all(error <= RTOL for error in errors.values()), errors
+        assert sent == {(4, ROWS_PER_MICROBATCH, TINY["hidden_size"])}
+
+
 def _ledger_body():
     groups = _groups(1, 2)
     config = GPTConfig(**{**TINY, **LLAMA})

@@ -5,8 +5,10 @@ the mean over every token of the whole batch.
 The GPT calls five things: :func:`shard` (tokens, labels and positions of this rank's chunks,
 padded at the end), :func:`dropout_rows` (where those chunks lie, so each token's dropout mask
 is its global position's), :func:`embed`, :meth:`ContextSplit.attend` (its attention) and
-:func:`mean_loss`. Weights are the same on every CP rank and each rank's gradients are its
-tokens' share: summed over CP (with DP: over DP x CP) they are the CP=1 gradients.
+:func:`mean_loss`. A pipeline stage without the embedding takes the previous stage's chunks
+(:func:`stage_rows`: their positions and dropout rows), and the last stage's loss this rank's
+labels (:func:`shard_labels`). Weights are the same on every CP rank and each rank's gradients
+are its tokens' share: summed over CP (with DP: over DP x CP) they are the CP=1 gradients.
 
 In the TP-invariant mode (``tp_invariant``, ``a2a`` only) the CP size changes no bit: the
 embedding runs on the whole sequence and hands each rank its chunks, its backward gathering
@@ -103,9 +105,13 @@ class ContextSplit:
         b, _, s, _ = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
+    def chunks(self, seq_len: int) -> context.SequenceChunks:
+        """This rank's chunks of a ``seq_len`` sequence."""
+        return context.SequenceChunks.of(seq_len, cp_group=self.group, multiple=self.multiple)
+
     def _dropped(self, q, k, v, p: float, kv_of_head: list[int], *, heads: range, seq_len: int) -> torch.Tensor:
         """Attention with dropout over the CP group, ``heads`` this TP rank's global query heads."""
-        chunks = context.SequenceChunks.of(seq_len, cp_group=self.group, multiple=self.multiple)
+        chunks = self.chunks(seq_len)
         base, padded = attention_dropout.draw_base(), chunks.padded_len
         mask = functools.partial(attention_dropout.keep_mask, base, p, batch=q.shape[0], seq_len=seq_len, keys=padded,
                                  device=q.device)
@@ -142,13 +148,38 @@ def shard(model, tokens, labels, position_ids, attn_mask, kv_cache):
     if attn_mask is not None or kv_cache is not None:
         raise ValueError("context parallelism runs training and evaluation only: no attn_mask or "
                          "kv_cache (generate from the checkpoint without CP)")
-    chunks = context.SequenceChunks.of(tokens.shape[1], cp_group=split.group, multiple=split.multiple)
+    chunks = split.chunks(tokens.shape[1])
     if position_ids is None:
-        position_ids = chunks.positions(tokens.device).clamp(max=split.config.max_seq_len - 1)
+        position_ids = _positions(split, chunks, tokens.device)
     else:
         position_ids = chunks.shard(position_ids, dim=-1)
-    labels = None if labels is None else chunks.shard(labels, dim=1, pad_value=-100)
-    return chunks.shard(tokens, dim=1), labels, position_ids
+    return chunks.shard(tokens, dim=1), shard_labels(split, labels), position_ids
+
+
+def shard_labels(split: ContextSplit | None, labels: torch.Tensor | None) -> torch.Tensor | None:
+    """This CP rank's ``labels`` (``[b, s]``; padding -100), unchanged without CP."""
+    if split is None or labels is None:
+        return labels
+    return split.chunks(labels.shape[1]).shard(labels, dim=1, pad_value=-100)
+
+
+def stage_rows(split: ContextSplit, x: torch.Tensor, seq_len: int | None) -> tuple[dict, torch.Tensor]:
+    """A pipeline stage's input ``x`` (``[rows(/TP), b, h]``) as this rank's chunks of a ``seq_len``
+    sequence: their :func:`dropout_rows` and position ids, what the first stage had for them."""
+    if seq_len is None:
+        raise ValueError("a pipeline stage without the embedding under context parallelism needs the "
+                         "sequence_length its input holds this CP rank's chunks of")
+    chunks = split.chunks(seq_len)
+    rows = x.shape[0] * split.multiple  # under SP: x is this TP rank's slice
+    if rows != chunks.local_len:
+        raise ValueError(f"a pipeline stage's input of {rows} rows is not this CP rank's {chunks.local_len} "
+                         f"tokens of a {seq_len}-token sequence")
+    return dropout_rows(split, seq_len), _positions(split, chunks, x.device)
+
+
+def _positions(split: ContextSplit, chunks: context.SequenceChunks, device) -> torch.Tensor:
+    # The padding's positions are past the sequence: any the tables hold will do.
+    return chunks.positions(device).clamp(max=split.config.max_seq_len - 1)
 
 
 def dropout_rows(split: ContextSplit | None, seq_len: int) -> dict:
@@ -157,7 +188,7 @@ def dropout_rows(split: ContextSplit | None, seq_len: int) -> dict:
     global position's, as at CP=1; empty without CP."""
     if split is None:
         return {}
-    chunks = context.SequenceChunks.of(seq_len, cp_group=split.group, multiple=split.multiple)
+    chunks = split.chunks(seq_len)
     return {"valid_rows": seq_len, "row_starts": tuple(c * chunks.chunk_len for c in chunks.chunks())}
 
 
@@ -171,7 +202,7 @@ def embed(model, tokens, position_ids, key, rows, *, whole) -> torch.Tensor:
         return model.embedding(tokens, position_ids, key, rows)
     tokens, position_ids = whole
     seq_len, parallel = tokens.shape[1], model.parallel
-    chunks = context.SequenceChunks.of(seq_len, cp_group=split.group, multiple=split.multiple)
+    chunks = split.chunks(seq_len)
     if chunks.padding:  # padding would move the fixed blocks' boundaries
         raise ValueError(f"tp_invariant under context parallelism: the sequence length {seq_len} is not divisible "
                          f"by 2 x CP{' x TP' if split.multiple > 1 else ''} = {2 * chunks.cp_size * split.multiple}")

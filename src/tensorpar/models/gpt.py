@@ -316,6 +316,7 @@ class GPT(nn.Module):
     A pipeline stage (:mod:`tensorpar.pipeline`) holds the blocks ``layers`` only, the embedding
     if ``pre_process`` (else its input is the previous stage's output) and the final norm and
     head if ``post_process`` (else it returns its blocks' output), with the whole model's weights.
+    Over ``cp_group`` too, a stage's input and output are this CP rank's chunks of the sequence.
 
     Example::
 
@@ -330,9 +331,6 @@ class GPT(nn.Module):
         self.tp_group = resolve_tp_group(tp_group)
         parallel = Placement(config, self.tp_group, device, cp_group)
         self.parallel = parallel
-        if parallel.context is not None and not (pre_process and post_process):
-            raise ValueError("context parallelism within a pipeline stage is not supported yet: pass cp_group "
-                             "only to a GPT with pre_process and post_process")
         if config.num_heads < parallel.size:
             raise ValueError(f"num_heads ({config.num_heads}) is smaller than the tensor-parallel size "
                              f"({parallel.size}): every rank needs a query head")
@@ -372,12 +370,14 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, *,
                 position_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None, last_position_only: bool = False) -> torch.Tensor:
+                kv_cache: KVCache | None = None, last_position_only: bool = False,
+                sequence_length: int | None = None) -> torch.Tensor:
         """Loss, or this rank's logits; ``position_ids`` (``[b, s]``, default ``0..s-1``),
         ``attn_mask`` (boolean ``[b, 1, s, keys]``, True = attend; default causal), ``kv_cache``
         and ``last_position_only`` (the logits of the last position alone, except under SP,
         whose sequence is split) serve generation (see :meth:`generate`). A pipeline stage without
-        the embedding takes the previous stage's output ``[s(/TP), b, h]`` (of the padded sequence)."""
+        the embedding takes the previous stage's output ``[s(/TP), b, h]`` (of the padded sequence);
+        under CP, this rank's chunks of a sequence of ``sequence_length`` tokens."""
         rows = {}  # dropout's placement of this rank's rows: CP chunks, SP padding
         if self.pre_process:
             check_input(self.config, tokens, labels, sp_size=self.parallel.size if self.parallel.sequence_parallel else 1,
@@ -385,6 +385,8 @@ class GPT(nn.Module):
             rows = context_split.dropout_rows(self.parallel.context, tokens.shape[1])
             whole = tokens, position_ids
             tokens, labels, position_ids = context_split.shard(self, tokens, labels, position_ids, attn_mask, kv_cache)
+        elif self.parallel.context is not None:  # a later pipeline stage: the chunks' places in the sequence
+            rows, position_ids = context_split.stage_rows(self.parallel.context, tokens, sequence_length)
         seq_len = tokens.shape[1] if self.pre_process else tokens.shape[0] * (
             self.parallel.size if self.parallel.sequence_parallel else 1)
         pad = -seq_len % self.parallel.size if self.parallel.sequence_parallel else 0

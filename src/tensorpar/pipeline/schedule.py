@@ -7,7 +7,9 @@ schedule runs the same micro-batches (the batch's rows cut into ``M`` equal part
 stage's loss function returns ``loss_k / M`` (torch's own grad scaling is off), and after the
 schedule the gradients are finished as PP=1's are: the SP partial sums over TP, and the tied
 embedding's two copies (first and last stage) summed over the embedding group. ``step``
-returns the mean micro-batch loss, broadcast to every rank of the pipeline.
+returns the mean micro-batch loss, broadcast to every rank of the pipeline. Stages built over a
+CP group run each CP rank's chunks of every micro-batch: what passes between stages is those
+chunks, and the last stage's loss is the mean over the whole sequence (every CP rank's tokens).
 
 With ``tp_invariant=True`` each micro-batch's gradient is taken apart and handed on in
 micro-batch order (:class:`~.microbatch_grads.MicroBatchGrads`): to ``grad_sink`` (a
@@ -32,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from .. import comm
 from ..errors import UsageError
 from ..grads import allreduce_sequence_parallel_grads
-from ..models import GPT
+from ..models import GPT, context_split
 from .microbatch_grads import MicroBatchGrads
 from .plan import StageLayout, check_invariant, check_microbatches, schedule_spec
 from .torch_stage import TorchStage
@@ -45,12 +47,13 @@ class PipelineSchedule:
     ``embedding_group`` (the ranks of the first and last stage, per TP rank, as Megatron's
     embedding group) is needed with tied embeddings when those stages are on different ranks.
     ``loss_divisor`` is what each micro-batch's loss is divided by before its backward (default
-    ``microbatches``; the invariant mode's training loop: the global count, ``microbatches x DP``).
+    ``microbatches``; the invariant mode's training loop: the global count, ``microbatches x DP``;
+    under CP, whose reducer averages over DP x CP: ``microbatches / CP``).
     In the invariant mode, create a ``DataParallelGradReducer`` after the schedule.
     """
 
     def __init__(self, stages: list[GPT], layout: StageLayout, *, schedule: str, microbatches: int, pp_group,
-                 embedding_group=None, loss_divisor: int | None = None) -> None:
+                 embedding_group=None, loss_divisor: float | None = None) -> None:
         spec = schedule_spec(schedule)
         check_microbatches(schedule, microbatches=microbatches, pp_size=layout.pp_size,
                            virtual_stages=None if spec.placement == "single" else len(stages))
@@ -88,7 +91,9 @@ class PipelineSchedule:
                                           microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # The last stage's logits [b, s, V/TP] cover the sequence as padded for SP: so do the labels.
+        # The last stage's logits [b, s, V/TP] cover the sequence as padded for SP (under CP this
+        # rank's chunks of it): so do the labels.
+        labels = context_split.shard_labels(self.stages[-1].parallel.context, labels)
         labels = F.pad(labels, (0, logits.shape[1] - labels.shape[1]), value=-100)
         loss = self.stages[-1].loss(logits.transpose(0, 1), labels)
         if not self._last_stage.inferring:
@@ -107,11 +112,19 @@ class PipelineSchedule:
         forward and backward as :meth:`step`'s, or with ``backward=False`` a forward only
         (an evaluation: no gradient is touched). In the invariant mode: ``grad_sink(param, grad)``
         gets each micro-batch's gradients in order (default: summed into ``.grad``), and the
-        dropout masks of micro-batch ``k`` are keyed by ``first_micro_batch + k``."""
+        dropout masks of micro-batch ``k`` are keyed by ``first_micro_batch + k``. Under context
+        parallelism every rank passes ``tokens`` or ``labels``: each stage reads the sequence length."""
         for name, batch in (("tokens", tokens), ("labels", labels)):
             if batch is not None and batch.shape[0] % self.microbatches:
                 raise UsageError(f"a batch of {batch.shape[0]} {name} rows does not cut into "
                                  f"{self.microbatches} equal micro-batches")
+        kwargs = {}  # what torch's schedule hands every stage's forward
+        if self.stages[0].parallel.context is not None:
+            given = tokens if tokens is not None else labels
+            if given is None:
+                raise UsageError("a pipeline under context parallelism needs the tokens or labels on every rank: "
+                                 "each stage reads the sequence length whose chunks it runs")
+            kwargs["sequence_length"] = given.shape[1]
         self._losses.clear()
         args = (tokens,) if 0 in self.indices else ()
         target = labels if self.last in self.indices else None
@@ -120,11 +133,11 @@ class PipelineSchedule:
         if self._grads is not None:
             self._grads.sink = grad_sink
         if backward:
-            self._schedule.step(*args, target=target, return_outputs=False)
+            self._schedule.step(*args, target=target, return_outputs=False, **kwargs)
             self._finish_grads()
         else:
             with torch.no_grad():
-                self._schedule.eval(*args, target=target)
+                self._schedule.eval(*args, target=target, **kwargs)
         device = comm.collective_device(self.pp_group)
         losses = torch.zeros(self.microbatches, dtype=torch.float64, device=device)
         if self._losses:

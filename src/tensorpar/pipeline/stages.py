@@ -31,8 +31,10 @@ from .plan import StageLayout
 _UNSUPPORTED = {"gradient_accumulation_fusion": "gradient-accumulation fusion"}
 
 
-def build_stages(config: GPTConfig, layout: StageLayout, *, pp_group, tp_group=None, device=None) -> list[GPT]:
-    """The GPT stages this rank of ``pp_group`` runs, in stage order (seed every rank alike first)."""
+def build_stages(config: GPTConfig, layout: StageLayout, *, pp_group, tp_group=None, cp_group=None,
+                 device=None) -> list[GPT]:
+    """The GPT stages this rank of ``pp_group`` runs, in stage order (seed every rank alike first);
+    over ``cp_group`` each runs this CP rank's chunks of every sequence."""
     named = [what for name, what in _UNSUPPORTED.items() if getattr(config, name)]
     if named:
         raise UsageError(f"pipeline parallelism does not support {' or '.join(named)} yet")
@@ -44,7 +46,7 @@ def build_stages(config: GPTConfig, layout: StageLayout, *, pp_group, tp_group=N
     for s in layout.stages_of(comm.group_rank(pp_group)):
         # Every stage draws the model's one seed from the same state, as the PP=1 GPT does.
         torch.set_rng_state(state)
-        stages.append(GPT(config, tp_group=tp_group, device=device, layers=layout.layers[s],
+        stages.append(GPT(config, tp_group=tp_group, cp_group=cp_group, device=device, layers=layout.layers[s],
                           pre_process=s == 0, post_process=s == layout.num_stages - 1))
     for s, stage in zip(layout.stages_of(comm.group_rank(pp_group)), stages):
         for param in stage.parameters():

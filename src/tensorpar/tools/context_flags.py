@@ -24,23 +24,24 @@ def add_context_flags(parser: argparse.ArgumentParser) -> None:
     """``--cp`` and ``--cp-comm``."""
     parser.add_argument("--cp", type=positive(int), default=1,
                         help="context-parallel size: each sequence split over this many ranks, which hold the same "
-                             "weights; --nproc = TP x CP x DP (default: 1)")
+                             "weights; --nproc = TP x CP x DP x PP (default: 1)")
     parser.add_argument("--cp-comm", choices=("a2a", "p2p"), default="p2p",
                         help="how attention reaches the other CP ranks' tokens: a2a (Ulysses all-to-all, at least "
                              "one query head per TP x CP rank) or p2p (K/V passed around a ring; default)")
 
 
 def check_world(args, world: int, *, where: str) -> None:
-    """Refuse a world that TP x CP does not divide (``where``: the flag or launcher that set it)."""
-    if world % (args.tp * args.cp):
-        raise UsageError(f"--tp {args.tp} x --cp {args.cp} = {args.tp * args.cp} does not divide {where} {world}: "
-                         "the world is TP x CP x DP")
+    """Refuse a world that TP x CP (x PP) does not divide (``where``: the flag or launcher that set it)."""
+    pp = getattr(args, "pp", 1)
+    if world % (args.tp * args.cp * pp):
+        sizes = f"--tp {args.tp} x --cp {args.cp}" + (f" x --pp {pp}" if pp > 1 else "")
+        raise UsageError(f"{sizes} = {args.tp * args.cp * pp} does not divide {where} {world}: "
+                         "the world is TP x CP x DP" + (" x PP" if pp > 1 else ""))
 
 
 def _unsupported(args, config) -> list[str]:
     """The flags (with their values) a CP run does not support."""
-    pp = getattr(args, "pp", 1)
-    bad = {f"--pp {pp}": pp > 1, "--compile": args.compile, f"--interleave {config.interleave}": config.interleave > 1}
+    bad = {"--compile": args.compile, f"--interleave {config.interleave}": config.interleave > 1}
     return [flag for flag, refused in bad.items() if refused]
 
 

@@ -24,7 +24,6 @@ V_SCHEDULES = ("zbv", "dualpipev")
 
 # What a pipeline run refuses: (the args attribute, the flag, why).
 _NOT_WITH_PP = (
-    ("cp", "--cp", "context parallelism inside a pipeline stage is not supported yet"),
     ("compile", "--compile", "torch.compile of pipeline stages is not supported yet"),
     ("init_from_hf", "--init-from-hf", "loading a Hugging Face model into pipeline stages is not supported yet: "
                                        "train a step at --pp 1, then --resume at --pp N"),
@@ -40,7 +39,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     """The pipeline flags, beside ``--tp``."""
     parser.add_argument("--pp", type=positive(int), default=1,
                         help="pipeline-parallel size: the layers cut into stages over PP ranks; --nproc is "
-                             "TP x PP x DP, ranks ordered TP fastest, then DP, then PP (default: 1)")
+                             "TP x CP x DP x PP, ranks ordered TP fastest, then CP, DP, PP (default: 1)")
     parser.add_argument("--pp-schedule", choices=SCHEDULE_NAMES, default="1f1b",
                         help="torch.distributed.pipelining schedule with --pp; the step's micro-batches "
                              "(--grad-accum) are its micro-batches (default: 1f1b)")

@@ -235,7 +235,7 @@ def _train(args, signals: Signals) -> RunResult:
     model_parallel_manual_seed(args.seed)
     model = GPT(config, cp_group=cp.group, device=device) if pp_size == 1 else pipeline_step.PipelinedGPT(
         config, schedule=args.pp_schedule, microbatches=args.grad_accum, virtual_stages=args.virtual_stages,
-        device=device, fsdp_group=cp.grad_group if fsdp else None)
+        device=device, fsdp_group=cp.grad_group if fsdp else None, context=cp)
     if args.init_from_hf:
         from ..models.hf import load_weights
 
@@ -308,7 +308,7 @@ def _train(args, signals: Signals) -> RunResult:
             print(f"tensorpar train: {_init_header(args, init, config)}", flush=True)
         if resumed:
             header, note = resume_header(args, resumed[2], ckpt=resumed[0], tp=tp_size, dp=dp_size, cp=cp.size,
-                                         data=corpus.source)
+                                         pp=pp_size, data=corpus.source)
             print(f"tensorpar train: {header}", flush=True)
             if note:
                 _say(note)

@@ -31,6 +31,7 @@ from .. import comm, parallel_state as ps
 from ..invariant_dropout import MaskCounter
 from ..models import GPTConfig
 from ..pipeline import PipelineSchedule, StageLayout, bubble_fraction, build_stages, fully_shard_stages, stage_layout
+from .context_run import ContextLayout
 from .data import BatchSampler
 from .evaluation import autocast
 
@@ -65,26 +66,30 @@ class PipelinedGPT(nn.Module):
 
     ``named_parameters`` gives the PP=1 names (each parameter once); ``num_parameters`` is the
     whole model's count (the unpadded TP=1 model's, as ``count_parameters`` gives at PP=1).
-    Given ``fsdp_group`` (the DP group), each stage is sharded over it
-    (:func:`tensorpar.pipeline.fully_shard_stages`).
+    Given ``fsdp_group`` (the DP group, or DP x CP), each stage is sharded over it
+    (:func:`tensorpar.pipeline.fully_shard_stages`); given a ``context`` of CP > 1, every stage
+    runs its CP rank's chunks of each sequence.
     """
 
     def __init__(self, config: GPTConfig, *, schedule: str, microbatches: int, virtual_stages: int | None,
-                 device, fsdp_group=None) -> None:
+                 device, fsdp_group=None, context: ContextLayout | None = None) -> None:
         super().__init__()
         pp_group, tp_group = ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group()
         self.config, self.tp_group, self.pp_group = config, tp_group, pp_group
         self.layout = stage_layout(config.num_layers, pp_size=comm.group_size(pp_group), schedule=schedule,
                                    virtual_stages=virtual_stages)
-        stages = build_stages(config, self.layout, pp_group=pp_group, tp_group=tp_group, device=device)
+        stages = build_stages(config, self.layout, pp_group=pp_group, tp_group=tp_group,
+                              cp_group=None if context is None else context.group, device=device)
         self.stages = nn.ModuleList(stages if fsdp_group is None else fully_shard_stages(stages, dp_group=fsdp_group))
         ends = {self.layout.rank_of(0), self.layout.rank_of(self.layout.num_stages - 1)}
         embedding_group = ps.get_embedding_group() if comm.group_rank(pp_group) in ends and len(ends) > 1 else None
-        # The invariant mode: one division by the global micro-batch count, at any DP size, as at PP=1.
-        dp_size = comm.group_size(ps.get_data_parallel_group()) if config.tp_invariant else 1
+        # The invariant mode: one division by the global micro-batch count, at any DP size, as at PP=1;
+        # else the reducer's average over CP undone (ContextLayout.loss_scale).
+        loss_divisor = microbatches * comm.group_size(ps.get_data_parallel_group()) if config.tp_invariant \
+            else microbatches / (1 if context is None else context.loss_scale)
         self.schedule = PipelineSchedule(list(self.stages), self.layout, schedule=schedule,
                                          microbatches=microbatches, pp_group=pp_group,
-                                         embedding_group=embedding_group, loss_divisor=microbatches * dp_size)
+                                         embedding_group=embedding_group, loss_divisor=loss_divisor)
         # The training loop sets its counter to the global index of the step's first micro-batch.
         self.dropout_masks = MaskCounter(seed=self.stages[0].dropout_masks.seed) if config.tp_invariant else None
         self.num_parameters = self._count()

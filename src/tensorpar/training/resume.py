@@ -3,7 +3,8 @@
 A resumed run keeps every setting it ran with (:data:`RUN_SETTINGS`: data, sequence length,
 seed, dtype, logging, evaluation, ...) unless the command line gives another value; the train
 flags default to None so that a value given can be told from one left out. The header names
-the step, the TP/DP sizes before and after, the data, the schedule and every value changed.
+the step, the TP/DP (and CP, PP) sizes before and after, the data, the schedule and every
+value changed.
 
 Example::
 
@@ -88,15 +89,17 @@ def setting_changes(args, meta: dict) -> list[str]:
     return changes
 
 
-def resume_header(args, meta: dict, *, ckpt, tp: int, dp: int, data: str, cp: int = 1) -> tuple[str, str | None]:
-    """Rank 0's line on resume (where the run continues, on what, what changed; CP when either
-    run has it) and, when the schedule ends before ``--steps``, a note that the rest trains at ``--min-lr``."""
+def resume_header(args, meta: dict, *, ckpt, tp: int, dp: int, data: str, cp: int = 1,
+                  pp: int = 1) -> tuple[str, str | None]:
+    """Rank 0's line on resume (where the run continues, on what, what changed; CP and PP when
+    either run has them) and, when the schedule ends before ``--steps``, a note that the rest trains at ``--min-lr``."""
     start, world = meta["step"], meta["world"]
     changes = setting_changes(args, meta)
-    saved_cp = world.get("cp", 1)
+    saved_cp, saved_pp = world.get("cp", 1), world.get("pp", 1)
     context = f", CP {saved_cp}->{cp}" if max(saved_cp, cp) > 1 else ""
+    pipeline = f", PP {saved_pp}->{pp}" if max(saved_pp, pp) > 1 else ""
     header = (f"resuming {ckpt} at step {start} of {args.steps}: TP {world['tp']}->{tp}{context}, "
-              f"DP {world['dp']}->{dp}; "
+              f"DP {world['dp']}->{dp}{pipeline}; "
               f"data: {data} from step {start}; schedule lr {args.lr:g}, warmup {args.warmup}, cosine to "
               f"{args.min_lr:g} at step {args.lr_decay_steps}; "
               + (f"changed: {', '.join(changes)}" if changes else "no setting changed"))
