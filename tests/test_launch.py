@@ -122,18 +122,25 @@ _SET_BEFORE_THE_LAUNCH = {"marker": None}
 
 
 def _inherited_marker():
-    return _SET_BEFORE_THE_LAUNCH["marker"]
+    import gc
+
+    return _SET_BEFORE_THE_LAUNCH["marker"], gc.get_freeze_count() > 0
 
 
 @pytest.mark.parametrize("chosen, inherited", [(None, "set here"), ("spawn", None)])
 def test_cpu_ranks_are_forked_unless_the_environment_says_otherwise(monkeypatch, chosen, inherited):
-    """A forked rank inherits this process's modules (and so this marker); a spawned one imports them anew."""
+    """A forked rank inherits this process's modules (and so this marker), frozen out of its
+    garbage collector's reach; a spawned one imports them anew. This process's heap is not left frozen."""
+    import gc
+
     if chosen is None:
         monkeypatch.delenv("TENSORPAR_START_METHOD", raising=False)
     else:
         monkeypatch.setenv("TENSORPAR_START_METHOD", chosen)
     monkeypatch.setitem(_SET_BEFORE_THE_LAUNCH, "marker", "set here")
-    assert launch_local(_inherited_marker, nproc=2) == {0: inherited, 1: inherited}
+    forked = chosen is None
+    assert launch_local(_inherited_marker, nproc=2) == {0: (inherited, forked), 1: (inherited, forked)}
+    assert gc.get_freeze_count() == 0
 
 
 @pytest.mark.parametrize("platform, cuda, chosen, expected", [

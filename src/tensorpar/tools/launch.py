@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import json
 import logging
 import os
@@ -130,14 +131,32 @@ def launch_local(entry, *args, nproc: int) -> dict[int, object]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    method = start_method()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                          monitor_interval=0.2, start_method=start_method())
-    with _quiet_launcher():
+                          monitor_interval=0.2, start_method=method)
+    with _quiet_launcher(), _frozen_heap(method == "fork"):
         try:
             return elastic_launch(config, _elastic_entry)(entry, *args)
         except ChildFailedError as exc:
             raise _first_failure(exc) from None
+
+
+@contextlib.contextmanager
+def _frozen_heap(forking: bool):
+    """While forked ranks start: this process's objects out of the garbage collector's reach in
+    them (``gc.freeze``). A child's collector would otherwise walk every object it inherited,
+    including ones another thread of this process (the launcher's store and monitor) was
+    changing at the fork: a forked rank crashed with SIGSEGV in its first collection."""
+    if not forking:
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @contextlib.contextmanager
