@@ -25,6 +25,8 @@ GPT2 = GPTConfig(vocab_size=96, max_seq_len=16, num_layers=2, num_heads=4, hidde
 LLAMA = GPTConfig(vocab_size=96, max_seq_len=16, num_layers=2, num_heads=8, num_query_groups=4, hidden_size=64,
                   norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
                   tie_word_embeddings=False, dropout=0.1, attention_dropout=0.2, tp_invariant=True)
+# 4 heads, 2 K/V heads: at TP 4 each K/V head is replicated on the two ranks of its query heads.
+REPLICATED_KV = dataclasses.replace(LLAMA, num_heads=4, num_query_groups=2)
 # (TP size, SP, recompute): recompute draws the masks again, the same ones.
 LAYOUTS = [(1, False, False), (2, False, False), (2, True, False), (4, False, False), (4, True, False),
            (2, True, True), (4, False, True)]
@@ -83,7 +85,8 @@ def _mismatch(reference, losses, weights) -> str | None:
     return None
 
 
-def _invariance_body(config: GPTConfig, layouts=LAYOUTS):
+def _reports(config: GPTConfig, layouts):
+    """On rank 0: (each layout's mismatch with ``layouts[0]``'s run or None, that run); else None."""
     results = {}
     for size, sp, recompute in layouts:
         group = _group(size)  # every rank takes part in creating it
@@ -95,14 +98,24 @@ def _invariance_body(config: GPTConfig, layouts=LAYOUTS):
     if dist.get_rank() != 0:
         return None
     reference = results[layouts[0]]
-    report = {layout: _mismatch(reference, *results[layout]) for layout in layouts[1:]}
+    return {layout: _mismatch(reference, *results[layout]) for layout in layouts[1:]}, reference
+
+
+def _invariance_body(config: GPTConfig, layouts=LAYOUTS, more=None):
+    """:func:`_reports`, then (rank 0) the dropout-free runs of both modes at TP=1 and ``more``'s
+    ``(config, layouts)`` reports, in the same processes."""
+    reports = _reports(config, layouts)
+    more_report = more and _reports(*more)
+    if reports is None:
+        return None
+    report, reference = reports
     # The default mode sums in other orders and draws other dropout masks: without dropout,
     # the same training to rounding only.
     no_dropout = dataclasses.replace(config, dropout=0.0, attention_dropout=0.0)
     invariant_run, default_run = ((losses, model.full_state_dict()) for losses, model, _ in
                                   (_train(dataclasses.replace(no_dropout, tp_invariant=mode), _group(1), STEPS)
                                    for mode in (True, False)))
-    return report, reference, invariant_run, default_run
+    return report, reference, invariant_run, default_run, more_report and more_report[0]
 
 
 # Measured on this project's machine of 2026-12-02 (AMD EPYC), at 0.4.0 (07117b2) as after it: TP 8
@@ -112,11 +125,16 @@ def _invariance_body(config: GPTConfig, layouts=LAYOUTS):
 ON_THIS_CPU = pytest.mark.xfail(reason="fails on the AMD EPYC CI machine at 0.4.0 too: see ON_THIS_CPU")
 
 
-@pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama-gqa"])
-def test_training_is_bit_identical_at_every_tp_size(config):
-    report, (dropout_losses, _), (losses, _), (default_losses, _) = \
-        run_on_ranks(_invariance_body, 4, config, timeout=300)[0]
+@pytest.mark.parametrize("config, more", [
+    (GPT2, None),
+    # and replicated K/V heads at TP 4, with and without SP and with recompute (issue 30)
+    (LLAMA, (REPLICATED_KV, [(1, False, False), (2, True, False), (4, False, False), (4, True, False),
+                             (4, False, True)]))], ids=["gpt2", "llama-gqa"])
+def test_training_is_bit_identical_at_every_tp_size(config, more):
+    report, (dropout_losses, _), (losses, _), (default_losses, _), more_report = \
+        run_on_ranks(_invariance_body, 4, config, LAYOUTS, more, timeout=300)[0]
     assert report == {layout: None for layout in LAYOUTS[1:]}
+    assert more_report == (more and {layout: None for layout in more[1][1:]})
     assert all(a != b for a, b in zip(dropout_losses, losses))  # the masks drop
     assert losses == pytest.approx(default_losses, rel=1e-5)
     # Not the weights after AdamW: its step of a near-zero gradient is the sign of that gradient's
@@ -145,9 +163,12 @@ def test_sizes_the_fixed_blocks_do_not_divide_are_named():
     invariant.check_gpt_sizes(GPT2, tp_size=4, seq_len=16)
     with pytest.raises(ValueError, match="tensor-parallel size 3 does not divide the 8 fixed blocks"):
         invariant.check_gpt_sizes(GPT2, tp_size=3)
-    with pytest.raises(ValueError, match="num_heads 2, num_query_groups 2 not divisible by the tensor-parallel "
-                                         "size 4 .uneven or replicated heads are not supported."):
-        invariant.check_gpt_sizes(dataclasses.replace(GPT2, num_heads=2, num_query_groups=2), tp_size=4)
+    invariant.check_gpt_sizes(REPLICATED_KV, tp_size=4)
+    for heads, groups in ((2, 2), (6, 6), (8, 2)):  # uneven query heads; K/V heads on 2 ranks of 2 query heads
+        with pytest.raises(ValueError, match=f"num_heads {heads}, num_query_groups {groups} at the tensor-parallel "
+                                             "size 4: tp_invariant needs heads divisible by TP, and K/V heads"):
+            invariant.check_gpt_sizes(dataclasses.replace(GPT2, num_heads=heads, num_query_groups=groups,
+                                                          hidden_size=96 if heads == 6 else 64), tp_size=4)
     narrow = dataclasses.replace(GPT2, hidden_size=36, ffn_hidden_size=68, num_heads=4)
     with pytest.raises(ValueError, match="hidden_size 36, num_query_groups x head_dim 36, ffn_hidden_size 68, "
                                          "the sequence length 12 not divisible by the 8 fixed blocks"):

@@ -401,7 +401,10 @@ def _ordered_grad_norm(params: list[nn.Parameter], group, pp_group=None) -> torc
             continue
         grad = grad.float()
         if getattr(param, "tensor_model_parallel", False):
-            squares = [*_block_squares(grad, param, blocks), grad.new_zeros(())]
+            # A shard ``tp_replicas`` ranks hold (replicated K/V heads): each counts its share of the blocks.
+            replicas = getattr(param, "tp_replicas", 1)
+            share = comm.group_rank(group) % replicas * blocks
+            squares = [*_block_squares(grad, param, blocks * replicas)[share:share + blocks], grad.new_zeros(())]
         else:
             squares = [grad.new_zeros(()) for _ in range(blocks)] + [grad.square().sum()]
         stage = torch.tensor(float(getattr(param, "pipeline_stage", 0)), device=grad.device)

@@ -84,6 +84,16 @@ def _over_context(tensor: torch.Tensor, cp_group) -> torch.Tensor:
     return tensor if cp_group is None else all_reduce_tree(tensor, cp_group)
 
 
+def _over_replicas(grad: torch.Tensor, group, replicas: int) -> torch.Tensor:
+    """``grad`` summed over the ``replicas`` consecutive ranks of ``group`` that hold the same shard:
+    one all-reduce with each shard's sum in its own slot (zeros elsewhere, added exactly), so two
+    replicas' parts are one add, in either order."""
+    slot = comm.group_rank(group) // replicas
+    slots = grad.new_zeros(comm.group_size(group) // replicas, *grad.shape)
+    slots[slot] = grad
+    return comm.all_reduce(slots, group)[slot]
+
+
 def _wgrad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return g.t().matmul(x)
 
@@ -93,14 +103,18 @@ def _bias_grad(g: torch.Tensor, _) -> torch.Tensor:
 
 
 class _Column(torch.autograd.Function):
-    """``x W^T + b`` by fixed column groups; dgrad summed over the groups (and ranks) in a tree."""
+    """``x W^T + b`` by fixed column groups; dgrad summed over the groups (and ranks) in a tree.
+
+    ``replicas`` consecutive ranks may hold one shard (of ``TP / replicas``): their output grads
+    are summed first, then each computes the shard's grads as one rank at ``TP / replicas`` does,
+    and only the first of them enters the dgrad's cross-rank tree (the others add zeros)."""
 
     @staticmethod
-    def forward(ctx, input_, weight, bias, stride, sequence_parallel, group, cp_group):
+    def forward(ctx, input_, weight, bias, stride, sequence_parallel, group, cp_group, replicas):
         dtype = compute_dtype_of(input_)
         input_ = input_.to(dtype)
         total = comm.all_gather(input_, group, dim=0) if sequence_parallel else input_
-        groups = BLOCKS // comm.group_size(group)
+        groups = BLOCKS * replicas // comm.group_size(group)
         x2d = total.reshape(-1, total.shape[-1])
         weights = _grouped(weight.to(dtype), stride, groups)
         biases = [None] * groups if bias is None else _grouped(bias.to(dtype), stride, groups)
@@ -108,7 +122,7 @@ class _Column(torch.autograd.Function):
             output = _merged([F.linear(x2d, w, b) for w, b in zip(weights, biases)], stride, 1)
         ctx.save_for_backward(input_, weights)
         ctx.stride, ctx.sequence_parallel, ctx.group, ctx.has_bias = stride, sequence_parallel, group, bias is not None
-        ctx.weight_dtype, ctx.cp_group = weight.dtype, cp_group
+        ctx.weight_dtype, ctx.cp_group, ctx.replicas = weight.dtype, cp_group, replicas
         return output.view(*total.shape[:-1], -1)
 
     @staticmethod
@@ -117,9 +131,14 @@ class _Column(torch.autograd.Function):
         group, stride, groups = ctx.group, ctx.stride, weights.shape[0]
         total = comm.all_gather(input_, group, dim=0) if ctx.sequence_parallel else input_
         x2d = total.reshape(-1, total.shape[-1])
+        if ctx.replicas > 1:
+            grad_output = _over_replicas(grad_output, group, ctx.replicas)
         grads = grad_output.reshape(x2d.shape[0], stride, groups, -1).to(weights.dtype)
         g_groups = [grads[:, :, i].contiguous().view(x2d.shape[0], -1) for i in range(groups)]
-        grad_input = tree_sum([g.matmul(w) for g, w in zip(g_groups, weights)]).view_as(total)
+        if comm.group_rank(group) % ctx.replicas:  # the shard's first replica adds its dgrad
+            grad_input = total.new_zeros(total.shape, dtype=weights.dtype)
+        else:
+            grad_input = tree_sum([g.matmul(w) for g, w in zip(g_groups, weights)]).view_as(total)
         if ctx.sequence_parallel:
             grad_input = reduce_scatter_tree(grad_input, group, dim=0)
         else:
@@ -128,7 +147,7 @@ class _Column(torch.autograd.Function):
         grad_weight = _over_context(_merged([_rows_sum(_wgrad, g, x2d, cp) for g in g_groups], stride, 0), cp)
         grad_bias = _over_context(_merged([_rows_sum(_bias_grad, g, None, cp) for g in g_groups], stride, 0), cp) \
             if ctx.has_bias else None
-        return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None, None
+        return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None, None, None
 
 
 class _Row(torch.autograd.Function):
@@ -189,18 +208,54 @@ def kv_per_query_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
     return k.index_select(1, reads), v.index_select(1, reads)
 
 
+def kv_replicas(config, *, tp_size: int) -> int:
+    """How many TP ranks hold each K/V head in this mode: 2 where TP = ``num_heads`` = 2 x
+    ``num_query_groups`` (a rank's one query head; TP = 1's K/V grad, the index-select backward's
+    ``0 + g0 + g1``, is then the replicas' one add), else 1 (:func:`check_gpt_sizes` refuses the rest)."""
+    heads, groups = config.num_heads, config.num_query_groups
+    return 2 if groups % tp_size and tp_size == heads == 2 * groups else 1
+
+
+class _FirstReplica(torch.autograd.Function):
+    """Identity; backward: the grads summed over the replicas, on the first of them (zeros elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, group, replicas, *tensors):
+        ctx.group, ctx.replicas = group, replicas
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        summed = _over_replicas(torch.stack(grads), ctx.group, ctx.replicas)
+        if comm.group_rank(ctx.group) % ctx.replicas:
+            summed.zero_()
+        return None, None, *summed.unbind(0)
+
+
+def kv_grads_on_first_replica(k: torch.Tensor, v: torch.Tensor, *, group, replicas: int):
+    """``k``, ``v`` (K/V heads ``replicas`` consecutive ranks of ``group`` hold); in backward their
+    grads summed over those ranks, on the first of them, zeros on the others (the QKV layer's sum
+    over replicas then adds them once). Summed here, before the rotary's backward, as at TP = 1 the
+    index-select backward adds a K/V head's query heads' grads before it.
+
+    Example::
+
+        k, v = kv_grads_on_first_replica(k, v, group=tp_group, replicas=2)    # at TP 4, 2 K/V heads
+    """
+    return _FirstReplica.apply(group, replicas, k, v)
+
+
 def check_gpt_sizes(config, *, tp_size: int, seq_len: int | None = None) -> None:
     """Refuse (ValueError naming the values) a GPT config whose TP-split sizes or sequence length
     the fixed blocks do not divide, or a TP size that does not divide ``BLOCKS``."""
     if BLOCKS % tp_size:
         raise ValueError(f"the tensor-parallel size {tp_size} does not divide the {BLOCKS} fixed blocks "
                          f"(supported: 1, 2, 4, 8)")
-    uneven = [f"{name} {value}" for name, value in (("num_heads", config.num_heads),
-                                                    ("num_query_groups", config.num_query_groups))
-              if value % tp_size]
-    if uneven:
-        raise ValueError(f"{', '.join(uneven)} not divisible by the tensor-parallel size {tp_size} "
-                         "(uneven or replicated heads are not supported)")
+    heads, groups = config.num_heads, config.num_query_groups
+    if heads % tp_size or (groups % tp_size and kv_replicas(config, tp_size=tp_size) == 1):
+        raise ValueError(f"num_heads {heads}, num_query_groups {groups} at the tensor-parallel size {tp_size}: "
+                         "tp_invariant needs heads divisible by TP, and K/V heads divisible by TP or each "
+                         "replicated on 2 ranks of one query head each (TP = num_heads = 2 x num_query_groups)")
     widths = {"hidden_size": config.hidden_size,
               "num_query_groups x head_dim": config.num_query_groups * config.head_dim,
               "ffn_hidden_size": config.ffn_hidden_size,
@@ -229,28 +284,34 @@ class ColumnLinear(ColumnParallelLinear):
 
     Needs ``output_size`` divisible by ``BLOCKS x stride``; no overlap, gradient-accumulation
     fusion or deferred wgrads. ``cp_group``: the context-parallel group whose ranks hold other
-    rows of the sequence (the weight grads are summed over it in backward).
+    rows of the sequence (the weight grads are summed over it in backward). ``replicas``: each
+    shard of ``TP / replicas`` held whole by that many consecutive ranks (``partition_rows``
+    saying so), whose output grads are summed in backward: every replica gets the same weight
+    grads.
     """
 
-    def __init__(self, input_size, output_size, *, cp_group=None, **kwargs) -> None:
+    def __init__(self, input_size, output_size, *, cp_group=None, replicas: int = 1, **kwargs) -> None:
         super().__init__(input_size, output_size, **kwargs)
-        self.cp_group = cp_group
+        self.cp_group, self.replicas = cp_group, replicas
         grads_module.mark_tp_invariant(self.parameters())  # the gradient helpers sum them in order
         check_layer(self)
         if self.defer_wgrad_compute:
             raise ValueError("ColumnLinear: tp_invariant does not support defer_wgrad_compute=True")
-        if self.weight_shape[0] * self.tp_size != output_size:
+        if self.weight_shape[0] * self.tp_size != output_size * replicas:
             raise ValueError(f"ColumnLinear: tp_invariant does not support uneven partitions "
-                             f"({self.weight_shape[0]} of {output_size} rows on this rank)")
+                             f"({self.weight_shape[0]} of {output_size} rows on this rank, {replicas} replicas)")
+        if replicas > 1:
+            for param in self.parameters():
+                param.tp_replicas = replicas  # the grad norm counts each replica's share of the blocks
         _check_blocks(output_size, kwargs.get("stride", 1), "ColumnParallelLinear output_size")
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
-        _check_blocks(weight.shape[0] * self.tp_size, getattr(weight, "partition_stride", 1),
+        _check_blocks(weight.shape[0] * self.tp_size // self.replicas, getattr(weight, "partition_stride", 1),
                       "the column weight's rows")
         bias = None if self.skip_bias_add else self.bias
         output = _Column.apply(input_, weight, bias, getattr(weight, "partition_stride", 1),
-                               self.sequence_parallel, self.tp_group, self.cp_group)
+                               self.sequence_parallel, self.tp_group, self.cp_group, self.replicas)
         if self.gather_output if runtime_gather_output is None else runtime_gather_output:
             output = gather_from_tensor_model_parallel_region(output, group=self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)

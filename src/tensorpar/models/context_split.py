@@ -59,6 +59,8 @@ def invariant_refusals(config: GPTConfig, *, tp_size: int, cp_size: int, sequenc
     if config.attention_dropout > 0:
         bad.append("attention dropout (its keyed masks are not drawn per CP rank yet; --attention-dropout 0 "
                    "keeps the hidden dropout)")
+    if config.num_query_groups % tp_size and not config.num_heads % tp_size:
+        bad.append(f"K/V heads replicated over TP ({config.num_query_groups} at TP {tp_size}: not built under CP)")
     per, even = config.queries_per_group, not (config.num_heads % tp_size or config.num_query_groups % tp_size)
     # (uneven TP splits: refused by the invariant mode's own check)
     split = context.head_split(config.num_heads // tp_size, config.num_query_groups // tp_size, cp_size) \

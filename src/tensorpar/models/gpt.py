@@ -53,6 +53,7 @@ from ..initialization import (
     init_method_normal,
     init_weight_shard,
     scaled_init_method_normal,
+    shard_rows,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
 )
 from ..overlap import interleave
@@ -116,7 +117,8 @@ class Attention(nn.Module):
     query heads are split as evenly as possible in contiguous runs and each rank holds the K/V
     heads its queries read (:func:`layout.attention_layout`): a K/V head several ranks read is
     replicated on each, its gradient summed over them by the QKV layer. Each rank attends with
-    its own heads only.
+    its own heads only. TP-invariant, a K/V head on two ranks (:func:`invariant.kv_replicas`):
+    both hold the QKV rows of one rank at TP / 2, and each attends with one of its query heads.
     """
 
     def __init__(self, config: GPTConfig, parallel: Placement, layer_number: int) -> None:
@@ -124,11 +126,18 @@ class Attention(nn.Module):
         self.config, self.layer_number, self.context = config, layer_number, parallel.context
         n, p, d = parallel.size, config.queries_per_group, config.head_dim
         groups = config.num_query_groups
-        self.even = config.num_heads % n == 0 and groups % n == 0
+        replicas = invariant.kv_replicas(config, tp_size=n) if config.tp_invariant else 1
+        self.even = config.num_heads % n == 0 and (groups % n == 0 or replicas > 1)
         qkv_layout, proj_layout = dict(stride=p + 2), {}
+        self.query_heads, self.replicas = None, replicas  # None: attend with all of the QKV layer's queries
         if self.even:
-            self.local_heads, self.local_groups = config.num_heads // n, groups // n
+            self.local_heads, self.local_groups = config.num_heads // n, groups * replicas // n
             self.first_head = parallel.rank * self.local_heads
+            if replicas > 1:  # the QKV rows of a rank at TP / replicas, whose query heads the replicas share
+                first = parallel.rank % replicas * self.local_heads
+                self.query_heads = slice(first, first + self.local_heads)
+                qkv_layout.update(replicas=replicas, partition_rows=[
+                    shard_rows((p + 2) * groups * d, n // replicas, rank // replicas, p + 2) for rank in range(n)])
         else:
             heads = layout.attention_layout(config.num_heads, groups, d, n)
             (first, stop), _ = heads[parallel.rank]
@@ -188,6 +197,8 @@ class Attention(nn.Module):
             qkv = qkv.view(s, b, p + 2, g, d)
             # [b, heads/TP, s, d] with the query heads of one group adjacent (Hugging Face's order).
             q = qkv[:, :, :p].permute(1, 3, 2, 0, 4).reshape(b, g * p, s, d)
+            if self.query_heads is not None:
+                q = q[:, self.query_heads]
             k, v = qkv[:, :, p].permute(1, 2, 0, 3), qkv[:, :, p + 1].permute(1, 2, 0, 3)
         else:
             # This rank's query heads in order, then its K heads, then its V heads.
@@ -195,6 +206,8 @@ class Attention(nn.Module):
                        for t in qkv.split([self.local_heads * d, g * d, g * d], dim=-1))
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.replicas > 1:  # K/V grads summed over their replicas before the rotary's backward
+            k, v = invariant.kv_grads_on_first_replica(k, v, group=self.qkv.tp_group, replicas=self.replicas)
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
