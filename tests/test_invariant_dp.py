@@ -130,3 +130,22 @@ def test_the_micro_batch_tree_refuses_a_plain_model_and_a_short_step():
     assert refused == ("DataParallelGradReducer: micro_batches= sums in the invariant mode's tree; the model is "
                        "not tp_invariant")
     assert short == "DataParallelGradReducer: finish() after 1 of the micro_batches=2 backwards its tree sums"
+
+
+@pytest.mark.slow
+def test_fsdp_and_hsdp_train_the_bits_of_dp1_and_resume_without_fsdp(tmp_path):
+    """--fsdp at (TP, DP) = (1, 2), (2, 2), (1, 4) and HSDP 2 x 2 against (1, 1) without FSDP:
+    losses == and final weights torch.equal (the tree's sum replaces FSDP's reduce-scatter); the
+    (2, 2) FSDP run saved after step 2 resumes at TP 1 x DP 4 with --no-fsdp on the same bits."""
+    losses, val_losses, ckpt = _train(1, 1, tmp_path / "plain")
+    reference = run_on_ranks(_weights_body, 1, str(ckpt))[0]
+    layouts = {"1x2": (1, 2), "2x2": (2, 2, "--save-every", "2"), "1x4": (1, 4),
+               "hsdp 2x2": (1, 4, "--dp-replicate", "2")}
+    for name, (tp_size, dp_size, *extra) in layouts.items():
+        run = _train(tp_size, dp_size, tmp_path / name, "--fsdp", *extra)
+        assert run[:2] == (losses, val_losses), name
+        assert _differing_weights(run[2], reference) == [], name
+    resumed, _, resumed_ckpt = _train(1, 4, tmp_path / "resumed", "--no-fsdp", "--resume",
+                                      str(tmp_path / "2x2" / "step_2"))
+    assert resumed == {step: losses[step] for step in (3, 4)}
+    assert _differing_weights(resumed_ckpt, reference) == []
