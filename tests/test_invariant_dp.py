@@ -68,15 +68,24 @@ def test_halving_tree_sums_each_dp_ranks_piece_as_a_subtree():
 @pytest.mark.parametrize("model", [[], LLAMA], ids=["gpt2", "llama-gqa"])
 def test_training_is_bit_identical_at_any_dp_size(tmp_path, model):
     """(TP, DP) = (1, 2), (2, 2), (1, 4) against (1, 1): training and validation losses == at every
-    step, final weights torch.equal, with hidden dropout and clipping."""
-    layouts = [(1, 1), (1, 2), (2, 2), (1, 4)] if not model else [(1, 1), (2, 2), (1, 4)]
-    runs = {layout: _train(*layout, tmp_path / f"{layout[0]}x{layout[1]}", *model) for layout in layouts}
-    losses, val_losses, ckpt = runs[1, 1]
+    step, final weights torch.equal, with hidden dropout and clipping. GPT-2 at (2, 2) and (1, 4)
+    with --fsdp and at 1 x 4 as HSDP 2 x 2 (the tree's sum in place of FSDP's reduce-scatter);
+    its (2, 2) FSDP run, saved after step 2, resumes at 1 x 4 with --no-fsdp on the same bits."""
+    layouts = {"1x1": (1, 1), "2x2": (2, 2), "1x4": (1, 4)} if model else {
+        "1x1": (1, 1), "1x2": (1, 2), "2x2 fsdp": (2, 2, "--fsdp", "--save-every", "2"), "1x4 fsdp": (1, 4, "--fsdp"),
+        "hsdp 2x2": (1, 4, "--fsdp", "--dp-replicate", "2")}
+    runs = {name: _train(tp_size, dp_size, tmp_path / name.replace(" ", "-"), *model, *extra)
+            for name, (tp_size, dp_size, *extra) in layouts.items()}
+    losses, val_losses, ckpt = runs["1x1"]
     assert list(losses) == [1, 2, 3, 4] and list(val_losses) == [2, 4]
-    assert {layout: run[:2] for layout, run in runs.items()} == {layout: (losses, val_losses) for layout in layouts}
+    assert {name: run[:2] for name, run in runs.items()} == {name: (losses, val_losses) for name in layouts}
     reference = run_on_ranks(_weights_body, 1, str(ckpt))[0]
-    assert {layout: _differing_weights(run[2], reference) for layout, run in runs.items()} == \
-        {layout: [] for layout in layouts}
+    assert {name: _differing_weights(run[2], reference) for name, run in runs.items()} == {name: [] for name in layouts}
+    if not model:
+        resumed, _, resumed_ckpt = _train(1, 4, tmp_path / "resumed", "--no-fsdp", "--resume",
+                                          str(tmp_path / "2x2-fsdp" / "step_2"))
+        assert resumed == {step: losses[step] for step in (3, 4)}
+        assert _differing_weights(resumed_ckpt, reference) == []
 
 
 @pytest.mark.slow
@@ -130,3 +139,29 @@ def test_the_micro_batch_tree_refuses_a_plain_model_and_a_short_step():
     assert refused == ("DataParallelGradReducer: micro_batches= sums in the invariant mode's tree; the model is "
                        "not tp_invariant")
     assert short == "DataParallelGradReducer: finish() after 1 of the micro_batches=2 backwards its tree sums"
+
+
+
+def _fsdp_grads_body():
+    import tensorpar as tp
+    from tensorpar.models import GPT, GPTConfig
+
+    tp.initialize_model_parallel(1)
+    config = GPTConfig(vocab_size=40, max_seq_len=16, num_layers=1, num_heads=4, hidden_size=32, dropout=0.0,
+                       tp_invariant=True)
+    models = []
+    for shard in (False, True):
+        torch.manual_seed(3)
+        models.append(tp.fully_shard(GPT(config)) if shard else GPT(config))
+    tokens = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(5))
+    for model in models:
+        model(tokens, torch.roll(tokens, -1, dims=1)).backward()
+    plain, sharded = models
+    return [name for (name, p), q in zip(sharded.named_parameters(), plain.parameters())
+            if not torch.equal(p.grad.full_tensor(), q.grad)]
+
+
+def test_fsdp_gradients_are_the_unsharded_models_bits():
+    """FSDP's unsharded parameters carry no ``partition_stride``: the fused Q|K|V layer still
+    groups its GEMMs by its stride of 3 (by 1, norm1's gradient differed by an ulp)."""
+    assert run_on_ranks(_fsdp_grads_body, 1)[0] == []

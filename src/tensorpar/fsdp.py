@@ -28,11 +28,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import comm
+from .grads import gather_dim0_shards, is_tp_invariant
 from .parallel_registry import CREATED, GROUPS
 from .parallel_state import get_data_parallel_group
+from .tree_reduce import HalvingTree, all_reduce_tree, reduce_scatter_tree
 
 __all__ = ["fully_shard", "reshard", "is_fully_sharded", "dp_mesh", "hsdp_mesh", "shard_group", "gather_dp_shards",
-           "scatter_dp_shard", "tp_dp_mesh", "full_box", "ShardedGradSync", "describe", "bytes_per_rank"]
+           "replica_group", "scatter_dp_shard", "tp_dp_mesh", "full_box", "ShardedGradSync", "describe", "bytes_per_rank"]
 
 
 def _device_type(group: dist.ProcessGroup) -> str:
@@ -104,32 +106,37 @@ def shard_group(tensor: DTensor) -> dist.ProcessGroup:
     # initializes the groups again, as the tests' persistent worlds do).
     mesh = tensor.device_mesh.mesh
     ranks = next(row for row in mesh.reshape(-1, mesh.shape[-1]).tolist() if dist.get_rank() in row)
-    for group in (get_data_parallel_group(), get_data_parallel_group(with_context_parallel=True), *_hsdp_shard_groups()):
+    for group in (get_data_parallel_group(), get_data_parallel_group(with_context_parallel=True), *_hsdp("shard")):
         if dist.get_process_group_ranks(group) == ranks:
             return group
     raise ValueError(f"an FSDP shard over ranks {ranks}, neither the DP nor the DP x CP group: pass dp_group=")
 
 
-def _hsdp_shard_groups() -> list[dist.ProcessGroup]:
-    """This rank's HSDP shard groups that :func:`hsdp_mesh` made."""
-    return [group for name, group in GROUPS.items() if name.startswith("hsdp") and name.endswith("shard")]
+def _hsdp(kind: str) -> list[dist.ProcessGroup]:
+    """This rank's HSDP groups of ``kind`` ("shard" or "replicate") that :func:`hsdp_mesh` made."""
+    return [group for name, group in GROUPS.items() if name.startswith("hsdp") and name.endswith(kind)]
+
+
+def replica_group(tensor: DTensor) -> dist.ProcessGroup | None:
+    """Under HSDP the group of this rank's replicas of an FSDP shard (its column of the mesh); else None."""
+    mesh = tensor.device_mesh.mesh
+    if mesh.ndim == 1:
+        return None
+    column = next(col for col in mesh.t().tolist() if dist.get_rank() in col)
+    return next(group for group in _hsdp("replicate") if dist.get_process_group_ranks(group) == column)
 
 
 def gather_dp_shards(tensor: torch.Tensor, *, dp_group=None) -> torch.Tensor:
     """This rank's whole TP shard from an FSDP shard (a DTensor split on dim 0 over ``dp_group``,
     default the group it is sharded over; collective).
 
-    One all-gather of the dim-0 pieces padded to equal size, as FSDP pads them. Other tensors
-    come back as they are.
+    One all-gather of the dim-0 pieces (:func:`~tensorpar.grads.gather_dim0_shards`). Other
+    tensors come back as they are.
     """
     if not isinstance(tensor, DTensor):
         return tensor
     group = dp_group if dp_group is not None else shard_group(tensor)
-    rows, local = tensor.shape[0], tensor.to_local()
-    per_rank = -(-rows // comm.group_size(group))
-    padded = local.new_zeros((per_rank, *local.shape[1:]))
-    padded[:local.shape[0]] = local
-    return comm.all_gather(padded, group, dim=0)[:rows]
+    return gather_dim0_shards(tensor.to_local(), tensor.shape[0], group)
 
 
 @torch.no_grad()
@@ -152,6 +159,39 @@ class _RecordedReduceScatter(DefaultReduceScatter):
         comm._record("reduce_scatter", input_tensor.shape, input_tensor.dtype, comm.group_size(group), async_op,
                      "avg" if op == dist.ReduceOp.AVG else "sum")
         return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+class _TreeReduceScatter(DefaultReduceScatter):
+    """The invariant mode's reduction of one FSDP unit's gradients, in place of FSDP's reduce-scatter.
+
+    Each backward's unsharded gradients (FSDP's flat reduce-scatter input) go into a
+    :class:`~tensorpar.tree_reduce.HalvingTree` of the step's ``micro_batches``, as
+    :class:`~tensorpar.grads.DataParallelGradReducer` sums them; once the last is in, the tree is
+    finished over the shard group in rank order (:func:`~tensorpar.tree_reduce.reduce_scatter_tree`:
+    each element summed as the unsharded reducer's all-reduce sums it) and this rank keeps its
+    slice. Under HSDP the shard groups are consecutive DP ranks, so the replicas finish the tree
+    (:func:`~tensorpar.tree_reduce.all_reduce_tree`); the first replica hands FSDP the sum, the
+    others zeros, which FSDP's own all-reduce across the replicas adds exactly. Before the last
+    micro-batch FSDP gets zeros, accumulated into the sharded gradient as exactly ``0 + sum``.
+    """
+
+    def __init__(self, *, micro_batches: int, replicate_group=None) -> None:
+        self.tree = HalvingTree(leaves=micro_batches)
+        self.replicate_group = replicate_group
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        # FSDP frees its input after the call; the tree adds into its parts in place.
+        total = self.tree.add(input_tensor.clone())
+        if total is None:
+            output_tensor.zero_()
+            return None
+        shard = reduce_scatter_tree(total, group)
+        if self.replicate_group is not None:
+            shard = all_reduce_tree(shard, self.replicate_group)
+            if comm.group_rank(self.replicate_group) > 0:
+                shard.zero_()
+        output_tensor.copy_(shard)
+        return None
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:
@@ -289,6 +329,11 @@ class ShardedGradSync:
 
     FSDP reduce-scatters each unit's gradients during backward; ``sync=False`` (the micro-batches
     before the last of an accumulation step) keeps them unsharded and unreduced until then.
+    Given ``micro_batches`` (a TP-invariant model only), each unit's gradients of the step's
+    ``micro_batches`` backwards are summed in the invariant mode's fixed tree, finished over the
+    DP ranks with no division, in place of FSDP's reduce-scatter (``sync`` unused): each rank's
+    shard holds the bits of the unsharded reducer's sum (``DataParallelGradReducer(...,
+    micro_batches=)``) at any DP size, with or without FSDP or HSDP.
 
     Example::
 
@@ -301,9 +346,27 @@ class ShardedGradSync:
         optimizer.step()
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, micro_batches: int | None = None) -> None:
         self.model = model
         self._sync = True
+        self.trees: list[_TreeReduceScatter] = []
+        if micro_batches is not None:
+            self._sum_in_trees(micro_batches)
+
+    def _sum_in_trees(self, micro_batches: int) -> None:
+        params = list(self.model.parameters())
+        if not is_tp_invariant(params):
+            raise ValueError("ShardedGradSync: micro_batches= sums in the invariant mode's tree; the model is "
+                             "not tp_invariant")
+        shard = next(p for p in params if isinstance(p, DTensor))
+        if comm.group_size(shard_group(shard)) == 1:  # FSDP's reduce-scatter over one rank is a copy, not ours
+            raise ValueError("ShardedGradSync: micro_batches= needs FSDP shards over at least 2 ranks")
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                tree = _TreeReduceScatter(micro_batches=micro_batches, replicate_group=replica_group(shard))
+                module.set_custom_reduce_scatter(tree)
+                module.set_gradient_divide_factor(1.0)  # the loss is divided by the global micro-batch count
+                self.trees.append(tree)
 
     @property
     def sync(self) -> bool:
@@ -312,6 +375,8 @@ class ShardedGradSync:
     @sync.setter
     def sync(self, value: bool) -> None:
         self._sync = value
+        if self.trees:  # every backward hands its gradients to the trees
+            return
         for module in self.model.modules():  # every FSDP root: a pipeline rank's stages are one each
             if isinstance(module, FSDPModule):
                 module.set_requires_gradient_sync(value, recurse=False)
@@ -320,11 +385,18 @@ class ShardedGradSync:
         """Drop the gradients; a unit an evaluation left gathered (FSDP keeps the root so after a
         forward no backward follows) is resharded, so the step starts from the shards."""
         reshard(self.model)
+        for tree in self.trees:
+            tree.tree.reset()
         for p in self.model.parameters():
             p.grad = None
 
     def finish(self) -> None:
-        """Nothing to wait for: FSDP's last reduce-scatter completes inside backward."""
+        """Nothing to wait for: FSDP's last reduce-scatter completes inside backward. With
+        ``micro_batches``, refuses a step whose trees did not get all of them."""
+        short = [t.tree.count for t in self.trees if t.tree.count not in (0, t.tree.leaves)]
+        if short:
+            raise RuntimeError(f"ShardedGradSync: finish() after {short[0]} of the micro_batches="
+                               f"{self.trees[0].tree.leaves} backwards its tree sums")
 
     def remove_hooks(self) -> None:
         """FSDP's hooks stay with the model."""

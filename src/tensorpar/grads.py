@@ -8,6 +8,7 @@ over ranks runs in the fixed order of :mod:`tensorpar.tree_reduce` (the same bit
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -300,6 +301,29 @@ def _without_duplicate_rows(grad: torch.Tensor, param: nn.Parameter) -> torch.Te
     return grad.index_fill(0, rows.to(grad.device), 0)
 
 
+def gather_dim0_shards(local: torch.Tensor, rows: int, group) -> torch.Tensor:
+    """The whole tensor of ``rows`` rows from this rank's dim-0 piece of it, split as FSDP splits
+    (``ceil(rows / n)`` rows per rank of ``group``, the last ones shorter or empty; collective).
+
+    Example: ``gather_dim0_shards(p.grad.to_local(), p.shape[0], dp_group)`` under ``fully_shard``.
+    """
+    n = comm.group_size(group)
+    if n == 1:
+        return local
+    per_rank = -(-rows // n)
+    return comm.all_gather(local, group, dim=0, sizes=[max(0, min(per_rank, rows - i * per_rank)) for i in range(n)])
+
+
+def _shards_group(sharded: list[DTensor], dp_group) -> dist.ProcessGroup:
+    """The group FSDP shards ``sharded`` over: ``dp_group`` (default DP), which under HSDP must be the shard group."""
+    dp_group = dp_group if dp_group is not None else get_data_parallel_group()
+    mesh = sharded[0].device_mesh
+    if mesh.ndim == 2 and comm.group_size(dp_group) != mesh.size(1):  # HSDP: the shards of one replica
+        raise ValueError(f"get_grad_norm: HSDP shards split over {mesh.size(1)} ranks, not dp_group's "
+                         f"{comm.group_size(dp_group)}: pass dp_group=tensorpar.fsdp.shard_group(param)")
+    return dp_group
+
+
 def _square(grads: list[torch.Tensor], group) -> torch.Tensor:
     """The sum of squares of ``grads`` (fp32), on ``group``'s collective device when there are none."""
     if not grads:
@@ -316,8 +340,7 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None, pp_group=None) -> tor
     rank 0 only, rows several ranks hold (``tp_duplicate_rows``: replicated K/V heads) by the
     first of them, and the squares are summed over TP. FSDP shards (DTensor gradients, see
     :func:`tensorpar.fully_shard`) are summed over ``dp_group`` too (default: the DP
-    group; under HSDP the shard group, which each replica holds whole); plain gradients are
-    replicated over DP and counted as they are. Uses
+    group; under HSDP the shard group, which each replica holds whole); plain gradients are replicated over DP and counted as they are. Uses
     ``main_grad`` where present. A parameter marked ``shared`` (a pipeline's copy of the tied
     embedding on the last stage, as Megatron marks it) is counted by its original only.
     One ``torch._foreach_norm`` per kind, and no host
@@ -326,7 +349,7 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None, pp_group=None) -> tor
     group = resolve_tp_group(tp_group)
     params = list(params)
     if is_tp_invariant(params):
-        return _ordered_grad_norm(params, group, pp_group)
+        return _ordered_grad_norm(params, group, pp_group, dp_group=dp_group)
     plain, sharded = [], []
     for p in params:
         grad = p.main_grad if hasattr(p, "main_grad") else p.grad
@@ -337,11 +360,7 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None, pp_group=None) -> tor
                 plain.append(_without_duplicate_rows(grad, p))
     square = _square(plain, group)
     if sharded:
-        dp_group = dp_group if dp_group is not None else get_data_parallel_group()
-        mesh = sharded[0].device_mesh
-        if mesh.ndim == 2 and comm.group_size(dp_group) != mesh.size(1):  # HSDP: the shards of one replica
-            raise ValueError(f"get_grad_norm: HSDP shards split over {mesh.size(1)} ranks, not dp_group's "
-                             f"{comm.group_size(dp_group)}: pass dp_group=tensorpar.fsdp.shard_group(param)")
+        dp_group = _shards_group(sharded, dp_group)
         shard_square = _square([g.to_local() for g in sharded], dp_group)
         comm.all_reduce(shard_square, dp_group)
         square = square + shard_square
@@ -382,23 +401,25 @@ def _block_squares(grad: torch.Tensor, param: nn.Parameter, blocks: int) -> list
     return sums
 
 
-def _ordered_grad_norm(params: list[nn.Parameter], group, pp_group=None) -> torch.Tensor:
+def _ordered_grad_norm(params: list[nn.Parameter], group, pp_group=None, *, dp_group=None) -> torch.Tensor:
     """The L2 norm of the gradient (fp32), the same bits at every TP and PP size.
 
     Each parameter gives a row: the sums of squares of its fixed blocks (TP-sharded ones) and
     of the whole (replicated ones). The rows are added in the PP=1 model's parameter order (with
     ``pp_group``, gathered from every stage and ordered by ``pipeline_stage``); then a tree over
     the blocks (a rank's blocks form a subtree, finished across TP ranks), plus the replicated
-    part. Gradients are whole on every DP rank (the invariant mode has no FSDP): no DP sum; a
-    pipeline's tied copy (``shared``) is counted by its original only.
+    part. Gradients are whole on every DP rank, FSDP shards (DTensors) gathered to it over
+    ``dp_group`` first: no DP sum; a pipeline's tied copy (``shared``) is counted by its original only.
     """
     blocks = BLOCKS // comm.group_size(group)
     device = comm.collective_device(group)
     rows = []
     for param in params:
-        grad = _grad_of(param)
+        grad = param.main_grad if hasattr(param, "main_grad") else param.grad
         if grad is None or getattr(param, "shared", False):
             continue
+        if isinstance(grad, DTensor):  # the blocks' squares need the whole TP shard
+            grad = gather_dim0_shards(grad.to_local(), grad.shape[0], _shards_group([grad], dp_group))
         grad = grad.float()
         if getattr(param, "tensor_model_parallel", False):
             # A shard ``tp_replicas`` ranks hold (replicated K/V heads): each counts its share of the blocks.

@@ -292,7 +292,9 @@ class ColumnLinear(ColumnParallelLinear):
 
     def __init__(self, input_size, output_size, *, cp_group=None, replicas: int = 1, **kwargs) -> None:
         super().__init__(input_size, output_size, **kwargs)
-        self.cp_group, self.replicas = cp_group, replicas
+        # The layer's, not read off the weight: FSDP's unsharded parameters, which forward and
+        # backward see, carry no partition_stride (stride 1 would regroup the GEMMs: other bits).
+        self.cp_group, self.replicas, self.stride = cp_group, replicas, kwargs.get("stride", 1)
         grads_module.mark_tp_invariant(self.parameters())  # the gradient helpers sum them in order
         check_layer(self)
         if self.defer_wgrad_compute:
@@ -307,11 +309,10 @@ class ColumnLinear(ColumnParallelLinear):
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
-        _check_blocks(weight.shape[0] * self.tp_size // self.replicas, getattr(weight, "partition_stride", 1),
-                      "the column weight's rows")
+        _check_blocks(weight.shape[0] * self.tp_size // self.replicas, self.stride, "the column weight's rows")
         bias = None if self.skip_bias_add else self.bias
-        output = _Column.apply(input_, weight, bias, getattr(weight, "partition_stride", 1),
-                               self.sequence_parallel, self.tp_group, self.cp_group, self.replicas)
+        output = _Column.apply(input_, weight, bias, self.stride, self.sequence_parallel, self.tp_group,
+                               self.cp_group, self.replicas)
         if self.gather_output if runtime_gather_output is None else runtime_gather_output:
             output = gather_from_tensor_model_parallel_region(output, group=self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)

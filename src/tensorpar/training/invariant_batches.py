@@ -23,6 +23,7 @@ import dataclasses
 import torch
 
 from .. import comm
+from ..fsdp import is_fully_sharded
 from .data import BatchSampler
 from .evaluation import autocast
 
@@ -62,8 +63,12 @@ def evaluate(model, sampler: BatchSampler, *, iters: int, dtype: str, device, dp
         losses = model.losses(batches, dtype=dtype)
     else:
         losses = []
-        for tokens, labels in batches:
+        # Under FSDP each forward all-gathers over DP: a rank with a shorter share runs as many,
+        # the extra ones on batch 0 again, their losses unused.
+        padding = share - len(batches) if is_fully_sharded(model) else 0
+        for tokens, labels in batches + [single.micro_batches(0)[0]] * padding:
             with autocast(dtype, device):
                 losses.append(model(tokens.to(device), labels.to(device)))
+        del losses[len(batches):]
     model.train()
     return float(mean_by_index(losses, indices=indices, total=iters, dp_group=dp_group, device=device))

@@ -253,7 +253,8 @@ def _train(args, signals: Signals) -> RunResult:
     grads = invariant if config.tp_invariant else tp_grads
     # And at any DP size: the step's micro-batches summed in one tree over the global index. Its
     # layers sum each micro-batch's grads over CP in backward: only DP is left to the reducer.
-    reducer = ShardedGradSync(model) if fsdp else grads.DataParallelGradReducer(
+    reducer = ShardedGradSync(model, micro_batches=args.grad_accum if config.tp_invariant else None) if fsdp \
+        else grads.DataParallelGradReducer(
         model.parameters(), dp_group=dp_group if config.tp_invariant else cp.grad_group,
         micro_batches=args.grad_accum if config.tp_invariant else None)
     loss_scale = 1 if config.tp_invariant else cp.loss_scale
