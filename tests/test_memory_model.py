@@ -12,7 +12,7 @@ import pytest
 from tensorpar.errors import UsageError
 from tensorpar.memory_model import gpt_layer_activations, gpt_training_memory, local_tokens
 from tensorpar.models import GPTConfig
-from tests.harness import run_on_ranks
+from tests.harness import run_in_fresh_world
 
 
 def _config(**fields):
@@ -80,9 +80,11 @@ def _measured(part: str, variant: str) -> dict:
     return (stage_memory._pp_rank if part == "pp" else stage_memory._cp_rank)(SMALL, 2, variant)
 
 
-def test_the_estimate_is_within_ten_percent_of_a_measured_pipeline_stage_and_cp_rank():
-    for part, variant in (("pp", "1f1b"), ("cp", "a2a")):
-        for rank, result in enumerate(run_on_ranks(_measured, 2, part, variant)):
-            assert result["step"] == pytest.approx(result["step_estimate"], rel=0.1), (part, rank, result)
-            if part == "pp":
-                assert result["held"] == pytest.approx(result["held_estimate"], rel=0.01), (rank, result)
+@pytest.mark.slow
+@pytest.mark.parametrize("part, variant", [("pp", "1f1b"), ("cp", "a2a")])
+def test_the_estimate_is_within_ten_percent_of_a_measured_pipeline_stage_and_cp_rank(part, variant):
+    # A fresh world: ranks that ran other tests hold caches a step would not allocate.
+    for rank, result in enumerate(run_in_fresh_world(_measured, 2, part, variant)):
+        assert result["step"] == pytest.approx(result["step_estimate"], rel=0.1), (part, rank, result)
+        if part == "pp":
+            assert result["held"] == pytest.approx(result["held_estimate"], rel=0.01), (rank, result)
