@@ -29,9 +29,14 @@ def is_tp_invariant(params) -> bool:
     return any(getattr(p, "tp_invariant", False) for p in params)
 
 
+def _main_or_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """``main_grad`` where the parameter has one, else ``.grad`` (an FSDP shard's: a DTensor)."""
+    return param.main_grad if hasattr(param, "main_grad") else param.grad
+
+
 def _grad_of(param: nn.Parameter) -> torch.Tensor | None:
-    """``main_grad`` or ``.grad``; for an FSDP shard (a DTensor) this rank's local piece of it."""
-    grad = param.main_grad if hasattr(param, "main_grad") else param.grad
+    """:func:`_main_or_grad`; for an FSDP shard (a DTensor) this rank's local piece of it."""
+    grad = _main_or_grad(param)
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
@@ -352,7 +357,7 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None, pp_group=None) -> tor
         return _ordered_grad_norm(params, group, pp_group, dp_group=dp_group)
     plain, sharded = [], []
     for p in params:
-        grad = p.main_grad if hasattr(p, "main_grad") else p.grad
+        grad = _main_or_grad(p)
         if grad is not None and param_is_not_tensor_parallel_duplicate(p, group) and not getattr(p, "shared", False):
             if isinstance(grad, DTensor):
                 sharded.append(grad)
@@ -415,7 +420,7 @@ def _ordered_grad_norm(params: list[nn.Parameter], group, pp_group=None, *, dp_g
     device = comm.collective_device(group)
     rows = []
     for param in params:
-        grad = param.main_grad if hasattr(param, "main_grad") else param.grad
+        grad = _main_or_grad(param)
         if grad is None or getattr(param, "shared", False):
             continue
         if isinstance(grad, DTensor):  # the blocks' squares need the whole TP shard
