@@ -1,6 +1,11 @@
-"""Smoke test of ``tensorpar bench`` at tiny sizes: the report's structure, never its timings."""
+"""Smoke tests of ``tensorpar bench`` and ``benchmarks/ring_overlap.py`` at tiny sizes: the
+report's structure, never its timings."""
 
 import json
+import math
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,3 +78,33 @@ def test_overlap_variants_on_any_device_check_results_and_report_the_ceiling():
              for s in ("", "_sp")}
     assert set(report["ms"]) == names | {"ceiling"} and set(report["of_ceiling"]) == names
     assert all(v > 0 for v in report["ms"].values())
+
+
+def _ring_overlap_figures(out: str) -> dict:
+    """``{(phase, quantity): [measured, model at overlap 1, model at the measured overlap]}``."""
+    figures = {}
+    for line in out.splitlines():
+        words = line.split()
+        if words and words[0] in ("forward", "backward"):
+            figures[words[0], words[1]] = [float(w.rstrip("%")) for w in words[2:] if w != "ms"]
+    return figures
+
+
+def test_ring_overlap_benchmark_prints_every_measured_and_predicted_figure(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import ring_overlap
+
+    ring_overlap.main(["--cp", "2", "--seq-len", "16", "--batch", "1", "--heads", "2", "--kv-heads", "1",
+                       "--head-dim", "4", "--rounds", "1", "--warmup", "0", "--iters", "1"])
+    out = capsys.readouterr().out
+    figures = _ring_overlap_figures(out)
+    assert set(figures) == {(p, q) for p in ring_overlap.PHASES for q in ring_overlap.QUANTITIES}, out
+    assert all(len(values) == 3 and all(math.isfinite(v) for v in values) for values in figures.values()), out
+    for phase in ring_overlap.PHASES:
+        assert all(v > 0 for q in ("ring", "communication", "compute") for v in figures[phase, q]), out
+        assert all(0 <= v <= 100 for v in figures[phase, "hidden"]), out
+    # The FLOP rate is fitted to the compute-only forward.
+    measured, *predicted = figures["forward", "compute"]
+    assert predicted == pytest.approx([measured, measured], abs=0.011)
+    assert re.search(r"link: latency \d+\.\d+ ms, \d+\.\d+ GB/s .* overlap \d\.\d\d; .* \d+\.\d+ GFLOP/s", out), out
+    assert re.search(r"1-minute load \d+\.\d before, \d+\.\d after", out), out
