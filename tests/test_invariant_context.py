@@ -1,9 +1,11 @@
 """TP-invariant mode under context parallelism (issues 29 and 30): ``tensorpar train --tp-invariant
---cp-comm a2a`` at (TP, CP, DP) = (1, 2, 1), (2, 2, 1) with and without SP, (1, 4, 1), (1, 2, 2) trains
-the bits of (1, 1, 1);
+--cp-comm a2a`` at (TP, CP, DP) = (1, 2, 1), (2, 2, 1) with and without SP, (1, 4, 1), (1, 2, 2), and
+with ``--fsdp`` over DP x CP, trains the bits of (1, 1, 1);
 what it cannot keep bit-identical is refused in one line."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -21,9 +23,11 @@ RUN = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--
        "--eval-every", "3", "--eval-iters", "1", "--no-progress", "--seed", "3", "--tp-invariant",
        "--cp-comm", "a2a"]
 LLAMA = ["--norm", "rmsnorm", "--activation", "swiglu", "--position-embedding", "rope"]
-# (TP, CP, DP) and flags; DP 2 runs one of the step's 2 micro-batches per DP rank.
+# (TP, CP, DP) and flags; DP 2 runs one of the step's 2 micro-batches per DP rank. FSDP shards over
+# DP x CP: 2 ranks at 1x2 and 2x2-sp, 4 at 1x2xdp2; HSDP there: shards over CP, replicas over DP.
 LAYOUTS = {"1x1": (1, 1, 1), "1x2": (1, 2, 1), "2x2": (2, 2, 1), "2x2-sp": (2, 2, 1, "--sp"), "1x4": (1, 4, 1),
-           "1x2xdp2": (1, 2, 2)}
+           "1x2xdp2": (1, 2, 2), "1x2-fsdp": (1, 2, 1, "--fsdp"), "2x2-sp-fsdp": (2, 2, 1, "--sp", "--fsdp"),
+           "1x2xdp2-fsdp": (1, 2, 2, "--fsdp"), "1x2xdp2-hsdp": (1, 2, 2, "--fsdp", "--dp-replicate", "2")}
 
 
 def test_each_cp_ranks_blocks_are_a_subtree_of_the_cp1_tree():
@@ -44,12 +48,13 @@ def test_each_cp_ranks_blocks_are_a_subtree_of_the_cp1_tree():
 @pytest.mark.parametrize("model, layouts", [([], list(LAYOUTS)), (LLAMA, ["1x1", "2x2-sp", "1x4"])],
                          ids=["gpt2-gqa", "llama-gqa"])
 def test_training_is_bit_identical_at_any_cp_size(tmp_path, model, layouts):
-    """(TP, CP, DP) = (1, 2, 1), (2, 2, 1) with and without SP, (1, 4, 1), (1, 2, 2) against (1, 1, 1):
-    training and validation losses == at every step, final weights torch.equal."""
+    """(TP, CP, DP) = (1, 2, 1), (2, 2, 1) with and without SP, (1, 4, 1), (1, 2, 2), and GPT-2 with
+    FSDP or HSDP over DP x CP (the CP ranks' identical gradients entering FSDP's tree once), against
+    (1, 1, 1): training and validation losses == at every step, final weights torch.equal."""
     runs = {}
     for name in layouts:
-        tp, cp, dp, *sp = LAYOUTS[name]
-        runs[name] = run_on_ranks(_run_body, tp * cp * dp, RUN + model + ["--tp", str(tp), "--cp", str(cp), *sp,
+        tp, cp, dp, *flags = LAYOUTS[name]
+        runs[name] = run_on_ranks(_run_body, tp * cp * dp, RUN + model + ["--tp", str(tp), "--cp", str(cp), *flags,
                                                                             "--out", str(tmp_path / name)],
                                   timeout=300)[0]
     losses, val_losses, ckpt = runs["1x1"]
@@ -74,6 +79,35 @@ def test_train_refuses_what_cp_cannot_keep_bit_identical(capsys, cp, flags, name
     err = capsys.readouterr().err
     assert f"--tp-invariant with --cp {cp} cannot give the CP 1 bits with {named}" in err
     assert "Traceback" not in err
+
+
+def test_train_takes_fsdp_over_dp_x_cp_and_refuses_one_shard(capsys):
+    """``--fsdp --tp-invariant --cp 2`` is a run (``--print-config``: checked, nothing launched);
+    HSDP with every replica one rank of DP x CP is refused, naming DP x CP."""
+    from tensorpar.tools.cli import main
+
+    run = ["train", "--nproc", "2", "--cp", "2", "--cp-comm", "a2a", "--tp-invariant", "--fsdp", "--layers", "1",
+           "--hidden", "32", "--heads", "4", "--seq-len", "16", "--steps", "1"]
+    assert main([*run, "--print-config"]) == 0
+    assert "fsdp = true" in capsys.readouterr().out
+    assert main([*run, "--dp-replicate", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--fsdp with --tp-invariant shards over DP x CP / --dp-replicate = 2 / 2 = 1 rank" in err
+    assert "Traceback" not in err
+
+
+def test_sharded_grad_sync_takes_a_cp_group_that_is_an_aligned_run_of_the_mesh():
+    """CP rank 0's sums are the DP tree's leaves only if the CP ranks are consecutive in the FSDP
+    mesh (in its order, the tree's), starting at a multiple of CP; and only in the mode's tree."""
+    from tensorpar.fsdp import ShardedGradSync, _check_cp_inner
+
+    _check_cp_inner([0, 1, 2, 3], [2, 3])
+    for cp_ranks in ([0, 2], [1, 2], [4, 5]):
+        with pytest.raises(ValueError, match=re.escape(f"cp_group= ranks {cp_ranks} are not one aligned run of the "
+                                                       "FSDP mesh's ranks [0, 1, 2, 3]: shard over the DP x CP group")):
+            _check_cp_inner([0, 1, 2, 3], cp_ranks)
+    with pytest.raises(ValueError, match="cp_group= applies with micro_batches="):
+        ShardedGradSync(torch.nn.Linear(2, 2), cp_group=object())
 
 
 def test_the_library_names_what_cp_cannot_keep_bit_identical():

@@ -173,11 +173,15 @@ class _TreeReduceScatter(DefaultReduceScatter):
     (:func:`~tensorpar.tree_reduce.all_reduce_tree`); the first replica hands FSDP the sum, the
     others zeros, which FSDP's own all-reduce across the replicas adds exactly. Before the last
     micro-batch FSDP gets zeros, accumulated into the sharded gradient as exactly ``0 + sum``.
+    Under CP (``cp_group``) every CP rank already holds the whole gradient (the mode's layers sum
+    it over CP in backward) and CP is the inner index of the DP x CP shard group: only CP rank 0
+    enters its sum, the others -0.0, so the tree over DP x CP adds what the DP ranks' tree adds.
     """
 
-    def __init__(self, *, micro_batches: int, replicate_group=None) -> None:
+    def __init__(self, *, micro_batches: int, replicate_group=None, cp_group=None) -> None:
         self.tree = HalvingTree(leaves=micro_batches)
         self.replicate_group = replicate_group
+        self.enters_tree = cp_group is None or comm.group_rank(cp_group) == 0
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         # FSDP frees its input after the call; the tree adds into its parts in place.
@@ -185,6 +189,8 @@ class _TreeReduceScatter(DefaultReduceScatter):
         if total is None:
             output_tensor.zero_()
             return None
+        if not self.enters_tree:  # x + -0.0 is x for every x, -0.0 too (+0.0 would make a -0.0 sum +0.0)
+            total.fill_(-0.0)
         shard = reduce_scatter_tree(total, group)
         if self.replicate_group is not None:
             shard = all_reduce_tree(shard, self.replicate_group)
@@ -333,7 +339,9 @@ class ShardedGradSync:
     ``micro_batches`` backwards are summed in the invariant mode's fixed tree, finished over the
     DP ranks with no division, in place of FSDP's reduce-scatter (``sync`` unused): each rank's
     shard holds the bits of the unsharded reducer's sum (``DataParallelGradReducer(...,
-    micro_batches=)``) at any DP size, with or without FSDP or HSDP.
+    micro_batches=)``) at any DP size, with or without FSDP or HSDP. Under context parallelism,
+    FSDP sharding over the DP x CP group, pass the CP group as ``cp_group``: its ranks hold the
+    same, whole gradient (the mode sums it over CP in backward), which the tree takes once.
 
     Example::
 
@@ -346,14 +354,17 @@ class ShardedGradSync:
         optimizer.step()
     """
 
-    def __init__(self, model: nn.Module, *, micro_batches: int | None = None) -> None:
+    def __init__(self, model: nn.Module, *, micro_batches: int | None = None, cp_group=None) -> None:
         self.model = model
         self._sync = True
         self.trees: list[_TreeReduceScatter] = []
+        if cp_group is not None and micro_batches is None:
+            raise ValueError("ShardedGradSync: cp_group= applies with micro_batches= (the invariant mode's tree); "
+                             "FSDP's own reduce-scatter averages over every rank it shards over")
         if micro_batches is not None:
-            self._sum_in_trees(micro_batches)
+            self._sum_in_trees(micro_batches, cp_group)
 
-    def _sum_in_trees(self, micro_batches: int) -> None:
+    def _sum_in_trees(self, micro_batches: int, cp_group) -> None:
         params = list(self.model.parameters())
         if not is_tp_invariant(params):
             raise ValueError("ShardedGradSync: micro_batches= sums in the invariant mode's tree; the model is "
@@ -361,9 +372,12 @@ class ShardedGradSync:
         shard = next(p for p in params if isinstance(p, DTensor))
         if comm.group_size(shard_group(shard)) == 1:  # FSDP's reduce-scatter over one rank is a copy, not ours
             raise ValueError("ShardedGradSync: micro_batches= needs FSDP shards over at least 2 ranks")
+        if cp_group is not None:
+            _check_cp_inner(shard.device_mesh.mesh.reshape(-1).tolist(), dist.get_process_group_ranks(cp_group))
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
-                tree = _TreeReduceScatter(micro_batches=micro_batches, replicate_group=replica_group(shard))
+                tree = _TreeReduceScatter(micro_batches=micro_batches, replicate_group=replica_group(shard),
+                                          cp_group=cp_group)
                 module.set_custom_reduce_scatter(tree)
                 module.set_gradient_divide_factor(1.0)  # the loss is divided by the global micro-batch count
                 self.trees.append(tree)
@@ -400,6 +414,15 @@ class ShardedGradSync:
 
     def remove_hooks(self) -> None:
         """FSDP's hooks stay with the model."""
+
+
+def _check_cp_inner(mesh_ranks: list[int], cp_ranks: list[int]) -> None:
+    """Refuse a CP group that is not one aligned run of the FSDP mesh's ranks (in the mesh's order,
+    the tree's): only then are CP rank 0's sums the leaves of the DP ranks' tree."""
+    size = len(cp_ranks)
+    if not any(mesh_ranks[i:i + size] == cp_ranks for i in range(0, len(mesh_ranks), size)):
+        raise ValueError(f"ShardedGradSync: cp_group= ranks {cp_ranks} are not one aligned run of the FSDP mesh's "
+                         f"ranks {mesh_ranks}: shard over the DP x CP group, CP its inner index")
 
 
 def describe(model: nn.Module) -> str:

@@ -43,9 +43,11 @@ def check_fsdp(args, config, *, dp: int, replicate_given: bool) -> None:
     if args.fsdp and config.gradient_accumulation_fusion:
         raise UsageError("--fsdp cannot combine with gradient-accumulation fusion (--grad-fusion, or the resumed "
                          "run's setting): FSDP reduces the gradients itself; drop one of them")
-    if args.fsdp and config.tp_invariant and (args.pp > 1 or args.cp > 1):
-        raise UsageError(f"--fsdp with --tp-invariant (or the resumed run's setting) at --pp {args.pp} --cp "
-                         f"{args.cp}: the invariant mode's tree over FSDP's shards is at --pp 1 --cp 1 so far")
+    if args.fsdp and config.tp_invariant and args.pp > 1:
+        raise UsageError(f"--fsdp with --tp-invariant (or the resumed run's setting) at --pp {args.pp}: the invariant "
+                         "mode's tree over FSDP's shards is at --pp 1 only so far")
     if args.fsdp and config.tp_invariant and dp // args.dp_replicate == 1:
-        raise UsageError(f"--fsdp with --tp-invariant shards over DP / --dp-replicate = {dp} / {args.dp_replicate} "
-                         "= 1 rank, whose FSDP reduces nothing in the mode's tree: use at least 2 shards, or drop --fsdp")
+        over = "DP x CP" if args.cp > 1 else "DP"
+        raise UsageError(f"--fsdp with --tp-invariant shards over {over} / --dp-replicate = {dp} / "
+                         f"{args.dp_replicate} = 1 rank, whose FSDP reduces nothing in the mode's tree: use at least 2 "
+                         "shards, or drop --fsdp")

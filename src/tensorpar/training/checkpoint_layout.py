@@ -4,11 +4,12 @@ box, the tensor still tiled) are refused instead of loading permuted rows.
 
 DCP names each rank's file ``__{rank}_{n}.distcp``; rank ``r`` of a (TP ``t``, CP ``c``, DP ``d``,
 PP ``p``) save is TP rank ``r % t`` and DP rank ``r // (t c) % d`` (Megatron's order: TP, CP, DP,
-then PP; CP ranks hold the same weights); the ranks of every stage write their stages' entries,
+then PP; CP ranks hold the same weights but FSDP shards); the ranks of every stage write their stages' entries,
 any of them one that stages share. A chunk is the whole tensor (a replicated or gathered entry,
 written by any rank), this TP rank's shard of the sharded dimension (split evenly), or that
-shard's dim-0 piece for this DP rank (an FSDP box: ceil(rows / d) rows each; under HSDP, with
-``world.dp_replicate`` R, the piece of DP rank ``% (d / R)`` of ``d / R``).
+shard's dim-0 piece for this rank of the DP x CP group FSDP shards over, ``r // t % (c d)`` (an
+FSDP box: ceil(rows / (c d)) rows each; under HSDP, with ``world.dp_replicate`` R, the piece of
+rank ``% (c d / R)`` of ``c d / R``).
 
 Example::
 
@@ -61,7 +62,7 @@ def _boxes(size: list[int], dim: int | None, *, tp_rank: int, tp: int, dp_rank: 
 def layout_problem(entries: dict, storage: dict, *, world: dict, shard_dims: dict[str, int]) -> str | None:
     """The first chunk stored in a rank's file that this rank did not hold, or None."""
     tp, cp, dp, pp = world["tp"], world.get("cp", 1), world["dp"], world.get("pp", 1)
-    shards = dp // world.get("dp_replicate", 1)  # HSDP: a replica of DP / R consecutive DP ranks
+    shards = cp * dp // world.get("dp_replicate", 1)  # HSDP: a replica of DP x CP / R consecutive ranks
     named = f"TP {tp} x " + (f"CP {cp} x " if cp > 1 else "") + f"DP {dp}" + (f" x PP {pp}" if pp > 1 else "")
     for key, entry in entries.items():
         if not isinstance(entry, TensorStorageMetadata):
@@ -77,7 +78,7 @@ def layout_problem(entries: dict, storage: dict, *, world: dict, shard_dims: dic
             if own is not None and int(own.group(1)) != r:
                 return f"stores {key} in {info.relative_path}, the file of rank {r}"
             held = _boxes(list(entry.size), shard_dims.get(key), tp_rank=r % tp, tp=tp,
-                          dp_rank=r // (tp * cp) % dp % shards, dp=shards)
+                          dp_rank=r // tp % (cp * dp) % shards, dp=shards)
             if (list(chunk.offsets), list(chunk.sizes)) not in held:
                 return (f"stores the chunk of {key} at offsets {list(chunk.offsets)} in {info.relative_path}, "
                         f"which saving rank {r} ({named}) does not hold")

@@ -252,8 +252,10 @@ def _train(args, signals: Signals) -> RunResult:
     # TP-invariant mode: the same reductions, in orders that do not depend on the TP size.
     grads = invariant if config.tp_invariant else tp_grads
     # And at any DP size: the step's micro-batches summed in one tree over the global index. Its
-    # layers sum each micro-batch's grads over CP in backward: only DP is left to the reducer.
-    reducer = ShardedGradSync(model, micro_batches=args.grad_accum if config.tp_invariant else None) if fsdp \
+    # layers sum each micro-batch's grads over CP in backward: only DP is left to the reducer (FSDP's
+    # tree over DP x CP takes CP rank 0's).
+    reducer = ShardedGradSync(model, micro_batches=args.grad_accum if config.tp_invariant else None,
+                              cp_group=cp.group if config.tp_invariant else None) if fsdp \
         else grads.DataParallelGradReducer(
         model.parameters(), dp_group=dp_group if config.tp_invariant else cp.grad_group,
         micro_batches=args.grad_accum if config.tp_invariant else None)
