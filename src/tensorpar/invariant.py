@@ -23,6 +23,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -129,25 +131,30 @@ class _Column(torch.autograd.Function):
     def backward(ctx, grad_output):
         input_, weights = ctx.saved_tensors
         group, stride, groups = ctx.group, ctx.stride, weights.shape[0]
-        total = comm.all_gather(input_, group, dim=0) if ctx.sequence_parallel else input_
-        x2d = total.reshape(-1, total.shape[-1])
+        # As Megatron's column layer: the SP input gathers during the dgrad GEMMs, and the dgrad
+        # sum travels during the wgrad GEMMs.
+        gathering = comm.all_gather(input_, group, dim=0, async_op=True) if ctx.sequence_parallel else None
+        shape = [input_.shape[0] * (comm.group_size(group) if ctx.sequence_parallel else 1), *input_.shape[1:]]
+        rows = math.prod(shape[:-1])
         if ctx.replicas > 1:
             grad_output = _over_replicas(grad_output, group, ctx.replicas)
-        grads = grad_output.reshape(x2d.shape[0], stride, groups, -1).to(weights.dtype)
-        g_groups = [grads[:, :, i].contiguous().view(x2d.shape[0], -1) for i in range(groups)]
+        grads = grad_output.reshape(rows, stride, groups, -1).to(weights.dtype)
+        g_groups = [grads[:, :, i].contiguous().view(rows, -1) for i in range(groups)]
         if comm.group_rank(group) % ctx.replicas:  # the shard's first replica adds its dgrad
-            grad_input = total.new_zeros(total.shape, dtype=weights.dtype)
+            grad_input = input_.new_zeros(shape, dtype=weights.dtype)
         else:
-            grad_input = tree_sum([g.matmul(w) for g, w in zip(g_groups, weights)]).view_as(total)
+            grad_input = tree_sum([g.matmul(w) for g, w in zip(g_groups, weights)]).view(shape)
         if ctx.sequence_parallel:
-            grad_input = reduce_scatter_tree(grad_input, group, dim=0)
+            grad_input = reduce_scatter_tree(grad_input, group, dim=0, async_op=True)
         else:
-            grad_input = all_reduce_tree(grad_input, group)
+            grad_input = all_reduce_tree(grad_input, group, async_op=True)
+        total = gathering.wait() if gathering is not None else input_
+        x2d = total.reshape(rows, total.shape[-1])
         cp = ctx.cp_group
         grad_weight = _over_context(_merged([_rows_sum(_wgrad, g, x2d, cp) for g in g_groups], stride, 0), cp)
         grad_bias = _over_context(_merged([_rows_sum(_bias_grad, g, None, cp) for g in g_groups], stride, 0), cp) \
             if ctx.has_bias else None
-        return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None, None, None
+        return grad_input.wait(), grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None, None, None
 
 
 class _Row(torch.autograd.Function):

@@ -62,38 +62,46 @@ def _one_add(tensor: torch.Tensor, n: int) -> bool:
     return n == 2 and tensor.dtype in (torch.float32, torch.float64)
 
 
-def reduce_scatter_tree(partial: torch.Tensor, group, *, dim: int = 0) -> torch.Tensor:
+def _finished(result: torch.Tensor, async_op: bool):
+    return comm.Handle(None, result) if async_op else result
+
+
+def reduce_scatter_tree(partial: torch.Tensor, group, *, dim: int = 0, async_op: bool = False):
     """Sum ``partial`` over ``group`` in rank order (a pairwise tree), keeping this rank's slice along ``dim``.
 
     An all-to-all of the slices, then :func:`tree_sum` of the ``TP`` slices received; over two
-    ranks in fp32/fp64, the backend's reduce-scatter (the same single add).
+    ranks in fp32/fp64, the backend's reduce-scatter (the same single add). ``async_op=True``
+    returns a :class:`~tensorpar.comm.Handle`: in flight where it is the backend's reduce-scatter,
+    else already finished.
     """
     n = comm.group_size(group)
     if n == 1:
-        return partial
+        return _finished(partial, async_op)
     if _one_add(partial, n):
-        return comm.reduce_scatter(partial, group, dim=dim)
+        return comm.reduce_scatter(partial, group, dim=dim, async_op=async_op)
     comm.check_divisible(partial.shape[dim], n, f"dimension {dim} of shape {list(partial.shape)}")
     slices = partial.movedim(dim, 0)
     slices = slices.reshape(n, slices.shape[0] // n, *slices.shape[1:])
     received = comm.all_to_all(slices, group)
-    return tree_sum(received.unbind(0)).movedim(0, dim)
+    total = tree_sum(received.unbind(0)).movedim(0, dim)
+    return _finished(total, async_op)
 
 
-def all_reduce_tree(tensor: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_tree(tensor: torch.Tensor, group, *, async_op: bool = False):
     """Sum ``tensor`` over ``group`` in rank order: :func:`reduce_scatter_tree` of the flat
     tensor, then an all-gather (the bytes of a ring all-reduce); over two ranks in fp32/fp64,
-    the backend's all-reduce, in place (``tensor`` is the caller's temporary)."""
+    the backend's all-reduce, in place (``tensor`` is the caller's temporary). ``async_op``: as
+    :func:`reduce_scatter_tree`'s (in flight over two ranks)."""
     n = comm.group_size(group)
     if n == 1:
-        return tensor
+        return _finished(tensor, async_op)
     if _one_add(tensor, n):
-        return comm.all_reduce(tensor, group)
+        return comm.all_reduce(tensor, group, async_op=async_op)
     flat = tensor.reshape(-1)
     if flat.numel() % n:
         flat = F.pad(flat, (0, -flat.numel() % n))
-    total = comm.all_gather(reduce_scatter_tree(flat, group), group)
-    return total[:tensor.numel()].view(tensor.shape)
+    total = comm.all_gather(reduce_scatter_tree(flat, group), group)[:tensor.numel()].view(tensor.shape)
+    return _finished(total, async_op)
 
 
 class HalvingTree:
