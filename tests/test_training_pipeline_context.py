@@ -94,18 +94,29 @@ def test_hidden_dropout_at_pp2_x_cp2_draws_the_masks_of_pp2_x_cp1(tmp_path):
 
 # The invariant mode's run: a tied-embedding GPT-2 (the embedding group sums the two copies per
 # micro-batch), hidden dropout (masks keyed by global position), 16 tokens (2 x CP x the 8 fixed
-# sequence blocks' multiple: no padding), clipping on every step.
+# sequence blocks' multiple: no padding), clipping on every step. The Llama-style model has 2 KV
+# heads for 4 query heads: at TP 2 x CP 2 each rank attends with one query head.
 INVARIANT = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--steps", "3", "--micro-batch", "1",
              "--global-batch", "2", "--warmup", "1", "--lr", "1e-2", "--clip-grad", "0.1", "--eval-every", "3",
              "--eval-iters", "2", "--no-progress", "--seed", "3", "--tp-invariant", "--dropout", "0.1",
              "--attention-dropout", "0", "--cp-comm", "a2a"]
+LLAMA_GQA = ["--norm", "rmsnorm", "--activation", "swiglu", "--position-embedding", "rope", "--kv-heads", "2"]
+TP2XCP2XPP2 = ["--tp", "2", "--pp", "2", "--cp", "2", "--sp"]
 
 
 @pytest.mark.slow
-def test_the_invariant_mode_at_pp2_x_cp2_is_bit_identical_to_pp1_x_cp1(tmp_path):
-    """Training and validation losses ==, on every rank, and final weights torch.equal."""
-    reference, = run_on_ranks(_run_body, 1, INVARIANT + ["--tp", "1", "--out", str(tmp_path / "pp1")], timeout=300)
-    runs = run_on_ranks(_run_body, 4, INVARIANT + [*PP2XCP2, "--out", str(tmp_path / "pp2cp2")], timeout=300)
+@pytest.mark.parametrize("model, layouts", [([], [PP2XCP2, TP2XCP2XPP2]), (LLAMA_GQA, [TP2XCP2XPP2])],
+                         ids=["gpt2", "llama-gqa"])
+def test_the_invariant_mode_at_pp2_x_cp2_is_bit_identical_to_pp1_x_cp1(tmp_path, model, layouts):
+    """PP 2 x CP 2 (4 ranks) and TP 2 x CP 2 x PP 2 with SP (8 ranks) against TP 1 x CP 1 x PP 1:
+    training and validation losses ==, on every rank, and final weights torch.equal."""
+    reference, = run_on_ranks(_run_body, 1, INVARIANT + model + ["--tp", "1", "--out", str(tmp_path / "pp1")],
+                              timeout=300)
     assert list(reference[0]) == [1, 2, 3] and list(reference[1]) == [3]
-    assert [run[:2] for run in runs] == [reference[:2]] * 4
-    assert _differing_weights(runs[0][2], run_on_ranks(_weights_body, 1, str(reference[2]))[0]) == []
+    weights = run_on_ranks(_weights_body, 1, str(reference[2]))[0]
+    for k, layout in enumerate(layouts):
+        world = 4 if layout is PP2XCP2 else 8
+        runs = run_on_ranks(_run_body, world, INVARIANT + model + [*layout, "--out", str(tmp_path / f"run{k}")],
+                            timeout=300)
+        assert [run[:2] for run in runs] == [reference[:2]] * world, layout
+        assert _differing_weights(runs[0][2], weights) == [], layout
