@@ -176,16 +176,27 @@ class _TreeReduceScatter(DefaultReduceScatter):
     Under CP (``cp_group``) every CP rank already holds the whole gradient (the mode's layers sum
     it over CP in backward) and CP is the inner index of the DP x CP shard group: only CP rank 0
     enters its sum, the others -0.0, so the tree over DP x CP adds what the DP ranks' tree adds.
+    Backwards arrive in micro-batch order, or, where ``micro_batch`` names the one in hand (a
+    pipeline's), in any order: a part waits until those before it are in.
     """
 
     def __init__(self, *, micro_batches: int, replicate_group=None, cp_group=None) -> None:
         self.tree = HalvingTree(leaves=micro_batches)
         self.replicate_group = replicate_group
         self.enters_tree = cp_group is None or comm.group_rank(cp_group) == 0
+        self.micro_batch: int | None = None
+        self.waiting: dict[int, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        self.tree.reset()
+        self.waiting.clear()
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         # FSDP frees its input after the call; the tree adds into its parts in place.
-        total = self.tree.add(input_tensor.clone())
+        self.waiting[self.tree.count if self.micro_batch is None else self.micro_batch] = input_tensor.clone()
+        total = None
+        while self.tree.count in self.waiting:
+            total = self.tree.add(self.waiting.pop(self.tree.count))
         if total is None:
             output_tensor.zero_()
             return None
@@ -395,12 +406,28 @@ class ShardedGradSync:
             if isinstance(module, FSDPModule):
                 module.set_requires_gradient_sync(value, recurse=False)
 
+    def reduce_micro_batch(self, stage: nn.Module, micro_batch: int) -> None:
+        """Sum the gradients one backward left unreduced in ``stage`` (an FSDP root: a pipeline
+        stage, which torch's schedules run without FSDP's reduction until the step's end) into
+        the trees, as micro-batch ``micro_batch`` of the step."""
+        for tree in self.trees:
+            tree.micro_batch = micro_batch
+        stage.set_requires_gradient_sync(True)
+        try:  # what torch's PipelineStage.perform_reduce_grad runs once, after the last micro-batch
+            for state in _torch_fully_shard.state(stage)._state_ctx.all_states:
+                for param_group in state._fsdp_param_groups:
+                    param_group.post_backward()
+        finally:
+            stage.set_requires_gradient_sync(False)
+            for tree in self.trees:
+                tree.micro_batch = None
+
     def zero_grad(self) -> None:
         """Drop the gradients; a unit an evaluation left gathered (FSDP keeps the root so after a
         forward no backward follows) is resharded, so the step starts from the shards."""
         reshard(self.model)
         for tree in self.trees:
-            tree.tree.reset()
+            tree.reset()
         for p in self.model.parameters():
             p.grad = None
 

@@ -15,6 +15,9 @@ With ``tp_invariant=True`` each micro-batch's gradient is taken apart and handed
 micro-batch order (:class:`~.microbatch_grads.MicroBatchGrads`): to ``grad_sink`` (a
 ``DataParallelGradReducer(micro_batches=)``'s ``add_grad``: PP=1's fixed tree), or added into
 ``.grad``; the tied embedding's two copies are summed per micro-batch, as PP=1's autograd does.
+Stages sharded by FSDP (:func:`~.stages.fully_shard_stages`) hand each backward's gradients to
+``sharded_grads`` (a ``ShardedGradSync(micro_batches=)``: PP=1's tree over FSDP's shards); their
+embeddings must be untied (the two copies' per-micro-batch sum would have to precede FSDP's).
 The schedules that split the backward (:func:`~.plan.check_invariant`) are refused.
 
 Example::
@@ -33,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import comm
 from ..errors import UsageError
+from ..fsdp import is_fully_sharded
 from ..grads import allreduce_sequence_parallel_grads
 from ..models import GPT, context_split
 from .microbatch_grads import MicroBatchGrads
@@ -58,8 +62,13 @@ class PipelineSchedule:
         check_microbatches(schedule, microbatches=microbatches, pp_size=layout.pp_size,
                            virtual_stages=None if spec.placement == "single" else len(stages))
         self.invariant = stages[0].config.tp_invariant
+        sharded = is_fully_sharded(stages[0])
         if self.invariant:
             check_invariant(schedule)
+            if sharded and stages[0].config.tie_word_embeddings and layout.num_stages > 1:
+                raise UsageError("tp_invariant pipeline under FSDP: tied embeddings are not supported (their two "
+                                 "copies' gradients would be summed per micro-batch before FSDP's reduction): untie "
+                                 "them (tie_word_embeddings=False, tensorpar train --model llama-tiny) or drop FSDP")
             if any(hasattr(p, "main_grad") for m in stages for p in m.parameters()):
                 raise UsageError("tp_invariant pipeline: create the DataParallelGradReducer after the "
                                  "PipelineSchedule (the schedule takes each micro-batch's gradient first)")
@@ -85,7 +94,7 @@ class PipelineSchedule:
         tied = [m.embedding.word.weight for m in stages if m.pre_process and self.tied] + \
                [m.lm_head.weight for m in stages if m.post_process and self.tied and not m.pre_process]
         self._grads = MicroBatchGrads(pipeline_stages, microbatches=microbatches, tied=tied,
-                                      embedding_group=embedding_group) if self.invariant else None
+                                      embedding_group=embedding_group) if self.invariant and not sharded else None
         self._losses: list[torch.Tensor] = []
         self._schedule = spec.torch_class(pipeline_stages[0] if spec.placement == "single" else pipeline_stages,
                                           microbatches, loss_fn=self._loss, scale_grads=False)
@@ -107,11 +116,13 @@ class PipelineSchedule:
         return self.microbatch_losses(tokens, labels).mean()
 
     def microbatch_losses(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
-                          backward: bool = True, grad_sink=None, first_micro_batch: int = 0) -> torch.Tensor:
+                          backward: bool = True, grad_sink=None, sharded_grads=None,
+                          first_micro_batch: int = 0) -> torch.Tensor:
         """Each micro-batch's mean loss ``[M]`` (float64, every rank of the pipeline), after a
         forward and backward as :meth:`step`'s, or with ``backward=False`` a forward only
         (an evaluation: no gradient is touched). In the invariant mode: ``grad_sink(param, grad)``
-        gets each micro-batch's gradients in order (default: summed into ``.grad``), and the
+        gets each micro-batch's gradients in order (default: summed into ``.grad``), under FSDP
+        ``sharded_grads`` (a ``ShardedGradSync(micro_batches=)``) each backward's, and the
         dropout masks of micro-batch ``k`` are keyed by ``first_micro_batch + k``. Under context
         parallelism every rank passes ``tokens`` or ``labels``: each stage reads the sequence length."""
         for name, batch in (("tokens", tokens), ("labels", labels)):
@@ -129,7 +140,7 @@ class PipelineSchedule:
         args = (tokens,) if 0 in self.indices else ()
         target = labels if self.last in self.indices else None
         for stage in self._torch_stages:
-            stage.first_micro_batch = first_micro_batch
+            stage.first_micro_batch, stage.sharded_grads = first_micro_batch, sharded_grads
         if self._grads is not None:
             self._grads.sink = grad_sink
         if backward:

@@ -16,7 +16,10 @@ micro-batch from the real ones.
 
 Each forward and backward records the schedule's micro-batch id (``microbatch``). In the
 invariant mode a forward sets its GPT's dropout counter to ``first_micro_batch`` plus that id,
-so micro-batch ``k``'s masks are PP=1's, whatever order the schedule runs them in.
+so micro-batch ``k``'s masks are PP=1's, whatever order the schedule runs them in; under FSDP
+(``sharded_grads``, a ``ShardedGradSync(micro_batches=)``) each backward's gradients go into
+its trees as that micro-batch's, where torch's stage would leave them unreduced until the
+step's end.
 
 The zero-bubble schedules' weight backward (``interleaved-zb``, ``zbv``, ``dualpipev``) sets
 each ``.grad`` itself, past the post-accumulate-grad hook by which a DataParallelGradReducer
@@ -58,6 +61,7 @@ class TorchStage(PipelineStage):
     inferring = False
     microbatch = 0          # the schedule's id of the micro-batch in forward or backward
     first_micro_batch = 0   # the global index of the step's micro-batch 0 (the invariant mode's masks)
+    sharded_grads = None    # the invariant mode under FSDP: the ShardedGradSync each backward's gradients go to
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         self.microbatch = fwd_chunk_id
@@ -68,6 +72,12 @@ class TorchStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
         self.microbatch = bwd_chunk_id
         return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if self.sharded_grads is not None and not self.inferring:
+            self.sharded_grads.reduce_micro_batch(self.submod, self.microbatch)
+        return result
 
     def _backward_metadata_inference(self, *args, **kwargs):
         params = list(self.submod.parameters())

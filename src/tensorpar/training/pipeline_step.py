@@ -12,8 +12,9 @@ the SP and tied-embedding gradients: all sums, in any order the same gradient. U
 micro-batch instead, averaging over DP as the reducer does. In the invariant mode
 (:mod:`.invariant_batches`) each micro-batch's loss is divided by the global micro-batch
 count, its gradients go into the reducer's tree in micro-batch order (``add_grad``; a stage's
-DP reduction runs once its last micro-batch's are in) and its dropout masks are keyed by its
-global index, all as at PP=1.
+DP reduction runs once its last micro-batch's are in; under FSDP each backward's into the
+``ShardedGradSync``'s trees over the shards) and its dropout masks are keyed by its global
+index, all as at PP=1.
 
 Example::
 
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from .. import comm, parallel_state as ps
+from ..fsdp import ShardedGradSync
 from ..invariant_dropout import MaskCounter
 from ..models import GPTConfig
 from ..pipeline import PipelineSchedule, StageLayout, bubble_fraction, build_stages, fully_shard_stages, stage_layout
@@ -121,9 +123,12 @@ class PipelinedGPT(nn.Module):
         tokens, labels = _stacked(micro_batches, device)
         reducer.sync = False  # every stage's DP reduction waits for the schedule's end: reducer.finish()
         invariant = self.dropout_masks is not None
+        sharded = isinstance(reducer, ShardedGradSync)
         with autocast(dtype, device):
-            return self.schedule.microbatch_losses(tokens, labels, grad_sink=reducer.add_grad if invariant else None,
-                                                   first_micro_batch=self.dropout_masks.counter if invariant else 0)
+            return self.schedule.microbatch_losses(
+                tokens, labels, grad_sink=reducer.add_grad if invariant and not sharded else None,
+                sharded_grads=reducer if invariant and sharded else None,
+                first_micro_batch=self.dropout_masks.counter if invariant else 0)
 
     def losses(self, batches, *, dtype: str) -> list[torch.Tensor]:
         """The mean loss of each of ``batches`` (``[(tokens, labels)]``, any number), forward only
