@@ -77,9 +77,12 @@ def build_step(args, **config):
                        gradient_accumulation_fusion=args.fusion, recompute=args.recompute, dropout=0.1,
                        **config)
     model = GPT(config, device=device)
-    reducer = grads.DataParallelGradReducer(model.parameters(), dp_group=tp.get_data_parallel_group())
+    dp_group = tp.get_data_parallel_group()
+    # The invariant mode's DP reduction in tensorpar train: each micro-batch into the fixed tree.
+    reducer = grads.DataParallelGradReducer(model.parameters(), dp_group=dp_group,
+                                            **({"micro_batches": 1} if getattr(config, "tp_invariant", False) else {}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(1 + tp.get_data_parallel_rank())
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
 

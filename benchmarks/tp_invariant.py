@@ -4,7 +4,11 @@ default mode, in one run at one TP size (step-time ratio, and each mode's CommLe
 The two models are timed in alternating rounds (one step of each, the first of the pair
 alternating too), so both see the same load on shared cores::
 
-    python benchmarks/tp_invariant.py --tp 2 [--sp] [--dtype fp32|bf16] [--steps 16] [--attention-dropout 0.1]
+    python benchmarks/tp_invariant.py --tp 2 [--dp 1] [--sp] [--dtype fp32|bf16] [--steps 16] [--attention-dropout 0.1]
+
+``--dp N`` runs TP x N ranks, each DP rank its own batch, the gradients reduced over DP as
+``tensorpar train`` reduces them in each mode (the invariant mode: one micro-batch per rank in
+the fixed tree over the DP ranks).
 
 One step is ``gpt_step.py``'s (what ``tensorpar train`` runs), attention dropout 0 in both
 modes unless ``--attention-dropout P``: then both modes drop attention probabilities (the
@@ -33,7 +37,7 @@ from gpt_step import add_arguments, add_step_counts, build_step, slowest_rank, t
 def run(args) -> dict:
     import tensorpar as tp
 
-    tp.initialize_model_parallel(args.tp)
+    tp.initialize_model_parallel(args.tp)  # DP: the other ranks
     modes = ("default", "tp_invariant") + (("tp_invariant_no_attention_dropout",) if args.attention_dropout else ())
     steps = {mode: build_step(args, attention_dropout=0.0 if mode.endswith("no_attention_dropout")
                               else args.attention_dropout, tp_invariant=mode != "default")[0] for mode in modes}
@@ -67,11 +71,12 @@ def main() -> None:
     add_arguments(parser, dtype="fp32")
     add_step_counts(parser)
     parser.add_argument("--attention-dropout", type=float, default=0.0, help="in both modes (default 0)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
     args = parser.parse_args()
     from tensorpar.tools.launch import launch_local
 
     load_before = os.getloadavg()[0]
-    out = launch_local(run, args, nproc=args.tp)[0]
+    out = launch_local(run, args, nproc=args.tp * args.dp)[0]
     sent = out.pop("bytes_sent_per_rank")
     print(json.dumps({"args": vars(args), **out, "load_1min": [load_before, os.getloadavg()[0]],
                       "bytes_sent_per_rank": sent,
