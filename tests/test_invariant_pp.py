@@ -60,29 +60,27 @@ def test_a_pipeline_run_is_bit_identical_to_pp1(reference, tmp_path, layout):
     assert _differing_weights(runs[0][2], weights) == []
 
 
-# FSDP over each stage's DP ranks (untied embeddings: a Llama-style model): 1F1B, looped BFS (whose
-# backwards run the micro-batches in reverse: each waits in the tree for those before it), and TP 2 + SP.
+# FSDP over each stage's DP ranks: 1F1B, looped BFS (whose backwards run the micro-batches in
+# reverse: each waits in the tree for those before it), and TP 2 + SP; the tied embedding's two
+# copies (GPT-2) added per micro-batch before the tree, the untied Llama-style model's reduced apart.
 FSDP_LAYOUTS = [(1, 2, 2, "1f1b", ()), (1, 2, 2, "looped-bfs", ()), (2, 2, 2, "1f1b", ())]
 
 
 @pytest.mark.slow
-def test_fsdp_pipeline_runs_are_bit_identical_to_pp1_without_fsdp(tmp_path):
-    """A Llama-style model at PP 2 x DP 2 with FSDP (two schedules) and TP 2 + SP x PP 2 x DP 2 with
-    FSDP (8 ranks) against TP 1 x PP 1 x DP 1 without: losses ==, on every rank, final weights torch.equal."""
-    llama = ["--model", "llama-tiny"]
-    (losses, val_losses, ckpt), = _train(1, 1, 1, "1f1b", tmp_path / "pp1", *llama)
-    weights = run_on_ranks(_weights_body, 1, str(ckpt))[0]
-    for k, (*where, flags) in enumerate(FSDP_LAYOUTS):
-        runs = _train(*where, tmp_path / f"fsdp{k}", *llama, "--fsdp", *flags)
+@pytest.mark.parametrize("model, layouts", [([], FSDP_LAYOUTS), (["--model", "llama-tiny"], FSDP_LAYOUTS[1:])],
+                         ids=["gpt2-tied", "llama-untied"])
+def test_fsdp_pipeline_runs_are_bit_identical_to_pp1_without_fsdp(reference, tmp_path, model, layouts):
+    """PP 2 x DP 2 with FSDP and TP 2 + SP x PP 2 x DP 2 with FSDP (8 ranks) against TP 1 x PP 1
+    x DP 1 without: losses ==, on every rank, final weights torch.equal."""
+    if model:
+        (losses, val_losses, ckpt), = _train(1, 1, 1, "1f1b", tmp_path / "pp1", *model)
+        weights = run_on_ranks(_weights_body, 1, str(ckpt))[0]
+    else:
+        losses, val_losses, weights = reference
+    for k, (*where, flags) in enumerate(layouts):
+        runs = _train(*where, tmp_path / f"fsdp{k}", *model, "--fsdp", *flags)
         assert [run[:2] for run in runs] == [(losses, val_losses)] * len(runs), where
         assert _differing_weights(runs[0][2], weights) == [], where
-
-
-def test_fsdp_pipeline_with_tied_embeddings_is_refused_in_one_line(capsys):
-    assert main(["train", "--nproc", "4", "--pp", "2", "--tp", "1", "--fsdp", "--tp-invariant", "--layers", "2",
-                 "--grad-accum", "2", "--steps", "1"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "at --pp 2 needs untied embeddings (e.g. --model llama-tiny)" in err
 
 
 @pytest.mark.slow

@@ -34,7 +34,8 @@ from .parallel_state import get_data_parallel_group
 from .tree_reduce import HalvingTree, all_reduce_tree, reduce_scatter_tree
 
 __all__ = ["fully_shard", "reshard", "is_fully_sharded", "dp_mesh", "hsdp_mesh", "shard_group", "gather_dp_shards",
-           "replica_group", "scatter_dp_shard", "tp_dp_mesh", "full_box", "ShardedGradSync", "describe", "bytes_per_rank"]
+           "replica_group", "scatter_dp_shard", "tp_dp_mesh", "full_box", "ShardedGradSync", "describe", "bytes_per_rank",
+           "take_unsharded_grad"]
 
 
 def _device_type(group: dist.ProcessGroup) -> str:
@@ -441,6 +442,23 @@ class ShardedGradSync:
 
     def remove_hooks(self) -> None:
         """FSDP's hooks stay with the model."""
+
+
+def take_unsharded_grad(root: nn.Module, param: nn.Parameter) -> torch.Tensor | None:
+    """Remove and return the gradient FSDP holds unreduced for ``param`` (a sharded parameter)
+    in the FSDP root ``root`` after a backward without gradient sync, so that FSDP's reduction
+    passes it by; None where ``root`` does not hold ``param`` or that backward gave it none."""
+    for state in _torch_fully_shard.state(root)._state_ctx.all_states:
+        for fsdp_param in (fp for param_group in state._fsdp_param_groups for fp in param_group.fsdp_params):
+            if fsdp_param.sharded_param is param:
+                if fsdp_param.unsharded_accumulated_grad is not None:
+                    grad, fsdp_param.unsharded_accumulated_grad = fsdp_param.unsharded_accumulated_grad_data, None
+                    return grad
+                if fsdp_param.unsharded_param.grad is None:
+                    return None
+                grad, fsdp_param.unsharded_param.grad = fsdp_param.unsharded_grad_data, None  # under TP: the local part
+                return grad
+    return None
 
 
 def _check_cp_inner(mesh_ranks: list[int], cp_ranks: list[int]) -> None:

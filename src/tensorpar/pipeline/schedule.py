@@ -16,8 +16,9 @@ micro-batch order (:class:`~.microbatch_grads.MicroBatchGrads`): to ``grad_sink`
 ``DataParallelGradReducer(micro_batches=)``'s ``add_grad``: PP=1's fixed tree), or added into
 ``.grad``; the tied embedding's two copies are summed per micro-batch, as PP=1's autograd does.
 Stages sharded by FSDP (:func:`~.stages.fully_shard_stages`) hand each backward's gradients to
-``sharded_grads`` (a ``ShardedGradSync(micro_batches=)``: PP=1's tree over FSDP's shards); their
-embeddings must be untied (the two copies' per-micro-batch sum would have to precede FSDP's).
+``sharded_grads`` (a ``ShardedGradSync(micro_batches=)``: PP=1's tree over FSDP's shards), a
+tied embedding's to :class:`~.tied_grads.ShardedTiedGrads`, which adds the two copies' per
+micro-batch first.
 The schedules that split the backward (:func:`~.plan.check_invariant`) are refused.
 
 Example::
@@ -41,6 +42,7 @@ from ..grads import allreduce_sequence_parallel_grads
 from ..models import GPT, context_split
 from .microbatch_grads import MicroBatchGrads
 from .plan import StageLayout, check_invariant, check_microbatches, schedule_spec
+from .tied_grads import ShardedTiedGrads
 from .torch_stage import TorchStage
 
 
@@ -65,10 +67,6 @@ class PipelineSchedule:
         sharded = is_fully_sharded(stages[0])
         if self.invariant:
             check_invariant(schedule)
-            if sharded and stages[0].config.tie_word_embeddings and layout.num_stages > 1:
-                raise UsageError("tp_invariant pipeline under FSDP: tied embeddings are not supported (their two "
-                                 "copies' gradients would be summed per micro-batch before FSDP's reduction): untie "
-                                 "them (tie_word_embeddings=False, tensorpar train --model llama-tiny) or drop FSDP")
             if any(hasattr(p, "main_grad") for m in stages for p in m.parameters()):
                 raise UsageError("tp_invariant pipeline: create the DataParallelGradReducer after the "
                                  "PipelineSchedule (the schedule takes each micro-batch's gradient first)")
@@ -95,6 +93,10 @@ class PipelineSchedule:
                [m.lm_head.weight for m in stages if m.post_process and self.tied and not m.pre_process]
         self._grads = MicroBatchGrads(pipeline_stages, microbatches=microbatches, tied=tied,
                                       embedding_group=embedding_group) if self.invariant and not sharded else None
+        context = stages[0].parallel.context
+        self._tied_grads = ShardedTiedGrads(tied, microbatches=microbatches, embedding_group=embedding_group,
+                                            cp_group=None if context is None else context.group) \
+            if self.invariant and sharded and tied else None
         self._losses: list[torch.Tensor] = []
         self._schedule = spec.torch_class(pipeline_stages[0] if spec.placement == "single" else pipeline_stages,
                                           microbatches, loss_fn=self._loss, scale_grads=False)
@@ -141,6 +143,7 @@ class PipelineSchedule:
         target = labels if self.last in self.indices else None
         for stage in self._torch_stages:
             stage.first_micro_batch, stage.sharded_grads = first_micro_batch, sharded_grads
+            stage.tied_grads = self._tied_grads if sharded_grads is not None else None
         if self._grads is not None:
             self._grads.sink = grad_sink
         if backward:
@@ -159,6 +162,8 @@ class PipelineSchedule:
     def _finish_grads(self) -> None:
         if self._grads is not None:  # first: with a reducer, its DP sums come before the SP sums, as at PP=1
             self._grads.finish()
+        if self._tied_grads is not None and self._torch_stages[0].sharded_grads is not None:
+            self._tied_grads.finish()
         for module in self.stages:
             allreduce_sequence_parallel_grads(module, tp_group=module.tp_group)
         if not self.tied or self.invariant or self.layout.rank_of(0) == self.layout.rank_of(self.last):

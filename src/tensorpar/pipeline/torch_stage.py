@@ -19,7 +19,7 @@ invariant mode a forward sets its GPT's dropout counter to ``first_micro_batch``
 so micro-batch ``k``'s masks are PP=1's, whatever order the schedule runs them in; under FSDP
 (``sharded_grads``, a ``ShardedGradSync(micro_batches=)``) each backward's gradients go into
 its trees as that micro-batch's, where torch's stage would leave them unreduced until the
-step's end.
+step's end (a tied embedding's first to ``tied_grads``, a :class:`~.tied_grads.ShardedTiedGrads`).
 
 The zero-bubble schedules' weight backward (``interleaved-zb``, ``zbv``, ``dualpipev``) sets
 each ``.grad`` itself, past the post-accumulate-grad hook by which a DataParallelGradReducer
@@ -62,6 +62,7 @@ class TorchStage(PipelineStage):
     microbatch = 0          # the schedule's id of the micro-batch in forward or backward
     first_micro_batch = 0   # the global index of the step's micro-batch 0 (the invariant mode's masks)
     sharded_grads = None    # the invariant mode under FSDP: the ShardedGradSync each backward's gradients go to
+    tied_grads = None       # and the ShardedTiedGrads that takes a tied embedding's out first
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         self.microbatch = fwd_chunk_id
@@ -76,6 +77,8 @@ class TorchStage(PipelineStage):
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if self.sharded_grads is not None and not self.inferring:
+            if self.tied_grads is not None:
+                self.tied_grads.take(self.submod, micro_batch=self.microbatch)
             self.sharded_grads.reduce_micro_batch(self.submod, self.microbatch)
         return result
 

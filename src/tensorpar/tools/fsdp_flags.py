@@ -43,10 +43,6 @@ def check_fsdp(args, config, *, dp: int, replicate_given: bool) -> None:
     if args.fsdp and config.gradient_accumulation_fusion:
         raise UsageError("--fsdp cannot combine with gradient-accumulation fusion (--grad-fusion, or the resumed "
                          "run's setting): FSDP reduces the gradients itself; drop one of them")
-    if args.fsdp and config.tp_invariant and args.pp > 1 and config.tie_word_embeddings:
-        raise UsageError(f"--fsdp with --tp-invariant (or the resumed run's setting) at --pp {args.pp} needs untied "
-                         "embeddings (e.g. --model llama-tiny): a tied embedding's two copies would be summed per "
-                         "micro-batch before FSDP's reduction")
     if args.fsdp and config.tp_invariant and dp // args.dp_replicate == 1:
         over = "DP x CP" if args.cp > 1 else "DP"
         raise UsageError(f"--fsdp with --tp-invariant shards over {over} / --dp-replicate = {dp} / "
