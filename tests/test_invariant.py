@@ -118,13 +118,6 @@ def _invariance_body(config: GPTConfig, layouts=LAYOUTS, more=None):
     return report, reference, invariant_run, default_run, more_report and more_report[0]
 
 
-# Measured on this project's machine of 2026-12-02 (AMD EPYC), at 0.4.0 (07117b2) as after it: TP 8
-# leaves TP 1's bits at step 3, a resume at another TP size at step 5. Every other invariance
-# assertion holds here. A known defect of the mode on this CPU, not
-# hidden: the tests still run and report it (issue 30 goes after it).
-ON_THIS_CPU = pytest.mark.xfail(reason="fails on the AMD EPYC CI machine at 0.4.0 too: see ON_THIS_CPU")
-
-
 @pytest.mark.parametrize("config, more", [
     (GPT2, None),
     # and replicated K/V heads at TP 4, with and without SP and with recompute (issue 30)
@@ -141,7 +134,6 @@ def test_training_is_bit_identical_at_every_tp_size(config, more):
     # rounding, which the two modes round differently (one element off by 1.2e-4 after 3 steps).
 
 
-@ON_THIS_CPU
 @pytest.mark.slow
 def test_training_is_bit_identical_at_tp_8():
     # 8 heads, and every TP-split size a multiple of 8 blocks: one block per rank.
@@ -212,7 +204,6 @@ def _weights_body(ckpt):
     return model.full_state_dict()
 
 
-@ON_THIS_CPU
 @pytest.mark.slow
 def test_train_and_a_resume_at_another_tp_size_are_bit_identical(tmp_path):
     """--tp-invariant with hidden and attention dropout: TP=1 for 6 steps; TP=2 +SP saved at step 3

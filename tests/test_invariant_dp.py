@@ -70,7 +70,8 @@ def test_training_is_bit_identical_at_any_dp_size(tmp_path, model):
     """(TP, DP) = (1, 2), (2, 2), (1, 4) against (1, 1): training and validation losses == at every
     step, final weights torch.equal, with hidden dropout and clipping. GPT-2 at (2, 2) and (1, 4)
     with --fsdp and at 1 x 4 as HSDP 2 x 2 (the tree's sum in place of FSDP's reduce-scatter);
-    its (2, 2) FSDP run, saved after step 2, resumes at 1 x 4 with --no-fsdp on the same bits."""
+    its (2, 2) FSDP run, saved after step 2, resumes at 1 x 4 and at 4 x 1 with --no-fsdp on the
+    same bits."""
     layouts = {"1x1": (1, 1), "2x2": (2, 2), "1x4": (1, 4)} if model else {
         "1x1": (1, 1), "1x2": (1, 2), "2x2 fsdp": (2, 2, "--fsdp", "--save-every", "2"), "1x4 fsdp": (1, 4, "--fsdp"),
         "hsdp 2x2": (1, 4, "--fsdp", "--dp-replicate", "2")}
@@ -81,11 +82,11 @@ def test_training_is_bit_identical_at_any_dp_size(tmp_path, model):
     assert {name: run[:2] for name, run in runs.items()} == {name: (losses, val_losses) for name in layouts}
     reference = run_on_ranks(_weights_body, 1, str(ckpt))[0]
     assert {name: _differing_weights(run[2], reference) for name, run in runs.items()} == {name: [] for name in layouts}
-    if not model:
-        resumed, _, resumed_ckpt = _train(1, 4, tmp_path / "resumed", "--no-fsdp", "--resume",
-                                          str(tmp_path / "2x2-fsdp" / "step_2"))
-        assert resumed == {step: losses[step] for step in (3, 4)}
-        assert _differing_weights(resumed_ckpt, reference) == []
+    for tp_size, dp_size in [] if model else [(1, 4), (4, 1)]:
+        resumed, _, resumed_ckpt = _train(tp_size, dp_size, tmp_path / f"resumed{tp_size}x{dp_size}", "--no-fsdp",
+                                          "--resume", str(tmp_path / "2x2-fsdp" / "step_2"))
+        assert resumed == {step: losses[step] for step in (3, 4)}, (tp_size, dp_size)
+        assert _differing_weights(resumed_ckpt, reference) == [], (tp_size, dp_size)
 
 
 @pytest.mark.slow

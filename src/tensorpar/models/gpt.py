@@ -218,6 +218,8 @@ class Attention(nn.Module):
         masks a CP rank draws again; ``seq_len``: the real length of a padded sequence), with a
         ``key`` per global head (TP-invariant training, :func:`tensorpar.invariant_dropout.drop_heads`),
         and under ``torch.compile`` this rank's slice of one mask (:func:`sharded_dropout`)."""
+        if self.config.tp_invariant:  # strides that vary with the heads per rank can change a batched
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # GEMM's sums (head_dim 8, AMD EPYC)
         gqa = q.shape[1] != k.shape[1]
         if not self.even and self.group_of_head is not None:
             # Query heads reading their K/V heads unevenly: SDPA's enable_gqa needs equal runs.
