@@ -159,11 +159,12 @@ def test_1f1b_and_interleaved_at_pp4_equal_pp1():
     run_on_ranks(_cases_body, 4, 1, 4, cases, timeout=300)
 
 
-def _fsdp_body():
+def _fsdp_body(tp_invariant: bool):
     """TP 1 x PP 2 x DP 2 with each stage sharded over DP, the same batch on both DP ranks: FSDP's
-    average over DP is the PP=1 gradient, shard by shard, the tied embedding's copies summed."""
+    average over DP is the PP=1 gradient, shard by shard, the tied embedding's copies summed (also
+    for an invariant model stepped without its ShardedGradSync: FSDP's own reduction)."""
     groups = _groups(1, 2)
-    config = GPTConfig(**{**TINY, **GPT2})
+    config = GPTConfig(**{**TINY, **GPT2}, tp_invariant=tp_invariant)
     tokens, labels = _batch(2, config.vocab_size)
     full, expected_loss = _pp1(config, tokens, labels, 2, groups["tp"])
     layout = pipeline.stage_layout(config.num_layers, pp_size=2, schedule="1f1b")
@@ -186,8 +187,9 @@ def _fsdp_body():
 
 
 @pytest.mark.slow
-def test_each_stage_fully_sharded_over_dp_gives_every_pp1_gradient():
-    for loss, expected, errors in run_on_ranks(_fsdp_body, 4, timeout=300):
+@pytest.mark.parametrize("tp_invariant", [False, True])
+def test_each_stage_fully_sharded_over_dp_gives_every_pp1_gradient(tp_invariant):
+    for loss, expected, errors in run_on_ranks(_fsdp_body, 4, tp_invariant, timeout=300):
         assert abs(loss - expected) <= RTOL * abs(expected), (loss, expected)
         assert errors and all(error <= RTOL for error in errors.values()), errors
 

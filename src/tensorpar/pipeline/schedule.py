@@ -162,12 +162,14 @@ class PipelineSchedule:
     def _finish_grads(self) -> None:
         if self._grads is not None:  # first: with a reducer, its DP sums come before the SP sums, as at PP=1
             self._grads.finish()
-        if self._tied_grads is not None and self._torch_stages[0].sharded_grads is not None:
+        # Under FSDP the invariant mode sums the tied copies itself only given its ShardedGradSync.
+        tied_summed = self._grads is not None or self._torch_stages[0].tied_grads is not None
+        if self._torch_stages[0].tied_grads is not None:
             self._tied_grads.finish()
         for module in self.stages:
             allreduce_sequence_parallel_grads(module, tp_group=module.tp_group)
-        if not self.tied or self.invariant or self.layout.rank_of(0) == self.layout.rank_of(self.last):
-            return  # untied, or (V schedules) one parameter on one rank: its gradient is the sum
+        if not self.tied or tied_summed or self.layout.rank_of(0) == self.layout.rank_of(self.last):
+            return  # untied, summed per micro-batch, or (V schedules) one parameter on one rank
         copies = [m.embedding.word.weight for m in self.stages if m.pre_process] + \
                  [m.lm_head.weight for m in self.stages if m.post_process]
         # The training loop's DataParallelGradReducer keeps the gradients in main_grad.
