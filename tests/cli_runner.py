@@ -1,9 +1,10 @@
-"""Run ``tensorpar ARGS`` as a new process, forked from a server that has imported tensorpar once
-(``harness.forkserver``).
+"""Run ``tensorpar ARGS`` (or ``python -c CODE``) as a new process, forked from a server that has
+imported torch and tensorpar once (``harness.forkserver``).
 
 It runs what ``python -m tensorpar ARGS`` runs (``tools.cli.main``) in a process of its own, with
 its own working directory, environment, stdout and stderr, and its exit status, without a new
-interpreter's imports: on a 2-core machine they take about 5 s of each command. The tests of the
+interpreter's imports: on a 2-core machine they take about 5 s of each command.
+``run_python_code`` does the same for the code of a ``python -c`` line. The tests of the
 interpreter's entry itself (``python -m tensorpar``, ``--help`` before torch loads, the launcher's
 signals and process tree) start a real interpreter instead.
 
@@ -15,15 +16,18 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 import tempfile
+import traceback
 
 from tests.harness import forkserver
 
 
-def _command(argv: list[str], cwd: str, env: dict, out_path: str, err_path: str) -> None:
+def _in_process(run, cwd: str, env: dict, out_path: str, err_path: str) -> None:
+    """Become the new process: its directory, environment and output files, then ``run()``'s exit status."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -31,13 +35,51 @@ def _command(argv: list[str], cwd: str, env: dict, out_path: str, err_path: str)
         target = os.open(path, os.O_WRONLY)
         os.dup2(target, fd)
         os.close(target)
-    sys.argv = ["tensorpar", *argv]
-    from tensorpar.tools.cli import main
-
-    code = main(argv)
+    try:
+        code = run()
+    except SystemExit as exit_:
+        code = exit_.code
+    except BaseException:  # noqa: BLE001 - as the interpreter does: the traceback on stderr, status 1
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)
+
+
+def _tensorpar(argv: list[str]) -> int:
+    sys.argv = ["tensorpar", *argv]
+    from tensorpar.tools.cli import main
+
+    return main(argv)
+
+
+def _python_code(code: str) -> None:
+    sys.argv = ["-c"]
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+
+
+def _forked(name: list[str], run, *, cwd, env: dict | None, timeout: float,
+            stdout_to: str | None = None) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        for path in (out_path, err_path):
+            open(path, "w").close()
+        if stdout_to is not None:
+            out_path = stdout_to
+        process = forkserver().Process(target=_in_process, args=(run, str(cwd or os.getcwd()),
+                                                                 dict(os.environ if env is None else env),
+                                                                 out_path, err_path))
+        process.start()
+        process.join(timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired(name, timeout)
+        with open(err_path) as err:
+            stderr = err.read()
+        stdout = "" if stdout_to is not None else open(out_path).read()
+        return subprocess.CompletedProcess(name, process.exitcode, stdout, stderr)
 
 
 def run_tensorpar(argv: list[str], *, cwd=None, env: dict | None = None, timeout: float = 300,
@@ -48,22 +90,10 @@ def run_tensorpar(argv: list[str], *, cwd=None, env: dict | None = None, timeout
     whose output the caller reads; the result's stdout is then empty.
     """
     argv = [str(a) for a in argv]
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        for path in (out_path, err_path):
-            open(path, "w").close()
-        if stdout_to is not None:
-            out_path = stdout_to
-        process = forkserver().Process(target=_command, args=(argv, str(cwd or os.getcwd()),
-                                                            dict(os.environ if env is None else env),
-                                                            out_path, err_path))
-        process.start()
-        process.join(timeout)
-        if process.is_alive():
-            process.kill()
-            process.join()
-            raise subprocess.TimeoutExpired(["tensorpar", *argv], timeout)
-        with open(err_path) as err:
-            stderr = err.read()
-        stdout = "" if stdout_to is not None else open(out_path).read()
-        return subprocess.CompletedProcess(["tensorpar", *argv], process.exitcode, stdout, stderr)
+    return _forked(["tensorpar", *argv], functools.partial(_tensorpar, argv), cwd=cwd, env=env, timeout=timeout,
+                   stdout_to=stdout_to)
+
+
+def run_python_code(code: str, *, cwd=None, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -c code`` in a new process; its output as text, as :func:`run_tensorpar` gives it."""
+    return _forked(["python", "-c", code], functools.partial(_python_code, code), cwd=cwd, env=env, timeout=timeout)

@@ -29,11 +29,11 @@ def _prompt():
     return prompt.masked_fill(mask == 0, 0), mask
 
 
-def _decode_body(with_tp1: bool):
+def _decode_body(with_tp1: bool, cases):
     tp.initialize_model_parallel(dist.get_world_size())
     prompt, mask = _prompt()
     batch, length = prompt.shape
-    for overrides in CASES:
+    for overrides in cases:
         config = GPTConfig(**{**BASE, **overrides})
         groups = (_single_rank_group(),) * with_tp1 + (tp.get_tensor_model_parallel_group(),)
         for group in groups:
@@ -70,8 +70,10 @@ def _decode_body(with_tp1: bool):
 
 @pytest.mark.slow
 def test_decode_step_equals_the_recomputation_at_tp_1_2_and_4():
-    assert run_on_ranks(_decode_body, 2, True) == [True] * 2
-    assert run_on_ranks(_decode_body, 4, False) == [True] * 4  # TP 1 ran above
+    assert run_on_ranks(_decode_body, 2, True, CASES) == [True] * 2
+    # TP 1 ran above. At TP 4 the cases whose split differs from TP 2's (each step's gloo
+    # collectives cost 5x theirs at 2 ranks): GPT-2, one K/V head on every rank, 6 heads over 4 ranks.
+    assert run_on_ranks(_decode_body, 4, False, CASES[0:1] + CASES[2:4]) == [True] * 4
 
 
 def _ledger_body():
