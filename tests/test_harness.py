@@ -31,7 +31,8 @@ def test_the_load_factor_is_one_when_idle_and_grows_with_the_load_per_core(monke
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_the_suite_and_its_ranks(tmp_path):
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist-2-workers"])
+def test_ctrl_c_stops_the_suite_and_its_ranks(tmp_path, workers):
     marker = tmp_path / "started"
     (tmp_path / "test_sleeps.py").write_text(textwrap.dedent(f"""
         from tests.harness import run_on_ranks
@@ -43,9 +44,11 @@ def test_ctrl_c_stops_the_suite_and_its_ranks(tmp_path):
         def test_two():
             run_on_ranks(sleeping_body, 2, {str(marker)!r})
         """))
+    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_keyboard_interrupt  # noqa: F401\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]), "OMP_NUM_THREADS": "1"}
     # A terminal's Ctrl-C signals the whole foreground process group: pytest and every rank.
-    suite = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+    suite = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers,
+                              str(tmp_path)],
                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, start_new_session=True)
     try:
