@@ -44,7 +44,7 @@ def test_ctrl_c_stops_the_suite_and_its_ranks(tmp_path, workers):
         def test_two():
             run_on_ranks(sleeping_body, 2, {str(marker)!r})
         """))
-    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_keyboard_interrupt  # noqa: F401\n")
+    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_configure  # noqa: F401\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]), "OMP_NUM_THREADS": "1"}
     # A terminal's Ctrl-C signals the whole foreground process group: pytest and every rank.
     suite = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers,
