@@ -149,3 +149,32 @@ def test_the_schedule_flag_names_every_pipeline_schedule():
     from tensorpar.tools.pipeline_flags import SCHEDULE_NAMES
 
     assert SCHEDULE_NAMES == tuple(pipeline.SCHEDULES)
+
+
+_OLDER_TORCH = """
+import sys
+from torch.distributed.pipelining import PipelineStage
+del PipelineStage._backward_metadata_inference  # torch 2.11's stage: no backward shape inference
+from tensorpar.tools.cli import main
+tiny = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--micro-batch", "2", "--steps", "1",
+        "--eval-every", "0", "--no-progress", "--nproc", "1", "--tp", "1"]
+code = main(["train", *tiny, "--out", sys.argv[1]])
+print("pp1", code, flush=True)
+print("pp2", main(["train", *tiny[:-4], "--nproc", "2", "--tp", "1", "--pp", "2", "--grad-accum", "2",
+                   "--out", sys.argv[2]]), flush=True)
+"""
+
+
+def test_a_torch_without_the_stage_pp_extends_trains_without_pp_and_refuses_pp_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    # A new interpreter, so that importing tensorpar happens after the stage lost the method.
+    done = subprocess.run([sys.executable, "-c", _OLDER_TORCH, str(tmp_path / "a"), str(tmp_path / "b")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.stdout.splitlines()[-2:] == ["pp1 0", "pp2 2"], done.stdout + done.stderr
+    assert (tmp_path / "a" / "step_1").is_dir()
+    refused = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(refused) == 1 and refused[0].startswith(
+        "tensorpar train: error: pipeline parallelism needs torch 2.13 or newer"), done.stderr
+    assert not (tmp_path / "b").exists()

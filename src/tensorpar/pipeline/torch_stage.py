@@ -37,14 +37,25 @@ Example::
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from .. import comm
+from ..errors import UsageError
 
-if not hasattr(PipelineStage, "_backward_metadata_inference"):
-    raise ImportError("tensorpar.pipeline needs torch.distributed.pipelining's PipelineStage."
-                      "_backward_metadata_inference (torch 2.13); this torch has another PipelineStage")
+
+
+def require_torch_pipelining() -> None:
+    """Refuse, in one line, a torch whose ``PipelineStage`` is not the one this stage extends.
+
+    The stage hooks torch 2.13's backward shape inference (``_backward_metadata_inference``);
+    torch 2.11's stage has none and its schedules' first step differs. Everything else in
+    tensorpar runs on the older torch, so the check waits until a stage is built.
+    """
+    if not hasattr(PipelineStage, "_backward_metadata_inference"):
+        raise UsageError(f"pipeline parallelism needs torch 2.13 or newer (its PipelineStage's backward shape "
+                         f"inference); this is torch {torch.__version__}")
 
 
 def _recorded(ops: list[dist.P2POp]) -> list[dist.P2POp]:
@@ -63,6 +74,10 @@ class TorchStage(PipelineStage):
     first_micro_batch = 0   # the global index of the step's micro-batch 0 (the invariant mode's masks)
     sharded_grads = None    # the invariant mode under FSDP: the ShardedGradSync each backward's gradients go to
     tied_grads = None       # and the ShardedTiedGrads that takes a tied embedding's out first
+
+    def __init__(self, *args, **kwargs):
+        require_torch_pipelining()
+        super().__init__(*args, **kwargs)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         self.microbatch = fwd_chunk_id

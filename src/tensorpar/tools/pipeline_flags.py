@@ -62,6 +62,9 @@ def check_run(args, config) -> None:
         if args.virtual_stages is not None:
             raise UsageError(f"--virtual-stages {args.virtual_stages} needs --pp greater than 1")
         return
+    from ..pipeline import check_invariant, check_microbatches, require_torch_pipelining, stage_layout
+
+    require_torch_pipelining()
     given = [(flag, why) for name, flag, why in _NOT_WITH_PP if _given(getattr(args, name, None))]
     if config.gradient_accumulation_fusion:
         given.append(("--grad-fusion", "gradient-accumulation fusion under PP is not supported yet"))
@@ -72,7 +75,6 @@ def check_run(args, config) -> None:
     if given:
         raise UsageError(f"--pp {pp} cannot combine with {' or '.join(f for f, _ in given)} (or the resumed "
                          f"run's setting): {'; '.join(why for _, why in given)}")
-    from ..pipeline import check_invariant, check_microbatches, stage_layout
 
     what = f"--pp {pp} --pp-schedule {args.pp_schedule}"
     try:
