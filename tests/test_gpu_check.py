@@ -8,6 +8,7 @@ import contextlib
 import sys
 import types
 import unittest.mock
+import warnings
 
 import pytest
 import torch
@@ -130,8 +131,10 @@ def test_overlap_verdict_comes_from_cuda_kernel_intervals_only():
 
 def _throughput_body():
     tp.initialize_model_parallel(1)
-    return gpu_check.measure_throughput(torch.device("cpu"), preset="tiny", seq=32, batch=2, steps=1,
-                                        peak_flops=1e12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. float() of a loss that still requires grad
+        return gpu_check.measure_throughput(torch.device("cpu"), preset="tiny", seq=32, batch=2, steps=1,
+                                            peak_flops=1e12)
 
 
 def test_gpu_check_throughput_reports_tokens_per_second_and_mfu():

@@ -6,6 +6,7 @@ import errno
 import io
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -113,3 +114,20 @@ def test_a_planted_symlink_is_refused_in_one_line_and_its_target_untouched(tmp_p
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"{out / name} is a symlink")
     assert victim.read_text() == "precious\n"
+
+
+def test_without_matplotlib_the_run_says_so_once_and_names_only_the_metrics(tmp_path):
+    blocked = tmp_path / "blocked" / "matplotlib"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('matplotlib is blocked for this test')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocked.parent), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "run"
+    # A new interpreter: PYTHONPATH is read at start-up, and its ranks inherit it.
+    done = subprocess.run([sys.executable, "-m", "tensorpar", "train", "--nproc", "1", "--tp", "1", "--layers", "1",
+                           "--hidden", "16", "--heads", "2", "--seq-len", "16", "--micro-batch", "2", "--steps", "2",
+                           "--eval-every", "1", "--no-progress", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("matplotlib is not installed: no loss.png") == 1, done.stderr
+    assert done.stdout.splitlines()[-1] == f"checkpoint {out / 'step_2'}; metrics in {out}"
+    assert not (out / "loss.png").exists()

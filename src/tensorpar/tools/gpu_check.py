@@ -247,7 +247,7 @@ def measure_throughput(device, *, preset: str, seq: int, batch: int, steps: int,
         reducer.finish()
         tp.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        return loss
+        return loss.detach()
 
     for _ in range(2):
         step()

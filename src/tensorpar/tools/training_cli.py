@@ -345,7 +345,8 @@ def _cmd_train(args) -> int:
             summary += f": loss {losses[0]:.3f} -> {losses[-1]:.3f}, {result.tokens_per_s:,.0f} tokens/s"
         if result.val_losses:
             summary += f", validation {list(result.val_losses.values())[-1]:.3f}"
-        print(f"{summary}\ncheckpoint {result.checkpoint}; metrics and loss.png in {args.out}", flush=True)
+        shown = "metrics and loss.png" if os.path.exists(os.path.join(args.out, "loss.png")) else "metrics"
+        print(f"{summary}\ncheckpoint {result.checkpoint}; {shown} in {args.out}", flush=True)
     return 0
 
 
