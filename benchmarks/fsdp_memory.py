@@ -1,5 +1,6 @@
 """Per-rank memory and step time of a GPT training step: plain DP vs FSDP (ZeRO-3) vs FSDP with
-``reshard_after_forward=False`` (ZeRO-2-like), at TP x DP on local gloo (or NCCL) ranks.
+``reshard_after_forward=False`` (ZeRO-2-like) vs FSDP with the whole model one unit
+(``units=[]``), at TP x DP on local gloo (or NCCL) ranks.
 
     python benchmarks/fsdp_memory.py --nproc 4 --tp 2
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt_step import MIB, _step_peak  # noqa: E402  (the same peak measurement)
 
-VARIANTS = ("plain DP", "FSDP", "FSDP reshard_after_forward=False")
+VARIANTS = ("plain DP", "FSDP", "FSDP reshard_after_forward=False", "FSDP one unit")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -49,9 +50,9 @@ def _variant(name: str, config, tokens):
     if name == "plain DP":
         grads = tp.DataParallelGradReducer(model.parameters(), dp_group=dp_group)
     else:
-        tp.fully_shard(model, reshard_after_forward=name == "FSDP")
+        tp.fully_shard(model, reshard_after_forward=name == "FSDP", units=[] if name == "FSDP one unit" else None)
         grads = ShardedGradSync(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)  # as tensorpar train's
 
     def step():
         grads.zero_grad()
@@ -92,7 +93,7 @@ def run(args) -> dict:
     result = {name: {**held(), "peak step": _step_peak(step, device)} for name, (step, held) in variants.items()}
     times = {name: [] for name in VARIANTS}
     for r in range(args.rounds):
-        for name in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+        for name in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
             step = variants[name][0]
             dist.barrier()
             spent = []
