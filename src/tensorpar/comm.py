@@ -190,8 +190,16 @@ class Handle:
         return self._result
 
 
+def _launched(op: str, tensor: torch.Tensor, *args) -> torch.Tensor:
+    """Functional collective ``op`` launched, not waited: ``funcol``'s wrappers put a wait right
+    after the launch while tracing, which kept the compiled backward from overlapping the dgrad
+    all-reduce with the wgrad GEMM (the wait is :func:`_traced`'s, where eager code waits)."""
+    return getattr(torch.ops._c10d_functional, op)(tensor, *args)
+
+
 def _traced(result: torch.Tensor, async_op: bool, finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
-    """A functional collective's ``result`` (under ``torch.compile``), waited now or by ``Handle.wait``.
+    """A launched functional collective's ``result`` (under ``torch.compile``), waited now or by
+    ``Handle.wait``.
 
     The wait stays where eager code waits, so compute traced between launch and wait (the
     wgrad GEMM) can overlap the collective in the compiled graph too.
@@ -248,7 +256,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum
     _record("all_reduce", tensor.shape, tensor.dtype, n, async_op, op)
     if torch.compiler.is_compiling():
         # Dynamo cannot trace process-group calls; torch's functional collectives it can.
-        return _traced(funcol.all_reduce(tensor, op, group), async_op, tensor.copy_)
+        return _traced(_launched("all_reduce", tensor, op, group.group_name), async_op, tensor.copy_)
     work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
     return Handle(work, tensor) if async_op else tensor
 
@@ -332,8 +340,8 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
     shape[dim] *= n
     _record("all_gather", shape, tensor.dtype, n, async_op)
     if torch.compiler.is_compiling():
-        return _traced(funcol.all_gather_tensor(tensor.movedim(dim, 0).contiguous(), 0, group), async_op,
-                       lambda t: _place(t.movedim(0, dim) if dim else t, out))
+        return _traced(_launched("all_gather_into_tensor", tensor.movedim(dim, 0).contiguous(), n, group.group_name),
+                       async_op, lambda t: _place(t.movedim(0, dim) if dim else t, out))
     stacked_shape = [tensor.shape[dim] * n if d == 0 else s for d, s in enumerate(tensor.shape)]
     if dim == 0:
         result = out if out is not None else tensor.new_empty(stacked_shape)
@@ -388,8 +396,8 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int =
     if out is not None and dim != 0:
         raise ValueError("reduce_scatter: `out` is supported for dim 0 only")
     if torch.compiler.is_compiling():
-        return _traced(funcol.reduce_scatter_tensor(tensor.contiguous(), op, dim, group), async_op,
-                       lambda t: _place(t, out))
+        return _traced(_launched("reduce_scatter_tensor", tensor.movedim(dim, 0).contiguous(), op, n, group.group_name),
+                       async_op, lambda t: _place(t.movedim(0, dim) if dim else t, out))
     source = tensor.movedim(dim, 0).contiguous() if dim != 0 else tensor.contiguous()
     out_shape = [source.shape[0] // n] + list(source.shape[1:])
     result = out if out is not None else source.new_empty(out_shape)
