@@ -2,6 +2,9 @@
 same validation losses (every other schedule too, evaluating between steps), layout-free checkpoints (saved at PP 2, resumed at PP 1, TP 2, DP 2; read
 by generate), and the refusals before launch, one line each."""
 
+import subprocess
+import sys
+
 import pytest
 
 from tensorpar.tools.cli import main
@@ -166,9 +169,6 @@ print("pp2", main(["train", *tiny[:-4], "--nproc", "2", "--tp", "1", "--pp", "2"
 
 
 def test_a_torch_without_the_stage_pp_extends_trains_without_pp_and_refuses_pp_in_one_line(tmp_path):
-    import subprocess
-    import sys
-
     # A new interpreter, so that importing tensorpar happens after the stage lost the method.
     done = subprocess.run([sys.executable, "-c", _OLDER_TORCH, str(tmp_path / "a"), str(tmp_path / "b")],
                           capture_output=True, text=True, timeout=300)

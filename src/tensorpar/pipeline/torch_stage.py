@@ -45,7 +45,6 @@ from .. import comm
 from ..errors import UsageError
 
 
-
 def require_torch_pipelining() -> None:
     """Refuse, in one line, a torch whose ``PipelineStage`` is not the one this stage extends.
 
