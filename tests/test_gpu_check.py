@@ -46,6 +46,7 @@ def _checks_body(device_type, staged):
         if tp.get_tensor_model_parallel_world_size() > 1:
             results["rng"] = gpu_check.check_rng(device)
             results["gpt_loss"] = gpu_check.check_gpt(device)
+            results["context"] = gpu_check.check_context(device)
             results["profile"] = gpu_check.profile_overlap(device, None)
             results["overlap_variants"] = gpu_check.measure_overlap_variants(
                 device, hidden=16, seq=8, batch=2, dtype=torch.float32, iters=1)
@@ -59,11 +60,12 @@ def test_gpu_check_layers_at_tp1():
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["native", "staged_through_host"])
-def test_gpu_check_layers_rng_gpt_and_overlap_at_tp2(staged):
+def test_gpu_check_layers_rng_gpt_context_and_overlap_at_tp2(staged):
     """TP=2 as the shared-GPU stage runs it; ``staged`` forces the host staging gloo needs
     for CUDA tensors (all-gather, reduce-scatter) onto these CPU tensors."""
     for result in run_on_ranks(_checks_body, 2, "cpu", staged):
         assert result["layers"] == 10 and result["rng"] is True and result["gathers"] > 0
+        assert set(result["context"]) == {"p2p", "a2a"}
         assert result["staged"] == staged
         # The dgrad all-reduce is launched before the wgrad GEMM; whether gloo's thread is
         # still busy when the GEMM starts is up to the CPU scheduler (the GPU run asserts it).

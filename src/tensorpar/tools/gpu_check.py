@@ -8,7 +8,8 @@ On a machine with one GPU it runs, in well under 5 minutes:
    kernel for are staged through host memory): the layers in every mode, including SP (the
    global memory buffer), fusion and autocast; the CUDA RNG tracker (attention dropout forked
    per rank, replayed exactly by recompute); the GPT at TP=2 with SP, recompute and bf16
-   against TP=1;
+   against TP=1; a Llama-style GQA GPT at CP=2 (ring and Ulysses, recompute, bf16; its
+   sends and all-to-alls staged through host memory) against CP=1;
 3. a ``torch.profiler`` trace of a column layer's backward: the dgrad all-reduce in flight
    while the wgrad GEMM runs (``CUDA_DEVICE_MAX_CONNECTIONS=1``), judged from the CUDA kernels'
    intervals; saved to ``--out``;
@@ -33,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -165,6 +167,40 @@ def check_gpt(device) -> float:
     return float(losses["tp"].detach())
 
 
+def check_context(device) -> dict:
+    """A Llama-style GQA GPT over a CP group of every rank (ring and Ulysses; recompute, bf16
+    autocast, a sequence the chunks pad) against CP=1: the loss and every weight gradient summed
+    over CP. Returns each mode's loss."""
+    import tensorpar as tp
+    from tensorpar import comm
+    from tensorpar.models import GPT, GPTConfig
+
+    single = [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
+    cp_group = dist.new_group(list(range(dist.get_world_size())))
+    config = GPTConfig(vocab_size=256, max_seq_len=32, num_layers=2, num_heads=4, num_query_groups=2, hidden_size=64,
+                       norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
+                       tie_word_embeddings=False, recompute=True)
+    tokens = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(5)).to(device)
+    losses = {}
+    for mode in ("p2p", "a2a"):
+        steps = {}
+        for name, group in (("cp1", None), ("cp", cp_group)):
+            tp.model_parallel_manual_seed(11, tp_group=single, device=device)
+            model = GPT(dataclasses.replace(config, context_parallel_comm=mode), tp_group=single, cp_group=group,
+                        device=device)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            steps[name] = loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+        (reference, reference_grads), (loss, grads) = steps["cp1"], steps["cp"]
+        _close(loss, reference, f"CP {mode} loss", BF16_TOL)
+        for name, grad in grads.items():
+            _close(comm.all_reduce(grad, cp_group), reference_grads[name], f"CP {mode} grad {name}",
+                   dict(rtol=5e-2, atol=5e-2))
+        losses[mode] = float(loss)
+    return losses
+
+
 def profile_overlap(device, out: Path | None) -> dict:
     """Whether the column layer's dgrad all-reduce is in flight while its wgrad GEMM runs."""
     import tensorpar as tp
@@ -281,6 +317,7 @@ def _stage(kind: str, tp_size: int, device_type: str, options: dict) -> dict:
         if kind != "tp1":
             results["rng"] = check_rng(device)
             results["gpt_loss"] = check_gpt(device)
+            results["context"] = check_context(device)
             results["profile"] = profile_overlap(device, options["out"])
             results["overlap_variants"] = measure_overlap_variants(device, **options["overlap"])
         if kind == "tp1":
