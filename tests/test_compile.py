@@ -41,10 +41,9 @@ def _counting_backend():
 
     def run_eagerly(gm, example_inputs):
         nodes = list(gm.graph.nodes)
-        launched = [n for n in nodes if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")
-                    and "wait_tensor" not in str(n.target)]
-        waits = [n for n in nodes if "wait_tensor" in str(n.target)]
-        overlapped.extend(["waits"] * (len(waits) - len(launched)))
+        launches = sum(n.op == "call_function" and str(n.target).startswith("_c10d_functional.")
+                       and "wait_tensor" not in str(n.target) for n in nodes)
+        overlapped.extend(["waits"] * (sum("wait_tensor" in str(n.target) for n in nodes) - launches))
         for i, node in enumerate(nodes):  # collectives with a GEMM between their launch and wait
             waits = [nodes.index(u) for u in node.users if "wait_tensor" in str(u.target)]
             if waits and any(str(n.target) in ("aten.mm.default", "aten.addmm.default") for n in nodes[i:min(waits)]):
@@ -164,7 +163,7 @@ def _compiled_matches_eager_body(cases, tp1):
             _assert_matches_tp1(got, overrides, tokens, labels, bf16=bf16)
         if not tp1 and not overrides:
             # Each column layer's dgrad all-reduce is in flight while its wgrad GEMM computes, and
-            # waited once: inductor placed a second wait (funcol's own, at the launch) first.
+            # waited once: a second wait (funcol's own, right at the launch) is where inductor waited.
             assert "waits" not in overlapped, overlapped
             assert len(overlapped) >= _column_layers(compiled), overlapped
     return True

@@ -160,11 +160,9 @@ from torch.distributed.pipelining import PipelineStage
 del PipelineStage._backward_metadata_inference  # torch 2.11's stage: no backward shape inference
 from tensorpar.tools.cli import main
 tiny = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--micro-batch", "2", "--steps", "1",
-        "--eval-every", "0", "--no-progress", "--nproc", "1", "--tp", "1"]
-code = main(["train", *tiny, "--out", sys.argv[1]])
-print("pp1", code, flush=True)
-print("pp2", main(["train", *tiny[:-4], "--nproc", "2", "--tp", "1", "--pp", "2", "--grad-accum", "2",
-                   "--out", sys.argv[2]]), flush=True)
+        "--eval-every", "0", "--no-progress", "--tp", "1"]
+print("pp1", main(["train", *tiny, "--nproc", "1", "--out", sys.argv[1]]), flush=True)
+print("pp2", main(["train", *tiny, "--nproc", "2", "--pp", "2", "--grad-accum", "2", "--out", sys.argv[2]]), flush=True)
 """
 
 

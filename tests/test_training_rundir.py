@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -91,7 +92,13 @@ def _cli(*argv, env=None, **kwargs):
 @pytest.mark.slow
 def test_two_concurrent_runs_on_one_directory(tmp_path):
     out = tmp_path / "run"
-    first = _cli("train", "--nproc", "1", *TINY, "--steps", "100000", "--log-every", "1", "--out", str(out))
+    # The first run holds the directory while its save of step 2 sleeps (tests/faults): the
+    # second meets a live run without the first taking a core from the rest of the suite.
+    faults = Path(__file__).parent / "faults"
+    env = dict(os.environ, TENSORPAR_FAULT="slow-save:0:2",
+               PYTHONPATH=os.pathsep.join([str(faults), os.environ.get("PYTHONPATH", "")]))
+    first = _cli("train", "--nproc", "1", *TINY, "--steps", "3", "--save-every", "1", "--log-every", "1",
+                 "--out", str(out), env=env)
     try:
         deadline = time.monotonic() + 120
         while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text():
