@@ -6,7 +6,8 @@ its own working directory, environment, stdout and stderr, and its exit status, 
 interpreter's imports: on a 2-core machine they take about 5 s of each command.
 ``run_python_code`` does the same for the code of a ``python -c`` line. The tests of the
 interpreter's entry itself (``python -m tensorpar``, ``--help`` before torch loads, the launcher's
-signals and process tree) start a real interpreter instead.
+signals and process tree) start a real interpreter instead; ``fault_env`` is the environment in
+which such an interpreter injects a fault (``tests/faults``).
 
 Example::
 
@@ -22,8 +23,18 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from pathlib import Path
 
 from tests.harness import forkserver
+
+FAULTS = Path(__file__).parent / "faults"
+
+
+def fault_env(fault: str, **extra: str) -> dict:
+    """This process's environment with ``TENSORPAR_FAULT=fault`` and ``tests/faults`` first on
+    PYTHONPATH (its ``sitecustomize`` injects the fault in every process started with it), plus ``extra``."""
+    return dict(os.environ, TENSORPAR_FAULT=fault, **extra,
+                PYTHONPATH=os.pathsep.join([str(FAULTS), os.environ.get("PYTHONPATH", "")]))
 
 
 def _in_process(run, cwd: str, env: dict, out_path: str, err_path: str) -> None:

@@ -15,18 +15,15 @@ import pytest
 
 from tensorpar.training import checkpoint_files
 from tensorpar.tools.training_cli import parse_train_args
+from tests.cli_runner import fault_env
 from tests.harness import run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
         "--warmup", "1", "--eval-every", "0", "--no-progress", "--tp", "1", "--seed", "3"]
-FAULTS = Path(__file__).parent / "faults"
 
 
 def _cli(*argv, fault=None, stamp=None):
-    env = dict(os.environ)
-    if fault:
-        env.update(TENSORPAR_FAULT=fault, TENSORPAR_FAULT_STAMP=str(stamp),
-                   PYTHONPATH=os.pathsep.join([str(FAULTS), env.get("PYTHONPATH", "")]))
+    env = fault_env(fault, TENSORPAR_FAULT_STAMP=str(stamp)) if fault else dict(os.environ)
     return subprocess.Popen([sys.executable, "-m", "tensorpar", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
@@ -204,8 +201,7 @@ def test_ctrl_c_on_a_2_process_run_prints_exactly_one_line(tmp_path, moment, fla
     """As a terminal does: SIGINT to the whole process group (the launcher and both ranks), at
     ``moment``; everything printed after it is the one line, and the command exits 130."""
     out, stamp = tmp_path / "run", tmp_path / "stamp"
-    env = dict(os.environ, TENSORPAR_FAULT=fault, TENSORPAR_FAULT_STAMP=str(stamp), PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(FAULTS), os.environ.get("PYTHONPATH", "")]))
+    env = fault_env(fault, TENSORPAR_FAULT_STAMP=str(stamp), PYTHONUNBUFFERED="1")
     # No log lines while it trains (--log-every): whatever it prints after the signal is its answer to it.
     proc = subprocess.Popen([sys.executable, "-m", "tensorpar", "train", "--nproc", "2", *TINY, "--steps", "100000",
                              "--log-every", "100000", *flags, "--out", str(out)], stdout=subprocess.PIPE,

@@ -7,12 +7,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from tensorpar.training import rundir
 from tensorpar.tools.training_cli import parse_train_args
+from tests.cli_runner import fault_env
 from tests.harness import run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
@@ -94,11 +94,8 @@ def test_two_concurrent_runs_on_one_directory(tmp_path):
     out = tmp_path / "run"
     # The first run holds the directory while its save of step 2 sleeps (tests/faults): the
     # second meets a live run without the first taking a core from the rest of the suite.
-    faults = Path(__file__).parent / "faults"
-    env = dict(os.environ, TENSORPAR_FAULT="slow-save:0:2",
-               PYTHONPATH=os.pathsep.join([str(faults), os.environ.get("PYTHONPATH", "")]))
     first = _cli("train", "--nproc", "1", *TINY, "--steps", "3", "--save-every", "1", "--log-every", "1",
-                 "--out", str(out), env=env)
+                 "--out", str(out), env=fault_env("slow-save:0:2"))
     try:
         deadline = time.monotonic() + 120
         while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text():

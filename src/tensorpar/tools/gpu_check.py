@@ -136,13 +136,18 @@ def _everyone(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def _own_group() -> dist.ProcessGroup:
+    """A group of this rank alone (every rank creates every rank's, in one order): TP=1 or CP=1."""
+    return [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
+
+
 def check_gpt(device) -> float:
     """The GPT at TP (SP, recompute, bf16 autocast) against TP=1; returns the TP loss."""
     import tensorpar as tp
     from tensorpar.models import GPT, GPTConfig, gather_full_tensor
 
     n = tp.get_tensor_model_parallel_world_size()
-    single = [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
+    single = _own_group()
     base = dict(vocab_size=256, max_seq_len=32, num_layers=2, num_heads=4, hidden_size=64)
     models = {}
     for name, group, extra in (("tp1", single, {}),
@@ -175,7 +180,7 @@ def check_context(device) -> dict:
     from tensorpar import comm
     from tensorpar.models import GPT, GPTConfig
 
-    single = [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
+    single = _own_group()
     cp_group = dist.new_group(list(range(dist.get_world_size())))
     config = GPTConfig(vocab_size=256, max_seq_len=32, num_layers=2, num_heads=4, num_query_groups=2, hidden_size=64,
                        norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
@@ -191,11 +196,11 @@ def check_context(device) -> dict:
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = model(tokens[:, :-1], tokens[:, 1:])
             loss.backward()
-            steps[name] = loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+            steps[name] = loss.detach(), {key: p.grad for key, p in model.named_parameters()}
         (reference, reference_grads), (loss, grads) = steps["cp1"], steps["cp"]
         _close(loss, reference, f"CP {mode} loss", BF16_TOL)
-        for name, grad in grads.items():
-            _close(comm.all_reduce(grad, cp_group), reference_grads[name], f"CP {mode} grad {name}",
+        for key, grad in grads.items():
+            _close(comm.all_reduce(grad, cp_group), reference_grads[key], f"CP {mode} grad {key}",
                    dict(rtol=5e-2, atol=5e-2))
         losses[mode] = float(loss)
     return losses
