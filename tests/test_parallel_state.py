@@ -122,6 +122,25 @@ def test_a_process_that_sees_one_gpu_uses_it_whatever_its_local_rank():
         assert _select(1, 7, local_rank=local_rank) == (torch.device("cuda", 0), [0])
 
 
+def test_an_nccl_group_started_by_tensorpar_is_bound_to_the_rank_s_gpu():
+    """Found on the H200: without ``device_id`` every ``barrier()`` warned that it guessed the device."""
+    from tensorpar import process_groups
+
+    patches, calls = _fake_cuda(4)
+    started = []
+    env = {"RANK": "6", "WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "LOCAL_RANK": "2"}
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        stack.enter_context(unittest.mock.patch.dict(os.environ, env))
+        stack.enter_context(unittest.mock.patch.object(process_groups.dist, "init_process_group",
+                                                       lambda **kwargs: started.append(kwargs)))
+        process_groups.init_default_group("nccl", None)
+        process_groups.init_default_group("gloo", None)
+    assert started == [{"backend": "nccl", "device_id": torch.device("cuda", 2)}, {"backend": "gloo"}]
+    assert calls == [2]
+
+
 def _user_created_nccl_group_body(max_connections):
     # The process group exists already (the user called init_process_group, as after torchrun);
     # it claims to be NCCL while torch.cuda answers as a machine with 2 GPUs.

@@ -42,9 +42,11 @@ def init_default_group(backend: str | None, timeout: datetime.timedelta | None) 
         )
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        select_cuda_device(int(os.environ["RANK"]))
     kwargs = {"backend": backend}
+    if backend == "nccl":
+        # Bound to the group, the device is the one barrier() and NCCL's communicators use (torch warns
+        # on every barrier otherwise, and guesses from the current device).
+        kwargs["device_id"] = select_cuda_device(int(os.environ["RANK"]))
     if timeout is not None:
         kwargs["timeout"] = timeout
     dist.init_process_group(**kwargs)
