@@ -293,6 +293,12 @@ def test_export_checks(capsys, files, tmp_path):
     def error(*argv):
         return _fails(capsys, ["export", *argv]).removeprefix("tensorpar export: error: ")
 
+    with pytest.MonkeyPatch.context() as without:  # an environment without the optional extra
+        without.setitem(sys.modules, "transformers", None)
+        assert error("--checkpoint", str(files / "run"), "--to-hf", str(tmp_path / "out")) == (
+            "export --to-hf needs transformers and safetensors (transformers is not installed): "
+            "pip install 'tensorpar[hf]'")
+
     assert error("--checkpoint", str(files / "odd"), "--to-hf", str(tmp_path / "out")) == (
         f"--checkpoint {files / 'odd'} cannot be exported: no transformers family has this GPT's shape: GPT-2 "
         "needs layernorm, learned positions, biases, GELU and no grouped-query attention; Llama/Qwen2 need "

@@ -398,6 +398,12 @@ def export_entry(args):
 
 def _cmd_export(args) -> int:
     _check_paths(args)
+    try:
+        import safetensors  # noqa: F401  (save_pretrained writes model.safetensors)
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(f"export --to-hf needs transformers and safetensors ({exc.name} is not installed): "
+                         "pip install 'tensorpar[hf]'") from None
     from ..models.hf import hf_config_of
     from ..training.memory import check_inference_memory
     from ..training.model_config import config_from_json
