@@ -119,7 +119,7 @@ class World:
         try:
             return self._run(fn, args, timeout)
         except KeyboardInterrupt:
-            self.close()
+            self.close(grace=0.0)  # the ranks are mid-task: a user who pressed Ctrl-C waits for nothing
             raise
 
     def _run(self, fn, args, timeout: float) -> list:
@@ -150,14 +150,15 @@ class World:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def close(self) -> None:
+    def close(self, grace: float = 5.0) -> None:
+        """Ask each rank to finish, wait up to ``grace`` seconds, then kill those still running."""
         for q, p in zip(self.task_queues, self.procs):
             if p.is_alive():
                 try:
                     q.put(None)
                 except (OSError, ValueError):
                     pass
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + grace
         for p in self.procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
