@@ -63,7 +63,7 @@ def run(args) -> dict:
                                dropout=args.dropout)
             model = GPT(config, device=device)
             forward = torch.compile(model) if mode == "compiled" else model
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)  # as tensorpar train's
 
             def step(model=model, forward=forward, optimizer=optimizer, sp=sp):
                 optimizer.zero_grad(set_to_none=True)
