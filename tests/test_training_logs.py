@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import tomllib
 from pathlib import Path
 
@@ -190,6 +191,36 @@ def test_the_log_begins_with_every_effective_setting_as_toml(two_ranks):
 
 
 # ------------------------------------------------------------------ the compile lines
+
+def _slow_evaluation_and_save_body(argv, pause):
+    from tensorpar.training import loop
+
+    def slowly(fn):
+        def wrapper(*args, **kwargs):
+            time.sleep(pause)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    evaluate, save = loop.evaluate, loop._save
+    loop.evaluate, loop._save = slowly(evaluate), slowly(save)
+    try:
+        return _captured_train_body(argv)
+    finally:
+        loop.evaluate, loop._save = evaluate, save
+
+
+def test_tokens_per_s_counts_training_steps_not_evaluations_or_saves(tmp_path):
+    """Seen on the H200: the rate logged after each evaluation and save was a quarter of the others'."""
+    pause = 1.0
+    argv = TINY + ["--tp", "1", "--steps", "4", "--log-every", "2", "--eval-every", "2", "--save-every", "2",
+                   "--out", str(tmp_path / "run")]
+    [(settings, _, _)] = run_on_ranks(_slow_evaluation_and_save_body, 1, argv, pause)
+    rows = {row["step"]: row for row in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+            if "tokens_per_s" in row}  # not the validation rows
+    tokens_per_step = settings["global_batch"] * settings["seq_len"]
+    # Steps 3 and 4 come after step 2's evaluation and save (2 x pause): their interval has neither.
+    assert 2 * tokens_per_step / rows[4]["tokens_per_s"] < 2 * pause, rows[4]
+
 
 def _compile_body(argv):
     import functools

@@ -378,7 +378,8 @@ def _train(args, signals: Signals) -> RunResult:
             stop = stop_requested(signals, control)
             saving = out is not None and bool(stop or (save_every and done % save_every == 0) or done == args.steps)
             # Also after the first step, whose one-off warm-up costs stay out of the measured rate.
-            if log or evaluating or saving or stop or done == start + 1:
+            read_back = log or evaluating or saving or stop or done == start + 1
+            if read_back:
                 elapsed = time.perf_counter() - interval_began
                 _read_back(pending, result, progress, tokens_per_s=tokens_per_step * len(pending) / elapsed, log=log)
                 if done > start + 1:
@@ -388,7 +389,6 @@ def _train(args, signals: Signals) -> RunResult:
                 if compiling and done == start + 1:
                     progress.say(f"compiled: the first step took {time.perf_counter() - loop_began:.1f}s, "
                                  "compiling included")
-                interval_began = time.perf_counter()
             if evaluating:
                 val = (invariant_batches.evaluate if config.tp_invariant else evaluate if pp_size == 1
                        else pipeline_step.evaluate)(
@@ -408,6 +408,8 @@ def _train(args, signals: Signals) -> RunResult:
                         written = checkpoint.remove_old(out, written, keep=args.keep_last)
                     except OSError as exc:  # the run's checkpoints are intact: no reason to stop it
                         _say(f"--keep-last {args.keep_last}: could not remove an older checkpoint ({exc})")
+            if read_back:  # the next rate counts training steps only, not this evaluation or save
+                interval_began = time.perf_counter()
             if stop:
                 result.stopped_by = "SIGTERM"
                 if is_rank0:
