@@ -190,8 +190,6 @@ def test_the_log_begins_with_every_effective_setting_as_toml(two_ranks):
                      if value is not None and name not in how_it_ran} | {"save_every": applies}
 
 
-# ------------------------------------------------------------------ the compile lines
-
 def _slow_evaluation_and_save_body(argv, pause):
     from tensorpar.training import loop
 
@@ -221,6 +219,8 @@ def test_tokens_per_s_counts_training_steps_not_evaluations_or_saves(tmp_path):
     # Steps 3 and 4 come after step 2's evaluation and save (2 x pause): their interval has neither.
     assert 2 * tokens_per_step / rows[4]["tokens_per_s"] < 2 * pause, rows[4]
 
+
+# ------------------------------------------------------------------ the compile lines
 
 def _compile_body(argv):
     import functools
