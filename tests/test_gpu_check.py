@@ -15,7 +15,7 @@ import torch
 
 import tensorpar as tp
 from tensorpar import comm
-from tensorpar.tools import gpu_check
+from tensorpar.tools import gpu_check, train_check
 from tests.harness import run_on_ranks
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -187,6 +187,30 @@ def test_decode_tokens_may_differ_from_the_reference_only_at_a_near_tie():
                            [9, 0, 2, 3]])         # differs where the reference's margin is 5
     assert agreement(tokens, reference, logits, prompt_len=1) == {"equal": 1, "near_ties": 1,
                                                                   "differ": [(2, 0, 5.0, 10.0)]}
+
+
+def _train_check_body(workdir):
+    from pathlib import Path
+
+    return train_check.check_training_command(Path(workdir), steps=2, model=train_check.SMALL)
+
+
+@pytest.mark.slow
+def test_gpu_check_train_stage_runs_the_commands_a_user_runs(tmp_path):
+    """A bf16 run saved and resumed, generate and export from it, the invariant mode twice: what
+    found that ``tensorpar train`` did not start on the GPU machine's torch."""
+    pytest.importorskip("transformers")
+    (result,) = run_on_ranks(_train_check_body, 1, str(tmp_path))
+    assert result["ok"] and len(result["invariant_losses"]) == 2, result  # steps 1 and 2
+    assert result["generated"].startswith("def "), result
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(result["export"]), result
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step_4"  # resumed to 2 x steps
+
+
+def test_a_failing_command_of_the_train_stage_raises_with_its_status_and_last_line():
+    with pytest.raises(RuntimeError, match=r"^tensorpar train --hidden 66 --heads 4 exited 2: "
+                                           r"tensorpar train: error: .*66"):
+        train_check._tensorpar("train", "--hidden", "66", "--heads", "4")
 
 
 @pytest.mark.gpu

@@ -20,7 +20,10 @@ On a machine with one GPU it runs, in well under 5 minutes:
 6. greedy decode at TP=1 of a random bf16 Llama saved as a ``transformers`` directory: tensorpar's
    ``generate``, its decode step captured in a CUDA graph, and ``transformers``' ``generate``
    (static cache): the same tokens (up to near ties), and each one's ms/token
-   (``tensorpar.tools.decode_check``; skipped, with a line saying so, without ``transformers``).
+   (``tensorpar.tools.decode_check``; skipped, with a line saying so, without ``transformers``);
+7. the training command as a user runs it (``tensorpar.tools.train_check``): a bf16 run saved,
+   evaluated and resumed, ``generate`` and ``export --to-hf`` from it, and the invariant mode
+   twice, the same losses both times.
 
 With two or more GPUs, step 2 runs again over NCCL, one GPU per rank. ``--cpu`` runs the same
 checks on CPU/gloo at small sizes (the test suite does, so all of it runs in CI). Prints one
@@ -37,6 +40,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,6 +51,7 @@ from torch.autograd import DeviceType
 
 from .bench_variants import measure_overlap_variants
 from .decode_check import measure_decode
+from . import train_check
 
 # Dense bf16 peak of the GPU (FLOP/s) by name, for the utilisation; --peak-tflops overrides.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
@@ -360,17 +365,22 @@ def main(argv=None) -> int:
                    dtype=torch.bfloat16, rounds=3))
     single = "gloo" if args.cpu else "nccl"
     options = {"out": args.out, "throughput": throughput, "overlap": overlap, "decode": decode,
+               "train": dict(steps=2, model=train_check.SMALL) if args.cpu else dict(steps=100),
                "backends": {"tp1": single, "decode": single, "shared": "gloo", "nccl": "nccl"}}
-    stages = [("tp1", 1), ("decode", 1), ("shared", 2)] + ([("nccl", min(gpus, 4))] if gpus >= 2 else [])
+    stages = [("tp1", 1), ("decode", 1), ("train", 1), ("shared", 2)] + ([("nccl", min(gpus, 4))] if gpus >= 2 else [])
     failed = False
     print(f"gpu_check on {name}: {', '.join(f'{k} (TP={n})' for k, n in stages)}", flush=True)
     for kind, tp_size in stages:
         began = time.perf_counter()
         try:
-            results = launch_local(_stage, kind, tp_size, device_type, options, nproc=tp_size)[0]
+            if kind == "train":  # the command starts its own world
+                with tempfile.TemporaryDirectory() as workdir:
+                    results = {"train": train_check.check_training_command(Path(workdir), **options["train"])}
+            else:
+                results = launch_local(_stage, kind, tp_size, device_type, options, nproc=tp_size)[0]
             line = json.dumps(results, default=str)
             failed |= "profile" in results and results["profile"]["overlap"] is False
-            failed |= "decode" in results and results["decode"].get("ok") is False
+            failed |= any(results.get(check, {}).get("ok") is False for check in ("decode", "train"))
         except Exception as exc:  # noqa: BLE001 - report every stage, then fail
             failed, line = True, f"FAILED: {exc}"
         print(f"gpu_check {kind} TP={tp_size} ({time.perf_counter() - began:.0f}s): {line}", flush=True)
