@@ -213,6 +213,16 @@ def test_a_failing_command_of_the_train_stage_raises_with_its_status_and_last_li
         train_check._tensorpar("train", "--hidden", "66", "--heads", "4")
 
 
+def test_the_train_stage_skips_the_export_without_the_hf_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # importlib finds no spec for it
+    ran = []
+    monkeypatch.setattr(train_check, "_tensorpar", lambda *argv: ran.append(argv[0]) or "def x\n")
+    monkeypatch.setattr(train_check, "_losses", lambda run: [5.0, 4.0])
+    result = train_check.check_training_command(tmp_path, steps=1)
+    assert result["export"] == "skipped: safetensors not installed" and "export" not in ran
+    assert ran == ["train", "train", "generate", "train", "train"] and result["ok"]
+
+
 @pytest.mark.gpu
 @cuda
 def test_gpu_check_command_on_this_gpu(tmp_path):
@@ -240,3 +250,4 @@ def test_fused_wgrad_accumulation_on_this_gpu_matches_the_upcast_path(monkeypatc
         exact = grad.reshape(-1, 48).double().t() @ x.reshape(-1, 32).double() + 1.0 + 2.0 ** -12
         for main_grad in main_grads:
             torch.testing.assert_close(main_grad.double(), exact, rtol=1e-6, atol=1e-5, msg=lambda m: f"{dtype}: {m}")
+

@@ -2,10 +2,10 @@
 :mod:`tensorpar.tools.gpu_check`'s ``train`` stage.
 
 A bf16 run of the default model, saved, evaluated and resumed; a completion from its checkpoint;
-its export to a ``transformers`` directory (skipped, saying so, without transformers); and the
-invariant mode run twice, which must log the same losses. Each command runs in this process
-(``--nproc 1`` trains in the process that starts it) with its output captured; a command that
-fails raises with its status and last lines.
+its export to a ``transformers`` directory (skipped, saying so, without transformers or
+safetensors); and the invariant mode run twice, which must log the same losses. Each command
+runs in this process (``--nproc 1`` trains in the process that starts it) with its output
+captured; a command that fails raises with its status and last lines.
 
 Example::
 
@@ -54,8 +54,9 @@ def check_training_command(workdir: Path, *, steps: int, model: tuple[str, ...] 
     text = _tensorpar("generate", "--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "8")
     losses = _losses(run)
     result = {"loss": [losses[0], losses[-1]], "generated": text.rstrip("\n")}
-    if importlib.util.find_spec("transformers") is None:
-        result["export"] = "skipped: transformers is not installed"
+    missing = [name for name in ("transformers", "safetensors") if importlib.util.find_spec(name) is None]
+    if missing:
+        result["export"] = f"skipped: {' and '.join(missing)} not installed"
     else:
         _tensorpar("export", "--checkpoint", str(run), "--to-hf", str(workdir / "hf"))
         result["export"] = sorted(path.name for path in (workdir / "hf").iterdir())
