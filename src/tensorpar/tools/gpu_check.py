@@ -49,9 +49,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import DeviceType
 
+from . import train_check
 from .bench_variants import measure_overlap_variants
 from .decode_check import measure_decode
-from . import train_check
 
 # Dense bf16 peak of the GPU (FLOP/s) by name, for the utilisation; --peak-tflops overrides.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
