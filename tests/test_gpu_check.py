@@ -214,12 +214,13 @@ def test_a_failing_command_of_the_train_stage_raises_with_its_status_and_last_li
 
 
 def test_the_train_stage_skips_the_export_without_the_hf_extra(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "safetensors", None)  # importlib finds no spec for it
+    for name in ("transformers", "safetensors"):
+        monkeypatch.setitem(sys.modules, name, None)  # importlib finds no spec for it
     ran = []
     monkeypatch.setattr(train_check, "_tensorpar", lambda *argv: ran.append(argv[0]) or "def x\n")
     monkeypatch.setattr(train_check, "_losses", lambda run: [5.0, 4.0])
     result = train_check.check_training_command(tmp_path, steps=1)
-    assert result["export"] == "skipped: safetensors not installed" and "export" not in ran
+    assert result["export"] == "skipped: transformers and safetensors not installed" and "export" not in ran
     assert ran == ["train", "train", "generate", "train", "train"] and result["ok"]
 
 
