@@ -50,7 +50,7 @@ def check_training_command(workdir: Path, *, steps: int, model: tuple[str, ...] 
     logs = ["--no-progress", "--log-every", str(steps), "--eval-iters", "2"]
     run = workdir / "run"
     _tensorpar("train", "--nproc", "1", "--dtype", "bf16", *model, "--steps", str(steps), *logs, "--out", str(run))
-    _tensorpar("train", "--resume", str(run), "--steps", str(2 * steps), *logs)
+    _tensorpar("train", "--nproc", "1", "--resume", str(run), "--steps", str(2 * steps), *logs)
     text = _tensorpar("generate", "--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "8")
     losses = _losses(run)
     result = {"loss": [losses[0], losses[-1]], "generated": text.rstrip("\n")}
