@@ -35,8 +35,11 @@ def test_the_load_factor_is_one_when_idle_and_grows_with_the_load_per_core(monke
 def test_ctrl_c_stops_the_suite_and_its_ranks(tmp_path, workers):
     marker = tmp_path / "started"
     (tmp_path / "test_sleeps.py").write_text(textwrap.dedent(f"""
+        from tests import harness
         from tests.harness import run_on_ranks
         from tests.test_harness import sleeping_body
+
+        harness.PRELOAD[:] = ["tests.harness"]  # the ranks run no command: their server imports only the harness
 
         def test_one():
             run_on_ranks(sleeping_body, 2, {str(marker)!r})
