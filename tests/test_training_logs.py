@@ -5,6 +5,7 @@ compile lines, the fine-tune header, and the Weights & Biases logger (a recordin
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -127,8 +128,6 @@ def two_ranks(tmp_path_factory):
 
 
 def test_every_logged_step_and_step_1_is_a_line_with_every_field(two_ranks):
-    import re
-
     out, [(_, _, err), (_, rank1_out, rank1_err)] = two_ranks
     lines = [line for line in err.splitlines() if line.startswith("tensorpar: step")]
     assert [line.split(" loss")[0] for line in lines] == ["tensorpar: step 1/4", "tensorpar: step 2/4",
@@ -243,6 +242,12 @@ def test_compile_says_it_is_compiling_and_how_long_the_first_step_took(tmp_path)
     done = [i for i, line in enumerate(lines) if line.startswith("tensorpar: compiled: the first step took ")]
     assert starts < first < done[0] and len(done) == 1, err
     assert lines[done[0]].endswith("s, compiling included")
+    # Step 1's rate is the compiler's: no ETA from it (a 13-minute one on the H200 for a 40 s run).
+    step_lines = [line for line in lines if re.match(r"tensorpar: step \d+/", line)]
+    assert "ETA" not in step_lines[0] and step_lines[-1].endswith("ETA 0:00:00"), step_lines
+    rows = [row for row in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+            if "loss" in row]  # not the validation rows
+    assert "eta_s" not in rows[0] and rows[-1]["eta_s"] == 0, rows
 
 
 # ------------------------------------------------------------------ the fine-tune header

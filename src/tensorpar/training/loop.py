@@ -318,15 +318,15 @@ def _train(args, signals: Signals) -> RunResult:
             print(f"tensorpar train: {header}", flush=True)
             if note:
                 _say(note)
+    compiling = getattr(args, "compile", False)
     progress = Progress(out=out, total_steps=args.steps, first_step=start, enabled=is_rank0,
                         bar=not args.no_progress, tensorboard=args.tensorboard, rates=rates, device=device,
-                        wandb_config=run_config if args.wandb else None)
+                        wandb_config=run_config if args.wandb else None, compiling=compiling)
     result = RunResult({}, {}, None, 0.0, config_to_json(config))
     measured_tokens, measured_time = 0, 0.0
     # Steps whose loss and grad norm stay on the device until the next log line: reading them
     # back every step would make the CPU wait for each step before queueing the next.
     pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
-    compiling = getattr(args, "compile", False)
     if compiling:
         progress.say("compiling the model (torch.compile) during the first step: this can take minutes")
     interval_began = loop_began = time.perf_counter()

@@ -77,7 +77,8 @@ def format_line(row: dict, *, total_steps: int) -> str:
                      "max reserved")
     elif "max_rss_mib" in row:
         parts.append(f"memory {_size(row['max_rss_mib'])} peak RSS")
-    parts.append(f"elapsed {_duration(row['elapsed_s'])}, ETA {_duration(row['eta_s'])}")
+    eta = f", ETA {_duration(row['eta_s'])}" if "eta_s" in row else ""
+    parts.append(f"elapsed {_duration(row['elapsed_s'])}{eta}")
     return " | ".join(parts)
 
 

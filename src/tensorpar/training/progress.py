@@ -91,14 +91,15 @@ class Progress:
 
     def __init__(self, *, out: Path | None, total_steps: int, first_step: int, enabled: bool,
                  bar: bool = True, tensorboard: bool = False, rates: Rates | None = None, device=None,
-                 wandb_config: dict | None = None) -> None:
+                 wandb_config: dict | None = None, compiling: bool = False) -> None:
         """``bar``: a progress bar if stderr is a terminal (else plain lines at each logged step);
         ``tensorboard``: also write every metrics row through ``torch.utils.tensorboard``;
         ``rates``: the per-device rates and MFU of each row; ``device``: whose peak memory each row
         reports (None: the process's peak RSS); ``wandb_config``: the run's config, to start a
-        Weights & Biases run with and log every row to (None: no W&B)."""
+        Weights & Biases run with and log every row to (None: no W&B); ``compiling``: the first
+        step compiles the model, so its row has no ETA (its rate would say minutes for seconds)."""
         self.out, self.enabled, self.total_steps, self.first_step = out, enabled, total_steps, first_step
-        self.rates, self.device = rates, device
+        self.rates, self.device, self.compiling = rates, device, compiling
         self.rows: list[dict] = []
         self._plotted: tuple[list, list] | None = None  # the points loss.png shows
         self._bar = self._writer = self._wandb = None
@@ -143,11 +144,11 @@ class Progress:
         if self._wandb is not None:
             self._wandb.log({name: value for name, value in row.items() if name != "step"}, step=row["step"])
 
-    def _eta(self, step: int, now: float) -> float:
+    def _eta(self, step: int, now: float) -> float | None:
         """Seconds left at the rate since this run's first step (whose warm-up, a compilation
-        included, would skew it); after only that step, at its rate."""
+        included, would skew it); after only that step, at its rate, unless it compiled (None)."""
         if step == self.first_step + 1:
-            return (now - self._started) * (self.total_steps - step)
+            return None if self.compiling else (now - self._started) * (self.total_steps - step)
         return (now - self._first_done) / (step - self.first_step - 1) * (self.total_steps - step)
 
     def step(self, *, step: int, loss: float, lr: float, tokens_per_s: float, grad_norm: float,
@@ -164,8 +165,10 @@ class Progress:
         if log:
             rates = self.rates.fields(tokens_per_s=tokens_per_s) if self.rates is not None else {}
             row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                   **rates, **peak_memory(self.device), "elapsed_s": round(now - self._started, 3),
-                   "eta_s": round(self._eta(step, now), 1)}
+                   **rates, **peak_memory(self.device), "elapsed_s": round(now - self._started, 3)}
+            eta = self._eta(step, now)
+            if eta is not None:
+                row["eta_s"] = round(eta, 1)
             self._append(row)
             if self._bar is None:
                 _note(format_line(row, total_steps=self.total_steps))
