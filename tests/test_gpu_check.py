@@ -251,4 +251,3 @@ def test_fused_wgrad_accumulation_on_this_gpu_matches_the_upcast_path(monkeypatc
         exact = grad.reshape(-1, 48).double().t() @ x.reshape(-1, 32).double() + 1.0 + 2.0 ** -12
         for main_grad in main_grads:
             torch.testing.assert_close(main_grad.double(), exact, rtol=1e-6, atol=1e-5, msg=lambda m: f"{dtype}: {m}")
-

@@ -22,6 +22,7 @@ from tensorpar.tools import config_file
 from tensorpar.tools.training_cli import parse_train_args, train_parser
 from tensorpar.training.flops import flops_per_token, peak_flops_per_s
 from tensorpar.training.metrics import Rates
+from tensorpar.training.progress import METRICS, read_rows
 from tests.harness import run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
@@ -212,7 +213,7 @@ def test_tokens_per_s_counts_training_steps_not_evaluations_or_saves(tmp_path):
     argv = TINY + ["--tp", "1", "--steps", "4", "--log-every", "2", "--eval-every", "2", "--save-every", "2",
                    "--out", str(tmp_path / "run")]
     [(settings, _, _)] = run_on_ranks(_slow_evaluation_and_save_body, 1, argv, pause)
-    rows = {row["step"]: row for row in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    rows = {row["step"]: row for row in read_rows(tmp_path / "run" / METRICS)
             if "tokens_per_s" in row}  # not the validation rows
     tokens_per_step = settings["global_batch"] * settings["seq_len"]
     # Steps 3 and 4 come after step 2's evaluation and save (2 x pause): their interval has neither.
@@ -245,8 +246,7 @@ def test_compile_says_it_is_compiling_and_how_long_the_first_step_took(tmp_path)
     # Step 1's rate is the compiler's: no ETA from it (a 13-minute one on the H200 for a 40 s run).
     step_lines = [line for line in lines if re.match(r"tensorpar: step \d+/", line)]
     assert "ETA" not in step_lines[0] and step_lines[-1].endswith("ETA 0:00:00"), step_lines
-    rows = [row for row in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-            if "loss" in row]  # not the validation rows
+    rows = [row for row in read_rows(tmp_path / "run" / METRICS) if "loss" in row]  # not the validation rows
     assert "eta_s" not in rows[0] and rows[-1]["eta_s"] == 0, rows
 
 

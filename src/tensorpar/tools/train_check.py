@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
-import json
 from pathlib import Path
 
+from ..training.progress import METRICS, read_rows
 
 # The model and batch of ``gpu_check --cpu`` (and the test suite): seconds on a CPU.
 SMALL = ("--layers", "1", "--hidden", "32", "--heads", "2", "--seq-len", "32", "--micro-batch", "2")
@@ -39,8 +39,7 @@ def _tensorpar(*argv: str) -> str:
 
 
 def _losses(run: Path) -> list[float]:
-    rows = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-    return [row["loss"] for row in rows if "loss" in row]
+    return [row["loss"] for row in read_rows(run / METRICS) if "loss" in row]
 
 
 def check_training_command(workdir: Path, *, steps: int, model: tuple[str, ...] = ()) -> dict:
@@ -48,8 +47,9 @@ def check_training_command(workdir: Path, *, steps: int, model: tuple[str, ...] 
     mode twice, in ``workdir``; ``model``: flags of the model and batch (default: the command's).
     ``ok`` is whether the two invariant runs logged the same losses."""
     logs = ["--no-progress", "--log-every", str(steps), "--eval-iters", "2"]
+    train = ["train", "--nproc", "1", "--dtype", "bf16", *model, "--steps", str(steps), *logs]
     run = workdir / "run"
-    _tensorpar("train", "--nproc", "1", "--dtype", "bf16", *model, "--steps", str(steps), *logs, "--out", str(run))
+    _tensorpar(*train, "--out", str(run))
     _tensorpar("train", "--nproc", "1", "--resume", str(run), "--steps", str(2 * steps), *logs)
     text = _tensorpar("generate", "--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "8")
     losses = _losses(run)
@@ -62,8 +62,7 @@ def check_training_command(workdir: Path, *, steps: int, model: tuple[str, ...] 
         result["export"] = sorted(path.name for path in (workdir / "hf").iterdir())
     invariant = []
     for name in ("invariant_1", "invariant_2"):
-        _tensorpar("train", "--nproc", "1", "--tp-invariant", "--dtype", "bf16", *model, "--steps", str(steps), *logs,
-                   "--save-every", "0", "--out", str(workdir / name))
+        _tensorpar(*train, "--tp-invariant", "--save-every", "0", "--out", str(workdir / name))
         invariant.append(_losses(workdir / name))
     result["invariant_losses"] = invariant[0]
     result["ok"] = invariant[0] == invariant[1]
