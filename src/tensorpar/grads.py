@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from . import comm
 from .initialization import param_is_not_tensor_parallel_duplicate
 from .parallel_state import get_data_parallel_group, resolve_tp_group
-from .tree_reduce import BLOCKS, HalvingTree, all_reduce_tree, tree_sum
+from .tree_reduce import BLOCKS, HalvingTree, all_reduce_subtrees, all_reduce_tree, subtree_sums
 
 
 def mark_tp_invariant(params) -> None:
@@ -406,6 +406,16 @@ def _block_squares(grad: torch.Tensor, param: nn.Parameter, blocks: int) -> list
     return sums
 
 
+def _tp_blocks(params) -> int:
+    """The fixed blocks of the TP-split ``params`` (``tp_blocks``, set by the invariant layers;
+    one count per model), ``BLOCKS`` where none says."""
+    counts = {getattr(p, "tp_blocks", BLOCKS) for p in params if getattr(p, "tensor_model_parallel", False)}
+    if len(counts) > 1:
+        raise ValueError(f"tp_invariant: the parameters are cut into different numbers of fixed blocks "
+                         f"({sorted(counts)}): one model, one count")
+    return counts.pop() if counts else BLOCKS
+
+
 def _ordered_grad_norm(params: list[nn.Parameter], group, pp_group=None, *, dp_group=None) -> torch.Tensor:
     """The L2 norm of the gradient (fp32), the same bits at every TP and PP size.
 
@@ -416,7 +426,8 @@ def _ordered_grad_norm(params: list[nn.Parameter], group, pp_group=None, *, dp_g
     part. Gradients are whole on every DP rank, FSDP shards (DTensors) gathered to it over
     ``dp_group`` first: no DP sum; a pipeline's tied copy (``shared``) is counted by its original only.
     """
-    blocks = BLOCKS // comm.group_size(group)
+    leaves = _tp_blocks(params)
+    blocks = leaves // comm.group_size(group)
     device = comm.collective_device(group)
     rows = []
     for param in params:
@@ -444,6 +455,8 @@ def _ordered_grad_norm(params: list[nn.Parameter], group, pp_group=None, *, dp_g
     total_squares = torch.zeros(blocks + 1, device=device)
     for row in table[:, 1:]:
         total_squares = total_squares + row
-    local = tree_sum(total_squares[:blocks].clone().unbind())
-    total = all_reduce_tree(local.reshape(1), group)[0]
+    first = comm.group_rank(group) * blocks
+    local = subtree_sums([part.reshape(1) for part in total_squares[:blocks].clone().unbind()], first=first,
+                         leaves=leaves)
+    total = all_reduce_subtrees(local, group, leaves=leaves)[0]
     return (total + total_squares[blocks]).sqrt()

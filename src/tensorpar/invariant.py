@@ -35,13 +35,22 @@ from .cross_entropy import _check_targets, _VocabParallelCrossEntropy
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .linear_function import compute_dtype_of
 from .mappings import gather_from_tensor_model_parallel_region
-from .tree_reduce import BLOCKS, all_reduce_tree, reduce_scatter_tree, sequence_sum, tree_sum
+from .tree_reduce import (BLOCKS, all_reduce_subtrees, all_reduce_tree, reduce_scatter_subtrees, sequence_sum,
+                          subtree_sums, subtrees, tree_sum)
 
-def _check_blocks(size: int, stride: int, what: str) -> None:
-    """Refuse a dimension of ``size`` (``stride`` pieces) that ``BLOCKS`` blocks per piece do not divide."""
-    if size % (stride * BLOCKS):
-        raise ValueError(f"tp_invariant: {what} ({size}) is not divisible by {stride * BLOCKS} "
-                         f"({BLOCKS} fixed blocks" + (f" x stride {stride})" if stride > 1 else ")"))
+def _check_blocks(size: int, stride: int, what: str, blocks: int = BLOCKS) -> None:
+    """Refuse a dimension of ``size`` (``stride`` pieces) that ``blocks`` blocks per piece do not divide."""
+    if size % (stride * blocks):
+        raise ValueError(f"tp_invariant: {what} ({size}) is not divisible by {stride * blocks} "
+                         f"({blocks} fixed blocks" + (f" x stride {stride})" if stride > 1 else ")"))
+
+
+def _over_tp(sums, group, blocks: int, sequence_parallel: bool, *, async_op: bool = False):
+    """The tree over all ``blocks`` of a sum each rank of ``group`` holds ``sums`` of (its
+    :func:`subtree_sums`): scattered along the sequence under SP, else whole on every rank."""
+    if sequence_parallel:
+        return reduce_scatter_subtrees(sums, group, leaves=blocks, dim=0, async_op=async_op)
+    return all_reduce_subtrees(sums, group, leaves=blocks, async_op=async_op)
 
 
 def _grouped(t: torch.Tensor, stride: int, groups: int) -> torch.Tensor:
@@ -112,11 +121,11 @@ class _Column(torch.autograd.Function):
     and only the first of them enters the dgrad's cross-rank tree (the others add zeros)."""
 
     @staticmethod
-    def forward(ctx, input_, weight, bias, stride, sequence_parallel, group, cp_group, replicas):
+    def forward(ctx, input_, weight, bias, stride, sequence_parallel, group, cp_group, replicas, blocks):
         dtype = compute_dtype_of(input_)
         input_ = input_.to(dtype)
         total = comm.all_gather(input_, group, dim=0) if sequence_parallel else input_
-        groups = BLOCKS * replicas // comm.group_size(group)
+        groups = blocks * replicas // comm.group_size(group)
         x2d = total.reshape(-1, total.shape[-1])
         weights = _grouped(weight.to(dtype), stride, groups)
         biases = [None] * groups if bias is None else _grouped(bias.to(dtype), stride, groups)
@@ -124,7 +133,7 @@ class _Column(torch.autograd.Function):
             output = _merged([F.linear(x2d, w, b) for w, b in zip(weights, biases)], stride, 1)
         ctx.save_for_backward(input_, weights)
         ctx.stride, ctx.sequence_parallel, ctx.group, ctx.has_bias = stride, sequence_parallel, group, bias is not None
-        ctx.weight_dtype, ctx.cp_group, ctx.replicas = weight.dtype, cp_group, replicas
+        ctx.weight_dtype, ctx.cp_group, ctx.replicas, ctx.blocks = weight.dtype, cp_group, replicas, blocks
         return output.view(*total.shape[:-1], -1)
 
     @staticmethod
@@ -140,21 +149,20 @@ class _Column(torch.autograd.Function):
             grad_output = _over_replicas(grad_output, group, ctx.replicas)
         grads = grad_output.reshape(rows, stride, groups, -1).to(weights.dtype)
         g_groups = [grads[:, :, i].contiguous().view(rows, -1) for i in range(groups)]
-        if comm.group_rank(group) % ctx.replicas:  # the shard's first replica adds its dgrad
-            grad_input = input_.new_zeros(shape, dtype=weights.dtype)
+        rank = comm.group_rank(group)
+        if rank % ctx.replicas:  # the shard's first replica adds its dgrad
+            sums = [input_.new_zeros(shape, dtype=weights.dtype)]
         else:
-            grad_input = tree_sum([g.matmul(w) for g, w in zip(g_groups, weights)]).view(shape)
-        if ctx.sequence_parallel:
-            grad_input = reduce_scatter_tree(grad_input, group, dim=0, async_op=True)
-        else:
-            grad_input = all_reduce_tree(grad_input, group, async_op=True)
+            sums = [s.view(shape) for s in subtree_sums([g.matmul(w) for g, w in zip(g_groups, weights)],
+                                                         first=rank // ctx.replicas * groups, leaves=ctx.blocks)]
+        grad_input = _over_tp(sums, group, ctx.blocks, ctx.sequence_parallel, async_op=True)
         total = gathering.wait() if gathering is not None else input_
         x2d = total.reshape(rows, total.shape[-1])
         cp = ctx.cp_group
         grad_weight = _over_context(_merged([_rows_sum(_wgrad, g, x2d, cp) for g in g_groups], stride, 0), cp)
         grad_bias = _over_context(_merged([_rows_sum(_bias_grad, g, None, cp) for g in g_groups], stride, 0), cp) \
             if ctx.has_bias else None
-        return grad_input.wait(), grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None, None, None
+        return grad_input.wait(), grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None, None, None, None
 
 
 class _Row(torch.autograd.Function):
@@ -162,19 +170,16 @@ class _Row(torch.autograd.Function):
     whole (gathered) output grad, so it is complete on every rank."""
 
     @staticmethod
-    def forward(ctx, input_, weight, bias, sequence_parallel, group, cp_group):
+    def forward(ctx, input_, weight, bias, sequence_parallel, group, cp_group, blocks):
         dtype = compute_dtype_of(input_)
         input_ = input_.to(dtype)
-        blocks = BLOCKS // comm.group_size(group)
-        xs = _k_blocks(input_.reshape(-1, input_.shape[-1]), blocks)
-        ws = _k_blocks(weight.to(dtype), blocks)
+        mine = blocks // comm.group_size(group)
+        xs = _k_blocks(input_.reshape(-1, input_.shape[-1]), mine)
+        ws = _k_blocks(weight.to(dtype), mine)
         with torch.autocast(input_.device.type, enabled=False):
-            partial = tree_sum([F.linear(x, w) for x, w in zip(xs, ws)])
-        partial = partial.view(*input_.shape[:-1], -1)
-        if sequence_parallel:
-            output = reduce_scatter_tree(partial, group, dim=0)
-        else:
-            output = all_reduce_tree(partial, group)
+            sums = subtree_sums([F.linear(x, w) for x, w in zip(xs, ws)], first=comm.group_rank(group) * mine,
+                                leaves=blocks)
+        output = _over_tp([s.view(*input_.shape[:-1], -1) for s in sums], group, blocks, sequence_parallel)
         if bias is not None:
             output = output.add_(bias.to(dtype))  # a temporary of this function
         ctx.save_for_backward(xs, ws)
@@ -193,7 +198,7 @@ class _Row(torch.autograd.Function):
         cp = ctx.cp_group
         grad_weight = _over_context(torch.cat([_rows_sum(_wgrad, g2d, x, cp) for x in xs], dim=1), cp)
         grad_bias = _over_context(_rows_sum(_bias_grad, g2d, None, cp), cp) if ctx.has_bias else None
-        return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None
+        return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None, None
 
 
 def kv_per_query_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,11 +278,19 @@ def check_gpt_sizes(config, *, tp_size: int, seq_len: int | None = None) -> None
         raise ValueError(f"{', '.join(bad)} not divisible by the {BLOCKS} fixed blocks of tp_invariant")
 
 
+def _mark_blocks(layer: nn.Module, blocks: int) -> None:
+    """Note ``blocks`` on the layer's TP-split parameters: the grad norm sums their squares in those blocks."""
+    for param in layer.parameters():
+        if getattr(param, "tensor_model_parallel", False):
+            param.tp_blocks = blocks
+
+
 def check_layer(layer: nn.Module) -> None:
     """Refuse what the invariant layers do not do, naming it."""
     name = type(layer).__name__
-    if BLOCKS % layer.tp_size:
-        raise ValueError(f"tp_invariant: the tensor-parallel size {layer.tp_size} must divide {BLOCKS}")
+    if layer.blocks % layer.tp_size:
+        raise ValueError(f"tp_invariant: the tensor-parallel size {layer.tp_size} must divide the {layer.blocks} "
+                         "fixed blocks")
     if layer.gradient_accumulation_fusion:
         raise ValueError(f"{name}: tp_invariant does not support gradient_accumulation_fusion")
     if layer.overlap not in ("off", 1):
@@ -289,15 +302,22 @@ def check_layer(layer: nn.Module) -> None:
 class ColumnLinear(ColumnParallelLinear):
     """:class:`~tensorpar.ColumnParallelLinear` whose GEMMs and sums do not depend on the TP size.
 
-    Needs ``output_size`` divisible by ``BLOCKS x stride``; no overlap, gradient-accumulation
-    fusion or deferred wgrads. ``cp_group``: the context-parallel group whose ranks hold other
-    rows of the sequence (the weight grads are summed over it in backward). ``replicas``: each
-    shard of ``TP / replicas`` held whole by that many consecutive ranks (``partition_rows``
-    saying so), whose output grads are summed in backward: every replica gets the same weight
-    grads.
+    Needs ``output_size`` divisible by ``blocks x stride``; no overlap, gradient-accumulation
+    fusion or deferred wgrads. ``blocks``: the fixed blocks of each stride piece (``BLOCKS``;
+    a TP size must divide them: 24 serves TP 3 and 6 too). ``cp_group``: the context-parallel
+    group whose ranks hold other rows of the sequence (the weight grads are summed over it in
+    backward). ``replicas``: each shard of ``TP / replicas`` held whole by that many
+    consecutive ranks (``partition_rows`` saying so), whose output grads are summed in
+    backward: every replica gets the same weight grads.
+
+    Example::
+
+        fc1 = ColumnLinear(64, 256, blocks=24, tp_group=group)     # the same bits at TP 1, 2, 3, 4, 6, 8
     """
 
-    def __init__(self, input_size, output_size, *, cp_group=None, replicas: int = 1, **kwargs) -> None:
+    def __init__(self, input_size, output_size, *, cp_group=None, replicas: int = 1, blocks: int = BLOCKS,
+                 **kwargs) -> None:
+        self.blocks = blocks
         super().__init__(input_size, output_size, **kwargs)
         # The layer's, not read off the weight: FSDP's unsharded parameters, which forward and
         # backward see, carry no partition_stride (stride 1 would regroup the GEMMs: other bits).
@@ -310,16 +330,22 @@ class ColumnLinear(ColumnParallelLinear):
             raise ValueError(f"ColumnLinear: tp_invariant does not support uneven partitions "
                              f"({self.weight_shape[0]} of {output_size} rows on this rank, {replicas} replicas)")
         if replicas > 1:
+            if any(len(subtrees(first, blocks * replicas // self.tp_size, blocks)) > 1
+                   for first in range(0, blocks, blocks * replicas // self.tp_size)):
+                raise ValueError(f"ColumnLinear: tp_invariant replicas need each shard's blocks to be one subtree "
+                                 f"of the {blocks} fixed blocks' tree ({replicas} replicas at TP {self.tp_size})")
             for param in self.parameters():
                 param.tp_replicas = replicas  # the grad norm counts each replica's share of the blocks
-        _check_blocks(output_size, kwargs.get("stride", 1), "ColumnParallelLinear output_size")
+        _mark_blocks(self, blocks)
+        _check_blocks(output_size, kwargs.get("stride", 1), "ColumnParallelLinear output_size", blocks)
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
-        _check_blocks(weight.shape[0] * self.tp_size // self.replicas, self.stride, "the column weight's rows")
+        _check_blocks(weight.shape[0] * self.tp_size // self.replicas, self.stride, "the column weight's rows",
+                      self.blocks)
         bias = None if self.skip_bias_add else self.bias
         output = _Column.apply(input_, weight, bias, self.stride, self.sequence_parallel, self.tp_group,
-                               self.cp_group, self.replicas)
+                               self.cp_group, self.replicas, self.blocks)
         if self.gather_output if runtime_gather_output is None else runtime_gather_output:
             output = gather_from_tensor_model_parallel_region(output, group=self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
@@ -328,12 +354,15 @@ class ColumnLinear(ColumnParallelLinear):
 class RowLinear(RowParallelLinear):
     """:class:`~tensorpar.RowParallelLinear` whose GEMMs and sums do not depend on the TP size.
 
-    Needs ``input_is_parallel=True`` and ``input_size`` divisible by ``BLOCKS``. Under SP its
-    bias grad is whole on every rank (not marked ``sequence_parallel``); ``cp_group`` as
-    :class:`ColumnLinear`'s.
+    Needs ``input_is_parallel=True`` and ``input_size`` divisible by ``blocks``. Under SP its
+    bias grad is whole on every rank (not marked ``sequence_parallel``); ``cp_group`` and
+    ``blocks`` as :class:`ColumnLinear`'s. Where a rank's blocks are not one subtree of the
+    blocks' tree (TP 3 of 24), the ranks exchange each subtree's partial output: up to 4x the
+    bytes.
     """
 
-    def __init__(self, input_size, output_size, *, cp_group=None, **kwargs) -> None:
+    def __init__(self, input_size, output_size, *, cp_group=None, blocks: int = BLOCKS, **kwargs) -> None:
+        self.blocks = blocks
         super().__init__(input_size, output_size, **kwargs)
         self.cp_group = cp_group
         grads_module.mark_tp_invariant(self.parameters())  # the gradient helpers sum them in order
@@ -343,13 +372,15 @@ class RowLinear(RowParallelLinear):
         if self.weight_shape[1] * self.tp_size != input_size:
             raise ValueError(f"RowLinear: tp_invariant does not support uneven partitions "
                              f"({self.weight_shape[1]} of {input_size} columns on this rank)")
-        _check_blocks(input_size, 1, "RowParallelLinear input_size")
+        _mark_blocks(self, blocks)
+        _check_blocks(input_size, 1, "RowParallelLinear input_size", blocks)
         if self.bias is not None:
             self.bias.sequence_parallel = False
 
     def forward(self, input_):
         bias = None if self.skip_bias_add else self.bias
-        output = _Row.apply(input_, self.weight, bias, self.sequence_parallel, self.tp_group, self.cp_group)
+        output = _Row.apply(input_, self.weight, bias, self.sequence_parallel, self.tp_group, self.cp_group,
+                            self.blocks)
         return output, (self.bias if self.skip_bias_add else None)
 
     def start(self, input_):
@@ -430,6 +461,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
     """:func:`tensorpar.vocab_parallel_cross_entropy` (no label smoothing) with the softmax
     normaliser summed over ``BLOCKS`` fixed vocab blocks, across ranks in the same tree."""
     tp_size = comm.group_size(tp_group)
+    if BLOCKS % tp_size:
+        raise ValueError(f"tp_invariant: the tensor-parallel size {tp_size} must divide the {BLOCKS} fixed vocab blocks")
     padded = logits.shape[-1] * tp_size
     _check_blocks(padded, 1, "the padded vocabulary")
     block = padded // BLOCKS

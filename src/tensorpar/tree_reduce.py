@@ -21,15 +21,120 @@ BLOCKS = 8
 
 
 def tree_sum(parts) -> torch.Tensor:
-    """``((p0 + p1) + (p2 + p3)) + ...``: pairwise, over a power-of-two number of parts.
+    """The sum of ``parts`` in one fixed tree: a chain (``(p0 + p1) + p2``) over each run of the
+    count's odd part, then pairwise over the runs' sums; over a power-of-two count,
+    ``((p0 + p1) + (p2 + p3)) + ...``. The tree of :class:`HalvingTree`; :func:`subtrees` names
+    its nodes.
 
     Adds in place into the parts (temporaries of the caller): the same bits as new tensors,
     without allocating one per add.
     """
     parts = list(parts)
-    while len(parts) > 1:
-        parts = [parts[i].add_(parts[i + 1]) for i in range(0, len(parts), 2)]
-    return parts[0]
+    run = _odd_part(len(parts))
+    chains = []
+    for start in range(0, len(parts), run):
+        chain = parts[start]
+        for part in parts[start + 1:start + run]:
+            chain = chain.add_(part)
+        chains.append(chain)
+    while len(chains) > 1:
+        chains = [chains[i].add_(chains[i + 1]) for i in range(0, len(chains), 2)]
+    return chains[0]
+
+
+def _odd_part(n: int) -> int:
+    return n // (n & -n)
+
+
+def subtrees(first: int, count: int, leaves: int) -> list[tuple[int, int]]:
+    """The fewest nodes of :func:`tree_sum`'s tree over ``leaves`` parts that cover parts
+    ``[first, first + count)``, in order, each as ``(its first part, its number of parts)``.
+
+    A rank holding those parts sums each node (:func:`subtree_sums`); the ranks' node sums then
+    finish the whole tree (:func:`reduce_scatter_subtrees`). One node where the parts are a
+    subtree: the ranges of TP 2, 4 and 8 over 8 or 24 leaves; TP 3 over 24 leaves has up to four.
+
+    Example::
+
+        subtrees(8, 8, 24)     # [(8, 1), (9, 3), (12, 3), (15, 1)]: a chain's end, two chains, a start
+    """
+    run, nodes, at, stop = _odd_part(leaves), [], first, first + count
+    while at < stop:
+        size = 1
+        if at % run == 0:  # a chain's start: its prefixes are nodes, whole chains pair upwards
+            size = min(run, stop - at)
+            while size >= run and at % (2 * size) == 0 and at + 2 * size <= stop:
+                size *= 2
+        nodes.append((at, size))
+        at += size
+    return nodes
+
+
+def _node_sum(first: int, size: int, run: int, known) -> torch.Tensor:
+    """Node ``(first, size)`` of the tree (chains of ``run``), from ``known(first, size)``: a
+    node's sum, or None for one to add up from its children (in place into the left one)."""
+    value = known(first, size)
+    if value is not None:
+        return value
+    if size > run:  # two whole halves
+        half = size // 2
+        return _node_sum(first, half, run, known).add_(_node_sum(first + half, half, run, known))
+    if size == 1:
+        raise ValueError(f"tree_reduce: part {first} is missing")
+    return _node_sum(first, size - 1, run, known).add_(_node_sum(first + size - 1, 1, run, known))
+
+
+def subtree_sums(parts, *, first: int, leaves: int) -> list[torch.Tensor]:
+    """This rank's ``parts`` (parts ``first, first + 1, ...`` of ``leaves``), summed as the nodes
+    of :func:`subtrees`: a rank's share of :func:`tree_sum` over all of them. Adds in place
+    into the parts."""
+    parts = list(parts)
+    run = _odd_part(leaves)
+
+    def known(at, size):
+        return parts[at - first] if size == 1 else None
+
+    return [_node_sum(at, size, run, known) for at, size in subtrees(first, len(parts), leaves)]
+
+
+def _rank_subtrees(n: int, leaves: int) -> list[list[tuple[int, int]]]:
+    """Each of ``n`` ranks' nodes, rank ``r`` holding the ``r``-th of ``n`` equal runs of the leaves."""
+    comm.check_divisible(leaves, n, "the fixed blocks")
+    return [subtrees(r * leaves // n, leaves // n, leaves) for r in range(n)]
+
+
+def reduce_scatter_subtrees(sums: list[torch.Tensor], group, *, leaves: int, dim: int = 0,
+                            async_op: bool = False):
+    """:func:`tree_sum` over all ``leaves`` parts, of which each rank of ``group`` summed its
+    equal run as :func:`subtree_sums` (``sums``), keeping this rank's slice along ``dim``.
+
+    Where each rank's run is one node: :func:`reduce_scatter_tree`. Otherwise (TP 3 over 24
+    blocks) an all-to-all of every node's slice (as many times the bytes as the most nodes a
+    rank has), and the whole tree over the nodes received.
+    """
+    nodes = _rank_subtrees(comm.group_size(group), leaves)
+    if all(len(mine) == 1 for mine in nodes):
+        return reduce_scatter_tree(sums[0], group, dim=dim, async_op=async_op)
+    n, width = len(nodes), max(len(mine) for mine in nodes)
+    comm.check_divisible(sums[0].shape[dim], n, f"dimension {dim} of shape {list(sums[0].shape)}")
+    stacked = torch.stack(sums + [torch.zeros_like(sums[0])] * (width - len(sums))).movedim(dim + 1, 1)
+    slices = stacked.reshape(width, n, -1, *stacked.shape[2:]).transpose(0, 1)
+    received = comm.all_to_all(slices, group)  # [source rank, its nodes, this rank's slice...]
+    given = {node: received[source, k] for source, mine in enumerate(nodes) for k, node in enumerate(mine)}
+    total = _node_sum(0, leaves, _odd_part(leaves), lambda at, size: given.get((at, size)))
+    return _finished(total.movedim(0, dim), async_op)
+
+
+def all_reduce_subtrees(sums: list[torch.Tensor], group, *, leaves: int, async_op: bool = False):
+    """:func:`reduce_scatter_subtrees` of the flat sums, then an all-gather: the whole sum on
+    every rank (where each rank's run is one node: :func:`all_reduce_tree`)."""
+    nodes = _rank_subtrees(comm.group_size(group), leaves)
+    if all(len(mine) == 1 for mine in nodes):
+        return all_reduce_tree(sums[0], group, async_op=async_op)
+    shape, n = sums[0].shape, len(nodes)
+    flat = [F.pad(s.reshape(-1), (0, -s.numel() % n)) for s in sums]
+    total = comm.all_gather(reduce_scatter_subtrees(flat, group, leaves=leaves), group)
+    return _finished(total[:shape.numel()].view(shape), async_op)
 
 
 def balanced_order(n: int) -> list[int]:
