@@ -5,6 +5,7 @@ The two models are timed in alternating rounds (one step of each, the first of t
 alternating too), so both see the same load on shared cores::
 
     python benchmarks/tp_invariant.py --tp 2 [--dp 1] [--sp] [--dtype fp32|bf16] [--steps 16] [--attention-dropout 0.1]
+    python benchmarks/tp_invariant.py --tp 3 --invariant-blocks 24 --heads 6 --hidden 384
 
 ``--dp N`` runs TP x N ranks, each DP rank its own batch, the gradients reduced over DP as
 ``tensorpar train`` reduces them in each mode (the invariant mode: one micro-batch per rank in
@@ -39,8 +40,10 @@ def run(args) -> dict:
 
     tp.initialize_model_parallel(args.tp)  # DP: the other ranks
     modes = ("default", "tp_invariant") + (("tp_invariant_no_attention_dropout",) if args.attention_dropout else ())
+    invariant = {"tp_invariant": True, "invariant_blocks": args.invariant_blocks}
     steps = {mode: build_step(args, attention_dropout=0.0 if mode.endswith("no_attention_dropout")
-                              else args.attention_dropout, tp_invariant=mode != "default")[0] for mode in modes}
+                              else args.attention_dropout, **(invariant if mode != "default" else {}))[0]
+             for mode in modes}
     sent = {}
     for mode, step in steps.items():
         for _ in range(args.warmup):
@@ -72,6 +75,8 @@ def main() -> None:
     add_step_counts(parser)
     parser.add_argument("--attention-dropout", type=float, default=0.0, help="in both modes (default 0)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (default 1)")
+    parser.add_argument("--invariant-blocks", type=int, default=8,
+                        help="the invariant mode's fixed blocks (default 8; 24 for --tp 3 or 6)")
     args = parser.parse_args()
     from tensorpar.tools.launch import launch_local
 

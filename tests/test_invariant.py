@@ -38,7 +38,7 @@ _GROUPS: dict = {}
 def _group(size: int):
     """The group of ranks ``0..size-1`` (every rank creates every group, once, in one order)."""
     if not _GROUPS:
-        for n in (1, 2, 4, 8):
+        for n in (1, 2, 3, 4, 6, 8):
             if n <= dist.get_world_size():
                 _GROUPS[n] = dist.new_group(list(range(n)))
         for rank in range(dist.get_world_size()):
@@ -162,13 +162,14 @@ def test_sizes_the_fixed_blocks_do_not_divide_are_named():
             invariant.check_gpt_sizes(dataclasses.replace(GPT2, num_heads=heads, num_query_groups=groups,
                                                           hidden_size=96 if heads == 6 else 64), tp_size=4)
     narrow = dataclasses.replace(GPT2, hidden_size=36, ffn_hidden_size=68, num_heads=4)
-    with pytest.raises(ValueError, match="hidden_size 36, num_query_groups x head_dim 36, ffn_hidden_size 68, "
-                                         "the sequence length 12 not divisible by the 8 fixed blocks"):
+    with pytest.raises(ValueError, match="hidden_size 36, num_query_groups x head_dim 36, ffn_hidden_size 68 not "
+                                         "divisible by the 8 fixed blocks of tp_invariant; the sequence length 12 "
+                                         "not divisible by the 8 fixed sequence blocks"):
         invariant.check_gpt_sizes(narrow, tp_size=2, seq_len=12)
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--seq-len", "12"], "--tp-invariant: the sequence length 12 not divisible by the 8 fixed blocks"),
+    (["--seq-len", "12"], "--tp-invariant: the sequence length 12 not divisible by the 8 fixed sequence blocks"),
     (["--fsdp"], "--fsdp with --tp-invariant shards over DP / --dp-replicate = 1 / 1 = 1 rank")])
 def test_train_refuses_an_unsupported_tp_invariant_run_before_launch(capsys, flags, message):
     from tensorpar.tools.cli import main

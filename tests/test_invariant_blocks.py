@@ -1,9 +1,12 @@
-"""The TP-invariant layers over a block count that TP sizes other than powers of two divide
-(issue 30): ``ColumnLinear``/``RowLinear`` with ``blocks=24`` give the same bits at TP 1, 2, 3,
-4 and 6, where TP 3's and TP 6's ranks hold blocks that are not one subtree of the blocks' tree
-and exchange each subtree's partial sum (``tree_reduce.subtree_sums``)."""
+"""The TP-invariant mode over a block count that TP sizes other than powers of two divide
+(issue 30): ``ColumnLinear``/``RowLinear`` with ``blocks=24``, and a GPT with
+``invariant_blocks=24``, give the same bits at TP 1, 2, 3, 4 and 6, where TP 3's and TP 6's
+ranks hold blocks that are not one subtree of the blocks' tree and exchange each subtree's
+partial sum (``tree_reduce.subtree_sums``)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,8 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tensorpar import invariant
+from tensorpar.models import GPTConfig
 from tensorpar.tree_reduce import HalvingTree, subtree_sums, subtrees, tree_sum
 from tests.harness import run_on_ranks
+from tests.test_invariant import _reports
 
 SIZES = (1, 2, 3, 4, 6)
 
@@ -126,3 +131,74 @@ def _refused_body():
 def test_layers_refuse_a_tp_size_that_does_not_divide_their_blocks():
     assert run_on_ranks(_refused_body, 3) == ["tp_invariant: the tensor-parallel size 3 must divide the 8 fixed "
                                               "blocks"] * 3
+
+
+# 6 heads of 16 and every TP-split width a multiple of 24 blocks, and of 16 elements on each rank
+# (the SIMD width: every element through the same lanes); hidden and attention dropout on.
+GPT2_6_HEADS = GPTConfig(vocab_size=96, max_seq_len=16, num_layers=2, num_heads=6, hidden_size=96, dropout=0.1,
+                         attention_dropout=0.2, tp_invariant=True, invariant_blocks=24)
+# Grouped-query: 3 K/V heads, one per rank at TP 3.
+LLAMA_6_HEADS = dataclasses.replace(GPT2_6_HEADS, num_query_groups=3, norm="rmsnorm", activation="swiglu",
+                                    position_embedding="rope", bias=False, tie_word_embeddings=False)
+
+
+def _gpt_body(config, layouts):
+    reports = _reports(config, layouts)
+    return reports and reports[0]  # rank 0: each layout's mismatch with TP 1's run, or None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, layouts", [
+    (GPT2_6_HEADS, [(1, False, False), (2, False, False), (2, True, False), (3, False, False), (3, False, True),
+                    (6, False, False)]),
+    (LLAMA_6_HEADS, [(1, False, False), (3, False, False), (3, False, True)])], ids=["gpt2", "llama-gqa"])
+def test_gpt_over_24_blocks_trains_the_same_bits_at_tp_1_2_3_and_6(config, layouts):
+    """(TP, SP, recompute) layouts against TP 1: losses == after 3 AdamW steps with dropout, and
+    every weight torch.equal."""
+    report = run_on_ranks(_gpt_body, 6, config, layouts, timeout=300)[0]
+    assert report == {layout: None for layout in layouts[1:]}
+
+
+@pytest.mark.slow
+def test_train_over_24_blocks_at_tp3_x_dp2_resumed_at_tp1_x_dp2_trains_the_tp1_run(tmp_path):
+    """``tensorpar train --tp-invariant --invariant-blocks 24`` (Llama-style, 3 K/V heads, bf16,
+    recompute): TP 3 x DP 2 saved at step 2 and resumed at TP 1 x DP 2 gives TP 1 x DP 1's
+    losses (==) and final weights (torch.equal)."""
+    from tests.test_invariant import TRAIN, _train_body, _weights_body
+
+    argv = [*TRAIN[:TRAIN.index("--grad-accum")], "--global-batch", "4", *TRAIN[TRAIN.index("--grad-accum") + 2:],
+            "--hidden", "96", "--heads", "6", "--kv-heads", "3", "--norm", "rmsnorm", "--activation", "swiglu",
+            "--position-embedding", "rope", "--dtype", "bf16", "--recompute", "--invariant-blocks", "24",
+            "--steps", "4"]
+
+    def train(tp_size, ranks, out, *extra):
+        return run_on_ranks(_train_body, ranks, argv + ["--tp", str(tp_size), "--out", str(tmp_path / out), *extra],
+                            timeout=300)[0]
+
+    whole, whole_ckpt = train(1, 1, "tp1")
+    saved, _ = train(3, 6, "tp3xdp2", "--save-every", "2")
+    resumed, resumed_ckpt = train(1, 2, "tp1xdp2", "--resume", str(tmp_path / "tp3xdp2" / "step_2"))
+    assert list(whole) == [1, 2, 3, 4] and saved == whole and resumed == {3: whole[3], 4: whole[4]}
+    reference, weights = (run_on_ranks(_weights_body, 1, str(c))[0] for c in (whole_ckpt, resumed_ckpt))
+    assert [name for name in weights if not torch.equal(weights[name], reference[name])] == []
+
+
+def test_what_24_blocks_cannot_keep_bit_identical_is_refused_naming_it():
+    with pytest.raises(ValueError, match="sequence parallelism at the tensor-parallel size 3: the 8 fixed sequence"):
+        invariant.check_gpt_sizes(dataclasses.replace(GPT2_6_HEADS, sequence_parallel=True), tp_size=3)
+    with pytest.raises(ValueError, match="cannot hold each K/V head on 2 ranks at the tensor-parallel size 6 with 24 "
+                                         r"fixed blocks \(a pair's 8 blocks are not one subtree"):
+        invariant.check_gpt_sizes(LLAMA_6_HEADS, tp_size=6)
+    with pytest.raises(ValueError, match="num_heads 6, num_query_groups 2 at the tensor-parallel size 3"):
+        invariant.check_gpt_sizes(dataclasses.replace(LLAMA_6_HEADS, num_query_groups=2), tp_size=3)
+    assert GPT2_6_HEADS.padded_vocab_size(1) == GPT2_6_HEADS.padded_vocab_size(3) == 384  # lcm(128, 24)
+
+
+def test_train_at_tp3_names_the_blocks_it_needs(capsys):
+    from tensorpar.tools.cli import main
+
+    assert main(["train", "--nproc", "3", "--tp", "3", "--tp-invariant", "--layers", "1", "--hidden", "96",
+                 "--heads", "6", "--seq-len", "16", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp-invariant: the tensor-parallel size 3 does not divide the 8 fixed blocks (they serve TP 1, 2, 4, " \
+           "8; invariant_blocks (--invariant-blocks) 24 serves 1, 2, 3, 4, 6, 8)" in err and "Traceback" not in err

@@ -35,9 +35,10 @@ def _local_target(target, vocab_start, local_vocab, ignore_index):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, group, vocab_size, sums=None):
-        # sums: (local sum of exponentials, sum of the stats over TP); tensorpar.invariant's fixed trees.
-        sum_exp, sum_over_tp = sums or (lambda exp: exp.sum(dim=-1), lambda stats: comm.all_reduce(stats, group))
+    def forward(ctx, logits, target, label_smoothing, ignore_index, group, vocab_size, sum_stats=None):
+        # sum_stats(exp, stats): [sum of exp over the vocabulary, *stats], each summed over TP;
+        # tensorpar.invariant's sums them in fixed trees.
+        sum_stats = sum_stats or (lambda exp, stats: comm.all_reduce(torch.stack([exp.sum(dim=-1), *stats]), group))
         local_vocab = logits.shape[-1]
         vocab_start = comm.group_rank(group) * local_vocab
         pad = _padding_mask(local_vocab, vocab_start, vocab_size, logits.device)
@@ -53,7 +54,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shifted = x.sub_(row_max.unsqueeze(-1))
         local_t, owned = _local_target(target, vocab_start, local_vocab, ignore_index)
         target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
-        stats = [None, target_logit]
+        stats = [target_logit]
         if label_smoothing > 0:
             if pad is not None:
                 shifted.masked_fill_(pad, 0.0)
@@ -61,8 +62,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp_()
         if label_smoothing > 0 and pad is not None:
             exp.masked_fill_(pad, 0.0)      # exp(0) of the padding zeroed above
-        stats[0] = sum_exp(exp)
-        stats = sum_over_tp(torch.stack(stats))
+        stats = sum_stats(exp, stats)
 
         log_z = stats[0].log()
         loss = log_z - stats[1]

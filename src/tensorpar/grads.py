@@ -18,10 +18,13 @@ from .parallel_state import get_data_parallel_group, resolve_tp_group
 from .tree_reduce import BLOCKS, HalvingTree, all_reduce_subtrees, all_reduce_tree, subtree_sums
 
 
-def mark_tp_invariant(params) -> None:
-    """Mark ``params`` as a TP-invariant model's (what the helpers here read)."""
+def mark_tp_invariant(params, *, blocks: int | None = None) -> None:
+    """Mark ``params`` as a TP-invariant model's (what the helpers here read), cut into ``blocks``
+    fixed blocks where given (the grad norm sums their squares in those)."""
     for param in params:
         param.tp_invariant = True
+        if blocks is not None:
+            param.tp_blocks = blocks
 
 
 def is_tp_invariant(params) -> bool:
@@ -408,8 +411,8 @@ def _block_squares(grad: torch.Tensor, param: nn.Parameter, blocks: int) -> list
 
 def _tp_blocks(params) -> int:
     """The fixed blocks of the TP-split ``params`` (``tp_blocks``, set by the invariant layers;
-    one count per model), ``BLOCKS`` where none says."""
-    counts = {getattr(p, "tp_blocks", BLOCKS) for p in params if getattr(p, "tensor_model_parallel", False)}
+    one count per model, the embedding's grad cut the same way), ``BLOCKS`` where none says."""
+    counts = {p.tp_blocks for p in params if hasattr(p, "tp_blocks")}
     if len(counts) > 1:
         raise ValueError(f"tp_invariant: the parameters are cut into different numbers of fixed blocks "
                          f"({sorted(counts)}): one model, one count")

@@ -1,13 +1,13 @@
 """TP-invariant mode: every floating-point sum in an order, every GEMM in a shape, that does not
-depend on the TP size, so training at TP = 1, 2, 4, 8 gives the same bits (``GPTConfig(tp_invariant=True)``).
+depend on the TP size, so training at every TP size gives the same bits (``GPTConfig(tp_invariant=True)``).
 
-Each TP-split dimension is cut into ``BLOCKS`` fixed blocks (``BLOCKS`` a multiple of every TP
-size supported); at TP = t a rank owns ``BLOCKS / t`` whole blocks of every stride piece.
+Each TP-split dimension is cut into ``blocks`` fixed blocks (``BLOCKS`` = 8, or 24 for TP 3 and
+6: ``GPTConfig.invariant_blocks``); at TP = t a rank owns ``blocks / t`` of every stride piece.
 
 * GEMMs run one block at a time, each with the shape it has at TP = 1. A sum over blocks (the
-  row layer's partial outputs, the column layer's input grad) is a pairwise tree over the
-  blocks: a rank's tree over its own blocks is a subtree of TP = 1's, and the cross-rank step
-  finishes the same tree.
+  row layer's partial outputs, the column layer's input grad) is one tree over the blocks
+  (:func:`~tensorpar.tree_reduce.tree_sum`): a rank sums its blocks as subtrees of it (one
+  at TP 1, 2, 4, 8), and the cross-rank step finishes the same tree.
 * A cross-rank sum is an all-to-all of the partial sums plus the same tree on each rank's
   slice (the bytes of a ring reduce-scatter), then an all-gather where every rank needs the
   whole sum (the bytes of a ring all-reduce). Over two ranks in fp32/fp64 the tree's last step
@@ -36,7 +36,7 @@ from .linear import ColumnParallelLinear, RowParallelLinear
 from .linear_function import compute_dtype_of
 from .mappings import gather_from_tensor_model_parallel_region
 from .tree_reduce import (BLOCKS, all_reduce_subtrees, all_reduce_tree, reduce_scatter_subtrees, sequence_sum,
-                          subtree_sums, subtrees, tree_sum)
+                          subtree_sums, subtrees)
 
 def _check_blocks(size: int, stride: int, what: str, blocks: int = BLOCKS) -> None:
     """Refuse a dimension of ``size`` (``stride`` pieces) that ``blocks`` blocks per piece do not divide."""
@@ -149,12 +149,12 @@ class _Column(torch.autograd.Function):
             grad_output = _over_replicas(grad_output, group, ctx.replicas)
         grads = grad_output.reshape(rows, stride, groups, -1).to(weights.dtype)
         g_groups = [grads[:, :, i].contiguous().view(rows, -1) for i in range(groups)]
-        rank = comm.group_rank(group)
-        if rank % ctx.replicas:  # the shard's first replica adds its dgrad
+        shard, replica = divmod(comm.group_rank(group), ctx.replicas)
+        if replica:  # the shard's first replica adds its dgrad
             sums = [input_.new_zeros(shape, dtype=weights.dtype)]
         else:
             sums = [s.view(shape) for s in subtree_sums([g.matmul(w) for g, w in zip(g_groups, weights)],
-                                                         first=rank // ctx.replicas * groups, leaves=ctx.blocks)]
+                                                         first=shard * groups, leaves=ctx.blocks)]
         grad_input = _over_tp(sums, group, ctx.blocks, ctx.sequence_parallel, async_op=True)
         total = gathering.wait() if gathering is not None else input_
         x2d = total.reshape(rows, total.shape[-1])
@@ -259,30 +259,36 @@ def kv_grads_on_first_replica(k: torch.Tensor, v: torch.Tensor, *, group, replic
 
 def check_gpt_sizes(config, *, tp_size: int, seq_len: int | None = None) -> None:
     """Refuse (ValueError naming the values) a GPT config whose TP-split sizes or sequence length
-    the fixed blocks do not divide, or a TP size that does not divide ``BLOCKS``."""
-    if BLOCKS % tp_size:
-        raise ValueError(f"the tensor-parallel size {tp_size} does not divide the {BLOCKS} fixed blocks "
-                         f"(supported: 1, 2, 4, 8)")
+    the fixed blocks do not divide, or a TP size that does not divide its ``invariant_blocks``."""
+    blocks = config.invariant_blocks
+    if blocks % tp_size:
+        raise ValueError(f"the tensor-parallel size {tp_size} does not divide the {blocks} fixed blocks "
+                         f"(they serve TP {', '.join(str(d) for d in range(1, blocks + 1) if blocks % d == 0)}; "
+                         "invariant_blocks "
+                         "(--invariant-blocks) 24 serves 1, 2, 3, 4, 6, 8)")
+    if config.sequence_parallel and BLOCKS % tp_size:
+        raise ValueError(f"sequence parallelism at the tensor-parallel size {tp_size}: the {BLOCKS} fixed sequence "
+                         "blocks are whole on each rank at TP 1, 2, 4 and 8 only")
     heads, groups = config.num_heads, config.num_query_groups
-    if heads % tp_size or (groups % tp_size and kv_replicas(config, tp_size=tp_size) == 1):
+    replicas = kv_replicas(config, tp_size=tp_size)
+    if heads % tp_size or (groups % tp_size and replicas == 1):
         raise ValueError(f"num_heads {heads}, num_query_groups {groups} at the tensor-parallel size {tp_size}: "
                          "tp_invariant needs heads divisible by TP, and K/V heads divisible by TP or each "
                          "replicated on 2 ranks of one query head each (TP = num_heads = 2 x num_query_groups)")
+    if replicas > 1 and len(subtrees(0, blocks * replicas // tp_size, blocks)) > 1:
+        raise ValueError(f"tp_invariant cannot hold each K/V head on {replicas} ranks at the tensor-parallel size "
+                         f"{tp_size} with {blocks} fixed blocks (a pair's {blocks * replicas // tp_size} blocks are "
+                         f"not one subtree of their tree): choose a TP size dividing num_query_groups {groups}")
     widths = {"hidden_size": config.hidden_size,
               "num_query_groups x head_dim": config.num_query_groups * config.head_dim,
               "ffn_hidden_size": config.ffn_hidden_size,
-              "the padded vocabulary": config.padded_vocab_size(tp_size),
-              "the sequence length": seq_len}
-    bad = [f"{name} {value}" for name, value in widths.items() if value is not None and value % BLOCKS]
-    if bad:
-        raise ValueError(f"{', '.join(bad)} not divisible by the {BLOCKS} fixed blocks of tp_invariant")
-
-
-def _mark_blocks(layer: nn.Module, blocks: int) -> None:
-    """Note ``blocks`` on the layer's TP-split parameters: the grad norm sums their squares in those blocks."""
-    for param in layer.parameters():
-        if getattr(param, "tensor_model_parallel", False):
-            param.tp_blocks = blocks
+              "the padded vocabulary": config.padded_vocab_size(tp_size)}
+    bad = [f"{name} {value}" for name, value in widths.items() if value % blocks]
+    wrong = [f"{', '.join(bad)} not divisible by the {blocks} fixed blocks of tp_invariant"] if bad else []
+    if seq_len is not None and seq_len % BLOCKS:
+        wrong.append(f"the sequence length {seq_len} not divisible by the {BLOCKS} fixed sequence blocks")
+    if wrong:
+        raise ValueError("; ".join(wrong))
 
 
 def check_layer(layer: nn.Module) -> None:
@@ -322,21 +328,20 @@ class ColumnLinear(ColumnParallelLinear):
         # The layer's, not read off the weight: FSDP's unsharded parameters, which forward and
         # backward see, carry no partition_stride (stride 1 would regroup the GEMMs: other bits).
         self.cp_group, self.replicas, self.stride = cp_group, replicas, kwargs.get("stride", 1)
-        grads_module.mark_tp_invariant(self.parameters())  # the gradient helpers sum them in order
+        grads_module.mark_tp_invariant(self.parameters(), blocks=blocks)  # the gradient helpers sum them in order
         check_layer(self)
         if self.defer_wgrad_compute:
             raise ValueError("ColumnLinear: tp_invariant does not support defer_wgrad_compute=True")
         if self.weight_shape[0] * self.tp_size != output_size * replicas:
             raise ValueError(f"ColumnLinear: tp_invariant does not support uneven partitions "
                              f"({self.weight_shape[0]} of {output_size} rows on this rank, {replicas} replicas)")
+        shard = blocks * replicas // self.tp_size
         if replicas > 1:
-            if any(len(subtrees(first, blocks * replicas // self.tp_size, blocks)) > 1
-                   for first in range(0, blocks, blocks * replicas // self.tp_size)):
+            if any(len(subtrees(first, shard, blocks)) > 1 for first in range(0, blocks, shard)):
                 raise ValueError(f"ColumnLinear: tp_invariant replicas need each shard's blocks to be one subtree "
                                  f"of the {blocks} fixed blocks' tree ({replicas} replicas at TP {self.tp_size})")
             for param in self.parameters():
                 param.tp_replicas = replicas  # the grad norm counts each replica's share of the blocks
-        _mark_blocks(self, blocks)
         _check_blocks(output_size, kwargs.get("stride", 1), "ColumnParallelLinear output_size", blocks)
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
@@ -365,14 +370,13 @@ class RowLinear(RowParallelLinear):
         self.blocks = blocks
         super().__init__(input_size, output_size, **kwargs)
         self.cp_group = cp_group
-        grads_module.mark_tp_invariant(self.parameters())  # the gradient helpers sum them in order
+        grads_module.mark_tp_invariant(self.parameters(), blocks=blocks)  # the gradient helpers sum them in order
         check_layer(self)
         if not self.input_is_parallel:
             raise ValueError("RowLinear: tp_invariant needs input_is_parallel=True")
         if self.weight_shape[1] * self.tp_size != input_size:
             raise ValueError(f"RowLinear: tp_invariant does not support uneven partitions "
                              f"({self.weight_shape[1]} of {input_size} columns on this rank)")
-        _mark_blocks(self, blocks)
         _check_blocks(input_size, 1, "RowParallelLinear input_size", blocks)
         if self.bias is not None:
             self.bias.sequence_parallel = False
@@ -457,25 +461,27 @@ class RMSNorm(_NormBlocks, nn.RMSNorm):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_size: int,
-                                 tp_group, ignore_index: int = -100) -> torch.Tensor:
+                                 tp_group, ignore_index: int = -100, blocks: int = BLOCKS) -> torch.Tensor:
     """:func:`tensorpar.vocab_parallel_cross_entropy` (no label smoothing) with the softmax
-    normaliser summed over ``BLOCKS`` fixed vocab blocks, across ranks in the same tree."""
+    normaliser summed over ``blocks`` fixed vocab blocks, across ranks in the same tree."""
     tp_size = comm.group_size(tp_group)
-    if BLOCKS % tp_size:
-        raise ValueError(f"tp_invariant: the tensor-parallel size {tp_size} must divide the {BLOCKS} fixed vocab blocks")
+    if blocks % tp_size:
+        raise ValueError(f"tp_invariant: the tensor-parallel size {tp_size} must divide the {blocks} fixed blocks")
     padded = logits.shape[-1] * tp_size
-    _check_blocks(padded, 1, "the padded vocabulary")
-    block = padded // BLOCKS
+    _check_blocks(padded, 1, "the padded vocabulary", blocks)
+    block, mine = padded // blocks, blocks // tp_size
     _check_targets(target, ignore_index, vocab_size)
 
-    def sum_exp(exp):
+    def sum_stats(exp, stats):
         # Each block's sum over its own contiguous run of a row (no copy of ``exp``), the blocks
-        # of a row then added in the tree.
+        # then added in the tree; the other stats (one rank's nonzero) ride with the first subtree.
         block_sums = exp.unflatten(-1, (-1, block)).sum(dim=-1)
-        return tree_sum(block_sums.unbind(dim=-1))
+        sums = subtree_sums(block_sums.unbind(dim=-1), first=comm.group_rank(tp_group) * mine, leaves=blocks)
+        nodes = [torch.stack([node, *(stats if i == 0 else map(torch.zeros_like, stats))])
+                 for i, node in enumerate(sums)]
+        return all_reduce_subtrees(nodes, tp_group, leaves=blocks)
 
-    return _VocabParallelCrossEntropy.apply(logits, target, 0.0, ignore_index, tp_group, vocab_size,
-                                            (sum_exp, lambda stats: all_reduce_tree(stats, tp_group)))
+    return _VocabParallelCrossEntropy.apply(logits, target, 0.0, ignore_index, tp_group, vocab_size, sum_stats)
 
 
 # The public helpers read the mode from the parameters (marked by the layers here and by the

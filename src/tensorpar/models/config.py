@@ -47,6 +47,10 @@ class GPTConfig:
     "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``;
     ``layernorm_epsilon`` is RMSNorm's epsilon too.
 
+    ``invariant_blocks`` (``tp_invariant`` only): the fixed blocks every TP-split dimension is
+    cut into, which every TP size of the run must divide: 8 serves TP 1, 2, 4 and 8; 24 also
+    TP 3 and 6 (the GEMMs then come in 24 pieces). Runs compared bit for bit use one count.
+
     ``context_parallel_comm`` is how attention reaches the other context-parallel ranks' tokens
     when the GPT is built with a ``cp_group``: ``"p2p"`` (ring) or ``"a2a"`` (Ulysses); see
     :mod:`tensorpar.context`.
@@ -88,13 +92,14 @@ class GPTConfig:
     overlap: int | str = "off"
     interleave: int = 1
     tp_invariant: bool = False
+    invariant_blocks: int = 8
     context_parallel_comm: str = "p2p"
 
     PRESETS = tuple(_PRESETS)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_len", "num_layers", "num_heads", "hidden_size",
-                     "make_vocab_size_divisible_by"):
+                     "make_vocab_size_divisible_by", "invariant_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
@@ -147,12 +152,14 @@ class GPTConfig:
         return self.num_heads // self.num_query_groups
 
     def padded_vocab_size(self, tp_size: int) -> int:
-        """``vocab_size`` rounded up to a multiple of lcm(make_vocab_size_divisible_by, TP).
+        """``vocab_size`` rounded up to a multiple of lcm(make_vocab_size_divisible_by, TP) (and of
+        ``invariant_blocks`` under ``tp_invariant``).
 
-        The same for every TP size dividing ``make_vocab_size_divisible_by``, so checkpoints
-        move between such TP sizes unchanged.
+        The same for every TP size dividing ``make_vocab_size_divisible_by`` (or the invariant
+        blocks), so checkpoints move between such TP sizes unchanged.
         """
-        multiple = math.lcm(self.make_vocab_size_divisible_by, tp_size)
+        blocks = self.invariant_blocks if self.tp_invariant else 1
+        multiple = math.lcm(self.make_vocab_size_divisible_by, tp_size, blocks)
         return -(-self.vocab_size // multiple) * multiple
 
     @classmethod

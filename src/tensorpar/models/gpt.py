@@ -445,8 +445,8 @@ class GPT(nn.Module):
         """The mean cross-entropy of ``logits`` (``[s, b, V_pad/TP]``) over the labelled tokens of
         ``labels`` (``[b, s]``, ``-100`` = ignore); the same on every TP rank."""
         labels = labels.t()
-        cross_entropy = invariant.vocab_parallel_cross_entropy if self.config.tp_invariant \
-            else vocab_parallel_cross_entropy
+        cross_entropy = functools.partial(invariant.vocab_parallel_cross_entropy, blocks=self.config.invariant_blocks) \
+            if self.config.tp_invariant else vocab_parallel_cross_entropy
         losses = cross_entropy(logits, labels, tp_group=self.tp_group, vocab_size=self.config.vocab_size)
         return context_split.mean_loss(losses, labels, self.parallel.context, tp_invariant=self.config.tp_invariant)
 

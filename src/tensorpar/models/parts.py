@@ -54,4 +54,5 @@ class Placement:
         return dict(sequence_parallel=self.sequence_parallel,
                     gradient_accumulation_fusion=config.gradient_accumulation_fusion,
                     params_dtype=config.params_dtype, device=self.device, tp_group=self.group,
-                    overlap=config.overlap, **({"cp_group": self.cp_group} if config.tp_invariant else {}))
+                    overlap=config.overlap,
+                    **({"cp_group": self.cp_group, "blocks": config.invariant_blocks} if config.tp_invariant else {}))

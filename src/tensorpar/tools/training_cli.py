@@ -72,15 +72,13 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                           "the one OUT/latest names, nor those of earlier runs")
     run.add_argument("--eval-every", type=_non_negative(int), default=None,
                      help="validate every N steps (0: never; default: 100)")
-    run.add_argument("--eval-iters", type=_positive(int), default=None,
-                     help="validation batches per evaluation (default: 10)")
+    run.add_argument("--eval-iters", type=_positive(int), default=None, help="validation batches per evaluation (default: 10)")
     run.add_argument("--log-every", type=_positive(int), default=None,
                      help="metrics.jsonl row every N steps, and a log line when the output is not a terminal "
                           "(default: 10)")
     run.add_argument("--seed", type=_SEED, default=None,
                      help="seed of the weights, dropout and batches, in [0, 2^32) (default: 1234)")
-    run.add_argument("--no-progress", action="store_true",
-                     help="log lines instead of a progress bar, also on a terminal")
+    run.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar, also on a terminal")
     run.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                      help="also write the metrics as TensorBoard scalars to OUT/tensorboard (needs tensorboard; "
                           "default: off)")
@@ -122,8 +120,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--kv-heads", type=_positive(int), default=None,
                        help="key/value heads (grouped-query attention), dividing --heads; any number against "
                             "--tp: fewer are replicated (default: --heads)")
-    model.add_argument("--ffn-hidden", type=_positive(int), default=None,
-                       help="MLP width, any size (default: 4 x hidden)")
+    model.add_argument("--ffn-hidden", type=_positive(int), default=None, help="MLP width, any size (default: 4 x hidden)")
     model.add_argument("--rope-theta", type=_positive(float), default=None,
                        help="rotary base with --position-embedding rope (default: 10000)")
     model.add_argument("--vocab", type=_positive(int), default=None,
@@ -148,8 +145,10 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--compile", action="store_true",
                        help="torch.compile the model (one graph per micro-batch shape; default: eager)")
     model.add_argument("--tp-invariant", action=argparse.BooleanOptionalAction, default=None,
-                       help="bit-identical losses and weights at every TP (1, 2, 4, 8) and DP size, given the "
-                            "global batch and micro-batch (same machine), at extra GEMM launches (default: off)")
+                       help="bit-identical losses and weights at every TP (--invariant-blocks) and DP size, given "
+                            "the global batch and micro-batch (same machine), at extra GEMM launches (default: off)")
+    model.add_argument("--invariant-blocks", type=_positive(int), default=None,
+                       help="--tp-invariant's fixed blocks, which TP divides (default 8: TP 1, 2, 4, 8; 24: 3 and 6 too)")
     model.add_argument("--grad-fusion", action=argparse.BooleanOptionalAction, default=None,
                        help="linear layers accumulate weight grads straight into fp32 main_grad (default: off)")
     model.add_argument("--dtype", choices=("fp32", "bf16"), default=None,

@@ -22,7 +22,8 @@ DEFAULT_SEQ_LEN = 128
 # GPTConfig fields that only change how the model runs, not its weights: free to differ on resume.
 RUNTIME_FIELDS = frozenset({"sequence_parallel", "recompute", "distribute_saved_activations",
                             "gradient_accumulation_fusion", "dropout", "attention_dropout", "params_dtype",
-                            "overlap", "interleave", "tp_invariant", "context_parallel_comm"})
+                            "overlap", "interleave", "tp_invariant", "invariant_blocks",
+                            "context_parallel_comm"})
 # CLI flag -> GPTConfig field, for the model-shape overrides.
 MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
                "ffn_hidden": "ffn_hidden_size", "vocab": "vocab_size", "norm": "norm",
@@ -86,7 +87,8 @@ def build_config(args, *, vocab_size: int, saved: dict | None, origin: str = "th
     runtime = dict(sequence_parallel=args.sp, recompute=args.recompute, dropout=args.dropout,
                    attention_dropout=getattr(args, "attention_dropout", None),
                    gradient_accumulation_fusion=args.grad_fusion, overlap=args.overlap, interleave=args.interleave,
-                   tp_invariant=args.tp_invariant, context_parallel_comm=getattr(args, "cp_comm", "p2p"))
+                   tp_invariant=args.tp_invariant, invariant_blocks=args.invariant_blocks,
+                   context_parallel_comm=getattr(args, "cp_comm", "p2p"))
     if saved is None:
         base = {k: v for k, v in _preset_fields(args.model or "tiny", requested).items()
                 if k not in RUNTIME_FIELDS}

@@ -22,7 +22,7 @@ from ..errors import UsageError
 RUN_SETTINGS = {"data": None, "seq_len": None, "seed": 1234, "dtype": "fp32", "dropout": 0.0,
                 "attention_dropout": None, "sp": False,
                 "recompute": False, "grad_fusion": False, "overlap": "off", "interleave": 1, "tp_invariant": False,
-                "fsdp": False, "dp_replicate": 1,
+                "invariant_blocks": 8, "fsdp": False, "dp_replicate": 1,
                 "weight_decay": 0.1, "clip_grad": 1.0, "eval_every": 100, "eval_iters": 10, "log_every": 10,
                 "save_every": None, "keep_last": 3, "tensorboard": False, "wandb": False}
 

@@ -116,7 +116,8 @@ _PROBABILITY = Rule(lambda v: type(v) in (int, float) and 0 <= v < 1, "a number 
 SETTINGS_SCHEMA = {
     "data": (TEXT, NULL), "seq_len": (integer(1), NULL), "seed": integer(0, 2**32 - 1),
     "dtype": choice("fp32", "bf16"), "dropout": _PROBABILITY, "attention_dropout": (_PROBABILITY, NULL),
-    "sp": FLAG, "recompute": FLAG, "grad_fusion": FLAG, "tp_invariant": FLAG, "tensorboard": FLAG,
+    "sp": FLAG, "recompute": FLAG, "grad_fusion": FLAG, "tp_invariant": FLAG, "invariant_blocks": integer(1),
+    "tensorboard": FLAG,
     "fsdp": FLAG, "dp_replicate": integer(1, MAX_RANKS),
     "overlap": (choice("off", "auto"), integer(1)), "interleave": integer(1),
     "weight_decay": number(0), "clip_grad": number(0), "eval_every": integer(0), "eval_iters": integer(1),
