@@ -202,3 +202,24 @@ def test_train_at_tp3_names_the_blocks_it_needs(capsys):
     err = capsys.readouterr().err
     assert "--tp-invariant: the tensor-parallel size 3 does not divide the 8 fixed blocks (they serve TP 1, 2, 4, " \
            "8; invariant_blocks (--invariant-blocks) 24 serves 1, 2, 3, 4, 6, 8)" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_tp3_with_cp_pp_and_fsdp_trains_the_tp1_run(tmp_path):
+    """GPT-2-style, 6 heads, 24 blocks, hidden dropout, 2 micro-batches a step: TP 3 x CP 2 (a2a),
+    TP 3 x PP 2 and TP 3 x DP 2 with FSDP against TP 1: losses == and final weights torch.equal."""
+    from tests.test_invariant import _train_body, _weights_body
+
+    argv = ["--tp-invariant", "--invariant-blocks", "24", "--layers", "2", "--hidden", "96", "--heads", "6",
+            "--seq-len", "16", "--steps", "2", "--micro-batch", "2", "--global-batch", "4", "--dropout", "0.1",
+            "--attention-dropout", "0", "--eval-every", "0", "--no-progress", "--seed", "5"]
+    layouts = {"tp1": (1, []), "tp3xcp2": (6, ["--cp", "2", "--cp-comm", "a2a"]), "tp3xpp2": (6, ["--pp", "2"]),
+               "tp3xdp2-fsdp": (6, ["--fsdp"])}
+    runs = {name: run_on_ranks(_train_body, ranks, argv + ["--tp", "1" if name == "tp1" else "3", *flags,
+                                                           "--out", str(tmp_path / name)], timeout=300)[0]
+            for name, (ranks, flags) in layouts.items()}
+    assert {name: losses for name, (losses, _) in runs.items()} == {name: runs["tp1"][0] for name in layouts}
+    reference = run_on_ranks(_weights_body, 1, str(runs["tp1"][1]))[0]
+    for name, (_, ckpt) in runs.items():
+        weights = run_on_ranks(_weights_body, 1, str(ckpt))[0]
+        assert [key for key in weights if not torch.equal(weights[key], reference[key])] == [], name
