@@ -36,7 +36,7 @@ from .linear import ColumnParallelLinear, RowParallelLinear
 from .linear_function import compute_dtype_of
 from .mappings import gather_from_tensor_model_parallel_region
 from .tree_reduce import (BLOCKS, all_reduce_subtrees, all_reduce_tree, reduce_scatter_subtrees, sequence_sum,
-                          subtree_sums, subtrees)
+                          subtree_sums)
 
 def _check_blocks(size: int, stride: int, what: str, blocks: int = BLOCKS) -> None:
     """Refuse a dimension of ``size`` (``stride`` pieces) that ``blocks`` blocks per piece do not divide."""
@@ -45,12 +45,13 @@ def _check_blocks(size: int, stride: int, what: str, blocks: int = BLOCKS) -> No
                          f"({blocks} fixed blocks" + (f" x stride {stride})" if stride > 1 else ")"))
 
 
-def _over_tp(sums, group, blocks: int, sequence_parallel: bool, *, async_op: bool = False):
+def _over_tp(sums, group, blocks: int, sequence_parallel: bool, *, replicas: int = 1, async_op: bool = False):
     """The tree over all ``blocks`` of a sum each rank of ``group`` holds ``sums`` of (its
-    :func:`subtree_sums`): scattered along the sequence under SP, else whole on every rank."""
+    :func:`subtree_sums`; a shard's other ``replicas`` zeros): scattered along the sequence
+    under SP, else whole on every rank."""
     if sequence_parallel:
-        return reduce_scatter_subtrees(sums, group, leaves=blocks, dim=0, async_op=async_op)
-    return all_reduce_subtrees(sums, group, leaves=blocks, async_op=async_op)
+        return reduce_scatter_subtrees(sums, group, leaves=blocks, dim=0, replicas=replicas, async_op=async_op)
+    return all_reduce_subtrees(sums, group, leaves=blocks, replicas=replicas, async_op=async_op)
 
 
 def _grouped(t: torch.Tensor, stride: int, groups: int) -> torch.Tensor:
@@ -155,7 +156,7 @@ class _Column(torch.autograd.Function):
         else:
             sums = [s.view(shape) for s in subtree_sums([g.matmul(w) for g, w in zip(g_groups, weights)],
                                                          first=shard * groups, leaves=ctx.blocks)]
-        grad_input = _over_tp(sums, group, ctx.blocks, ctx.sequence_parallel, async_op=True)
+        grad_input = _over_tp(sums, group, ctx.blocks, ctx.sequence_parallel, replicas=ctx.replicas, async_op=True)
         total = gathering.wait() if gathering is not None else input_
         x2d = total.reshape(rows, total.shape[-1])
         cp = ctx.cp_group
@@ -275,10 +276,6 @@ def check_gpt_sizes(config, *, tp_size: int, seq_len: int | None = None) -> None
         raise ValueError(f"num_heads {heads}, num_query_groups {groups} at the tensor-parallel size {tp_size}: "
                          "tp_invariant needs heads divisible by TP, and K/V heads divisible by TP or each "
                          "replicated on 2 ranks of one query head each (TP = num_heads = 2 x num_query_groups)")
-    if replicas > 1 and len(subtrees(0, blocks * replicas // tp_size, blocks)) > 1:
-        raise ValueError(f"tp_invariant cannot hold each K/V head on {replicas} ranks at the tensor-parallel size "
-                         f"{tp_size} with {blocks} fixed blocks (a pair's {blocks * replicas // tp_size} blocks are "
-                         f"not one subtree of their tree): choose a TP size dividing num_query_groups {groups}")
     widths = {"hidden_size": config.hidden_size,
               "num_query_groups x head_dim": config.num_query_groups * config.head_dim,
               "ffn_hidden_size": config.ffn_hidden_size,
@@ -335,11 +332,7 @@ class ColumnLinear(ColumnParallelLinear):
         if self.weight_shape[0] * self.tp_size != output_size * replicas:
             raise ValueError(f"ColumnLinear: tp_invariant does not support uneven partitions "
                              f"({self.weight_shape[0]} of {output_size} rows on this rank, {replicas} replicas)")
-        shard = blocks * replicas // self.tp_size
         if replicas > 1:
-            if any(len(subtrees(first, shard, blocks)) > 1 for first in range(0, blocks, shard)):
-                raise ValueError(f"ColumnLinear: tp_invariant replicas need each shard's blocks to be one subtree "
-                                 f"of the {blocks} fixed blocks' tree ({replicas} replicas at TP {self.tp_size})")
             for param in self.parameters():
                 param.tp_replicas = replicas  # the grad norm counts each replica's share of the blocks
         _check_blocks(output_size, kwargs.get("stride", 1), "ColumnParallelLinear output_size", blocks)
