@@ -385,3 +385,19 @@ def test_public_gradient_helpers_keep_an_invariant_model_bit_identical_to_tp1():
     norms, report = run_on_ranks(_public_helpers_body, 4, layouts, timeout=300)[0]
     assert all(norm > 0.5 for norm in norms)  # every step clipped
     assert report == {layout: None for layout in layouts[1:]}
+
+
+def test_generate_continues_a_tp_invariant_checkpoint(tmp_path, capsys):
+    """`tensorpar generate` from a `--tp-invariant` run: the prompt's length is not a training
+    sequence, so no fixed sequence blocks are asked of it (it said "the sequence length 1 not
+    divisible by the 8 fixed blocks" before)."""
+    from tensorpar.tools.cli import main
+
+    assert main(["train", "--nproc", "1", "--tp", "1", "--tp-invariant", "--layers", "1", "--hidden", "32",
+                 "--heads", "4", "--seq-len", "16", "--steps", "1", "--eval-iters", "1", "--no-progress",
+                 "--out", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--nproc", "1", "--prompt", "def ",
+                 "--max-new-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("def ") and "error" not in err

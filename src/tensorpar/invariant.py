@@ -265,14 +265,12 @@ def check_gpt_sizes(config, *, tp_size: int, seq_len: int | None = None) -> None
     if blocks % tp_size:
         raise ValueError(f"the tensor-parallel size {tp_size} does not divide the {blocks} fixed blocks "
                          f"(they serve TP {', '.join(str(d) for d in range(1, blocks + 1) if blocks % d == 0)}; "
-                         "invariant_blocks "
-                         "(--invariant-blocks) 24 serves 1, 2, 3, 4, 6, 8)")
+                         "invariant_blocks (--invariant-blocks) 24 serves 1, 2, 3, 4, 6, 8)")
     if config.sequence_parallel and BLOCKS % tp_size:
         raise ValueError(f"sequence parallelism at the tensor-parallel size {tp_size}: the {BLOCKS} fixed sequence "
                          "blocks are whole on each rank at TP 1, 2, 4 and 8 only")
     heads, groups = config.num_heads, config.num_query_groups
-    replicas = kv_replicas(config, tp_size=tp_size)
-    if heads % tp_size or (groups % tp_size and replicas == 1):
+    if heads % tp_size or (groups % tp_size and kv_replicas(config, tp_size=tp_size) == 1):
         raise ValueError(f"num_heads {heads}, num_query_groups {groups} at the tensor-parallel size {tp_size}: "
                          "tp_invariant needs heads divisible by TP, and K/V heads divisible by TP or each "
                          "replicated on 2 ranks of one query head each (TP = num_heads = 2 x num_query_groups)")

@@ -71,7 +71,7 @@ def check_generate(args, *, saved: dict, meta: dict, local_ranks: int) -> None:
     cannot run at, a bad ``--tokenizer`` (named as such), a prompt outside the vocabulary, and a
     model (weights, KV cache) beyond each rank's memory; ``args.tokenizer`` made absolute."""
     config = config_from_json(saved)
-    check_fits(config, tp=args.tp, seq_len=1)
+    check_fits(config, tp=args.tp, seq_len=None)
     if args.tokenizer is not None:
         from .tokenizer import load_tokenizer
 

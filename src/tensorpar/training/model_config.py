@@ -149,12 +149,13 @@ def default_seq_len(args, config: GPTConfig) -> int:
     return min(config.max_seq_len, DEFAULT_SEQ_LEN) if args.init_from_hf else config.max_seq_len
 
 
-def check_fits(config: GPTConfig, *, tp: int, seq_len: int) -> None:
-    """What TP needs of the model (a query head per rank), and a sequence the model's positions cover."""
+def check_fits(config: GPTConfig, *, tp: int, seq_len: int | None) -> None:
+    """What TP needs of the model (a query head per rank), and a training sequence the model's
+    positions cover (``seq_len`` None: generation, whose prompts have any length)."""
     if config.num_heads < tp:
         raise UsageError(f"the model's {config.num_heads} attention heads are fewer than --tp {tp}: every rank "
                          "needs a query head")
-    if seq_len > config.max_seq_len:
+    if seq_len is not None and seq_len > config.max_seq_len:
         raise UsageError(f"--seq-len {seq_len} is longer than the model's max_seq_len {config.max_seq_len}")
     if config.tp_invariant:
         try:
