@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tensorpar import invariant
-from tensorpar.models import GPTConfig
+from tensorpar.models import GPTConfig, context_split
 from tensorpar.tree_reduce import HalvingTree, subtree_sums, subtrees, tree_sum
 from tests.harness import run_on_ranks
 from tests.test_invariant import _reports
@@ -135,7 +135,7 @@ def test_layers_refuse_a_tp_size_that_does_not_divide_their_blocks():
 
 # 6 heads of 16 and every TP-split width a multiple of 24 blocks, and of 16 elements on each rank
 # (the SIMD width: every element through the same lanes); hidden and attention dropout on.
-GPT2_6_HEADS = GPTConfig(vocab_size=96, max_seq_len=16, num_layers=2, num_heads=6, hidden_size=96, dropout=0.1,
+GPT2_6_HEADS = GPTConfig(vocab_size=96, max_seq_len=24, num_layers=2, num_heads=6, hidden_size=96, dropout=0.1,
                          attention_dropout=0.2, tp_invariant=True, invariant_blocks=24)
 # Grouped-query: 3 K/V heads, one per rank at TP 3, each on two ranks at TP 6.
 LLAMA_6_HEADS = dataclasses.replace(GPT2_6_HEADS, num_query_groups=3, norm="rmsnorm", activation="swiglu",
@@ -149,8 +149,8 @@ def _gpt_body(config, layouts):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config, layouts", [
-    (GPT2_6_HEADS, [(1, False, False), (2, False, False), (2, True, False), (3, False, False), (3, False, True),
-                    (6, False, False)]),
+    (GPT2_6_HEADS, [(1, False, False), (2, False, False), (2, True, False), (3, False, False), (3, True, True),
+                    (6, False, False), (6, True, False)]),
     (LLAMA_6_HEADS, [(1, False, False), (3, False, False), (3, False, True), (6, False, False), (6, False, True)])],
     ids=["gpt2", "llama-gqa"])
 def test_gpt_over_24_blocks_trains_the_same_bits_at_tp_1_2_3_and_6(config, layouts):
@@ -171,7 +171,7 @@ def test_train_over_24_blocks_at_tp3_x_dp2_resumed_at_tp1_x_dp2_trains_the_tp1_r
     argv = [*TRAIN[:TRAIN.index("--grad-accum")], "--global-batch", "4", *TRAIN[TRAIN.index("--grad-accum") + 2:],
             "--hidden", "96", "--heads", "6", "--kv-heads", "3", "--norm", "rmsnorm", "--activation", "swiglu",
             "--position-embedding", "rope", "--dtype", "bf16", "--recompute", "--invariant-blocks", "24",
-            "--steps", "4"]
+            "--steps", "4", "--seq-len", "24"]
 
     def train(tp_size, ranks, out, *extra):
         return run_on_ranks(_train_body, ranks, argv + ["--tp", str(tp_size), "--out", str(tmp_path / out), *extra],
@@ -186,8 +186,12 @@ def test_train_over_24_blocks_at_tp3_x_dp2_resumed_at_tp1_x_dp2_trains_the_tp1_r
 
 
 def test_what_24_blocks_cannot_keep_bit_identical_is_refused_naming_it():
-    with pytest.raises(ValueError, match="sequence parallelism at the tensor-parallel size 3: the 8 fixed sequence"):
-        invariant.check_gpt_sizes(dataclasses.replace(GPT2_6_HEADS, sequence_parallel=True), tp_size=3)
+    invariant.check_gpt_sizes(dataclasses.replace(GPT2_6_HEADS, sequence_parallel=True), tp_size=6, seq_len=48)
+    with pytest.raises(ValueError, match="the sequence length 16 not divisible by the 24 fixed sequence blocks"):
+        invariant.check_gpt_sizes(GPT2_6_HEADS, tp_size=3, seq_len=16)
+    ulysses = dataclasses.replace(GPT2_6_HEADS, context_parallel_comm="a2a", attention_dropout=0.0)
+    assert context_split.invariant_refusals(ulysses, tp_size=1, cp_size=3, sequence_parallel=False) == [
+        "CP size 3 (the 24 fixed sequence blocks make 2 x CP whole chunks at CP 1, 2 and 4 only)"]  # 8 blocks a rank
     with pytest.raises(ValueError, match="num_heads 6, num_query_groups 2 at the tensor-parallel size 3"):
         invariant.check_gpt_sizes(dataclasses.replace(LLAMA_6_HEADS, num_query_groups=2), tp_size=3)
     assert GPT2_6_HEADS.padded_vocab_size(1) == GPT2_6_HEADS.padded_vocab_size(3) == 384  # lcm(128, 24)
@@ -197,7 +201,7 @@ def test_train_at_tp3_names_the_blocks_it_needs(capsys):
     from tensorpar.tools.cli import main
 
     assert main(["train", "--nproc", "3", "--tp", "3", "--tp-invariant", "--layers", "1", "--hidden", "96",
-                 "--heads", "6", "--seq-len", "16", "--steps", "1"]) == 2
+                 "--heads", "6", "--seq-len", "24", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "--tp-invariant: the tensor-parallel size 3 does not divide the 8 fixed blocks (they serve TP 1, 2, 4, " \
            "8; invariant_blocks (--invariant-blocks) 24 serves 1, 2, 3, 4, 6, 8)" in err and "Traceback" not in err
@@ -205,14 +209,14 @@ def test_train_at_tp3_names_the_blocks_it_needs(capsys):
 
 @pytest.mark.slow
 def test_tp3_with_cp_pp_and_fsdp_trains_the_tp1_run(tmp_path):
-    """GPT-2-style, 6 heads, 24 blocks, hidden dropout, 2 micro-batches a step: TP 3 x CP 2 (a2a),
-    TP 3 x PP 2 and TP 3 x DP 2 with FSDP against TP 1: losses == and final weights torch.equal."""
+    """GPT-2-style, 6 heads, 24 blocks, hidden dropout, 2 micro-batches a step: TP 3 + SP x CP 2
+    (a2a), TP 3 x PP 2 and TP 3 x DP 2 with FSDP against TP 1: losses == and final weights torch.equal."""
     from tests.test_invariant import _train_body, _weights_body
 
     argv = ["--tp-invariant", "--invariant-blocks", "24", "--layers", "2", "--hidden", "96", "--heads", "6",
-            "--seq-len", "16", "--steps", "2", "--micro-batch", "2", "--global-batch", "4", "--dropout", "0.1",
+            "--seq-len", "24", "--steps", "2", "--micro-batch", "2", "--global-batch", "4", "--dropout", "0.1",
             "--attention-dropout", "0", "--eval-every", "0", "--no-progress", "--seed", "5"]
-    layouts = {"tp1": (1, []), "tp3xcp2": (6, ["--cp", "2", "--cp-comm", "a2a"]), "tp3xpp2": (6, ["--pp", "2"]),
+    layouts = {"tp1": (1, []), "tp3xcp2-sp": (6, ["--cp", "2", "--cp-comm", "a2a", "--sp"]), "tp3xpp2": (6, ["--pp", "2"]),
                "tp3xdp2-fsdp": (6, ["--fsdp"])}
     runs = {name: run_on_ranks(_train_body, ranks, argv + ["--tp", "1" if name == "tp1" else "3", *flags,
                                                            "--out", str(tmp_path / name)], timeout=300)[0]

@@ -72,22 +72,22 @@ def _k_blocks(t2d: torch.Tensor, blocks: int) -> torch.Tensor:
     return t2d.view(t2d.shape[0], blocks, -1).transpose(0, 1).contiguous()
 
 
-def _row_blocks(t2d: torch.Tensor, cp_group) -> tuple[torch.Tensor, ...]:
-    """This rank's rows (sequence-major) in its ``BLOCKS / CP`` fixed sequence blocks, each contiguous."""
-    blocks = BLOCKS // (1 if cp_group is None else comm.group_size(cp_group))
-    if t2d.shape[0] % blocks:
-        raise ValueError(f"tp_invariant: this rank's {t2d.shape[0]} rows are not {blocks} equal sequence blocks "
-                         f"(the sequence length must divide by {BLOCKS})")
-    return t2d.chunk(blocks)
+def _row_blocks(t2d: torch.Tensor, cp_group, blocks: int) -> tuple[torch.Tensor, ...]:
+    """This rank's rows (sequence-major) in its ``blocks / CP`` fixed sequence blocks, each contiguous."""
+    mine = blocks // (1 if cp_group is None else comm.group_size(cp_group))
+    if t2d.shape[0] % mine:
+        raise ValueError(f"tp_invariant: this rank's {t2d.shape[0]} rows are not {mine} equal sequence blocks "
+                         f"(the sequence length must divide by {blocks})")
+    return t2d.chunk(mine)
 
 
-def _rows_sum(parts_of_block, g2d: torch.Tensor, x2d: torch.Tensor | None, cp_group) -> torch.Tensor:
+def _rows_sum(parts_of_block, g2d: torch.Tensor, x2d: torch.Tensor | None, cp_group, blocks: int) -> torch.Tensor:
     """A sum over rows (a weight or bias grad) at every CP size in one tree: ``parts_of_block(g, x)``
     of each fixed sequence block (the GEMM of the shape it has at CP = 1), :func:`sequence_sum`, then
     :func:`all_reduce_tree` over ``cp_group``, in backward (after gradient accumulation the
     micro-batches' partial sums would be added in another order than at CP = 1)."""
-    gs = _row_blocks(g2d, cp_group)
-    xs = [None] * len(gs) if x2d is None else _row_blocks(x2d, cp_group)
+    gs = _row_blocks(g2d, cp_group, blocks)
+    xs = [None] * len(gs) if x2d is None else _row_blocks(x2d, cp_group, blocks)
     return sequence_sum(parts_of_block(g, x) for g, x in zip(gs, xs))
 
 
@@ -160,8 +160,10 @@ class _Column(torch.autograd.Function):
         total = gathering.wait() if gathering is not None else input_
         x2d = total.reshape(rows, total.shape[-1])
         cp = ctx.cp_group
-        grad_weight = _over_context(_merged([_rows_sum(_wgrad, g, x2d, cp) for g in g_groups], stride, 0), cp)
-        grad_bias = _over_context(_merged([_rows_sum(_bias_grad, g, None, cp) for g in g_groups], stride, 0), cp) \
+        grad_weight = _over_context(_merged([_rows_sum(_wgrad, g, x2d, cp, ctx.blocks) for g in g_groups], stride, 0),
+                                    cp)
+        grad_bias = _over_context(_merged([_rows_sum(_bias_grad, g, None, cp, ctx.blocks) for g in g_groups], stride,
+                                          0), cp) \
             if ctx.has_bias else None
         return grad_input.wait(), grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None, None, None, None
 
@@ -185,7 +187,7 @@ class _Row(torch.autograd.Function):
             output = output.add_(bias.to(dtype))  # a temporary of this function
         ctx.save_for_backward(xs, ws)
         ctx.sequence_parallel, ctx.group, ctx.has_bias = sequence_parallel, group, bias is not None
-        ctx.weight_dtype, ctx.input_shape, ctx.cp_group = weight.dtype, input_.shape, cp_group
+        ctx.weight_dtype, ctx.input_shape, ctx.cp_group, ctx.blocks = weight.dtype, input_.shape, cp_group, blocks
         return output
 
     @staticmethod
@@ -197,8 +199,8 @@ class _Row(torch.autograd.Function):
         g2d = grad_output.reshape(-1, grad_output.shape[-1]).to(ws.dtype).contiguous()
         grad_input = torch.cat([g2d.matmul(w) for w in ws], dim=1).view(ctx.input_shape)
         cp = ctx.cp_group
-        grad_weight = _over_context(torch.cat([_rows_sum(_wgrad, g2d, x, cp) for x in xs], dim=1), cp)
-        grad_bias = _over_context(_rows_sum(_bias_grad, g2d, None, cp), cp) if ctx.has_bias else None
+        grad_weight = _over_context(torch.cat([_rows_sum(_wgrad, g2d, x, cp, ctx.blocks) for x in xs], dim=1), cp)
+        grad_bias = _over_context(_rows_sum(_bias_grad, g2d, None, cp, ctx.blocks), cp) if ctx.has_bias else None
         return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None, None
 
 
@@ -266,9 +268,6 @@ def check_gpt_sizes(config, *, tp_size: int, seq_len: int | None = None) -> None
         raise ValueError(f"the tensor-parallel size {tp_size} does not divide the {blocks} fixed blocks "
                          f"(they serve TP {', '.join(str(d) for d in range(1, blocks + 1) if blocks % d == 0)}; "
                          "invariant_blocks (--invariant-blocks) 24 serves 1, 2, 3, 4, 6, 8)")
-    if config.sequence_parallel and BLOCKS % tp_size:
-        raise ValueError(f"sequence parallelism at the tensor-parallel size {tp_size}: the {BLOCKS} fixed sequence "
-                         "blocks are whole on each rank at TP 1, 2, 4 and 8 only")
     heads, groups = config.num_heads, config.num_query_groups
     if heads % tp_size or (groups % tp_size and kv_replicas(config, tp_size=tp_size) == 1):
         raise ValueError(f"num_heads {heads}, num_query_groups {groups} at the tensor-parallel size {tp_size}: "
@@ -280,8 +279,8 @@ def check_gpt_sizes(config, *, tp_size: int, seq_len: int | None = None) -> None
               "the padded vocabulary": config.padded_vocab_size(tp_size)}
     bad = [f"{name} {value}" for name, value in widths.items() if value % blocks]
     wrong = [f"{', '.join(bad)} not divisible by the {blocks} fixed blocks of tp_invariant"] if bad else []
-    if seq_len is not None and seq_len % BLOCKS:
-        wrong.append(f"the sequence length {seq_len} not divisible by the {BLOCKS} fixed sequence blocks")
+    if seq_len is not None and seq_len % blocks:
+        wrong.append(f"the sequence length {seq_len} not divisible by the {blocks} fixed sequence blocks")
     if wrong:
         raise ValueError("; ".join(wrong))
 
@@ -418,8 +417,7 @@ class _NormBlocks:
     def _affine(self, x_hat: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x_hat.shape[0] % self.row_blocks:
             raise ValueError(f"tp_invariant: this rank's sequence length {x_hat.shape[0]} is not divisible by "
-                             f"its {self.row_blocks} fixed sequence blocks (the sequence length must divide "
-                             f"by {BLOCKS})")
+                             f"its {self.row_blocks} fixed sequence blocks")
         return _BlockAffine.apply(x_hat, self.weight, self.bias, self.row_blocks, self.tp_group, self.cp_group)
 
 

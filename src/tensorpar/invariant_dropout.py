@@ -67,7 +67,7 @@ def _keep(shape, p: float, key: torch.Tensor, sites: list[tuple], device) -> tor
 
 def dropout(input_: torch.Tensor, p: float, *, key: torch.Tensor | None, site: tuple, training: bool = True,
             sequence_parallel: bool = False, tp_group=None, valid_rows: int | None = None,
-            row_starts: tuple[int, ...] | None = None) -> torch.Tensor:
+            row_starts: tuple[int, ...] | None = None, blocks: int = BLOCKS) -> torch.Tensor:
     """Dropout of ``input_`` (``[s, b, ...]``, or this rank's ``[s/TP, b, ...]`` under SP) with a
     mask of fixed sequence blocks, block ``i`` drawn from ``(key, site, i)``; without a ``key``,
     :func:`tensorpar.random.dropout` (``valid_rows``: its padding, ``row_starts``: its CP chunks).
@@ -85,10 +85,10 @@ def dropout(input_: torch.Tensor, p: float, *, key: torch.Tensor | None, site: t
         first_row, full_rows = comm.group_rank(group) * rows, comm.group_size(group) * rows
     seq_rows = full_rows if row_starts is None else valid_rows
     segments = row_segments(first_row, rows, full_rows, row_starts)
-    block = max(1, seq_rows // BLOCKS)
-    if seq_rows % BLOCKS or any(start % block or count % block for start, count in segments):
+    block = max(1, seq_rows // blocks)
+    if seq_rows % blocks or any(start % block or count % block for start, count in segments):
         raise ValueError(f"tp_invariant dropout: the sequence length {seq_rows} is not divisible by the "
-                         f"{BLOCKS} fixed blocks (or this rank's {rows} rows are not whole blocks)")
+                         f"{blocks} fixed blocks (or this rank's {rows} rows are not whole blocks)")
     blocks = [i for start, count in segments for i in range(start // block, (start + count) // block)]
     keep = _keep((block, *input_.shape[1:]), p, key, [(*site, i) for i in blocks], input_.device)
     return input_ * keep.view(input_.shape) / (1.0 - p)

@@ -37,7 +37,7 @@ from ..mappings import (
     reduce_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
 )
-from ..tree_reduce import BLOCKS, sequence_sum, tree_sum
+from ..tree_reduce import sequence_sum, subtrees, tree_sum
 from .config import GPTConfig
 from .traced_attention import written_out_attention
 
@@ -50,11 +50,15 @@ def invariant_refusals(config: GPTConfig, *, tp_size: int, cp_size: int, sequenc
     if config.context_parallel_comm != "a2a":
         bad.append("p2p attention (the ring adds the partial attention of each rank's keys in an order that "
                    "depends on the CP size: use a2a)")
-    if (BLOCKS // 2) % cp_size:
-        bad.append(f"CP size {cp_size} (the {BLOCKS} fixed sequence blocks make 2 x CP whole chunks at CP 1, 2 "
-                   "and 4 only)")
-    if sequence_parallel and tp_size * cp_size > BLOCKS:
-        bad.append(f"sequence parallelism at TP {tp_size} x CP {cp_size} (more ranks than the {BLOCKS} fixed "
+    blocks = config.invariant_blocks
+    # CP sizes whose ranks' chunks are whole blocks and, in the balanced order, one subtree each.
+    served = [n for n in range(1, blocks // 2 + 1) if (blocks // 2) % n == 0
+              and all(len(subtrees(r * blocks // n, blocks // n, blocks)) == 1 for r in range(n))]
+    if cp_size not in served:
+        bad.append(f"CP size {cp_size} (the {blocks} fixed sequence blocks make 2 x CP whole chunks at CP "
+                   f"{', '.join(map(str, served[:-1]))} and {served[-1]} only)")
+    if sequence_parallel and blocks % (tp_size * cp_size):
+        bad.append(f"sequence parallelism at TP {tp_size} x CP {cp_size} (more ranks than the {blocks} fixed "
                    "sequence blocks)")
     if config.attention_dropout > 0:
         bad.append("attention dropout (its keyed masks are not drawn per CP rank yet; --attention-dropout 0 "
@@ -217,15 +221,15 @@ def embed(model, tokens, position_ids, key, rows, *, whole) -> torch.Tensor:
     return scatter_to_sequence_parallel_region(x, group=parallel.group) if parallel.sequence_parallel else x
 
 
-def _ordered_sum(losses: torch.Tensor, split: ContextSplit | None) -> torch.Tensor:
-    """The sum of ``losses`` (``[s, b]``, this rank's rows) in the invariant mode's sequence tree,
-    over every CP rank: each rank's subtree placed at its rank and all-reduced (adding zeros,
-    exact), then the rank-order tree. Differentiable (backward: each rank its own tokens')."""
-    blocks = BLOCKS // (1 if split is None else comm.group_size(split.group))
-    if losses.shape[0] % blocks:
+def _ordered_sum(losses: torch.Tensor, split: ContextSplit | None, blocks: int) -> torch.Tensor:
+    """The sum of ``losses`` (``[s, b]``, this rank's rows) in the invariant mode's sequence tree
+    of ``blocks``, over every CP rank: each rank's subtree placed at its rank and all-reduced
+    (adding zeros, exact), then the rank-order tree. Differentiable (backward: each rank its own tokens')."""
+    here = blocks // (1 if split is None else comm.group_size(split.group))
+    if losses.shape[0] % here:
         raise ValueError(f"tp_invariant: this rank's sequence length {losses.shape[0]} is not divisible by its "
-                         f"{blocks} fixed sequence blocks (the sequence length must divide by {BLOCKS})")
-    mine = sequence_sum(block.sum() for block in losses.chunk(blocks))
+                         f"{here} fixed sequence blocks (the sequence length must divide by {blocks})")
+    mine = sequence_sum(block.sum() for block in losses.chunk(here))
     if split is None:
         return mine
     rank, size = comm.group_rank(split.group), comm.group_size(split.group)
@@ -235,17 +239,19 @@ def _ordered_sum(losses: torch.Tensor, split: ContextSplit | None) -> torch.Tens
 
 
 def mean_loss(losses: torch.Tensor, labels: torch.Tensor, split: ContextSplit | None, *,
-              tp_invariant: bool = False) -> torch.Tensor:
+              invariant_blocks: int | None = None) -> torch.Tensor:
     """The mean of ``losses`` (``[s, b]``) over the labelled tokens of every CP rank, on each.
 
     The sum is all-reduced forward and not backward: each rank's gradient is its own tokens'.
-    ``tp_invariant``: summed in one fixed tree at every CP size (:func:`_ordered_sum`).
+    ``invariant_blocks`` (the TP-invariant mode's): summed in one fixed tree of that many
+    sequence blocks at every CP size (:func:`_ordered_sum`).
     """
     count = (labels != -100).sum()
     if split is not None:
         count = comm.all_reduce(count, split.group)
-    if tp_invariant and (split is not None or losses.shape[0] % BLOCKS == 0):  # (else no training: the norms refuse)
-        return _ordered_sum(losses, split) / count
+    # A sequence of partial blocks is no training sequence (the norms refuse it): its plain sum.
+    if invariant_blocks and (split is not None or losses.shape[0] % invariant_blocks == 0):
+        return _ordered_sum(losses, split, invariant_blocks) / count
     if split is None:
         return losses.sum() / count
     return reduce_from_tensor_model_parallel_region(losses.sum(), group=split.group) / count

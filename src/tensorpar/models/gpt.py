@@ -104,7 +104,7 @@ class Embedding(nn.Module):
             x = x + positions
         return invariant_dropout.dropout(x, self.config.dropout, key=key, site=("embedding",), training=self.training,
                                          sequence_parallel=self.parallel.sequence_parallel,
-                                         tp_group=self.parallel.group, **(rows or {}))
+                                         tp_group=self.parallel.group, blocks=self.config.invariant_blocks, **(rows or {}))
 
 
 class Attention(nn.Module):
@@ -304,7 +304,7 @@ class Block(nn.Module):
         # rows: the SP padding, or the CP chunks' places in the sequence.
         return invariant_dropout.dropout(x, self.config.dropout, key=key, site=(self.attention.layer_number, site),
                                          training=self.training, sequence_parallel=self.parallel.sequence_parallel,
-                                         tp_group=self.parallel.group, **(rows or {}))
+                                         tp_group=self.parallel.group, blocks=self.config.invariant_blocks, **(rows or {}))
 
     def forward(self, x, cos=None, sin=None, mask=None, kv_cache=None, key=None, rows=None):
         # Per-sequence masks, positions and caches (generation) are not split: no interleaving.
@@ -448,7 +448,8 @@ class GPT(nn.Module):
         cross_entropy = functools.partial(invariant.vocab_parallel_cross_entropy, blocks=self.config.invariant_blocks) \
             if self.config.tp_invariant else vocab_parallel_cross_entropy
         losses = cross_entropy(logits, labels, tp_group=self.tp_group, vocab_size=self.config.vocab_size)
-        return context_split.mean_loss(losses, labels, self.parallel.context, tp_invariant=self.config.tp_invariant)
+        return context_split.mean_loss(losses, labels, self.parallel.context,
+                                       invariant_blocks=self.config.invariant_blocks if self.config.tp_invariant else None)
 
     def _rotary(self, position_ids: torch.Tensor | None, seq_len: int, device: torch.device):
         """``cos``/``sin`` at the positions, in the compute dtype (the autocast dtype when on: q

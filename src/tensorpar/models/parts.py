@@ -20,7 +20,7 @@ def norm(config: GPTConfig, parallel: "Placement") -> nn.Module:
     if config.tp_invariant:
         rms, layer = invariant.RMSNorm, invariant.LayerNorm
         # This rank's whole blocks: of its CP chunks, of its SP slice of them.
-        kwargs["row_blocks"] = invariant.BLOCKS // (parallel.size if sequence_parallel else 1) // parallel.cp_size
+        kwargs["row_blocks"] = config.invariant_blocks // (parallel.size if sequence_parallel else 1) // parallel.cp_size
         kwargs["tp_group"] = parallel.group if sequence_parallel else None
         kwargs["cp_group"] = parallel.cp_group
     if config.norm == "rmsnorm":
