@@ -38,7 +38,7 @@ from .mappings import gather_from_tensor_model_parallel_region
 from .tree_reduce import (BLOCKS, all_reduce_subtrees, all_reduce_tree, reduce_scatter_subtrees, sequence_sum,
                           subtree_sums)
 
-def _check_blocks(size: int, stride: int, what: str, blocks: int = BLOCKS) -> None:
+def _check_blocks(size: int, stride: int, what: str, blocks: int) -> None:
     """Refuse a dimension of ``size`` (``stride`` pieces) that ``blocks`` blocks per piece do not divide."""
     if size % (stride * blocks):
         raise ValueError(f"tp_invariant: {what} ({size}) is not divisible by {stride * blocks} "

@@ -260,5 +260,5 @@ class HalvingTree:
 
 def subtree_sizes(leaves: int) -> list[int]:
     """The numbers of ranks whose equal consecutive pieces of :class:`HalvingTree` ``(leaves)``
-    are subtrees: the powers of two dividing ``leaves``."""
+    (:func:`tree_sum`'s tree) are subtrees: the powers of two dividing ``leaves``."""
     return [1 << i for i in range((leaves & -leaves).bit_length())]

@@ -37,7 +37,7 @@ from ..mappings import (
     reduce_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
 )
-from ..tree_reduce import sequence_sum, subtrees, tree_sum
+from ..tree_reduce import sequence_sum, subtree_sizes, tree_sum
 from .config import GPTConfig
 from .traced_attention import written_out_attention
 
@@ -52,8 +52,7 @@ def invariant_refusals(config: GPTConfig, *, tp_size: int, cp_size: int, sequenc
                    "depends on the CP size: use a2a)")
     blocks = config.invariant_blocks
     # CP sizes whose ranks' chunks are whole blocks and, in the balanced order, one subtree each.
-    served = [n for n in range(1, blocks // 2 + 1) if (blocks // 2) % n == 0
-              and all(len(subtrees(r * blocks // n, blocks // n, blocks)) == 1 for r in range(n))]
+    served = [n for n in subtree_sizes(blocks) if (blocks // 2) % n == 0]
     if cp_size not in served:
         bad.append(f"CP size {cp_size} (the {blocks} fixed sequence blocks make 2 x CP whole chunks at CP "
                    f"{', '.join(map(str, served[:-1]))} and {served[-1]} only)")
