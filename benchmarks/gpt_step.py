@@ -79,7 +79,8 @@ def build_step(args, **config):
     device = tp.parallel_state.default_device()
     tp.model_parallel_manual_seed(0)
     config = GPTConfig(vocab_size=args.vocab, max_seq_len=args.seq, num_layers=args.layers,
-                       num_heads=args.heads, hidden_size=args.hidden, sequence_parallel=args.sp,
+                       num_heads=args.heads, num_query_groups=args.kv_heads, hidden_size=args.hidden,
+                       sequence_parallel=args.sp,
                        gradient_accumulation_fusion=args.fusion, recompute=args.recompute, dropout=0.1,
                        **config)
     model = GPT(config, device=device)
@@ -132,6 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, dtype: str, sp: bool = Tru
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=None, help="K/V heads (grouped-query attention; default: --heads)")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)

@@ -137,9 +137,11 @@ def test_layers_refuse_a_tp_size_that_does_not_divide_their_blocks():
 # (the SIMD width: every element through the same lanes); hidden and attention dropout on.
 GPT2_6_HEADS = GPTConfig(vocab_size=96, max_seq_len=24, num_layers=2, num_heads=6, hidden_size=96, dropout=0.1,
                          attention_dropout=0.2, tp_invariant=True, invariant_blocks=24)
-# Grouped-query: 3 K/V heads, one per rank at TP 3, each on two ranks at TP 6.
-LLAMA_6_HEADS = dataclasses.replace(GPT2_6_HEADS, num_query_groups=3, norm="rmsnorm", activation="swiglu",
-                                    position_embedding="rope", bias=False, tie_word_embeddings=False)
+# Grouped-query: 6 heads of 24, 2 K/V heads (the query heads 0-2 and 3-5): at TP 3 rank 1's two
+# query heads read both, at TP 6 each K/V head's 3 query heads are on 3 ranks.
+LLAMA_6_HEADS = dataclasses.replace(GPT2_6_HEADS, hidden_size=144, num_query_groups=2, norm="rmsnorm",
+                                    activation="swiglu", position_embedding="rope", bias=False,
+                                    tie_word_embeddings=False)
 
 
 def _gpt_body(config, layouts):
@@ -151,12 +153,13 @@ def _gpt_body(config, layouts):
 @pytest.mark.parametrize("config, layouts", [
     (GPT2_6_HEADS, [(1, False, False), (2, False, False), (2, True, False), (3, False, False), (3, True, True),
                     (6, False, False), (6, True, False)]),
-    (LLAMA_6_HEADS, [(1, False, False), (3, False, False), (3, False, True), (6, False, False), (6, False, True)])],
+    (LLAMA_6_HEADS, [(1, False, False), (2, True, False), (3, False, False), (3, True, True), (6, False, False),
+                     (6, False, True)])],
     ids=["gpt2", "llama-gqa"])
 def test_gpt_over_24_blocks_trains_the_same_bits_at_tp_1_2_3_and_6(config, layouts):
     """(TP, SP, recompute) layouts against TP 1: losses == after 3 AdamW steps with dropout, and
-    every weight torch.equal. The Llama-style model's 3 K/V heads at TP 6: each on 2 ranks, whose
-    8 blocks of 24 are not one subtree (the replicas' zeros go into the subtrees' exchange)."""
+    every weight torch.equal. The Llama-style model's 2 K/V heads: on every rank, each K/V head's
+    grads summed over query heads that sit on 1, 2 or 3 ranks."""
     report = run_on_ranks(_gpt_body, 6, config, layouts, timeout=300)[0]
     assert report == {layout: None for layout in layouts[1:]}
 
@@ -169,7 +172,7 @@ def test_train_over_24_blocks_at_tp3_x_dp2_resumed_at_tp1_x_dp2_trains_the_tp1_r
     from tests.test_invariant import TRAIN, _train_body, _weights_body
 
     argv = [*TRAIN[:TRAIN.index("--grad-accum")], "--global-batch", "4", *TRAIN[TRAIN.index("--grad-accum") + 2:],
-            "--hidden", "96", "--heads", "6", "--kv-heads", "3", "--norm", "rmsnorm", "--activation", "swiglu",
+            "--hidden", "144", "--heads", "6", "--kv-heads", "2", "--norm", "rmsnorm", "--activation", "swiglu",
             "--position-embedding", "rope", "--dtype", "bf16", "--recompute", "--invariant-blocks", "24",
             "--steps", "4", "--seq-len", "24"]
 
@@ -192,8 +195,12 @@ def test_what_24_blocks_cannot_keep_bit_identical_is_refused_naming_it():
     ulysses = dataclasses.replace(GPT2_6_HEADS, context_parallel_comm="a2a", attention_dropout=0.0)
     assert context_split.invariant_refusals(ulysses, tp_size=1, cp_size=3, sequence_parallel=False) == [
         "CP size 3 (the 24 fixed sequence blocks make 2 x CP whole chunks at CP 1, 2 and 4 only)"]  # 8 blocks a rank
-    with pytest.raises(ValueError, match="num_heads 6, num_query_groups 2 at the tensor-parallel size 3"):
-        invariant.check_gpt_sizes(dataclasses.replace(LLAMA_6_HEADS, num_query_groups=2), tp_size=3)
+    invariant.check_gpt_sizes(LLAMA_6_HEADS, tp_size=3, seq_len=24)
+    with pytest.raises(ValueError, match="num_query_groups x head_dim 32 not divisible by the 24 fixed blocks"):
+        invariant.check_gpt_sizes(dataclasses.replace(LLAMA_6_HEADS, hidden_size=96), tp_size=3)
+    with pytest.raises(ValueError, match="num_heads 6 at the tensor-parallel size 4: tp_invariant needs the query "
+                                         "heads divisible by TP"):
+        invariant.check_gpt_sizes(LLAMA_6_HEADS, tp_size=4)
     assert GPT2_6_HEADS.padded_vocab_size(1) == GPT2_6_HEADS.padded_vocab_size(3) == 384  # lcm(128, 24)
 
 
@@ -209,11 +216,13 @@ def test_train_at_tp3_names_the_blocks_it_needs(capsys):
 
 @pytest.mark.slow
 def test_tp3_with_cp_pp_and_fsdp_trains_the_tp1_run(tmp_path):
-    """GPT-2-style, 6 heads, 24 blocks, hidden dropout, 2 micro-batches a step: TP 3 + SP x CP 2
-    (a2a), TP 3 x PP 2 and TP 3 x DP 2 with FSDP against TP 1: losses == and final weights torch.equal."""
+    """GPT-2-style, 6 heads reading 2 K/V heads, 24 blocks, hidden dropout, 2 micro-batches a
+    step: TP 3 + SP x CP 2 (a2a), TP 3 x PP 2 and TP 3 x DP 2 with FSDP against TP 1: losses == and
+    final weights torch.equal."""
     from tests.test_invariant import _train_body, _weights_body
 
-    argv = ["--tp-invariant", "--invariant-blocks", "24", "--layers", "2", "--hidden", "96", "--heads", "6",
+    argv = ["--tp-invariant", "--invariant-blocks", "24", "--layers", "2", "--hidden", "144", "--heads", "6",
+            "--kv-heads", "2",
             "--seq-len", "24", "--steps", "2", "--micro-batch", "2", "--global-batch", "4", "--dropout", "0.1",
             "--attention-dropout", "0", "--eval-every", "0", "--no-progress", "--seed", "5"]
     layouts = {"tp1": (1, []), "tp3xcp2-sp": (6, ["--cp", "2", "--cp-comm", "a2a", "--sp"]), "tp3xpp2": (6, ["--pp", "2"]),

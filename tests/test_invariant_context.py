@@ -116,17 +116,10 @@ def test_the_library_names_what_cp_cannot_keep_bit_identical():
 
     config = GPTConfig(vocab_size=96, max_seq_len=16, num_layers=1, num_heads=12, num_query_groups=2, hidden_size=96,
                        tp_invariant=True, context_parallel_comm="a2a")
-    # 6 query heads per KV head: at CP 2 each rank has one whole group, at CP 4 groups are cut 3 + 3.
-    assert invariant_refusals(config, tp_size=1, cp_size=2, sequence_parallel=False) == []
-    assert invariant_refusals(config, tp_size=1, cp_size=4, sequence_parallel=False) == [
-        "6 query heads per KV head split over CP ranks (their K/V grads are added in another order; at most 2, or "
-        "whole KV groups per CP rank)"]
-    assert invariant_refusals(config, tp_size=4, cp_size=4, sequence_parallel=True)[0] == (
-        "sequence parallelism at TP 4 x CP 4 (more ranks than the 8 fixed sequence blocks)")
-    replicated = GPTConfig(vocab_size=96, max_seq_len=16, num_layers=1, num_heads=4, num_query_groups=2,
-                           hidden_size=64, tp_invariant=True, context_parallel_comm="a2a")
-    assert invariant_refusals(replicated, tp_size=4, cp_size=2, sequence_parallel=False) == [
-        "K/V heads replicated over TP (2 at TP 4: not built under CP)"]
+    # Grouped K/V heads go to the CP ranks once per query head: any split of a group's 6 query heads.
+    assert invariant_refusals(config, tp_size=1, cp_size=4, sequence_parallel=False) == []
+    assert invariant_refusals(config, tp_size=4, cp_size=4, sequence_parallel=True) == [
+        "sequence parallelism at TP 4 x CP 4 (more ranks than the 8 fixed sequence blocks)"]
 
 
 def _p2p_refusal_body():

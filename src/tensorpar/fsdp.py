@@ -275,7 +275,7 @@ def _refuse(model: nn.Module, units: list[nn.Module]) -> None:
         if hasattr(p, "main_grad"):
             raise ValueError(f"fully_shard: parameter {name} has a main_grad: FSDP reduces gradients itself; "
                              "create no DataParallelGradReducer or MasterWeights for a sharded model")
-        if getattr(p, "partition_rows", None) is not None:
+        if getattr(p, "partition_rows", None) is not None and not getattr(p, "tp_shared_rows", 0):
             raise ValueError(f"fully_shard: parameter {name} has an uneven TP layout (heads, K/V heads or FFN rows "
                              "that TP does not divide), which FSDP cannot shard yet: choose a --tp that divides them")
         if p.is_floating_point() and p.dtype != torch.float32:

@@ -395,11 +395,11 @@ def clip_grad_norm_(params, max_norm: float, *, tp_group=None, dp_group=None, pp
     return norm
 
 
-def _block_squares(grad: torch.Tensor, param: nn.Parameter, blocks: int) -> list[torch.Tensor]:
-    """Per local block group ``i``: the sum of squares of block ``i`` of every stride piece (in order)."""
-    stride = getattr(param, "partition_stride", 1)
+def _block_squares(grad: torch.Tensor, stride: int, blocks: int) -> list[torch.Tensor]:
+    """Per local block group ``i``: the sum of squares of block ``i`` of every stride piece (in
+    order) of ``grad``, its split dimension first."""
     # [stride, blocks, elements]: each block contiguous (one copy where the blocks are columns).
-    squares = grad.movedim(param.partition_dim, 0).reshape(stride, blocks, -1).square()
+    squares = grad.reshape(stride, blocks, -1).square()
     sums = []
     for i in range(blocks):
         total = squares[0, i].sum()
@@ -441,10 +441,11 @@ def _ordered_grad_norm(params: list[nn.Parameter], group, pp_group=None, *, dp_g
             grad = gather_dim0_shards(grad.to_local(), grad.shape[0], _shards_group([grad], dp_group))
         grad = grad.float()
         if getattr(param, "tensor_model_parallel", False):
-            # A shard ``tp_replicas`` ranks hold (replicated K/V heads): each counts its share of the blocks.
-            replicas = getattr(param, "tp_replicas", 1)
-            share = comm.group_rank(group) % replicas * blocks
-            squares = [*_block_squares(grad, param, blocks * replicas)[share:share + blocks], grad.new_zeros(())]
+            # Rows every rank holds whole (``tp_shared_rows``: grouped K/V heads) count as a replicated tensor.
+            grad, shared = grad.movedim(param.partition_dim, 0), getattr(param, "tp_shared_rows", 0)
+            split = grad.shape[0] - shared
+            stride = 1 if shared else getattr(param, "partition_stride", 1)
+            squares = [*_block_squares(grad[:split], stride, blocks), grad[split:].square().sum()]
         else:
             squares = [grad.new_zeros(()) for _ in range(blocks)] + [grad.square().sum()]
         stage = torch.tensor(float(getattr(param, "pipeline_stage", 0)), device=grad.device)

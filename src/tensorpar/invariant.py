@@ -36,7 +36,7 @@ from .linear import ColumnParallelLinear, RowParallelLinear
 from .linear_function import compute_dtype_of
 from .mappings import gather_from_tensor_model_parallel_region
 from .tree_reduce import (BLOCKS, all_reduce_subtrees, all_reduce_tree, reduce_scatter_subtrees, sequence_sum,
-                          subtree_sums)
+                          subtree_sums, tree_sum)
 
 def _check_blocks(size: int, stride: int, what: str, blocks: int) -> None:
     """Refuse a dimension of ``size`` (``stride`` pieces) that ``blocks`` blocks per piece do not divide."""
@@ -45,13 +45,12 @@ def _check_blocks(size: int, stride: int, what: str, blocks: int) -> None:
                          f"({blocks} fixed blocks" + (f" x stride {stride})" if stride > 1 else ")"))
 
 
-def _over_tp(sums, group, blocks: int, sequence_parallel: bool, *, replicas: int = 1, async_op: bool = False):
+def _over_tp(sums, group, blocks: int, sequence_parallel: bool, *, async_op: bool = False):
     """The tree over all ``blocks`` of a sum each rank of ``group`` holds ``sums`` of (its
-    :func:`subtree_sums`; a shard's other ``replicas`` zeros): scattered along the sequence
-    under SP, else whole on every rank."""
+    :func:`subtree_sums`): scattered along the sequence under SP, else whole on every rank."""
     if sequence_parallel:
-        return reduce_scatter_subtrees(sums, group, leaves=blocks, dim=0, replicas=replicas, async_op=async_op)
-    return all_reduce_subtrees(sums, group, leaves=blocks, replicas=replicas, async_op=async_op)
+        return reduce_scatter_subtrees(sums, group, leaves=blocks, dim=0, async_op=async_op)
+    return all_reduce_subtrees(sums, group, leaves=blocks, async_op=async_op)
 
 
 def _grouped(t: torch.Tensor, stride: int, groups: int) -> torch.Tensor:
@@ -96,16 +95,6 @@ def _over_context(tensor: torch.Tensor, cp_group) -> torch.Tensor:
     return tensor if cp_group is None else all_reduce_tree(tensor, cp_group)
 
 
-def _over_replicas(grad: torch.Tensor, group, replicas: int) -> torch.Tensor:
-    """``grad`` summed over the ``replicas`` consecutive ranks of ``group`` that hold the same shard:
-    one all-reduce with each shard's sum in its own slot (zeros elsewhere, added exactly), so two
-    replicas' parts are one add, in either order."""
-    slot = comm.group_rank(group) // replicas
-    slots = grad.new_zeros(comm.group_size(group) // replicas, *grad.shape)
-    slots[slot] = grad
-    return comm.all_reduce(slots, group)[slot]
-
-
 def _wgrad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return g.t().matmul(x)
 
@@ -117,55 +106,70 @@ def _bias_grad(g: torch.Tensor, _) -> torch.Tensor:
 class _Column(torch.autograd.Function):
     """``x W^T + b`` by fixed column groups; dgrad summed over the groups (and ranks) in a tree.
 
-    ``replicas`` consecutive ranks may hold one shard (of ``TP / replicas``): their output grads
-    are summed first, then each computes the shard's grads as one rank at ``TP / replicas`` does,
-    and only the first of them enters the dgrad's cross-rank tree (the others add zeros)."""
+    ``shared = (rows, stride)``: the weight's last ``rows`` (``stride`` pieces) are whole on every
+    rank, their output grads too. Their GEMMs, dgrad tree and weight grads are TP = 1's on each
+    rank; their dgrad is added to the split rows' once that is summed over the ranks (at TP = 1 too)."""
 
     @staticmethod
-    def forward(ctx, input_, weight, bias, stride, sequence_parallel, group, cp_group, replicas, blocks):
+    def forward(ctx, input_, weight, bias, stride, sequence_parallel, group, cp_group, blocks, shared):
         dtype = compute_dtype_of(input_)
         input_ = input_.to(dtype)
         total = comm.all_gather(input_, group, dim=0) if sequence_parallel else input_
-        groups = blocks * replicas // comm.group_size(group)
         x2d = total.reshape(-1, total.shape[-1])
-        weights = _grouped(weight.to(dtype), stride, groups)
-        biases = [None] * groups if bias is None else _grouped(bias.to(dtype), stride, groups)
+        split = weight.shape[0] - shared[0]
+        # (rows, stride pieces, groups): the split rows' groups are this rank's blocks, the shared rows' all of them.
+        layouts = [(slice(0, split), stride, blocks // comm.group_size(group))]
+        if shared[0]:
+            layouts.append((slice(split, None), shared[1], blocks))
+        weights = [_grouped(weight[rows].to(dtype), pieces, groups) for rows, pieces, groups in layouts]
+        biases = [[None] * groups if bias is None else _grouped(bias[rows].to(dtype), pieces, groups)
+                  for rows, pieces, groups in layouts]
         with torch.autocast(input_.device.type, enabled=False):
-            output = _merged([F.linear(x2d, w, b) for w, b in zip(weights, biases)], stride, 1)
-        ctx.save_for_backward(input_, weights)
-        ctx.stride, ctx.sequence_parallel, ctx.group, ctx.has_bias = stride, sequence_parallel, group, bias is not None
-        ctx.weight_dtype, ctx.cp_group, ctx.replicas, ctx.blocks = weight.dtype, cp_group, replicas, blocks
+            outputs = [_merged([F.linear(x2d, w, b) for w, b in zip(ws, bs)], pieces, 1)
+                       for ws, bs, (_, pieces, _) in zip(weights, biases, layouts)]
+        output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        ctx.save_for_backward(input_, *weights)
+        ctx.sequence_parallel, ctx.group, ctx.has_bias, ctx.layouts = sequence_parallel, group, bias is not None, layouts
+        ctx.weight_dtype, ctx.cp_group, ctx.blocks = weight.dtype, cp_group, blocks
         return output.view(*total.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_output):
-        input_, weights = ctx.saved_tensors
-        group, stride, groups = ctx.group, ctx.stride, weights.shape[0]
+        input_, *weights = ctx.saved_tensors
+        group, n = ctx.group, comm.group_size(ctx.group)
         # As Megatron's column layer: the SP input gathers during the dgrad GEMMs, and the dgrad
         # sum travels during the wgrad GEMMs.
         gathering = comm.all_gather(input_, group, dim=0, async_op=True) if ctx.sequence_parallel else None
-        shape = [input_.shape[0] * (comm.group_size(group) if ctx.sequence_parallel else 1), *input_.shape[1:]]
+        shape = [input_.shape[0] * (n if ctx.sequence_parallel else 1), *input_.shape[1:]]
         rows = math.prod(shape[:-1])
-        if ctx.replicas > 1:
-            grad_output = _over_replicas(grad_output, group, ctx.replicas)
-        grads = grad_output.reshape(rows, stride, groups, -1).to(weights.dtype)
-        g_groups = [grads[:, :, i].contiguous().view(rows, -1) for i in range(groups)]
-        shard, replica = divmod(comm.group_rank(group), ctx.replicas)
-        if replica:  # the shard's first replica adds its dgrad
-            sums = [input_.new_zeros(shape, dtype=weights.dtype)]
-        else:
-            sums = [s.view(shape) for s in subtree_sums([g.matmul(w) for g, w in zip(g_groups, weights)],
-                                                         first=shard * groups, leaves=ctx.blocks)]
-        grad_input = _over_tp(sums, group, ctx.blocks, ctx.sequence_parallel, replicas=ctx.replicas, async_op=True)
+        g2d = grad_output.reshape(rows, -1)
+        g_groups = []
+        for (columns, pieces, groups), ws in zip(ctx.layouts, weights):
+            grads = g2d[:, columns].reshape(rows, pieces, groups, -1).to(ws.dtype)
+            g_groups.append([grads[:, :, i].contiguous().view(rows, -1) for i in range(groups)])
+        first = comm.group_rank(group) * ctx.layouts[0][2]
+        sums = [s.view(shape) for s in subtree_sums([g.matmul(w) for g, w in zip(g_groups[0], weights[0])],
+                                                     first=first, leaves=ctx.blocks)]
+        grad_input = _over_tp(sums, group, ctx.blocks, ctx.sequence_parallel, async_op=True)
+        shared_input = None
+        if len(weights) > 1:  # whole on every rank: this rank's rows of it under SP
+            shared_input = tree_sum([g.matmul(w) for g, w in zip(g_groups[1], weights[1])]).view(shape)
+            shared_input = shared_input.chunk(n)[comm.group_rank(group)] if ctx.sequence_parallel else shared_input
         total = gathering.wait() if gathering is not None else input_
         x2d = total.reshape(rows, total.shape[-1])
         cp = ctx.cp_group
-        grad_weight = _over_context(_merged([_rows_sum(_wgrad, g, x2d, cp, ctx.blocks) for g in g_groups], stride, 0),
-                                    cp)
-        grad_bias = _over_context(_merged([_rows_sum(_bias_grad, g, None, cp, ctx.blocks) for g in g_groups], stride,
-                                          0), cp) \
-            if ctx.has_bias else None
-        return grad_input.wait(), grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None, None, None, None
+
+        def summed(part, x):
+            merged = [_merged([_rows_sum(part, g, x, cp, ctx.blocks) for g in gs], pieces, 0)
+                      for gs, (_, pieces, _) in zip(g_groups, ctx.layouts)]
+            return _over_context(merged[0] if len(merged) == 1 else torch.cat(merged), cp)
+
+        grad_weight = summed(_wgrad, x2d)
+        grad_bias = summed(_bias_grad, None) if ctx.has_bias else None
+        grad_input = grad_input.wait()
+        if shared_input is not None:
+            grad_input = grad_input + shared_input
+        return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None, None, None, None
 
 
 class _Row(torch.autograd.Function):
@@ -204,60 +208,51 @@ class _Row(torch.autograd.Function):
         return grad_input, grad_weight.to(ctx.weight_dtype), grad_bias, None, None, None, None
 
 
-def kv_per_query_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k`` and ``v`` (``[b, kv_heads, s, d]``) with one head per query head of ``q`` (query head
-    ``i`` reads K/V head ``i // (heads / kv_heads)``), for attention without ``enable_gqa``.
+class _KVForQueryHeads(torch.autograd.Function):
+    """Every K/V head (``[b, groups, s, d]``) once per query head of this rank; backward: each K/V
+    head's grads summed over its query heads in order, whole on every rank."""
 
-    SDPA's ``enable_gqa`` sums a K/V head's grads over its query heads inside the kernel, in an
-    order of its own; here ``index_select``'s backward adds them in query-head order, as context
-    parallelism's all-to-all does for a K/V head whose query heads are on two CP ranks.
+    @staticmethod
+    def forward(ctx, k, v, first_head, local_heads, queries_per_group, group):
+        ctx.shape, ctx.p, ctx.group = k.shape, queries_per_group, group
+        # Whole groups on this rank (and so on every rank): each sums its own, then the sums travel.
+        ctx.whole_groups = first_head % queries_per_group == 0 and local_heads % queries_per_group == 0
+        reads = torch.arange(first_head, first_head + local_heads, device=k.device) // queries_per_group
+        return k.index_select(1, reads), v.index_select(1, reads)
+
+    @staticmethod
+    def backward(ctx, grad_k, grad_v):
+        b, groups, s, d = ctx.shape
+        grads = torch.stack([grad_k, grad_v])  # [2, b, heads here, s, d]
+        if not ctx.whole_groups:  # a group's query heads on several ranks: all of them here first
+            grads = comm.all_gather(grads.contiguous(), ctx.group, dim=2)
+        per_group = grads.unflatten(2, (-1, ctx.p))
+        summed = per_group[:, :, :, 0]
+        for j in range(1, ctx.p):  # in query-head order, as at TP = 1, on every device
+            summed = summed + per_group[:, :, :, j]
+        if ctx.whole_groups:
+            summed = comm.all_gather(summed.contiguous(), ctx.group, dim=2)
+        return summed[0], summed[1], None, None, None, None
+
+
+def kv_for_query_heads(k: torch.Tensor, v: torch.Tensor, *, first_head: int, local_heads: int,
+                       queries_per_group: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention's K/V heads (all of them, ``[b, groups, s, d]``, on every rank of
+    ``group``) once per query head ``first_head, ..`` of this rank (query head ``h`` reads K/V
+    head ``h // queries_per_group``): attention without ``enable_gqa``, whose kernel sums a K/V
+    head's grads over its query heads in an order of its own.
+
+    Backward sums each K/V head's grads over its query heads in query-head order, the whole
+    K/V grads of TP = 1 on every rank, wherever its query heads are, and at any CP size (the sum
+    is per position): where each rank's query heads are whole groups, each sums its own and one
+    all-gather brings the sums; else (6 heads, 2 K/V heads at TP 3: head 2 on rank 1, heads 0 and
+    1 on rank 0) one all-gather brings every query head's grads and every rank sums them all.
 
     Example::
 
-        k, v = kv_per_query_head(q, k, v)     # q [2, 4, s, d], k [2, 2, s, d] -> k [2, 4, s, d]
+        k, v = kv_for_query_heads(k, v, first_head=2, local_heads=2, queries_per_group=3, group=tp_group)
     """
-    per = q.shape[1] // k.shape[1]
-    if per == 1:
-        return k, v
-    reads = torch.arange(k.shape[1], device=k.device).repeat_interleave(per)
-    return k.index_select(1, reads), v.index_select(1, reads)
-
-
-def kv_replicas(config, *, tp_size: int) -> int:
-    """How many TP ranks hold each K/V head in this mode: 2 where TP = ``num_heads`` = 2 x
-    ``num_query_groups`` (a rank's one query head; TP = 1's K/V grad, the index-select backward's
-    ``0 + g0 + g1``, is then the replicas' one add), else 1 (:func:`check_gpt_sizes` refuses the rest)."""
-    heads, groups = config.num_heads, config.num_query_groups
-    return 2 if groups % tp_size and tp_size == heads == 2 * groups else 1
-
-
-class _FirstReplica(torch.autograd.Function):
-    """Identity; backward: the grads summed over the replicas, on the first of them (zeros elsewhere)."""
-
-    @staticmethod
-    def forward(ctx, group, replicas, *tensors):
-        ctx.group, ctx.replicas = group, replicas
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        summed = _over_replicas(torch.stack(grads), ctx.group, ctx.replicas)
-        if comm.group_rank(ctx.group) % ctx.replicas:
-            summed.zero_()
-        return None, None, *summed.unbind(0)
-
-
-def kv_grads_on_first_replica(k: torch.Tensor, v: torch.Tensor, *, group, replicas: int):
-    """``k``, ``v`` (K/V heads ``replicas`` consecutive ranks of ``group`` hold); in backward their
-    grads summed over those ranks, on the first of them, zeros on the others (the QKV layer's sum
-    over replicas then adds them once). Summed here, before the rotary's backward, as at TP = 1 the
-    index-select backward adds a K/V head's query heads' grads before it.
-
-    Example::
-
-        k, v = kv_grads_on_first_replica(k, v, group=tp_group, replicas=2)    # at TP 4, 2 K/V heads
-    """
-    return _FirstReplica.apply(group, replicas, k, v)
+    return _KVForQueryHeads.apply(k, v, first_head, local_heads, queries_per_group, group)
 
 
 def check_gpt_sizes(config, *, tp_size: int, seq_len: int | None = None) -> None:
@@ -268,11 +263,9 @@ def check_gpt_sizes(config, *, tp_size: int, seq_len: int | None = None) -> None
         raise ValueError(f"the tensor-parallel size {tp_size} does not divide the {blocks} fixed blocks "
                          f"(they serve TP {', '.join(str(d) for d in range(1, blocks + 1) if blocks % d == 0)}; "
                          "invariant_blocks (--invariant-blocks) 24 serves 1, 2, 3, 4, 6, 8)")
-    heads, groups = config.num_heads, config.num_query_groups
-    if heads % tp_size or (groups % tp_size and kv_replicas(config, tp_size=tp_size) == 1):
-        raise ValueError(f"num_heads {heads}, num_query_groups {groups} at the tensor-parallel size {tp_size}: "
-                         "tp_invariant needs heads divisible by TP, and K/V heads divisible by TP or each "
-                         "replicated on 2 ranks of one query head each (TP = num_heads = 2 x num_query_groups)")
+    if config.num_heads % tp_size:
+        raise ValueError(f"num_heads {config.num_heads} at the tensor-parallel size {tp_size}: tp_invariant needs "
+                         "the query heads divisible by TP (grouped K/V heads need not be: every rank holds them all)")
     widths = {"hidden_size": config.hidden_size,
               "num_query_groups x head_dim": config.num_query_groups * config.head_dim,
               "ffn_hidden_size": config.ffn_hidden_size,
@@ -306,41 +299,48 @@ class ColumnLinear(ColumnParallelLinear):
     fusion or deferred wgrads. ``blocks``: the fixed blocks of each stride piece (``BLOCKS``;
     a TP size must divide them: 24 serves TP 3 and 6 too). ``cp_group``: the context-parallel
     group whose ranks hold other rows of the sequence (the weight grads are summed over it in
-    backward). ``replicas``: each shard of ``TP / replicas`` held whole by that many
-    consecutive ranks (``partition_rows`` saying so), whose output grads are summed in
-    backward: every replica gets the same weight grads.
+    backward). ``shared_rows``: the weight's last rows, in ``shared_stride`` pieces, every rank
+    holds and computes whole (``partition_rows`` saying so: grouped-query attention's K/V heads),
+    their output grads whole on every rank too; the rows before them are then one piece split
+    over TP, ``stride`` naming the whole weight's layout for checkpoints only.
 
     Example::
 
         fc1 = ColumnLinear(64, 256, blocks=24, tp_group=group)     # the same bits at TP 1, 2, 3, 4, 6, 8
     """
 
-    def __init__(self, input_size, output_size, *, cp_group=None, replicas: int = 1, blocks: int = BLOCKS,
-                 **kwargs) -> None:
+    def __init__(self, input_size, output_size, *, cp_group=None, blocks: int = BLOCKS, shared_rows: int = 0,
+                 shared_stride: int = 1, **kwargs) -> None:
         self.blocks = blocks
         super().__init__(input_size, output_size, **kwargs)
         # The layer's, not read off the weight: FSDP's unsharded parameters, which forward and
         # backward see, carry no partition_stride (stride 1 would regroup the GEMMs: other bits).
-        self.cp_group, self.replicas, self.stride = cp_group, replicas, kwargs.get("stride", 1)
+        self.cp_group, self.shared = cp_group, (shared_rows, shared_stride)
+        self.stride = 1 if shared_rows else kwargs.get("stride", 1)
         grads_module.mark_tp_invariant(self.parameters(), blocks=blocks)  # the gradient helpers sum them in order
         check_layer(self)
         if self.defer_wgrad_compute:
             raise ValueError("ColumnLinear: tp_invariant does not support defer_wgrad_compute=True")
-        if self.weight_shape[0] * self.tp_size != output_size * replicas:
+        split = output_size - shared_rows
+        if (self.weight_shape[0] - shared_rows) * self.tp_size != split:
             raise ValueError(f"ColumnLinear: tp_invariant does not support uneven partitions "
-                             f"({self.weight_shape[0]} of {output_size} rows on this rank, {replicas} replicas)")
-        if replicas > 1:
+                             f"({self.weight_shape[0]} of {output_size} rows on this rank, {shared_rows} on each)")
+        if shared_rows and self.gather_output:
+            raise ValueError("ColumnLinear: tp_invariant does not support gather_output=True with shared_rows")
+        if shared_rows:
             for param in self.parameters():
-                param.tp_replicas = replicas  # the grad norm counts each replica's share of the blocks
-        _check_blocks(output_size, kwargs.get("stride", 1), "ColumnParallelLinear output_size", blocks)
+                param.tp_shared_rows = shared_rows  # the grad norm counts them once, as a replicated tensor's
+        _check_blocks(split, self.stride, "ColumnParallelLinear output_size" + (" less its shared rows" if shared_rows
+                                                                                else ""), blocks)
+        _check_blocks(shared_rows, shared_stride, "ColumnParallelLinear shared_rows", blocks)
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
-        _check_blocks(weight.shape[0] * self.tp_size // self.replicas, self.stride, "the column weight's rows",
+        _check_blocks((weight.shape[0] - self.shared[0]) * self.tp_size, self.stride, "the column weight's rows",
                       self.blocks)
         bias = None if self.skip_bias_add else self.bias
         output = _Column.apply(input_, weight, bias, self.stride, self.sequence_parallel, self.tp_group,
-                               self.cp_group, self.replicas, self.blocks)
+                               self.cp_group, self.blocks, self.shared)
         if self.gather_output if runtime_gather_output is None else runtime_gather_output:
             output = gather_from_tensor_model_parallel_region(output, group=self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)

@@ -97,34 +97,22 @@ def subtree_sums(parts, *, first: int, leaves: int) -> list[torch.Tensor]:
     return [_node_sum(at, size, run, known) for at, size in subtrees(first, len(parts), leaves)]
 
 
-def _rank_subtrees(n: int, leaves: int, replicas: int) -> list[list[tuple[int, int]]]:
-    """Each of ``n`` ranks' nodes: ``replicas`` consecutive ranks hold each of ``n / replicas``
-    equal runs of the leaves, the first of them its nodes, the others none."""
-    shards = n // replicas
-    comm.check_divisible(leaves, shards, "the fixed blocks")
-    return [[] if r % replicas else subtrees(r // replicas * leaves // shards, leaves // shards, leaves)
-            for r in range(n)]
+def _rank_subtrees(n: int, leaves: int) -> list[list[tuple[int, int]]]:
+    """Each of ``n`` ranks' nodes: rank ``r`` holds the ``r``-th of ``n`` equal runs of the leaves."""
+    comm.check_divisible(leaves, n, "the fixed blocks")
+    return [subtrees(r * leaves // n, leaves // n, leaves) for r in range(n)]
 
 
-def _one_node_each(nodes, replicas: int) -> bool:
-    """Whether :func:`tree_sum` over the ranks' one sum each finishes the tree: every run one node
-    (with replicas, over a power-of-two count of ranks: a shard's zeros add into its first rank's sum)."""
-    return all(len(mine) == 1 for mine in nodes if mine) and (replicas == 1 or len(nodes) & (len(nodes) - 1) == 0)
-
-
-def reduce_scatter_subtrees(sums: list[torch.Tensor], group, *, leaves: int, dim: int = 0,
-                            replicas: int = 1, async_op: bool = False):
+def reduce_scatter_subtrees(sums: list[torch.Tensor], group, *, leaves: int, dim: int = 0, async_op: bool = False):
     """:func:`tree_sum` over all ``leaves`` parts, of which each rank of ``group`` summed its
     equal run as :func:`subtree_sums` (``sums``), keeping this rank's slice along ``dim``.
-    ``replicas``: each run held by that many consecutive ranks, whose first passes its sums
-    and the others one tensor of zeros.
 
     Where each rank's run is one node: :func:`reduce_scatter_tree`. Otherwise (TP 3 over 24
     blocks) an all-to-all of every node's slice (as many times the bytes as the most nodes a
     rank has), and the whole tree over the nodes received.
     """
-    nodes = _rank_subtrees(comm.group_size(group), leaves, replicas)
-    if _one_node_each(nodes, replicas):
+    nodes = _rank_subtrees(comm.group_size(group), leaves)
+    if all(len(mine) == 1 for mine in nodes):
         return reduce_scatter_tree(sums[0], group, dim=dim, async_op=async_op)
     n, width = len(nodes), max(len(mine) for mine in nodes)
     comm.check_divisible(sums[0].shape[dim], n, f"dimension {dim} of shape {list(sums[0].shape)}")
@@ -136,16 +124,15 @@ def reduce_scatter_subtrees(sums: list[torch.Tensor], group, *, leaves: int, dim
     return _finished(total.movedim(0, dim), async_op)
 
 
-def all_reduce_subtrees(sums: list[torch.Tensor], group, *, leaves: int, replicas: int = 1,
-                        async_op: bool = False):
+def all_reduce_subtrees(sums: list[torch.Tensor], group, *, leaves: int, async_op: bool = False):
     """:func:`reduce_scatter_subtrees` of the flat sums, then an all-gather: the whole sum on
     every rank (where each rank's run is one node: :func:`all_reduce_tree`)."""
-    nodes = _rank_subtrees(comm.group_size(group), leaves, replicas)
-    if _one_node_each(nodes, replicas):
+    nodes = _rank_subtrees(comm.group_size(group), leaves)
+    if all(len(mine) == 1 for mine in nodes):
         return all_reduce_tree(sums[0], group, async_op=async_op)
     shape, n = sums[0].shape, len(nodes)
     flat = [F.pad(s.reshape(-1), (0, -s.numel() % n)) for s in sums]
-    total = comm.all_gather(reduce_scatter_subtrees(flat, group, leaves=leaves, replicas=replicas), group)
+    total = comm.all_gather(reduce_scatter_subtrees(flat, group, leaves=leaves), group)
     return _finished(total[:shape.numel()].view(shape), async_op)
 
 

@@ -30,7 +30,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .. import comm, context, invariant
+from .. import comm, context
 from ..context import attention_dropout
 from ..mappings import (
     gather_from_sequence_parallel_region,
@@ -62,15 +62,6 @@ def invariant_refusals(config: GPTConfig, *, tp_size: int, cp_size: int, sequenc
     if config.attention_dropout > 0:
         bad.append("attention dropout (its keyed masks are not drawn per CP rank yet; --attention-dropout 0 "
                    "keeps the hidden dropout)")
-    if config.num_query_groups % tp_size and not config.num_heads % tp_size:
-        bad.append(f"K/V heads replicated over TP ({config.num_query_groups} at TP {tp_size}: not built under CP)")
-    per, even = config.queries_per_group, not (config.num_heads % tp_size or config.num_query_groups % tp_size)
-    # (uneven TP splits: refused by the invariant mode's own check)
-    split = context.head_split(config.num_heads // tp_size, config.num_query_groups // tp_size, cp_size) \
-        if not bad and even and config.num_heads // tp_size >= cp_size else []
-    if per > 2 and any(h0 % per or h1 % per for h0, h1, _, _ in split):
-        bad.append(f"{per} query heads per KV head split over CP ranks (their K/V grads are added in another "
-                   "order; at most 2, or whole KV groups per CP rank)")
     return bad
 
 
@@ -99,8 +90,8 @@ class ContextSplit:
         p, first = self.config.queries_per_group, layer.first_head
         kv_of_head = [h // p - first // p for h in range(first, first + layer.local_heads)]
         dropout_p = self.config.attention_dropout if layer.training else 0.0
-        if self.config.tp_invariant:  # the kernel and the K/V grads' sums of CP = 1 (Attention.attend)
-            out = context.ulysses_attention(q, k, v, cp_group=self.group, attention=_per_query_head)
+        if self.config.tp_invariant:  # the kernel of CP = 1 (Attention.attend), a K/V head per query head
+            out = context.ulysses_attention(q, k, v, cp_group=self.group, attention=_causal)
         elif dropout_p > 0:
             out = self._dropped(q, k, v, dropout_p, kv_of_head, heads=range(first, first + layer.local_heads),
                                 seq_len=seq_len)
@@ -132,8 +123,8 @@ class ContextSplit:
         return context.ulysses_attention(q, k, v, cp_group=self.group, attention=attention, kv_of_head=kv_of_head)
 
 
-def _per_query_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, *invariant.kv_per_query_head(q, k, v), is_causal=True)
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def over(cp_group, config: GPTConfig, *, tp_size: int, sequence_parallel: bool) -> ContextSplit | None:

@@ -218,7 +218,7 @@ class Decoder:
                 k, v = self.cache.write_at(layer, self.position, k, v)
             else:
                 k, v = self.cache.write(layer, length, k, v)
-            x = x + self._row(attention.attend(q, k, v, mask, causal=False)[0], proj, proj_bias)
+            x = x + self._row(attention.attend(q, *attention.kv_read(k, v), mask, causal=False)[0], proj, proj_bias)
             x = x + self._row(mlp.activate(_column(norm2(x), fc, fc_bias)), out, out_bias)
         logits = gather_from_tensor_model_parallel_region(self.model.final_norm(x) @ self.head, group=self.group)
         return logits[:, :self.model.config.vocab_size].float()

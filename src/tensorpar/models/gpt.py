@@ -117,41 +117,37 @@ class Attention(nn.Module):
     query heads are split as evenly as possible in contiguous runs and each rank holds the K/V
     heads its queries read (:func:`layout.attention_layout`): a K/V head several ranks read is
     replicated on each, its gradient summed over them by the QKV layer. Each rank attends with
-    its own heads only. TP-invariant, a K/V head on two ranks (:func:`invariant.kv_replicas`):
-    both hold the QKV rows of one rank at TP / 2, and each attends with one of its query heads.
+    its own heads only. TP-invariant grouped-query attention: every rank holds and computes every
+    K/V head, as TP = 1 does (:func:`invariant.kv_for_query_heads` sums their grads).
     """
 
     def __init__(self, config: GPTConfig, parallel: Placement, layer_number: int) -> None:
         super().__init__()
         self.config, self.layer_number, self.context = config, layer_number, parallel.context
-        n, p, d = parallel.size, config.queries_per_group, config.head_dim
-        groups = config.num_query_groups
-        replicas = invariant.kv_replicas(config, tp_size=n) if config.tp_invariant else 1
-        self.even = config.num_heads % n == 0 and (groups % n == 0 or replicas > 1)
+        n, p, d, groups = parallel.size, config.queries_per_group, config.head_dim, config.num_query_groups
+        self.shared_kv = config.tp_invariant and p > 1
+        self.even = config.num_heads % n == 0 and groups % n == 0 and not self.shared_kv
         qkv_layout, proj_layout = dict(stride=p + 2), {}
-        self.query_heads, self.replicas = None, replicas  # None: attend with all of the QKV layer's queries
         if self.even:
-            self.local_heads, self.local_groups = config.num_heads // n, groups * replicas // n
+            self.local_heads, self.local_groups = config.num_heads // n, groups // n
             self.first_head = parallel.rank * self.local_heads
-            if replicas > 1:  # the QKV rows of a rank at TP / replicas, whose query heads the replicas share
-                first = parallel.rank % replicas * self.local_heads
-                self.query_heads = slice(first, first + self.local_heads)
-                qkv_layout.update(replicas=replicas, partition_rows=[
-                    shard_rows((p + 2) * groups * d, n // replicas, rank // replicas, p + 2) for rank in range(n)])
         else:
-            heads = layout.attention_layout(config.num_heads, groups, d, n)
+            heads = layout.attention_layout(config.num_heads, groups, d, n, all_kv=self.shared_kv)
             (first, stop), _ = heads[parallel.rank]
             self.local_heads, self.first_head = stop - first, first
-            self.local_groups = (stop - 1) // p + 1 - first // p
+            self.local_groups = groups if self.shared_kv else (stop - 1) // p + 1 - first // p
             # stride still names the p + 2 blocks (checkpoints store them alike at every TP size).
             qkv_layout["partition_rows"] = [rows for _, rows in heads]
-            proj_layout = dict(partition_sizes=[(b - a) * d for (a, b), _ in heads])
-            # Local query head i reads local K/V head group_of_head[i].
+            # Local query head i reads local K/V head group_of_head[i] (shared K/V: one each, kv_read's).
             group_of_head = torch.tensor([h // p - first // p for h in range(first, stop)])
-            uniform = group_of_head.equal(torch.arange(self.local_groups).repeat_interleave(
+            uniform = self.shared_kv or group_of_head.equal(torch.arange(self.local_groups).repeat_interleave(
                 self.local_heads // self.local_groups))
             self.register_buffer("group_of_head", None if uniform else group_of_head.to(parallel.device),
                                  persistent=False)
+            if self.shared_kv:  # (the query heads split evenly: the invariant mode's own check)
+                qkv_layout.update(shared_rows=2 * groups * d, shared_stride=2)
+            else:
+                proj_layout = dict(partition_sizes=[(b - a) * d for (a, b), _ in heads])
         self.qkv = parallel.column(config.hidden_size, (p + 2) * groups * d, bias=config.qkv_bias,
                                    init_method=init_method_normal(config.init_std), **qkv_layout,
                                    **parallel.linear_kwargs(config))
@@ -179,6 +175,7 @@ class Attention(nn.Module):
         q, k, v = self.split_heads(self.qkv(x)[0], cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer_number, k, v)         # every position so far
+        k, v = self.kv_read(k, v)
         s, keys = q.shape[2], k.shape[2]
         if mask is None and keys > s:
             # SDPA's is_causal aligns the causal mask top-left; after cached keys, query i is
@@ -197,8 +194,6 @@ class Attention(nn.Module):
             qkv = qkv.view(s, b, p + 2, g, d)
             # [b, heads/TP, s, d] with the query heads of one group adjacent (Hugging Face's order).
             q = qkv[:, :, :p].permute(1, 3, 2, 0, 4).reshape(b, g * p, s, d)
-            if self.query_heads is not None:
-                q = q[:, self.query_heads]
             k, v = qkv[:, :, p].permute(1, 2, 0, 3), qkv[:, :, p + 1].permute(1, 2, 0, 3)
         else:
             # This rank's query heads in order, then its K heads, then its V heads.
@@ -206,9 +201,16 @@ class Attention(nn.Module):
                        for t in qkv.split([self.local_heads * d, g * d, g * d], dim=-1))
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.replicas > 1:  # K/V grads summed over their replicas before the rotary's backward
-            k, v = invariant.kv_grads_on_first_replica(k, v, group=self.qkv.tp_group, replicas=self.replicas)
         return q, k, v
+
+    def kv_read(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k``, ``v`` as :meth:`attend` takes them: as they are, or (TP-invariant grouped-query
+        attention) one K/V head per query head of this rank, their grads summed in TP = 1's order
+        before the rotary's backward."""
+        if not self.shared_kv:
+            return k, v
+        return invariant.kv_for_query_heads(k, v, first_head=self.first_head, local_heads=self.local_heads,
+                                            queries_per_group=self.config.queries_per_group, group=self.qkv.tp_group)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
                causal: bool, key=None, seq_len: int | None = None) -> torch.Tensor:
@@ -224,8 +226,6 @@ class Attention(nn.Module):
         if not self.even and self.group_of_head is not None:
             # Query heads reading their K/V heads unevenly: SDPA's enable_gqa needs equal runs.
             k, v, gqa = k.index_select(1, self.group_of_head), v.index_select(1, self.group_of_head), False
-        elif gqa and self.config.tp_invariant:  # K/V grads summed in an order CP does not change
-            (k, v), gqa = invariant.kv_per_query_head(q, k, v), False
         dropout_p = self.config.attention_dropout if self.training else 0.0
         drop = None  # where SDPA cannot draw the masks: attention written out
         if dropout_p > 0 and key is not None:  # TP-invariant masks, by global head

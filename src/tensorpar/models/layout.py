@@ -47,14 +47,14 @@ class ParamLayout:
         return shard_rows(self.full_shape[dim], tp_size, rank, self.partition_stride)
 
 
-def attention_layout(num_heads: int, num_groups: int, head_dim: int, tp_size: int):
+def attention_layout(num_heads: int, num_groups: int, head_dim: int, tp_size: int, *, all_kv: bool = False):
     """How attention splits over TP: per rank, its query heads ``[first, stop)`` and the
     ``[start, stop)`` rows it holds of the fused QKV weight.
 
     The fused weight is ``p + 2`` blocks of ``num_groups`` heads (``p`` query heads per group:
     block ``j < p`` holds every group's ``j``-th query head, then K, then V). Query heads are
-    split as evenly as possible in contiguous runs; a rank holds the K/V heads its queries use,
-    so a K/V head is replicated on every rank whose queries read it.
+    split as evenly as possible in contiguous runs; a rank holds the K/V heads its queries use
+    (``all_kv``: every K/V head), so a K/V head is replicated on every rank whose queries read it.
 
     Example::
 
@@ -67,6 +67,8 @@ def attention_layout(num_heads: int, num_groups: int, head_dim: int, tp_size: in
         g0, g1 = first // p, (first + size - 1) // p + 1
         rows = [(((h % p) * num_groups + h // p) * head_dim, ((h % p) * num_groups + h // p + 1) * head_dim)
                 for h in heads]
+        if all_kv:
+            g0, g1 = 0, num_groups
         rows += [((block * num_groups + g0) * head_dim, (block * num_groups + g1) * head_dim) for block in (p, p + 1)]
         layout.append(((first, first + size), rows))
         first += size
@@ -99,7 +101,7 @@ def gather_full_tensor(tensor: torch.Tensor, *, partition_dim: int, stride: int 
     """
     group = resolve_tp_group(tp_group)
     n = comm.group_size(group)
-    if n == 1:
+    if n == 1 and partition_rows is None:
         return tensor.detach().clone()
     if partition_rows is not None:
         dim = partition_dim % tensor.dim()

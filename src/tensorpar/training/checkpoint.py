@@ -152,7 +152,7 @@ def save(out: str | os.PathLike, step: int, *, model, optimizer, config: dict, m
     out = Path(out)
     final, tmp = out / f"step_{step}", out / f"step_{step}.tmp"
     on_rank0(lambda: _prepare_tmp(tmp, final))
-    state, _ = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=True)
+    state, _, _ = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=True)
     meta = {**meta, "ranks": dist.get_world_size(), "rng": rng_spec(), "config_sha256": config_fingerprint(config)}
     need = _stored_bytes(state)
     try:
@@ -281,7 +281,7 @@ def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool, pp_group=
     """
     if optimizer is not None:
         init_adam_state(optimizer)
-    state, gathered = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=restore_rng)
+    state, gathered, uneven = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=restore_rng)
     own, metadata, error, repadded = {}, None, None, []
     try:
         meta = read_json(ckpt)[1]
@@ -308,7 +308,7 @@ def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool, pp_group=
         dcp.load(state, storage_reader=_ValidatedReader(ckpt, metadata), planner=_TensorsOnlyPlanner())
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"loading checkpoint {ckpt} failed: {describe(exc)}") from exc
-    unstore(state, model, optimizer, tp_group)
+    unstore(state, uneven, tp_group)
     rank = comm.group_rank(tp_group)
     with torch.no_grad():
         for loaded, target, real in repadded:

@@ -49,7 +49,7 @@ def _stored(tensor: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None, 
     (``partition_rows``, which no DTensor placement describes) the full tensor, gathered, in
     the same global shape, so a checkpoint moves between even and uneven TP sizes."""
     rows = getattr(param, "partition_rows", None)
-    if rows is None or mesh is None:
+    if rows is None:
         return _sharded(tensor, param, mesh)
     full = gather_full_tensor(tensor, partition_dim=param.partition_dim, stride=param.partition_stride,
                               tp_group=tp_group, partition_rows=rows)
@@ -67,18 +67,16 @@ def param_targets(name: str, param: torch.Tensor, optimizer) -> dict[str, torch.
 
 
 @torch.no_grad()
-def unstore(state: dict, model: torch.nn.Module, optimizer, tp_group) -> None:
-    """Copy the loaded full tensors of uneven layouts into this rank's shards."""
-    for name, p in model.named_parameters():
-        rows = getattr(p, "partition_rows", None)
-        if rows is None or comm.group_size(tp_group) == 1:
-            continue
-        for key, target in param_targets(name, p, optimizer).items():
-            dim = p.partition_dim % target.dim()
-            full_shape = list(target.shape)
-            full_shape[dim] = max(b for ranges in rows for _, b in ranges)
-            target.copy_(shard_full_tensor(state[key].reshape(full_shape), partition_dim=dim,
-                                           tp_group=tp_group, partition_rows=rows))
+def unstore(state: dict, uneven: list, tp_group) -> None:
+    """Copy the loaded full tensors of uneven layouts (``uneven``: :func:`build_state_dict`'s
+    ``(key, this rank's TP shard, parameter)``) into this rank's shards."""
+    for key, target, param in uneven:
+        rows = param.partition_rows
+        dim = param.partition_dim % target.dim()
+        full_shape = list(target.shape)
+        full_shape[dim] = max(b for ranges in rows for _, b in ranges)
+        target.copy_(shard_full_tensor(state[key].reshape(full_shape), partition_dim=dim, tp_group=tp_group,
+                                       partition_rows=rows))
 
 
 def _tp_mesh(tp_group) -> DeviceMesh | None:
@@ -122,9 +120,10 @@ def rng_spec() -> dict[str, list[int]]:
 
 @torch.no_grad()
 def build_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
-                     tp_group, with_rng: bool) -> tuple[dict, list]:
+                     tp_group, with_rng: bool) -> tuple[dict, list, list]:
     """The flat DCP state dict (``model.*``, ``optim.*`` and, with ``with_rng``, this rank's
-    ``rng.*``), and the (FSDP shard, gathered copy) pairs a load copies back.
+    ``rng.*``), the (FSDP shard, gathered copy) pairs a load copies back, and the entries of
+    uneven layouts a load shards again (:func:`unstore`).
 
     Under :func:`tensorpar.fully_shard` each FSDP shard is saved as its box of the TP=1
     tensor on the (TP, DP) mesh (DP x CP under CP; the stage's ranks under PP), so the files are the same with and without FSDP; a strided
@@ -137,24 +136,27 @@ def build_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     reshard(model)
     shard = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
     fsdp_mesh = None if shard is None else tp_dp_mesh(tp_group, dp_group=shard_group(shard))
-    state, gathered = {}, []
+    state, gathered, uneven = {}, [], []
 
-    def entry(tensor, param):
+    def enter(key, tensor, param):
         if isinstance(tensor, DTensor) and (box := full_box(tensor, param, fsdp_mesh)) is not None:
-            return box
+            state[key] = box
+            return
         whole = gather_dp_shards(tensor)
         if whole is not tensor:
             gathered.append((tensor, whole))
-        return _stored(whole, param, mesh, tp_group)
+        state[key] = _stored(whole, param, mesh, tp_group)
+        if getattr(param, "partition_rows", None) is not None:
+            uneven.append((key, whole, param))
 
     for name, p in model.named_parameters():
-        state[f"model.{name}"] = entry(p.data, p)
+        enter(f"model.{name}", p.data, p)
         if optimizer is not None:
             moments = optimizer.state[p]
             state[f"optim.{name}.step"] = moments["step"]
             for key in ADAM_MOMENTS:
-                state[f"optim.{name}.{key}"] = entry(moments[key], p)
+                enter(f"optim.{name}.{key}", moments[key], p)
     if with_rng:
         for key, value in _rng_state().items():
             state[f"rng.rank{dist.get_rank()}.{key}"] = value
-    return state, gathered
+    return state, gathered, uneven
