@@ -121,6 +121,58 @@ def test_layers_over_24_blocks_are_bit_identical_at_tp_1_2_3_4_and_6(sp, dtype):
     assert all(error < tolerance for error in results[0][1].values()), results[0][1]
 
 
+def _shared_rows_body(sp: bool):
+    """ColumnLinear with 96 query rows split over TP and 2 x 48 K|V rows whole on every rank
+    (shared_rows, as grouped-query attention's QKV layer), over 24 blocks at each TP size: the
+    output's query part and the whole K/V part, the input grad, the weight and bias grads and the
+    grad norm; plus TP 1's errors against F.linear."""
+    from tensorpar import grads
+
+    rank, results = dist.get_rank(), {}
+    groups = {n: dist.new_group(list(range(n))) for n in SIZES[1:]}
+    groups[1] = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+    torch.manual_seed(0)
+    x, w, b = torch.randn(24, 2, 48), torch.randn(192, 48) / 7, torch.randn(192)
+    grad = torch.randn(24, 2, 192)
+
+    def mine(t, n, dim=0):  # this rank's query rows, then every K/V row (outputs: dim -1)
+        q, kv = t.movedim(dim, 0).split([96, 96])
+        return torch.cat([_mine(q, n, 1), kv]).movedim(0, dim)
+
+    for n in SIZES:
+        if rank >= n > 1:
+            continue
+        rows = [[(r * 96 // n, (r + 1) * 96 // n), (96, 192)] for r in range(n)]
+        layer = invariant.ColumnLinear(48, 192, blocks=24, shared_rows=96, shared_stride=2, partition_rows=rows,
+                                       sequence_parallel=sp and n > 1, tp_group=groups[n], device="cpu")
+        with torch.no_grad():
+            layer.weight.copy_(mine(w, n))
+            layer.bias.copy_(mine(b, n))
+        x_local = _mine(x, n, 1, sp).clone().requires_grad_()
+        y, _ = layer(x_local)
+        y.backward(mine(grad, n, -1))
+        results[n] = {"output": y.detach(), "input grad": x_local.grad, "weight grad": layer.weight.grad,
+                      "bias grad": layer.bias.grad,
+                      "grad norm": grads.get_grad_norm(list(layer.parameters()), tp_group=groups[n])}
+    whole = results[1]
+    shards = {n: sorted(name for name, value in got.items() if not torch.equal(value, {
+        "output": mine(whole["output"], n, -1), "input grad": _mine(whole["input grad"], n, 1, sp),
+        "weight grad": mine(whole["weight grad"], n), "bias grad": mine(whole["bias grad"], n),
+        "grad norm": whole["grad norm"]}[name])) for n, got in results.items()}
+    x_ref, w_ref, b_ref = (t.clone().requires_grad_() for t in (x, w, b))
+    F.linear(x_ref, w_ref, b_ref).backward(grad)
+    pairs = {"output": (whole["output"], F.linear(x, w, b)), "input grad": (whole["input grad"], x_ref.grad),
+             "weight grad": (whole["weight grad"], w_ref.grad), "bias grad": (whole["bias grad"], b_ref.grad)}
+    return shards, {name: ((a - e).abs().max() / e.abs().max()).item() for name, (a, e) in pairs.items()}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
+def test_shared_rows_are_whole_on_every_rank_and_bit_identical_at_tp_1_2_3_4_and_6(sp):
+    results = run_on_ranks(_shared_rows_body, 6, sp)
+    assert [shards for shards, _ in results] == [{n: [] for n in SIZES if n == 1 or n > rank} for rank in range(6)]
+    assert all(error < 1e-5 for error in results[0][1].values()), results[0][1]
+
+
 def _refused_body():
     group = dist.new_group([0, 1, 2])
     with pytest.raises(ValueError) as refused:
