@@ -214,7 +214,7 @@ class _KVForQueryHeads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, k, v, first_head, local_heads, queries_per_group, group):
-        ctx.shape, ctx.p, ctx.group = k.shape, queries_per_group, group
+        ctx.p, ctx.group = queries_per_group, group
         # Whole groups on this rank (and so on every rank): each sums its own, then the sums travel.
         ctx.whole_groups = first_head % queries_per_group == 0 and local_heads % queries_per_group == 0
         reads = torch.arange(first_head, first_head + local_heads, device=k.device) // queries_per_group
@@ -222,7 +222,6 @@ class _KVForQueryHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_k, grad_v):
-        b, groups, s, d = ctx.shape
         grads = torch.stack([grad_k, grad_v])  # [2, b, heads here, s, d]
         if not ctx.whole_groups:  # a group's query heads on several ranks: all of them here first
             grads = comm.all_gather(grads.contiguous(), ctx.group, dim=2)

@@ -53,7 +53,6 @@ from ..initialization import (
     init_method_normal,
     init_weight_shard,
     scaled_init_method_normal,
-    shard_rows,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
 )
 from ..overlap import interleave
