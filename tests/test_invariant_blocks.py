@@ -269,8 +269,8 @@ def test_train_at_tp3_names_the_blocks_it_needs(capsys):
 @pytest.mark.slow
 def test_tp3_with_cp_pp_and_fsdp_trains_the_tp1_run(tmp_path):
     """GPT-2-style, 6 heads reading 2 K/V heads, 24 blocks, hidden dropout, 2 micro-batches a
-    step: TP 3 + SP x CP 2 (a2a), TP 3 x PP 2 and TP 3 x DP 2 with FSDP against TP 1: losses == and
-    final weights torch.equal."""
+    step: TP 3 + SP x CP 2 (a2a), TP 3 x PP 2 and TP 3 x DP 2 with FSDP, and that FSDP run resumed
+    at TP 1 x DP 2 with FSDP after step 1, against TP 1: losses == and final weights torch.equal."""
     from tests.test_invariant import _train_body, _weights_body
 
     argv = ["--tp-invariant", "--invariant-blocks", "24", "--layers", "2", "--hidden", "144", "--heads", "6",
@@ -278,11 +278,16 @@ def test_tp3_with_cp_pp_and_fsdp_trains_the_tp1_run(tmp_path):
             "--seq-len", "24", "--steps", "2", "--micro-batch", "2", "--global-batch", "4", "--dropout", "0.1",
             "--attention-dropout", "0", "--eval-every", "0", "--no-progress", "--seed", "5"]
     layouts = {"tp1": (1, []), "tp3xcp2-sp": (6, ["--cp", "2", "--cp-comm", "a2a", "--sp"]), "tp3xpp2": (6, ["--pp", "2"]),
-               "tp3xdp2-fsdp": (6, ["--fsdp"])}
-    runs = {name: run_on_ranks(_train_body, ranks, argv + ["--tp", "1" if name == "tp1" else "3", *flags,
+               "tp3xdp2-fsdp": (6, ["--fsdp", "--save-every", "1"]),
+               # FSDP's shards of the QKV layer loaded into another layout: its K/V rows whole on each TP rank.
+               "tp1xdp2-fsdp-resumed": (2, ["--fsdp", "--resume", str(tmp_path / "tp3xdp2-fsdp" / "step_1")])}
+    runs = {name: run_on_ranks(_train_body, ranks, argv + ["--tp", "3" if name.startswith("tp3") else "1", *flags,
                                                            "--out", str(tmp_path / name)], timeout=300)[0]
             for name, (ranks, flags) in layouts.items()}
-    assert {name: losses for name, (losses, _) in runs.items()} == {name: runs["tp1"][0] for name in layouts}
+    resumed = runs.pop("tp1xdp2-fsdp-resumed")
+    assert {name: losses for name, (losses, _) in runs.items()} == {name: runs["tp1"][0] for name in runs}
+    assert resumed[0] == {2: runs["tp1"][0][2]}
+    runs["tp1xdp2-fsdp-resumed"] = resumed
     reference = run_on_ranks(_weights_body, 1, str(runs["tp1"][1]))[0]
     for name, (_, ckpt) in runs.items():
         weights = run_on_ranks(_weights_body, 1, str(ckpt))[0]
