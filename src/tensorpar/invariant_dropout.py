@@ -89,8 +89,8 @@ def dropout(input_: torch.Tensor, p: float, *, key: torch.Tensor | None, site: t
     if seq_rows % blocks or any(start % block or count % block for start, count in segments):
         raise ValueError(f"tp_invariant dropout: the sequence length {seq_rows} is not divisible by the "
                          f"{blocks} fixed blocks (or this rank's {rows} rows are not whole blocks)")
-    blocks = [i for start, count in segments for i in range(start // block, (start + count) // block)]
-    keep = _keep((block, *input_.shape[1:]), p, key, [(*site, i) for i in blocks], input_.device)
+    mine = [i for start, count in segments for i in range(start // block, (start + count) // block)]
+    keep = _keep((block, *input_.shape[1:]), p, key, [(*site, i) for i in mine], input_.device)
     return input_ * keep.view(input_.shape) / (1.0 - p)
 
 
