@@ -1,4 +1,5 @@
-"""The test harness itself: timeouts that scale with the machine's load, and Ctrl-C that stops pytest."""
+"""The test harness itself: timeouts that scale with the machine's load, worlds replaced once they hold
+leaked transport threads, and Ctrl-C that stops pytest."""
 
 import os
 import signal
@@ -28,6 +29,34 @@ def test_the_load_factor_is_one_when_idle_and_grows_with_the_load_per_core(monke
     assert harness._measured_load_factor(1000.0, 2) == harness.MAX_LOAD_FACTOR
     monkeypatch.setenv("TENSORPAR_TEST_LOAD_FACTOR", "4")
     assert harness._measured_load_factor(0.0, 2) == 4.0
+
+
+_KEPT = []
+
+
+def _leaking_body() -> int:
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(harness.MAX_TRANSPORT_THREADS + 1):
+        group = dist.new_group([0, 1])
+        dist.all_reduce(torch.ones(1), group=group)
+        _KEPT.append(group)   # never destroyed, as torch keeps some of a body's groups
+    return os.getpid()
+
+
+def _pid_and_threads_body() -> tuple[int, int]:
+    return os.getpid(), harness._transport_threads()
+
+
+def test_a_world_left_holding_transport_threads_is_replaced():
+    first = harness.run_on_ranks(_pid_and_threads_body, 2)
+    assert all(threads <= harness.MAX_TRANSPORT_THREADS for _, threads in first)
+    leaked = harness.run_on_ranks(_leaking_body, 2)
+    after = harness.run_on_ranks(_pid_and_threads_body, 2)
+    assert not {pid for pid, _ in after} & set(leaked)
+    assert all(threads <= harness.MAX_TRANSPORT_THREADS for _, threads in after), after
+    assert harness.run_on_ranks(_pid_and_threads_body, 2) == after   # a clean world is kept
 
 
 @pytest.mark.slow
