@@ -48,7 +48,7 @@ LAYERS = (
     ("tensorpar.comm",),
     ("tensorpar.buffers",),
     ("tensorpar.overlap",),
-    ("tensorpar.mappings", "tensorpar.tree_reduce", "tensorpar.utils"),
+    ("tensorpar.mappings", "tensorpar.tree_reduce", "tensorpar.utils", "tensorpar.p2p_collectives"),
     ("tensorpar.initialization",),
     ("tensorpar.linear_function", "tensorpar.linear"),
     ("tensorpar.embedding", "tensorpar.cross_entropy", "tensorpar.random", "tensorpar.checkpoint_without_output"),

@@ -3,7 +3,8 @@
 Each rank holds a TP shard of every TP-parallel weight; FSDP2 (``torch.distributed.fsdp.
 fully_shard``) shards that local tensor once more along dim 0 over the DP group, so
 parameters, gradients and optimizer state end up 1/DP per rank. Before a unit's forward and
-backward FSDP all-gathers its parameters over DP; after backward it reduce-scatters (and
+backward FSDP all-gathers its parameters over DP (on gloo as a ring of point-to-point
+exchanges, :mod:`~tensorpar.p2p_collectives`); after backward it reduce-scatters (and
 averages) their gradients. The TP layers see ordinary tensors in between.
 
 Mixed precision is FSDP's: parameters stay fp32 (the sharded fp32 parameters are the master
@@ -23,12 +24,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 # FSDP2's hook for custom collectives (FSDPModule.set_custom_all_gather/_reduce_scatter): the
-# defaults, subclassed, keep FSDP's own paths and let CommLedger see each call.
+# defaults, subclassed, keep FSDP's own paths (but gloo's all-gather) and let CommLedger see each call.
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import comm
 from .grads import gather_dim0_shards, is_tp_invariant
+from .p2p_collectives import ring_all_gather, uses_ring
 from .parallel_registry import CREATED, GROUPS
 from .parallel_state import get_data_parallel_group
 from .tree_reduce import HalvingTree, all_reduce_tree, reduce_scatter_tree
@@ -152,7 +154,9 @@ def scatter_dp_shard(shard: DTensor, whole: torch.Tensor, *, dp_group=None) -> N
 class _RecordedAllGather(DefaultAllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         comm._record("all_gather", output_tensor.shape, output_tensor.dtype, comm.group_size(group), async_op)
-        return super().__call__(output_tensor, input_tensor, group, async_op)
+        if async_op or not uses_ring(group):
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+        ring_all_gather(output_tensor, input_tensor, group)
 
 
 class _RecordedReduceScatter(DefaultReduceScatter):
@@ -212,14 +216,6 @@ class _TreeReduceScatter(DefaultReduceScatter):
         return None
 
 
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    strides, running = [], 1
-    for size in reversed(shape):
-        strides.insert(0, running)
-        running *= size
-    return tuple(strides)
-
-
 def tp_dp_mesh(tp_group, *, dp_group=None) -> DeviceMesh | None:
     """The (TP, DP) mesh of this rank's TP group and ``dp_group`` (default: the DP group; under
     CP the DP x CP group FSDP shards over), in this pipeline stage; None at TP=1."""
@@ -251,7 +247,7 @@ def full_box(tensor: DTensor, param, mesh: DeviceMesh | None) -> DTensor | None:
     else:
         placements = [Replicate(), Shard(0)]
     return DTensor.from_local(tensor.to_local(), mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def _default_units(model: nn.Module) -> list[nn.Module]:

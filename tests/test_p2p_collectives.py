@@ -1,0 +1,61 @@
+"""All-gather as a ring of point-to-point exchanges, and FSDP gathering through it under gloo."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tensorpar as tp
+from tensorpar import fsdp
+from tensorpar.p2p_collectives import ring_all_gather, uses_ring
+from tests.harness import run_on_ranks
+
+
+def _ring_body():
+    n, r = dist.get_world_size(), dist.get_rank()
+    group = dist.group.WORLD
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = [torch.randn(6, generator=torch.Generator().manual_seed(k)).to(dtype) for k in range(n)]
+        gathered = torch.empty(6 * n, dtype=dtype)
+        assert ring_all_gather(gathered, inputs[r], group) is gathered
+        assert torch.equal(gathered, torch.cat(inputs))
+    assert uses_ring(group) == (n > 1)
+    with pytest.raises(ValueError, match=rf"ring_all_gather: output \[7\] must be 1-D, contiguous and {n} times "
+                                         r"the input \[6\]"):
+        ring_all_gather(torch.empty(7), inputs[r].float(), group)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ring_all_gather_gives_every_ranks_input_in_rank_order(world_size):
+    assert run_on_ranks(_ring_body, world_size) == [True] * world_size
+
+
+def _fsdp_on_the_ring_body():
+    tp.initialize_model_parallel(1)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].numel())
+        return ring_all_gather(*args)
+
+    fsdp.ring_all_gather = counted
+    try:
+        torch.manual_seed(0)
+        plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        sharded = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+        sharded.load_state_dict(plain.state_dict())
+        tp.fully_shard(sharded, units=[sharded[0]])
+        x = torch.randn(4 * dist.get_world_size(), 8, generator=torch.Generator().manual_seed(1))
+        sharded(x.chunk(dist.get_world_size())[dist.get_rank()]).square().mean().backward()
+        plain(x).square().mean().backward()
+    finally:
+        fsdp.ring_all_gather = ring_all_gather
+    for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(fsdp.gather_dp_shards(p.grad), q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    # The root, then the unit gathered for forward; the unit again for backward (the root stays gathered).
+    assert calls == [16 * 4 + 4, 8 * 16 + 16, 8 * 16 + 16], calls
+    return True
+
+
+def test_fsdp_under_gloo_gathers_through_the_ring():
+    assert run_on_ranks(_fsdp_on_the_ring_body, 2) == [True] * 2
