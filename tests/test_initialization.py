@@ -104,3 +104,20 @@ def _deferred_init_body():
 
 def test_perform_initialization_false_skips_init_for_meta_or_deferred_weights():
     assert run_on_ranks(_deferred_init_body, 2) == [(8, 8), (8, 8)]
+
+
+def _accelerator_seeds_body():
+    from tensorpar.models import GPT, GPTConfig
+
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    torch.manual_seed(3)
+    queued = list(torch.cuda._lazy_seed_tracker.get_calls())  # the seeds CUDA takes once it starts
+    GPT(GPTConfig(vocab_size=64, max_seq_len=8, num_layers=2, num_heads=2, hidden_size=16))
+    return queued == torch.cuda._lazy_seed_tracker.get_calls() and any(queued)
+
+
+def test_building_a_model_leaves_the_accelerator_generators_as_seeded():
+    """Every part and slab seeds the CPU stream it restores, and that stream alone: the seed
+    the user gave CUDA is the one it starts with (``torch.manual_seed`` per slab replaced it,
+    and formatted a stack per accelerator backend each time, half of a small model's build)."""
+    assert run_on_ranks(_accelerator_seeds_body, 2) == [True, True]
