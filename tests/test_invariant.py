@@ -121,8 +121,8 @@ def _invariance_body(config: GPTConfig, layouts=LAYOUTS, more=None):
 @pytest.mark.parametrize("config, more", [
     (GPT2, None),
     # and replicated K/V heads at TP 4, with and without SP and with recompute (issue 30)
-    (LLAMA, (REPLICATED_KV, [(1, False, False), (2, True, False), (4, False, False), (4, True, False),
-                             (4, False, True)]))], ids=["gpt2", "llama-gqa"])
+    pytest.param(LLAMA, (REPLICATED_KV, [(1, False, False), (2, True, False), (4, False, False), (4, True, False),
+                                          (4, False, True)]), marks=pytest.mark.slow)], ids=["gpt2", "llama-gqa"])
 def test_training_is_bit_identical_at_every_tp_size(config, more):
     report, (dropout_losses, _), (losses, _), (default_losses, _), more_report = \
         run_on_ranks(_invariance_body, 4, config, LAYOUTS, more, timeout=300)[0]

@@ -127,7 +127,7 @@ def _inherited_marker():
     return _SET_BEFORE_THE_LAUNCH["marker"], gc.get_freeze_count() > 0
 
 
-@pytest.mark.parametrize("chosen, inherited", [(None, "set here"), ("spawn", None)])
+@pytest.mark.parametrize("chosen, inherited", [(None, "set here"), pytest.param("spawn", None, marks=pytest.mark.slow)])
 def test_cpu_ranks_are_forked_unless_the_environment_says_otherwise(monkeypatch, chosen, inherited):
     """A forked rank inherits this process's modules (and so this marker), frozen out of its
     garbage collector's reach; a spawned one imports them anew. This process's heap is not left frozen."""

@@ -234,6 +234,7 @@ def _compile_body(argv):
         torch.compile = compile_
 
 
+@pytest.mark.slow
 def test_compile_says_it_is_compiling_and_how_long_the_first_step_took(tmp_path):
     argv = TINY + ["--tp", "1", "--steps", "2", "--compile", "--out", str(tmp_path / "run")]
     [(_, _, err)] = run_on_ranks(_compile_body, 1, argv)

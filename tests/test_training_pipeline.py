@@ -166,6 +166,7 @@ print("pp2", main(["train", *tiny, "--nproc", "2", "--pp", "2", "--grad-accum", 
 """
 
 
+@pytest.mark.slow
 def test_a_torch_without_the_stage_pp_extends_trains_without_pp_and_refuses_pp_in_one_line(tmp_path):
     # A new interpreter, so that importing tensorpar happens after the stage lost the method.
     done = subprocess.run([sys.executable, "-c", _OLDER_TORCH, str(tmp_path / "a"), str(tmp_path / "b")],
