@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tensorpar import comm
+from . import comm
 
 __all__ = ["ring_all_gather", "uses_ring"]
 
