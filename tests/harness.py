@@ -45,11 +45,11 @@ STARTUP_TIMEOUT_S = 600.0
 MAX_TRANSPORT_THREADS = 4
 # What the server imports before it forks: the harness, what a tensorpar command loads before its
 # ranks start, the plotting a run's rank 0 loads at its first evaluation (2 s of every process
-# that plots, otherwise; a missing optional package is skipped), and pytest, which each rank
-# imports with the first test module whose body it runs (0.2 s of CPU per rank otherwise).
+# that plots, otherwise; a missing optional package is skipped), pytest, which each rank imports
+# with the first test module whose body it runs (0.2 s of CPU per rank otherwise), and transformers.
 PRELOAD = ["tests.harness", "tensorpar.tools.cli", "tensorpar.tools.training_cli", "tensorpar.training.loop",
            "tensorpar.models.hf", "matplotlib.figure", "matplotlib.backends.backend_agg", "PIL.PngImagePlugin",
-           "pytest"]
+           "pytest", "tests.hf_preload"]
 _load_factor = float(os.environ.get("TENSORPAR_TEST_LOAD_FACTOR", "1"))
 
 
