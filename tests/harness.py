@@ -46,10 +46,14 @@ MAX_TRANSPORT_THREADS = 4
 # What the server imports before it forks: the harness, what a tensorpar command loads before its
 # ranks start, the plotting a run's rank 0 loads at its first evaluation (2 s of every process
 # that plots, otherwise; a missing optional package is skipped), pytest, which each rank imports
-# with the first test module whose body it runs (0.2 s of CPU per rank otherwise), and transformers.
+# with the first test module whose body it runs (0.2 s of CPU per rank otherwise), transformers, the
+# compiler modules a rank that compiles a graph loads (1.9 s of CPU in each otherwise), and last
+# what freezes all of it out of the ranks' garbage collections.
 PRELOAD = ["tests.harness", "tensorpar.tools.cli", "tensorpar.tools.training_cli", "tensorpar.training.loop",
            "tensorpar.models.hf", "matplotlib.figure", "matplotlib.backends.backend_agg", "PIL.PngImagePlugin",
-           "pytest", "tests.hf_preload"]
+           "pytest", "tests.hf_preload", "torch._functorch.aot_autograd", "torch._inductor.compile_fx",
+           "torch._inductor.pattern_matcher", "torch.distributed.tensor.experimental",
+           "tests.freeze_preloaded"]
 _load_factor = float(os.environ.get("TENSORPAR_TEST_LOAD_FACTOR", "1"))
 
 
