@@ -36,8 +36,6 @@ import signal
 import time
 import traceback
 
-from tensorpar.tools.launch import free_port
-
 DEFAULT_TIMEOUT = float(os.environ.get("TENSORPAR_TEST_TIMEOUT", "120"))
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("TENSORPAR_COLLECTIVE_TIMEOUT", "30"))
 MAX_LOAD_FACTOR = 10.0
@@ -129,6 +127,8 @@ class World:
         self.stale = False
         self.results = ctx.Queue()
         self.task_queues = [ctx.Queue() for _ in range(world_size)]
+        from tensorpar.tools.launch import free_port  # here: a process that starts no world never imports torch
+
         port = free_port()
         self.procs = [ctx.Process(target=_worker, daemon=True,
                                   args=(r, world_size, port, self.task_queues[r], self.results))

@@ -68,7 +68,7 @@ def test_ctrl_c_stops_the_suite_and_its_ranks(tmp_path, workers):
         from tests.harness import run_on_ranks
         from tests.test_harness import sleeping_body
 
-        harness.PRELOAD[:] = ["tests.harness"]  # the ranks run no command: their server imports only the harness
+        harness.PRELOAD[:] = ["tests.harness", "torch.distributed"]  # the ranks run no command
 
         def test_one():
             run_on_ranks(sleeping_body, 2, {str(marker)!r})
