@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from tensorpar.tools.cli import main
+from tensorpar.tools.launch import free_port
 from tensorpar.tools.training_cli import parse_train_args
 from tensorpar.training.data import DataError, load_corpus, write_token_file
 from tests.cli_runner import run_tensorpar
-from tests.harness import free_port, run_on_ranks
+from tests.harness import run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
         "--eval-every", "0", "--no-progress"]
