@@ -4,6 +4,7 @@ import datetime
 import json
 import os
 import signal
+import tempfile
 import time
 
 import pytest
@@ -35,6 +36,15 @@ def test_a_rank_exception_is_reported_once_with_its_rank_and_ends_the_others():
     assert str(info.value) == "--widgets 3 is not a multiple of 2 (rank 1)"
     assert info.value.rank == 1 and info.value.exit_code == 2
     assert "raise UsageError" in info.value.traceback
+
+
+def test_a_launch_leaves_no_files_in_the_temporary_directory(monkeypatch, tmp_path):
+    """torch elastic's per-rank folders and the error file of the rank it ended go with the launch."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(LaunchError):
+        launch_local(_fail_on_rank1_while_rank0_waits, "usage", nproc=2)
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
+    assert tempfile.gettempdir() == str(tmp_path)
 
 
 def test_a_rank_killed_by_a_signal_is_named():

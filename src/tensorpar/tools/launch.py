@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -128,18 +129,35 @@ def launch_local(entry, *args, nproc: int) -> dict[int, object]:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())):
             set_threads()
             return {0: entry(*args)}
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     method = start_method()
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                          monitor_interval=0.2, start_method=method)
-    with _quiet_launcher(), _frozen_heap(method == "fork"):
+    with _launch_files() as files, _quiet_launcher(), _frozen_heap(method == "fork"):
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                              rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                              monitor_interval=0.2, start_method=method,
+                              logs_specs=DefaultLogsSpecs(log_dir=files))
         try:
             return elastic_launch(config, _elastic_entry)(entry, *args)
         except ChildFailedError as exc:
             raise _first_failure(exc) from None
+
+
+@contextlib.contextmanager
+def _launch_files():
+    """A directory for the launch's files (torch elastic's per-rank folders and error files, the
+    ranks' PID notes), removed with its contents when the launch ends. Left to themselves, torch
+    elastic keeps a ``torchelastic_*`` folder and, for each rank it ends, torch.multiprocessing an
+    error pickle in the system's temporary directory, after every run."""
+    with tempfile.TemporaryDirectory(prefix="tensorpar-launch-", ignore_cleanup_errors=True) as path:
+        # torch.multiprocessing names its error files here, in this process (forked ranks inherit it).
+        saved, tempfile.tempdir = tempfile.tempdir, path
+        try:
+            yield path
+        finally:
+            tempfile.tempdir = saved
 
 
 @contextlib.contextmanager
