@@ -38,9 +38,15 @@ def test_a_rank_exception_is_reported_once_with_its_rank_and_ends_the_others():
     assert "raise UsageError" in info.value.traceback
 
 
+def _temporary_directory():
+    return tempfile.gettempdir()
+
+
 def test_a_launch_leaves_no_files_in_the_temporary_directory(monkeypatch, tmp_path):
-    """torch elastic's per-rank folders and the error file of the rank it ended go with the launch."""
+    """torch elastic's per-rank folders and the error file of the rank it ended go with the launch;
+    the ranks' own temporary directory (inductor's cache, say) is the user's, not that folder."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert launch_local(_temporary_directory, nproc=2) == {0: str(tmp_path), 1: str(tmp_path)}
     with pytest.raises(LaunchError):
         launch_local(_fail_on_rank1_while_rank0_waits, "usage", nproc=2)
     assert sorted(path.name for path in tmp_path.iterdir()) == []

@@ -134,13 +134,14 @@ def launch_local(entry, *args, nproc: int) -> dict[int, object]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     method = start_method()
+    user_tempdir = tempfile.gettempdir()
     with _launch_files() as files, _quiet_launcher(), _frozen_heap(method == "fork"):
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                               rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
                               monitor_interval=0.2, start_method=method,
                               logs_specs=DefaultLogsSpecs(log_dir=files))
         try:
-            return elastic_launch(config, _elastic_entry)(entry, *args)
+            return elastic_launch(config, _elastic_entry)(user_tempdir, entry, *args)
         except ChildFailedError as exc:
             raise _first_failure(exc) from None
 
@@ -150,9 +151,10 @@ def _launch_files():
     """A directory for the launch's files (torch elastic's per-rank folders and error files, the
     ranks' PID notes), removed with its contents when the launch ends. Left to themselves, torch
     elastic keeps a ``torchelastic_*`` folder and, for each rank it ends, torch.multiprocessing an
-    error pickle in the system's temporary directory, after every run."""
+    error pickle in the system's temporary directory, after every run. torch.multiprocessing
+    names its error files in this process's temporary directory, so that is the folder during
+    the launch; each rank sets its own back (:func:`_elastic_entry`)."""
     with tempfile.TemporaryDirectory(prefix="tensorpar-launch-", ignore_cleanup_errors=True) as path:
-        # torch.multiprocessing names its error files here, in this process (forked ranks inherit it).
         saved, tempfile.tempdir = tempfile.tempdir, path
         try:
             yield path
@@ -311,9 +313,13 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
-def _elastic_entry(entry, *args):
+def _elastic_entry(user_tempdir: str, entry, *args):
     """One rank of :func:`launch_local`. A Ctrl-C (SIGINT reaches every process of the terminal's
-    group) exits 130 without a word: the launcher, which got it too, says it once."""
+    group) exits 130 without a word: the launcher, which got it too, says it once.
+
+    ``user_tempdir`` is the temporary directory the rank's code sees: a forked rank would inherit
+    the launch's own folder, removed at its end (with, say, inductor's compile cache in it)."""
+    tempfile.tempdir = user_tempdir
     signal.signal(signal.SIGINT, _interrupt_once)
     try:
         return _recorded_entry(entry, *args)
