@@ -32,9 +32,13 @@ def _step_peak(step, device: torch.device) -> int:
     """Bytes one step allocates above what is in use before it, at its peak.
 
     GPU: the caching allocator's statistics. CPU: the profiler's memory events (every tensor
-    allocation and free, with the running total), the smaller of two steps' peaks: gloo's thread
-    drops a collective's tensors when it finishes, at a time that varies with the load (once, on a
-    loaded machine, 256 KiB more at the peak of a CP rank's step).
+    allocation and free, with the running total) over three steps, the smaller of the last two
+    steps' peaks above the total each began with. The profiler counts only blocks allocated while
+    it runs, so a block from before it that a step frees (FSDP keeps a step's reduce-scatter
+    buffers into the next) is not subtracted: the first step's peak would come out too low by it.
+    Of the last two, the smaller: gloo's thread drops a collective's tensors when it finishes, at
+    a time that varies with the load (once, on a loaded machine, 256 KiB more at the peak of a CP
+    rank's step).
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -43,21 +47,31 @@ def _step_peak(step, device: torch.device) -> int:
         step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
-    return min(_profiled_peak(step) for _ in range(2))
+    return min(_profiled_peaks(step, steps=3)[1:])
 
 
-def _profiled_peak(step) -> int:
-    from torch.profiler import ProfilerActivity, profile
+def _profiled_peaks(step, *, steps: int) -> list[int]:
+    """Per step of ``steps`` run under the profiler: its highest total of allocated bytes minus the total it began with."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
+        for index in range(steps):
+            with record_function(f"step {index}"):
+                step()
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        events = [e["args"] for e in json.loads(trace.read_text())["traceEvents"]
-                  if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == 0]
-    start = events[0]["Total Allocated"] - events[0]["Bytes"]
-    return max(e["Total Allocated"] for e in events) - start
+        events = json.loads(trace.read_text())["traceEvents"]
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") in {f"step {i}" for i in range(steps)}]
+    memory = sorted((e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in events
+                    if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == 0)
+    peaks = []
+    for began, ended in sorted(spans):
+        during = [(total, size) for ts, total, size in memory if began <= ts <= ended]
+        before = [total for ts, total, _ in memory if ts < began]
+        start = before[-1] if before else during[0][0] - during[0][1]
+        peaks.append(max(total for total, _ in during) - start)
+    return peaks
 
 
 def build_step(args, **config):
