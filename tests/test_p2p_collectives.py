@@ -1,4 +1,4 @@
-"""All-gather as a ring of point-to-point exchanges, and FSDP gathering through it under gloo."""
+"""All-gather and reduce-scatter as rings of point-to-point exchanges, and FSDP using them under gloo."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import tensorpar as tp
 from tensorpar import fsdp
-from tensorpar.p2p_collectives import ring_all_gather, uses_ring
+from tensorpar.p2p_collectives import ring_all_gather, ring_reduce_scatter, uses_ring
 from tests.harness import run_on_ranks
 
 
@@ -18,27 +18,46 @@ def _ring_body():
         gathered = torch.empty(6 * n, dtype=dtype)
         assert ring_all_gather(gathered, inputs[r], group) is gathered
         assert torch.equal(gathered, torch.cat(inputs))
+        # Chunk c summed round the ring from rank c + 1 to rank c, in the tensors' dtype.
+        flats = [torch.randn(6 * n, generator=torch.Generator().manual_seed(10 + k)).to(dtype) for k in range(n)]
+        expected = flats[(r + 1) % n].view(n, 6)[r].clone()
+        for k in range(2, n + 1):
+            expected += flats[(r + k) % n].view(n, 6)[r]
+        reduced = torch.empty(6, dtype=dtype)
+        assert ring_reduce_scatter(reduced, flats[r].clone(), group) is reduced
+        assert torch.equal(reduced, expected)
+        if dtype == torch.float32 and n == 2:  # one addition per element: gloo's bits too
+            by_gloo = torch.empty(6)
+            dist.reduce_scatter_tensor(by_gloo, flats[r].clone(), group=group)
+            assert torch.equal(reduced, by_gloo)
     assert uses_ring(group) == (n > 1)
     with pytest.raises(ValueError, match=rf"ring_all_gather: output \[7\] must be 1-D, contiguous and {n} times "
                                          r"the input \[6\]"):
         ring_all_gather(torch.empty(7), inputs[r].float(), group)
+    with pytest.raises(ValueError, match=rf"ring_reduce_scatter: input \[7\] must be 1-D, contiguous and {n} times "
+                                         r"the output \[6\]"):
+        ring_reduce_scatter(torch.empty(6), torch.empty(7), group)
     return True
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_ring_all_gather_gives_every_ranks_input_in_rank_order(world_size):
+def test_ring_all_gather_orders_and_ring_reduce_scatter_sums_every_ranks_chunks(world_size):
     assert run_on_ranks(_ring_body, world_size) == [True] * world_size
 
 
 def _fsdp_on_the_ring_body():
     tp.initialize_model_parallel(1)
-    calls = []
+    calls, reduced = [], []
 
     def counted(*args):
         calls.append(args[0].numel())
         return ring_all_gather(*args)
 
-    fsdp.ring_all_gather = counted
+    def counted_reduce_scatter(*args):
+        reduced.append(args[1].numel())
+        return ring_reduce_scatter(*args)
+
+    fsdp.ring_all_gather, fsdp.ring_reduce_scatter = counted, counted_reduce_scatter
     try:
         torch.manual_seed(0)
         plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
@@ -49,13 +68,16 @@ def _fsdp_on_the_ring_body():
         sharded(x.chunk(dist.get_world_size())[dist.get_rank()]).square().mean().backward()
         plain(x).square().mean().backward()
     finally:
-        fsdp.ring_all_gather = ring_all_gather
+        fsdp.ring_all_gather, fsdp.ring_reduce_scatter = ring_all_gather, ring_reduce_scatter
     for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
         torch.testing.assert_close(fsdp.gather_dp_shards(p.grad), q.grad, rtol=1e-5, atol=1e-6, msg=name)
     # The root, then the unit gathered for forward; the unit again for backward (the root stays gathered).
     assert calls == [16 * 4 + 4, 8 * 16 + 16, 8 * 16 + 16], calls
+    # Gradients (averaged over DP: the grads above are the global batch's mean) reduced by the
+    # root, whose last layer's backward runs first, then by the unit.
+    assert reduced == [16 * 4 + 4, 8 * 16 + 16], reduced
     return True
 
 
-def test_fsdp_under_gloo_gathers_through_the_ring():
+def test_fsdp_under_gloo_gathers_and_reduces_through_the_rings():
     assert run_on_ranks(_fsdp_on_the_ring_body, 2) == [True] * 2

@@ -1,19 +1,18 @@
-"""All-gather of a flat tensor as a ring of point-to-point exchanges, for gloo.
+"""All-gather and reduce-scatter of flat tensors as rings of point-to-point exchanges, for gloo.
 
-gloo's own ``all_gather_into_tensor`` is slower on CPU than a ring of ``n - 1`` exchanges, each
-rank sending one ``1/n`` chunk to its right neighbour while receiving one from its left, and it
-allocates what the ring does not (8 MiB fp32 over groups of 2 and of 4, 4 ranks on a 2-core
-machine: 18 ms / 25 ms against 11 ms / 16 ms as a ring). FSDP's all-gathers run through it on gloo
-(``fsdp.fully_shard``): a GPT step's peak allocation fell from 33 to 18 MiB per rank at TP 2 x DP 2
-(``benchmarks/fsdp_memory.py``). NCCL's own all-gather already is a ring.
-
-(gloo's reduce-scatter is slower than a ring too, 27 ms / 53 ms against 19 ms / 34 ms at the same
-sizes, but FSDP's step peaked 20 MiB higher with a ring in its place, unexplained: it stays gloo's.)
+gloo's own ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` are slower on CPU than a ring
+of ``n - 1`` exchanges, each rank sending one ``1/n`` chunk to its right neighbour while receiving
+one from its left, and allocate what the ring does not (8 MiB fp32 over groups of 2 and of 4, 4
+ranks on a 2-core machine: all-gather 18 ms / 25 ms against 11 ms / 16 ms as a ring,
+reduce-scatter 27 ms / 53 ms against 19 ms / 34 ms; gloo's reduce-scatter copies its input
+twice). FSDP's collectives run through them on gloo (``fsdp.fully_shard``). NCCL's own
+collectives already are rings.
 
 Example::
 
     flat = torch.empty(shard.numel() * comm.group_size(dp_group))
     ring_all_gather(flat, shard, dp_group)           # flat = every rank's shard, in rank order
+    ring_reduce_scatter(shard, flat, dp_group)       # shard = the sum of every rank's chunk `rank`
 """
 
 from __future__ import annotations
@@ -23,11 +22,11 @@ import torch.distributed as dist
 
 from . import comm
 
-__all__ = ["ring_all_gather", "uses_ring"]
+__all__ = ["ring_all_gather", "ring_reduce_scatter", "uses_ring"]
 
 
 def uses_ring(group: dist.ProcessGroup) -> bool:
-    """Whether FSDP's all-gathers over ``group`` run as :func:`ring_all_gather`: on gloo, over 2 ranks or more."""
+    """Whether FSDP's collectives over ``group`` run as rings: on gloo, over 2 ranks or more."""
     return dist.get_backend(group) == "gloo" and comm.group_size(group) > 1
 
 
@@ -47,3 +46,26 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
         for work in works:
             work.wait()
     return output
+
+
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``output`` = the sum over the group's ranks of chunk ``rank`` of their ``input`` (flat,
+    contiguous tensors; ``input`` is summed into in place). Chunk ``c``'s sum starts at rank
+    ``c + 1`` and goes round the ring to ``c``; over 2 ranks it is ``a + b``, as any all-reduce's."""
+    n, rank = comm.group_size(group), comm.group_rank(group)
+    if output.dim() != 1 or input.dim() != 1 or not input.is_contiguous() or input.numel() != n * output.numel():
+        raise ValueError(f"ring_reduce_scatter: input {list(input.shape)} must be 1-D, contiguous and {n} times "
+                         f"the output {list(output.shape)}")
+    chunks = input.view(n, -1)
+    if n == 1:
+        return output.copy_(chunks[0])
+    right, left = dist.get_global_rank(group, (rank + 1) % n), dist.get_global_rank(group, (rank - 1) % n)
+    received = output if n == 2 else torch.empty_like(output)
+    for step in range(n - 1):
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[(rank - step - 1) % n], right, group),
+                                        dist.P2POp(dist.irecv, received, left, group)])
+        for work in works:
+            work.wait()
+        if step < n - 2:
+            chunks[(rank - step - 2) % n].add_(received)
+    return torch.add(received, chunks[rank], out=output)
