@@ -34,9 +34,11 @@ def _ring_body():
     with pytest.raises(ValueError, match=rf"ring_all_gather: output \[7\] must be 1-D, contiguous and {n} times "
                                          r"the input \[6\]"):
         ring_all_gather(torch.empty(7), inputs[r].float(), group)
-    with pytest.raises(ValueError, match=rf"ring_reduce_scatter: input \[7\] must be 1-D, contiguous and {n} times "
-                                         r"the output \[6\]"):
+    with pytest.raises(ValueError, match=rf"ring_reduce_scatter: input \[7\] and output \[6\] must be 1-D and "
+                                         rf"contiguous, the input {n} times the output"):
         ring_reduce_scatter(torch.empty(6), torch.empty(7), group)
+    with pytest.raises(ValueError, match=rf"ring_reduce_scatter: input \[{6 * n}\] and output \[6\] must be"):
+        ring_reduce_scatter(torch.empty(12)[::2], torch.empty(6 * n), group)  # a strided output
     return True
 
 

@@ -53,9 +53,10 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
     contiguous tensors; ``input`` is summed into in place). Chunk ``c``'s sum starts at rank
     ``c + 1`` and goes round the ring to ``c``; over 2 ranks it is ``a + b``, as any all-reduce's."""
     n, rank = comm.group_size(group), comm.group_rank(group)
-    if output.dim() != 1 or input.dim() != 1 or not input.is_contiguous() or input.numel() != n * output.numel():
-        raise ValueError(f"ring_reduce_scatter: input {list(input.shape)} must be 1-D, contiguous and {n} times "
-                         f"the output {list(output.shape)}")
+    if (output.dim() != 1 or input.dim() != 1 or not output.is_contiguous() or not input.is_contiguous()
+            or input.numel() != n * output.numel()):
+        raise ValueError(f"ring_reduce_scatter: input {list(input.shape)} and output {list(output.shape)} must be "
+                         f"1-D and contiguous, the input {n} times the output")
     chunks = input.view(n, -1)
     if n == 1:
         return output.copy_(chunks[0])
