@@ -35,7 +35,7 @@ def _step_peak(step, device: torch.device) -> int:
     allocation and free, with the running total) over three steps, the smaller of the last two
     steps' peaks above the total each began with. The profiler counts only blocks allocated while
     it runs, so a block from before it that a step frees (FSDP keeps a step's reduce-scatter
-    buffers into the next) is not subtracted: the first step's peak would come out too low by it.
+    buffers into the next) is not subtracted: the first step's peak would come out too high by it.
     Of the last two, the smaller: gloo's thread drops a collective's tensors when it finishes, at
     a time that varies with the load (once, on a loaded machine, 256 KiB more at the peak of a CP
     rank's step).
