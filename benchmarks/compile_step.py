@@ -47,6 +47,7 @@ def _graphs() -> tuple[int, int]:
 def run(args) -> dict:
     import tensorpar as tp
     from tensorpar.models import GPT, GPTConfig
+    from tensorpar.training.loop import adamw
 
     tp.initialize_model_parallel(args.tp)
     device = tp.parallel_state.default_device()
@@ -63,7 +64,7 @@ def run(args) -> dict:
                                dropout=args.dropout)
             model = GPT(config, device=device)
             forward = torch.compile(model) if mode == "compiled" else model
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)  # as tensorpar train's
+            optimizer = adamw(model.parameters(), device=device, lr=1e-4)
 
             def step(model=model, forward=forward, optimizer=optimizer, sp=sp):
                 optimizer.zero_grad(set_to_none=True)

@@ -43,6 +43,7 @@ def _variant(name: str, config, tokens):
     import tensorpar as tp
     from tensorpar.fsdp import ShardedGradSync
     from tensorpar.models import GPT
+    from tensorpar.training.loop import adamw
 
     tp.model_parallel_manual_seed(0)
     model = GPT(config, device=tokens.device)
@@ -52,7 +53,7 @@ def _variant(name: str, config, tokens):
     else:
         tp.fully_shard(model, reshard_after_forward=name == "FSDP", units=[] if name == "FSDP one unit" else None)
         grads = ShardedGradSync(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)  # as tensorpar train's
+    optimizer = adamw(model.parameters(), device=tokens.device, lr=1e-4)
 
     def step():
         grads.zero_grad()

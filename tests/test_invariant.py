@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import tensorpar as tp
 from tensorpar import invariant, invariant_dropout
 from tensorpar.models import GPT, GPTConfig
+from tensorpar.training.loop import adamw
 from tests.harness import run_on_ranks
 
 # Hidden and attention dropout on: their masks are drawn by global position, not by rank.
@@ -57,7 +58,7 @@ def _train(config: GPTConfig, group, steps, *, model=None, optimizer=None, first
     if model is None:
         tp.model_parallel_manual_seed(1234, tp_group=group)
         model = GPT(config, tp_group=group, device="cpu")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        optimizer = adamw(model.parameters(), device=torch.device("cpu"), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     reducer = invariant.DataParallelGradReducer(model.parameters(), dp_group=_GROUPS["dp", dist.get_rank()])
     losses = []
     for step in range(first_step, first_step + steps):

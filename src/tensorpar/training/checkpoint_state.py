@@ -87,12 +87,14 @@ def _tp_mesh(tp_group) -> DeviceMesh | None:
 
 
 def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create zero Adam state for parameters that have none, so DCP can load into it."""
+    """Create zero Adam state for parameters that have none, so DCP can load into it (the step
+    count where AdamW keeps it: on the parameter's device for the fused or capturable kernels)."""
     for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")
         for p in group["params"]:
             state = optimizer.state[p]
             if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
                 for key in ADAM_MOMENTS:
                     state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
