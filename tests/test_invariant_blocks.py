@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tensorpar import invariant
+from tensorpar.lanewise import lanewise
 from tensorpar.models import GPTConfig, context_split
 from tensorpar.tree_reduce import HalvingTree, subtree_sums, subtrees, tree_sum
 from tests.harness import run_on_ranks
@@ -50,15 +51,14 @@ def _mine(t: torch.Tensor, n: int, pieces: int, split: bool = True) -> torch.Ten
 
 def _swiglu(h: torch.Tensor) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return lanewise(F.silu, gate) * up  # as the invariant GPT's MLP
 
 
 def _layers_body(sp: bool, dtype: str):
     """Column (stride 2) -> SwiGLU -> Row over 24 blocks at each TP size (Llama's MLP): every rank's
     output, input grad and weight/bias grads, and the invariant grad norm; plus TP 1's errors
-    against F.linear. 192 features: a multiple of 16 on every rank, so the elementwise SwiGLU
-    runs every element in the same SIMD lane path (at 24 a rank's last 8 take the tail loop's
-    other bits)."""
+    against F.linear. 72 features: at every TP size (72 to 12 per rank) a row is no whole number
+    of SIMD steps, so without ``lanewise`` its last columns would take the scalar tail loop."""
     from tensorpar import grads
 
     rank, results = dist.get_rank(), {}
@@ -66,16 +66,16 @@ def _layers_body(sp: bool, dtype: str):
     groups[1] = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]  # TP 1 on every rank
     torch.manual_seed(0)
     x = torch.randn(24, 2, 48)
-    w1, b1 = torch.randn(2 * 192, 48) / 7, torch.randn(2 * 192)
-    w2, b2 = torch.randn(48, 192) / 14, torch.randn(48)
+    w1, b1 = torch.randn(2 * 72, 48) / 7, torch.randn(2 * 72)
+    w2, b2 = torch.randn(48, 72) / 14, torch.randn(48)
     grad = torch.randn(24, 2, 48)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
     for n in SIZES:
         if rank >= n > 1:
             continue
-        column = invariant.ColumnLinear(48, 2 * 192, stride=2, blocks=24, sequence_parallel=sp and n > 1,
+        column = invariant.ColumnLinear(48, 2 * 72, stride=2, blocks=24, sequence_parallel=sp and n > 1,
                                         tp_group=groups[n], device="cpu")
-        row = invariant.RowLinear(192, 48, blocks=24, input_is_parallel=True, sequence_parallel=sp and n > 1,
+        row = invariant.RowLinear(72, 48, blocks=24, input_is_parallel=True, sequence_parallel=sp and n > 1,
                                   tp_group=groups[n], device="cpu")
         with torch.no_grad():
             column.weight.copy_(_mine(w1, n, 2))
@@ -185,10 +185,11 @@ def test_layers_refuse_a_tp_size_that_does_not_divide_their_blocks():
                                               "blocks"] * 3
 
 
-# 6 heads of 16 and every TP-split width a multiple of 24 blocks, and of 16 elements on each rank
-# (the SIMD width: every element through the same lanes); hidden and attention dropout on.
-GPT2_6_HEADS = GPTConfig(vocab_size=96, max_seq_len=24, num_layers=2, num_heads=6, hidden_size=96, dropout=0.1,
-                         attention_dropout=0.2, tp_invariant=True, invariant_blocks=24)
+# 6 heads of 16 and every TP-split width a multiple of 24 blocks; the FFN's 216 no whole number
+# of SIMD steps on any rank (216 to 36), so the MLP's activation needs ``lanewise`` at every TP
+# size; hidden and attention dropout on.
+GPT2_6_HEADS = GPTConfig(vocab_size=96, max_seq_len=24, num_layers=2, num_heads=6, hidden_size=96, ffn_hidden_size=216,
+                         dropout=0.1, attention_dropout=0.2, tp_invariant=True, invariant_blocks=24)
 # Grouped-query: 6 heads of 24, 2 K/V heads (the query heads 0-2 and 3-5): at TP 3 rank 1's two
 # query heads read both, at TP 6 each K/V head's 3 query heads are on 3 ranks.
 LLAMA_6_HEADS = dataclasses.replace(GPT2_6_HEADS, hidden_size=144, num_query_groups=2, norm="rmsnorm",
@@ -224,7 +225,7 @@ def test_train_over_24_blocks_at_tp3_x_dp2_resumed_at_tp1_x_dp2_trains_the_tp1_r
     from tests.test_invariant import TRAIN, _train_body, _weights_body
 
     argv = [*TRAIN[:TRAIN.index("--grad-accum")], "--global-batch", "4", *TRAIN[TRAIN.index("--grad-accum") + 2:],
-            "--hidden", "144", "--heads", "6", "--kv-heads", "2", "--norm", "rmsnorm", "--activation", "swiglu",
+            "--hidden", "144", "--ffn-hidden", "216", "--heads", "6", "--kv-heads", "2", "--norm", "rmsnorm", "--activation", "swiglu",
             "--position-embedding", "rope", "--dtype", "bf16", "--recompute", "--invariant-blocks", "24",
             "--steps", "4", "--seq-len", "24"]
 

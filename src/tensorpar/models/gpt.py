@@ -255,8 +255,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig, parallel: Placement) -> None:
         super().__init__()
-        self.swiglu = config.activation == "swiglu"
-        self.activation = config.activation
+        self.swiglu, self.elementwise = config.activation == "swiglu", parallel.elementwise
+        self.gelu = functools.partial(F.gelu, approximate="tanh" if config.activation == "gelu_tanh" else "none")
         width = 2 * config.ffn_hidden_size if self.swiglu else config.ffn_hidden_size
         # stride=2 for SwiGLU: the full weight is gate|up, each split across ranks.
         self.fc = parallel.column(config.hidden_size, width, bias=config.bias, stride=2 if self.swiglu else 1,
@@ -281,10 +281,8 @@ class MLP(nn.Module):
         """The activation of the ``fc`` layer's output (SwiGLU: of its gate and up halves)."""
         if self.swiglu:
             gate, up = hidden.chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
-        else:
-            hidden = F.gelu(hidden, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return hidden
+            return self.elementwise(F.silu, gate) * up
+        return self.elementwise(self.gelu, hidden)
 
 
 class Block(nn.Module):

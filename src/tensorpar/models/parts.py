@@ -6,10 +6,15 @@ import torch
 from torch import nn
 
 from .. import comm, invariant
+from ..lanewise import lanewise
 from ..linear import ColumnParallelLinear, RowParallelLinear
 from ..parallel_state import default_device
 from . import context_split
 from .config import GPTConfig
+
+
+def _applied(fn, x: torch.Tensor) -> torch.Tensor:
+    return fn(x)
 
 
 def norm(config: GPTConfig, parallel: "Placement") -> nn.Module:
@@ -48,6 +53,8 @@ class Placement:
         self.device = torch.device(device) if device is not None else default_device()
         self.column, self.row = ((invariant.ColumnLinear, invariant.RowLinear) if config.tp_invariant
                                  else (ColumnParallelLinear, RowParallelLinear))
+        # elementwise(fn, x): the invariant mode's takes each element through the same kernel path at every TP size.
+        self.elementwise = lanewise if config.tp_invariant else _applied
 
     def linear_kwargs(self, config: GPTConfig) -> dict:
         # The invariant layers sum their weight grads over the CP ranks' rows themselves.
