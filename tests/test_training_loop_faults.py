@@ -251,3 +251,22 @@ def test_sigterm_to_the_ranks_checkpoints_says_where_and_exits_0(tmp_path):
     assert (f"tensorpar train: stopped by SIGTERM after step {step}; checkpoint {out}/step_{step} "
             f"(continue with --resume {out})") in err.splitlines(), err
     checkpoint_files.verify(out / f"step_{step}")
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_whole_job_checkpoints_and_ends_every_process_well_before_30s(tmp_path):
+    """What Slurm's scancel and ``kill -- -PGID`` do: SIGTERM to the launcher and the ranks at once.
+    The launcher's torch elastic agent then waits up to 30 s for its ranks and kills them; ranks
+    that had saved and returned used to wait for the closing launcher to read their results."""
+    out = tmp_path / "run"
+    proc = _cli("train", "--nproc", "2", *TINY, "--steps", "100000", "--log-every", "1", "--out", str(out))
+    _wait_for_step(proc, out, 3)
+    sent = time.time()
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err, gone = _finish(proc)
+    assert gone - sent < 25, err
+    step = int((out / "latest").read_text().strip().removeprefix("step_"))
+    assert f"tensorpar train: stopped by SIGTERM after step {step}; checkpoint {out}/step_{step} " \
+           f"(continue with --resume {out})" in err.splitlines(), err
+    assert "Traceback" not in err
+    checkpoint_files.verify(out / f"step_{step}")

@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -35,6 +36,9 @@ from .errors import exit_code, one_line
 
 
 PEER_FAILURE_GRACE_S = 2.0
+# How long a rank whose entry returned waits for the launcher to take its result and let it go
+# before leaving by itself (a launcher stopping on a signal never does: :func:`_elastic_entry`).
+RELEASE_GRACE_S = 10.0
 START_METHOD_ENV = "TENSORPAR_START_METHOD"
 START_METHODS = ("fork", "forkserver", "spawn")
 
@@ -322,10 +326,18 @@ def _elastic_entry(user_tempdir: str, entry, *args):
     tempfile.tempdir = user_tempdir
     signal.signal(signal.SIGINT, _interrupt_once)
     try:
-        return _recorded_entry(entry, *args)
+        result = _recorded_entry(entry, *args)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         _leave(130)
+    # torch's wrapper now queues the result and waits until the launcher has every rank's. A
+    # launcher sent SIGTERM with its ranks (Slurm, ``kill -- -PGID``) is closing instead: it
+    # waits 30 s for ranks that are saving their checkpoint and then waiting on it, then kills
+    # them. A result queued in time is read even after its rank is gone.
+    release = threading.Timer(RELEASE_GRACE_S, _leave, (0,))
+    release.daemon = True
+    release.start()
+    return result
 
 
 def _recorded_entry(entry, *args):
