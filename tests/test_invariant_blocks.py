@@ -225,8 +225,8 @@ def test_train_over_24_blocks_at_tp3_x_dp2_resumed_at_tp1_x_dp2_trains_the_tp1_r
     from tests.test_invariant import TRAIN, _train_body, _weights_body
 
     argv = [*TRAIN[:TRAIN.index("--grad-accum")], "--global-batch", "4", *TRAIN[TRAIN.index("--grad-accum") + 2:],
-            "--hidden", "144", "--ffn-hidden", "216", "--heads", "6", "--kv-heads", "2", "--norm", "rmsnorm", "--activation", "swiglu",
-            "--position-embedding", "rope", "--dtype", "bf16", "--recompute", "--invariant-blocks", "24",
+            "--hidden", "144", "--ffn-hidden", "216", "--heads", "6", "--kv-heads", "2", "--norm", "rmsnorm",
+            "--activation", "swiglu", "--position-embedding", "rope", "--dtype", "bf16", "--recompute", "--invariant-blocks", "24",
             "--steps", "4", "--seq-len", "24"]
 
     def train(tp_size, ranks, out, *extra):
