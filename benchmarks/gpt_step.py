@@ -1,5 +1,7 @@
 """A GPT training step's tokens/s and peak memory per rank: forward, loss, backward, DP grad
-reduction, clipping, AdamW (what ``tensorpar train`` runs per step), at one TP size.
+reduction, clipping, AdamW (what ``tensorpar train`` runs per step, but AdamW's per-parameter
+loop, which runs under any older tree this script is pointed at; ``tensorpar train`` builds the
+fused kernel, foreach in the invariant mode), at one TP size.
 
 Run it on two checkouts back to back to measure a change (the cores are shared: same sitting,
 same load)::
