@@ -246,6 +246,11 @@ def test_sigterm_to_the_ranks_checkpoints_says_where_and_exits_0(tmp_path):
         os.kill(pid, signal.SIGTERM)
     _, err, _ = _finish(proc)
     assert proc.returncode == 0, err
+    _assert_saved_on_sigterm(out, err)
+
+
+def _assert_saved_on_sigterm(out, err):
+    """Rank 0 said where it saved, after step 3 or later; the checkpoint is whole; no traceback."""
     step = int((out / "latest").read_text().strip().removeprefix("step_"))
     assert step >= 3 and "Traceback" not in err
     assert (f"tensorpar train: stopped by SIGTERM after step {step}; checkpoint {out}/step_{step} "
@@ -265,8 +270,4 @@ def test_sigterm_to_the_whole_job_checkpoints_and_ends_every_process_well_before
     os.killpg(proc.pid, signal.SIGTERM)
     _, err, gone = _finish(proc)
     assert gone - sent < 25, err
-    step = int((out / "latest").read_text().strip().removeprefix("step_"))
-    assert f"tensorpar train: stopped by SIGTERM after step {step}; checkpoint {out}/step_{step} " \
-           f"(continue with --resume {out})" in err.splitlines(), err
-    assert "Traceback" not in err
-    checkpoint_files.verify(out / f"step_{step}")
+    _assert_saved_on_sigterm(out, err)
