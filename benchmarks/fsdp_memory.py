@@ -1,6 +1,7 @@
-"""Per-rank memory and step time of a GPT training step: plain DP vs FSDP (ZeRO-3) vs FSDP with
-``reshard_after_forward=False`` (ZeRO-2-like) vs FSDP with the whole model one unit
-(``units=[]``), at TP x DP on local gloo (or NCCL) ranks.
+"""Per-rank memory and step time of a GPT training step: plain DP vs FSDP (ZeRO-3, its default
+units: blocks grouped into units of ``--min-unit-mib``) vs FSDP with one unit per block, with and
+without ``reshard_after_forward`` (ZeRO-3 and ZeRO-2-like), at TP x DP on local gloo (or NCCL)
+ranks.
 
     python benchmarks/fsdp_memory.py --nproc 4 --tp 2
 
@@ -26,7 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt_step import MIB, _step_peak  # noqa: E402  (the same peak measurement)
 
-VARIANTS = ("plain DP", "FSDP", "FSDP reshard_after_forward=False", "FSDP one unit")
+VARIANTS = ("plain DP", "FSDP", "FSDP a unit per block", "FSDP a unit per block, no reshard")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -39,7 +40,7 @@ def _nbytes(tensors) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
-def _variant(name: str, config, tokens):
+def _variant(name: str, config, tokens, min_unit_mib: float):
     import tensorpar as tp
     from tensorpar.fsdp import ShardedGradSync
     from tensorpar.models import GPT
@@ -51,7 +52,8 @@ def _variant(name: str, config, tokens):
     if name == "plain DP":
         grads = tp.DataParallelGradReducer(model.parameters(), dp_group=dp_group)
     else:
-        tp.fully_shard(model, reshard_after_forward=name == "FSDP", units=[] if name == "FSDP one unit" else None)
+        tp.fully_shard(model, reshard_after_forward=not name.endswith("no reshard"),
+                       min_unit_mib=min_unit_mib if name == "FSDP" else 0)
         grads = ShardedGradSync(model)
     optimizer = adamw(model.parameters(), device=tokens.device, lr=1e-4)
 
@@ -86,7 +88,7 @@ def run(args) -> dict:
                        hidden_size=args.hidden, sequence_parallel=args.sp)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1),
                            generator=torch.Generator().manual_seed(1 + tp.get_data_parallel_rank())).to(device)
-    variants = {name: _variant(name, config, tokens) for name in VARIANTS}
+    variants = {name: _variant(name, config, tokens, args.min_unit_mib) for name in VARIANTS}
     losses = {}
     for name, (step, _) in variants.items():
         for _ in range(args.warmup):
@@ -114,10 +116,14 @@ def run(args) -> dict:
 
 
 def main() -> None:
+    from tensorpar.fsdp import MIN_UNIT_MIB
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
+    parser.add_argument("--min-unit-mib", type=float, default=MIN_UNIT_MIB,
+                        help="the FSDP row's least unit size (fully_shard's min_unit_mib; 0: a unit per block)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)

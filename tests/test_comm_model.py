@@ -13,6 +13,7 @@ import tensorpar as tp
 from tensorpar.tools import cli
 from tensorpar.comm_model import CommConfig, collectives, forward_flops_per_rank, overlap_plan, summarize
 from tensorpar.comm_model import LinkModel
+from tensorpar.fsdp import MIN_UNIT_MIB
 from tensorpar.fsdp_model import FSDPConfig, state_bytes_per_rank, step_collectives, units
 from tensorpar.tools.comm_measure import gpt_config, measure_on_this_rank, record_key, scaled
 from tensorpar.tools.comm_report import format_measured
@@ -380,13 +381,21 @@ def test_measure_on_the_command_line_agrees_for_uneven_heads(capsys):
 
 # --- TP x FSDP: FSDP's all-gathers and reduce-scatters among the TP collectives ------------------
 
+# 0.0066 MiB is 1.5 of TINY's blocks at TP 2 (4,640 bytes each): units of two blocks.
+PAIRS_MIB = 0.0066
+
+
 def _fsdp_cases():
-    cases = [(dict(sp=sp, recompute=rc), reshard) for sp in (False, True) for rc in (False, True)
+    """One unit per block (``min_unit_mib=0``) in every mode; the default, which puts TINY's blocks
+    in the root; and units of two blocks with one left in the root."""
+    cases = [(dict(sp=sp, recompute=rc), reshard, 0) for sp in (False, True) for rc in (False, True)
              for reshard in (True, False)]
     # bf16 compute gathers bf16 and reduces fp32; 9 positions pad to 10 rows over DP=2.
-    cases += [(dict(sp=True, dtype="bf16"), True), (dict(seq_len=9), True)]
-    return [(CommConfig(**{**TINY, "layer": "gpt-step", "tp": 2, **case}), FSDPConfig(dp=2, reshard_after_forward=r))
-            for case, r in cases]
+    cases += [(dict(sp=True, dtype="bf16"), True, 0), (dict(seq_len=9), True, 0), (dict(sp=True), True, MIN_UNIT_MIB)]
+    cases += [(dict(sp=True, recompute=rc, layers=5), reshard, PAIRS_MIB) for rc in (False, True)
+              for reshard in (True, False)]
+    return [(CommConfig(**{**TINY, "layer": "gpt-step", "tp": 2, **case}),
+             FSDPConfig(dp=2, reshard_after_forward=r, min_unit_mib=mib)) for case, r, mib in cases]
 
 
 def _fsdp_body(cases):
@@ -406,7 +415,8 @@ def _fsdp_measured():
 
 
 @pytest.mark.parametrize("case", range(len(_fsdp_cases())),
-                         ids=[f"{_case_id(c)}-reshard{f.reshard_after_forward}-seq{c.seq_len}" for c, f in _fsdp_cases()])
+                         ids=[f"{_case_id(c)}-reshard{f.reshard_after_forward}-seq{c.seq_len}-layers{c.layers}-"
+                              f"mib{f.min_unit_mib}" for c, f in _fsdp_cases()])
 def test_fsdp_model_equals_commledger_record_at_tp2_dp2(case):
     cfg, fsdp = _fsdp_cases()[case]
     per_rank = _fsdp_measured()
@@ -416,8 +426,12 @@ def test_fsdp_model_equals_commledger_record_at_tp2_dp2(case):
     predicted = step_collectives(cfg, gpt_config(cfg), fsdp)
     assert got == [record_key(op) for op in predicted]
     unit_ops = [op for op in predicted if op.what.startswith("FSDP")]
-    # Forward gathers every unit, backward re-gathers each block when resharded, every unit reduce-scatters.
-    assert len(unit_ops) == 2 * (cfg.layers + 1) + (cfg.layers if fsdp.reshard_after_forward else 0)
+    count = len(units(gpt_config(cfg), tp=2, min_unit_mib=fsdp.min_unit_mib))
+    # Blocks that recompute are one unit each: FSDP2 would reduce a unit of several once per block.
+    per_block = cfg.recompute or fsdp.min_unit_mib == 0
+    assert count == (cfg.layers + 1 if per_block else {MIN_UNIT_MIB: 1, PAIRS_MIB: 3}[fsdp.min_unit_mib])
+    # Forward gathers every unit, backward re-gathers each but the root when resharded, every unit reduce-scatters.
+    assert len(unit_ops) == 2 * count + (count - 1 if fsdp.reshard_after_forward else 0)
     assert {op.bytes_sent_per_rank / op.bytes for op in unit_ops} == {0.5}
 
 
@@ -429,24 +443,40 @@ def test_training_memory_counts_what_fsdp_gathers_within_a_step():
     block = gpt_parameters_per_rank(config, tp=2) - gpt_parameters_per_rank(
         dataclasses.replace(config, num_layers=5), tp=2)
     rest = gpt_parameters_per_rank(config, tp=2) - 6 * block
-    memory = {reshard: gpt_training_memory(config, tp=2, dp=2, seq_len=64, micro_batch=2, fsdp=True,
-                                           reshard_after_forward=reshard) for reshard in (True, False)}
-    # ZeRO-3: the root and two blocks' parameters, the root's and one block's gradients (fp32).
-    assert memory[True]["gathered"] == 4 * (rest + 2 * block) + 4 * (rest + block)
+
+    def gathered(reshard, mib):
+        return gpt_training_memory(config, tp=2, dp=2, seq_len=64, micro_batch=2, fsdp=True,
+                                   reshard_after_forward=reshard, min_unit_mib=mib)["gathered"]
+
+    # One block per unit, ZeRO-3: the root and two blocks' parameters, the root's and one block's gradients (fp32).
+    assert gathered(True, 0) == 4 * (rest + 2 * block) + 4 * (rest + block)
     # ZeRO-2-like: every block stays gathered from its forward to its backward.
-    assert memory[False]["gathered"] - memory[True]["gathered"] == 4 * 4 * block
+    assert gathered(False, 0) - gathered(True, 0) == 4 * 4 * block
+    # Units of two blocks: two units' parameters, one unit's gradients.
+    pairs = 1.5 * 4 * block / 2**20
+    assert gathered(True, pairs) == 4 * (rest + 4 * block) + 4 * (rest + 2 * block)
+    # The default puts this small model's blocks in the root, gathered throughout.
+    assert gathered(True, MIN_UNIT_MIB) == gathered(False, MIN_UNIT_MIB) == 8 * (rest + 6 * block)
+    assert gathered(True, 0) == gpt_training_memory(dataclasses.replace(config, recompute=True), tp=2, dp=2,
+                                                    seq_len=64, micro_batch=2, fsdp=True)["gathered"]
     assert gpt_training_memory(config, tp=2, dp=2, seq_len=64, micro_batch=2)["gathered"] == 0
 
 
 def test_fsdp_units_pad_each_shard_and_add_dp_collectives():
     config = gpt_config(CommConfig(**{**TINY, "layer": "gpt-step", "seq_len": 9}))
-    root, block = units(config, tp=2)[:2]
+    root, block = units(config, tp=2, min_unit_mib=0)[:2]
     # Root: word embedding 16 x 16 per TP rank, 9 x 16 positions padded to 10 rows, final LayerNorm.
     assert root.padded_numel(2) == 16 * 16 + 10 * 16 + 2 * 16
     assert root.padded_numel(4) == 16 * 16 + 12 * 16 + 2 * 16
     assert block.padded_numel(2) == 1160
-    ops = step_collectives(CommConfig(**{**TINY, "layer": "gpt-step", "tp": 2}), config, FSDPConfig(dp=4))
+    ops = step_collectives(CommConfig(**{**TINY, "layer": "gpt-step", "tp": 2}), config,
+                           FSDPConfig(dp=4, min_unit_mib=0))
     gather = next(op for op in ops if op.layer == "blocks.0")
+    five = gpt_config(CommConfig(**{**TINY, "layer": "gpt-step", "layers": 5}))
+    assert [(u.name, u.blocks) for u in units(five, tp=2, min_unit_mib=PAIRS_MIB)] == [
+        ("root", (4,)), ("blocks.0-1", (0, 1)), ("blocks.2-3", (2, 3))]
+    # The root holds block 4 too; its position table has 8 rows here, 9 padded to 10 above.
+    assert units(five, tp=2, min_unit_mib=PAIRS_MIB)[0].padded_numel(2) == root.padded_numel(2) - 2 * 16 + 1160
     assert gather.bytes_sent_per_rank == gather.bytes * 3 / 4  # a ring over the 4 DP ranks, not TP's 2
     assert state_bytes_per_rank(config, tp=2, dp=2)["optimizer"] == 2 * state_bytes_per_rank(
         config, tp=2, dp=2)["parameters"]

@@ -9,10 +9,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import tensorpar as tp
-from tensorpar.fsdp import bytes_per_rank, gather_dp_shards
+from tensorpar.fsdp import MIN_UNIT_MIB, bytes_per_rank, gather_dp_shards
 from tensorpar.grads import DataParallelGradReducer, allreduce_sequence_parallel_grads, clip_grad_norm_
 from tensorpar.models import GPT, GPTConfig
 from tensorpar.models.layout import gather_full_tensor
+from tensorpar.utils import consecutive_groups
 from tests.harness import run_on_ranks
 from tests.test_training_checkpoint import checkpoint_meta
 
@@ -47,11 +48,40 @@ def _batch(step: int, micro: int, dp_rank: int):
     return tokens, torch.roll(tokens, -1, dims=1)
 
 
-def _versus_plain_dp_body(overrides: dict, accumulate: int, reshard: bool):
+def test_consecutive_blocks_make_a_unit_once_they_hold_the_least_size():
+    assert consecutive_groups([3, 3, 3, 3, 3], at_least=5) == ([[0, 1], [2, 3]], [4])
+    assert consecutive_groups([6, 1, 1, 5], at_least=6) == ([[0], [1, 2, 3]], [])
+    assert consecutive_groups([3, 3], at_least=0) == ([[0], [1]], [])
+    assert consecutive_groups([3, 3], at_least=7) == ([], [0, 1])
+
+
+def _min_unit_mib(model, units: str) -> float:
+    """``fully_shard``'s ``min_unit_mib`` for ``units``: "per block", "default" (BASE's blocks in
+    the root) or "pairs" (units of two blocks, the blocks after the last pair in the root)."""
+    block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    return {"per block": 0, "default": MIN_UNIT_MIB, "pairs": 1.5 * block / 2**20}[units]
+
+
+def _fsdp_units(model) -> list[list[str]]:
+    """The names of the blocks in each FSDP unit but the root."""
+    units = {}
+    for i, block in enumerate(model.blocks):
+        if isinstance(block, FSDPModule):
+            units.setdefault(id(torch.distributed.fsdp.fully_shard.state(block)), []).append(f"blocks.{i}")
+    return list(units.values())
+
+
+def _versus_plain_dp_body(overrides: dict, accumulate: int, reshard: bool, units: str):
     tp.initialize_model_parallel(2)
     dp_rank, dp_group = tp.get_data_parallel_rank(), tp.get_data_parallel_group()
     config = GPTConfig(**{**BASE, **overrides})
-    plain, sharded = _build(config), tp.fully_shard(_build(config), reshard_after_forward=reshard)
+    plain, sharded = _build(config), _build(config)
+    tp.fully_shard(sharded, reshard_after_forward=reshard, min_unit_mib=_min_unit_mib(sharded, units))
+    per_block = [[f"blocks.{i}"] for i in range(config.num_layers)]
+    expected = per_block if config.recompute else {
+        "per block": per_block, "default": [],
+        "pairs": [[f"blocks.{i}", f"blocks.{i + 1}"] for i in range(0, config.num_layers - 1, 2)]}[units]
+    assert _fsdp_units(sharded) == expected
     assert all(isinstance(p, DTensor) for p in sharded.parameters())
     reducer = DataParallelGradReducer(plain.parameters(), dp_group=dp_group)
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
@@ -87,15 +117,17 @@ def _versus_plain_dp_body(overrides: dict, accumulate: int, reshard: bool):
     return True
 
 
-@pytest.mark.parametrize("overrides, accumulate, reshard", [
-    ({}, 1, True),
-    ({"sequence_parallel": True}, 1, True),
-    ({"sequence_parallel": True, "recompute": True}, 2, True),
+@pytest.mark.parametrize("overrides, accumulate, reshard, units", [
+    ({}, 1, True, "per block"),
+    ({"sequence_parallel": True}, 1, True, "default"),
+    ({"sequence_parallel": True, "num_layers": 5}, 2, True, "pairs"),
+    # Blocks that recompute are one unit each whatever min_unit_mib asks.
+    ({"sequence_parallel": True, "recompute": True}, 2, True, "default"),
     ({"tie_word_embeddings": False, "norm": "rmsnorm", "activation": "swiglu", "position_embedding": "rope",
-      "bias": False}, 2, False),
-], ids=["plain", "sp", "sp-recompute-accumulate", "untied-llama-zero2"])
-def test_fsdp_matches_plain_data_parallel(overrides, accumulate, reshard):
-    assert run_on_ranks(_versus_plain_dp_body, 4, overrides, accumulate, reshard) == [True] * 4
+      "bias": False, "num_layers": 3}, 2, False, "pairs"),
+], ids=["plain", "sp", "sp-pairs-accumulate", "sp-recompute-accumulate", "untied-llama-zero2-pairs"])
+def test_fsdp_matches_plain_data_parallel(overrides, accumulate, reshard, units):
+    assert run_on_ranks(_versus_plain_dp_body, 4, overrides, accumulate, reshard, units) == [True] * 4
 
 
 def _hsdp_body():
@@ -155,7 +187,7 @@ def test_hsdp_2x2_matches_plain_data_parallel():
 
 def _layout_body():
     tp.initialize_model_parallel(2)
-    model = tp.fully_shard(_build(GPTConfig(**BASE, sequence_parallel=True)))
+    model = tp.fully_shard(_build(GPTConfig(**BASE, sequence_parallel=True)), min_unit_mib=0)
     dp = tp.get_data_parallel_world_size()
     word = model.embedding.word.weight
     # The TP shard is sharded once more over DP along dim 0: [V/TP, h] -> [V/(TP*DP), h] here.
@@ -190,6 +222,9 @@ def _refusal_body():
         tp.fully_shard(model, units=[model.embedding, *model.blocks])
     with pytest.raises(ValueError, match="units= is required"):
         tp.fully_shard(torch.nn.Linear(2, 2))
+    for bad in (-1, float("nan"), float("inf"), "25", True):
+        with pytest.raises(ValueError, match=f"min_unit_mib must be a number of MiB >= 0, got {bad!r}"):
+            tp.fully_shard(_build(GPTConfig(**BASE)), min_unit_mib=bad)
     uneven = tp.ColumnParallelLinear(4, 6, partition_rows=[[(0, 6)]])  # loads write into the TP shard
     with pytest.raises(ValueError, match="has an uneven TP layout"):
         tp.fully_shard(torch.nn.Sequential(uneven), units=[uneven])
@@ -286,31 +321,33 @@ def test_fsdp_with_grad_fusion_is_a_usage_error(capsys):
     assert err.count("\n") == 1 and "--fsdp cannot combine with gradient-accumulation fusion" in err, err
 
 
-def _ledger_body(reshard: bool):
+def _ledger_body(reshard: bool, units: str):
     tp.initialize_model_parallel(2)
     dp = tp.get_data_parallel_world_size()
-    model = tp.fully_shard(_build(GPTConfig(**BASE)), reshard_after_forward=reshard)
+    model = _build(GPTConfig(**{**BASE, "num_layers": 5}))
+    tp.fully_shard(model, reshard_after_forward=reshard, min_unit_mib=_min_unit_mib(model, units))
     tokens, labels = _batch(0, 0, tp.get_data_parallel_rank())
     with tp.CommLedger() as ledger:
         with ledger.phase("forward"):
             loss = model(tokens, labels)
         with ledger.phase("backward"):
             loss.backward()
-    units = BASE["num_layers"] + 1  # the blocks and the root
+    count = {"per block": 5, "default": 0, "pairs": 2}[units] + 1  # and the root
     # Each unit's parameters travel as one flat buffer of dim-0 shards padded to equal size.
     padded = sum(-(-p.shape[0] // dp) * math.prod(p.shape[1:]) for p in model.parameters()) * dp * 4
-    assert ledger.count("all_gather", phase="forward") == units
+    assert ledger.count("all_gather", phase="forward") == count
     assert ledger.total_bytes("all_gather", phase="forward") == padded
-    # Resharded blocks are gathered again for backward; the root never is.
-    assert ledger.count("all_gather", phase="backward") == (BASE["num_layers"] if reshard else 0)
-    assert ledger.count("reduce_scatter", phase="backward") == units
+    # Resharded units are gathered again for backward; the root never is.
+    assert ledger.count("all_gather", phase="backward") == (count - 1 if reshard else 0)
+    assert ledger.count("reduce_scatter", phase="backward") == count
     assert ledger.total_bytes("reduce_scatter", phase="backward") == padded
     return True
 
 
+@pytest.mark.parametrize("units", ["per block", "default", "pairs"])
 @pytest.mark.parametrize("reshard", [True, False])
-def test_comm_ledger_records_fsdp_all_gathers_and_reduce_scatters(reshard):
-    assert run_on_ranks(_ledger_body, 4, reshard) == [True] * 4
+def test_comm_ledger_records_fsdp_all_gathers_and_reduce_scatters(reshard, units):
+    assert run_on_ranks(_ledger_body, 4, reshard, units) == [True] * 4
 
 
 def _bf16_body():

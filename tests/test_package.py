@@ -54,7 +54,7 @@ LAYERS = (
     ("tensorpar.linear_function", "tensorpar.linear"),
     ("tensorpar.embedding", "tensorpar.cross_entropy", "tensorpar.random", "tensorpar.checkpoint_without_output"),
     ("tensorpar.grads",),
-    ("tensorpar.fsdp", "tensorpar.invariant", "tensorpar.invariant_dropout"),
+    ("tensorpar.fsdp_mesh", "tensorpar.fsdp", "tensorpar.invariant", "tensorpar.invariant_dropout"),
     ("tensorpar.context",),
     ("tensorpar.comm_model", "tensorpar.memory_model", "tensorpar.fsdp_model"),
     ("tensorpar.models",),

@@ -10,7 +10,7 @@ import tensorpar as tp
 from tensorpar import pipeline
 from tensorpar.comm_model import CommConfig
 from tensorpar.errors import UsageError
-from tensorpar.fsdp import gather_dp_shards
+from tensorpar.fsdp import MIN_UNIT_MIB, gather_dp_shards
 from tensorpar.models import GPT, GPTConfig
 from tests.harness import run_on_ranks
 
@@ -159,7 +159,7 @@ def test_1f1b_and_interleaved_at_pp4_equal_pp1():
     run_on_ranks(_cases_body, 4, 1, 4, cases, timeout=300)
 
 
-def _fsdp_body(tp_invariant: bool):
+def _fsdp_body(tp_invariant: bool, units: str):
     """TP 1 x PP 2 x DP 2 with each stage sharded over DP, the same batch on both DP ranks: FSDP's
     average over DP is the PP=1 gradient, shard by shard, the tied embedding's copies summed (also
     for an invariant model stepped without its ShardedGradSync: FSDP's own reduction)."""
@@ -169,8 +169,10 @@ def _fsdp_body(tp_invariant: bool):
     full, expected_loss = _pp1(config, tokens, labels, 2, groups["tp"])
     layout = pipeline.stage_layout(config.num_layers, pp_size=2, schedule="1f1b")
     tp.model_parallel_manual_seed(1234, tp_group=groups["tp"])
-    stages = pipeline.fully_shard_stages(pipeline.build_stages(config, layout, pp_group=groups["pp"],
-                                                               tp_group=groups["tp"]), dp_group=groups["dp"])
+    stages = pipeline.build_stages(config, layout, pp_group=groups["pp"], tp_group=groups["tp"])
+    block = sum(p.numel() * p.element_size() for p in stages[0].blocks[0].parameters())
+    mib = {"per block": 0, "default": MIN_UNIT_MIB, "pairs": 1.5 * block / 2**20}[units]
+    pipeline.fully_shard_stages(stages, dp_group=groups["dp"], min_unit_mib=mib)
     schedule = pipeline.PipelineSchedule(stages, layout, schedule="1f1b", microbatches=2, pp_group=groups["pp"],
                                          embedding_group=groups["embedding"])
     loss = schedule.step(tokens, labels)
@@ -187,9 +189,9 @@ def _fsdp_body(tp_invariant: bool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp_invariant", [False, True])
-def test_each_stage_fully_sharded_over_dp_gives_every_pp1_gradient(tp_invariant):
-    for loss, expected, errors in run_on_ranks(_fsdp_body, 4, tp_invariant, timeout=300):
+@pytest.mark.parametrize("tp_invariant, units", [(False, "default"), (False, "pairs"), (True, "per block")])
+def test_each_stage_fully_sharded_over_dp_gives_every_pp1_gradient(tp_invariant, units):
+    for loss, expected, errors in run_on_ranks(_fsdp_body, 4, tp_invariant, units, timeout=300):
         assert abs(loss - expected) <= RTOL * abs(expected), (loss, expected)
         assert errors and all(error <= RTOL for error in errors.values()), errors
 

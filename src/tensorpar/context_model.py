@@ -135,7 +135,7 @@ def check(cfg: CommConfig, cp: ContextConfig) -> None:
 
 def parameter_numels(config, *, tp: int) -> list[int]:
     """Elements of each parameter of a GPT ``config`` on a TP rank, in ``parameters()`` order."""
-    root, *blocks = units(config, tp=tp)
+    root, *blocks = units(config, tp=tp, min_unit_mib=0)  # the blocks one by one, in order
     before = 1 + (config.position_embedding == "learned")  # the position table, then the word embedding
     shapes = [*root.shapes[:before][::-1], *(s for block in blocks for s in block.shapes), *root.shapes[before:]]
     return [torch.Size(s).numel() for s in shapes]

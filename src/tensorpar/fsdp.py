@@ -17,116 +17,52 @@ no :class:`~tensorpar.grads.MasterWeights` under FSDP, and ``gradient_accumulati
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 # FSDP2's hook for custom collectives (FSDPModule.set_custom_all_gather/_reduce_scatter): the
 # defaults, subclassed, keep FSDP's own paths (but gloo's collectives) and let CommLedger see each call.
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from . import comm
+from .fsdp_mesh import dp_mesh, full_box, hsdp_mesh, replica_group, shard_group, tp_dp_mesh
 from .grads import gather_dim0_shards, is_tp_invariant
 from .p2p_collectives import ring_all_gather, ring_reduce_scatter, uses_ring
-from .parallel_registry import CREATED, GROUPS
 from .parallel_state import get_data_parallel_group
 from .tree_reduce import HalvingTree, all_reduce_tree, reduce_scatter_tree
+from .utils import consecutive_groups
 
 __all__ = ["fully_shard", "reshard", "is_fully_sharded", "dp_mesh", "hsdp_mesh", "shard_group", "gather_dp_shards",
            "replica_group", "scatter_dp_shard", "tp_dp_mesh", "full_box", "ShardedGradSync", "describe", "bytes_per_rank",
-           "take_unsharded_grad"]
+           "take_unsharded_grad", "MIN_UNIT_MIB", "least_unit_bytes"]
+
+# The default least size of an FSDP unit: DDP's bucket size (its bucket_cap_mb).
+MIN_UNIT_MIB = 25.0
 
 
-def _device_type(group: dist.ProcessGroup) -> str:
-    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-
-
-def dp_mesh(dp_group: dist.ProcessGroup) -> DeviceMesh:
-    """A 1-D ``DeviceMesh`` over ``dp_group`` on the backend's device type."""
-    return DeviceMesh.from_group(dp_group, _device_type(dp_group))
-
-
-def _hsdp_groups(dp_ranks: list[int], replicate: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's (replicate, shard) groups of its DP group (collective over the world: every
-    rank creates every DP group's, in one order, the first time; kept until destroy_model_parallel)."""
-    key = f"hsdp x{replicate} {dp_ranks}"
-    if key not in GROUPS:
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (replicate, dp_ranks))
-        for r, ranks in sorted({(r, tuple(ranks)) for r, ranks in every}):
-            grid = torch.tensor(ranks).reshape(r, -1)
-            for kind, rows in (("replicate", grid.t()), ("shard", grid)):
-                for row in rows.tolist():
-                    group = dist.new_group(ranks=row)
-                    if dist.get_rank() in row:
-                        GROUPS[f"hsdp x{r} {list(ranks)} {kind}"] = group
-                        CREATED.append(group)
-        GROUPS[key] = GROUPS[f"{key} shard"]
-    return GROUPS[f"{key} replicate"], GROUPS[f"{key} shard"]
-
-
-def hsdp_mesh(dp_group: dist.ProcessGroup, replicate: int) -> DeviceMesh:
-    """The 2-D (``dp_replicate``, ``dp_shard``) mesh of ``dp_group`` for HSDP (collective): its ranks
-    as ``replicate`` rows of ``DP / replicate`` consecutive ranks; a shard group is a row, a
-    replica group a column. ``replicate=1`` is the 1-D mesh :func:`dp_mesh`.
-
-    Example: at DP 4, ``hsdp_mesh(dp_group, 2)`` shards over DP ranks {0, 1} and {2, 3} and
-    replicates over {0, 2} and {1, 3}.
-    """
-    ranks, size = dist.get_process_group_ranks(dp_group), comm.group_size(dp_group)
-    if replicate < 1 or size % replicate:
-        raise ValueError(f"fully_shard: dp_replicate={replicate} does not divide the DP size {size}")
-    if replicate == 1:
-        return dp_mesh(dp_group)
-    groups = _hsdp_groups(ranks, replicate)
-    return DeviceMesh.from_group(list(groups), _device_type(dp_group), mesh=torch.tensor(ranks).reshape(replicate, -1),
-                                 mesh_dim_names=("dp_replicate", "dp_shard"))
+def _units(model: nn.Module) -> list[FSDPModule]:
+    """One module of each FSDP unit in ``model`` (the modules of a list unit share one state)."""
+    first = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            first.setdefault(id(_torch_fully_shard.state(module)), module)
+    return list(first.values())
 
 
 def reshard(model: nn.Module) -> None:
     """Free every gathered FSDP unit of ``model``, so its parameters are the shards again."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    for unit in _units(model):
+        unit.reshard()
 
 
 def is_fully_sharded(model: nn.Module) -> bool:
     """Whether ``model``'s parameters are FSDP shards (DTensors)."""
     return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def shard_group(tensor: DTensor) -> dist.ProcessGroup:
-    """The group an FSDP shard is split over: the DP group, or under CP the DP x CP group; under
-    HSDP (``fully_shard(dp_replicate=R)``) this rank's row of it, the shard group.
-
-    Example: ``shard_group(model.blocks[0].norm1.weight)`` after ``fully_shard(model)``.
-    """
-    # Found by the mesh's ranks, not its group handle: meshes of the same ranks compare equal,
-    # and torch may hand a shard an equal mesh of an earlier, destroyed group (a process that
-    # initializes the groups again, as the tests' persistent worlds do).
-    mesh = tensor.device_mesh.mesh
-    ranks = next(row for row in mesh.reshape(-1, mesh.shape[-1]).tolist() if dist.get_rank() in row)
-    for group in (get_data_parallel_group(), get_data_parallel_group(with_context_parallel=True), *_hsdp("shard")):
-        if dist.get_process_group_ranks(group) == ranks:
-            return group
-    raise ValueError(f"an FSDP shard over ranks {ranks}, neither the DP nor the DP x CP group: pass dp_group=")
-
-
-def _hsdp(kind: str) -> list[dist.ProcessGroup]:
-    """This rank's HSDP groups of ``kind`` ("shard" or "replicate") that :func:`hsdp_mesh` made."""
-    return [group for name, group in GROUPS.items() if name.startswith("hsdp") and name.endswith(kind)]
-
-
-def replica_group(tensor: DTensor) -> dist.ProcessGroup | None:
-    """Under HSDP the group of this rank's replicas of an FSDP shard (its column of the mesh); else None."""
-    mesh = tensor.device_mesh.mesh
-    if mesh.ndim == 1:
-        return None
-    column = next(col for col in mesh.t().tolist() if dist.get_rank() in col)
-    return next(group for group in _hsdp("replicate") if dist.get_process_group_ranks(group) == column)
 
 
 def gather_dp_shards(tensor: torch.Tensor, *, dp_group=None) -> torch.Tensor:
@@ -220,47 +156,29 @@ class _TreeReduceScatter(DefaultReduceScatter):
         return None
 
 
-def tp_dp_mesh(tp_group, *, dp_group=None) -> DeviceMesh | None:
-    """The (TP, DP) mesh of this rank's TP group and ``dp_group`` (default: the DP group; under
-    CP the DP x CP group FSDP shards over), in this pipeline stage; None at TP=1."""
-    tp = comm.group_size(tp_group)
-    if tp == 1:
-        return None
-    dp_group = dp_group if dp_group is not None else get_data_parallel_group()
-    me = dist.get_rank()
-    # The layout is a product of axes: TP rank t of DP rank d is d's rank shifted as t is from this one.
-    tp_ranks = torch.tensor(dist.get_process_group_ranks(tp_group)) - me
-    grid = tp_ranks[:, None] + torch.tensor(dist.get_process_group_ranks(dp_group))[None, :]
-    return DeviceMesh.from_group([tp_group, dp_group], _device_type(tp_group), mesh=grid, mesh_dim_names=("tp", "dp"))
+def least_unit_bytes(config, min_unit_mib: float) -> int:
+    """The bytes of parameters at which a unit of consecutive blocks of a GPT ``config`` closes:
+    ``min_unit_mib``, or 0 (one block per unit) where the blocks recompute in backward, since
+    FSDP2 takes each recomputed block of a unit as a call of its own and reduce-scatters,
+    frees and gathers the unit again after it."""
+    return 0 if getattr(config, "recompute", False) else math.ceil(min_unit_mib * 2**20)
 
 
-def full_box(tensor: DTensor, param, mesh: DeviceMesh | None) -> DTensor | None:
-    """An FSDP shard as a box of the TP=1 tensor on the (TP, DP) ``mesh`` (:func:`tp_dp_mesh`),
-    without communication, as DCP saves and loads it; None for a strided weight (fused Q|K|V,
-    gate|up), whose DP shard is no box of it."""
-    parallel = getattr(param, "tensor_model_parallel", False)
-    if parallel and param.partition_stride != 1:
-        return None
-    if mesh is None:
-        return tensor  # at TP=1 the FSDP DTensor already is one
-    shape = list(tensor.shape)
-    if parallel:
-        dim = param.partition_dim % len(shape)
-        shape[dim] *= mesh.size(0)
-        placements = [Shard(dim), Shard(0)]   # a dim-0 DP split inside a dim-0 TP split nests
-    else:
-        placements = [Replicate(), Shard(0)]
-    return DTensor.from_local(tensor.to_local(), mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
-
-
-def _default_units(model: nn.Module) -> list[nn.Module]:
-    """A GPT's transformer blocks (any model with a ``blocks`` ModuleList)."""
+def _default_units(model: nn.Module, min_unit_mib: float) -> list[nn.Module | list[nn.Module]]:
+    """A GPT's transformer blocks (any model with a ``blocks`` ModuleList), consecutive ones one
+    unit until it holds :func:`least_unit_bytes` of this rank's parameters; the blocks after the
+    last such unit stay in the root."""
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"fully_shard: units= is required for a {type(model).__name__} "
-                         "(the default, one unit per transformer block, knows a GPT's `blocks`)")
-    return list(blocks)
+                         "(the default, transformer blocks grouped into units, knows a GPT's `blocks`)")
+    sizes = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks]
+    groups, _ = consecutive_groups(sizes, at_least=least_unit_bytes(getattr(model, "config", None), min_unit_mib))
+    return [blocks[g[0]] if len(g) == 1 else [blocks[i] for i in g] for g in groups]
+
+
+def _parameters(unit: nn.Module | list[nn.Module]) -> list[nn.Parameter]:
+    return [p for module in (unit if isinstance(unit, list) else [unit]) for p in module.parameters()]
 
 
 def _refuse(model: nn.Module, units: list[nn.Module]) -> None:
@@ -283,7 +201,7 @@ def _refuse(model: nn.Module, units: list[nn.Module]) -> None:
                              "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
     seen: dict[int, int] = {}
     for index, unit in enumerate(units):
-        for p in unit.parameters():
+        for p in _parameters(unit):
             if seen.setdefault(id(p), index) != index:
                 raise ValueError(f"fully_shard: units {seen[id(p)]} and {index} share a parameter (a tied "
                                  "weight): leave it to one unit or to the root")
@@ -294,8 +212,9 @@ def _refuse(model: nn.Module, units: list[nn.Module]) -> None:
                          "root unit, not in units=")
 
 
-def fully_shard(model: nn.Module, *, dp_group=None, units=None, reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy | None = None, dp_replicate: int = 1) -> nn.Module:
+def fully_shard(model: nn.Module, *, dp_group=None, units=None, min_unit_mib: float = MIN_UNIT_MIB,
+                reshard_after_forward: bool = True, mp_policy: MixedPrecisionPolicy | None = None,
+                dp_replicate: int = 1) -> nn.Module:
     """Shard ``model`` over ``dp_group`` (default: the DP group) with FSDP2, composed with TP.
 
     ``dp_replicate=R`` gives HSDP: FSDP2 on the 2-D mesh :func:`hsdp_mesh`, each parameter
@@ -303,9 +222,14 @@ def fully_shard(model: nn.Module, *, dp_group=None, units=None, reshard_after_fo
     reduce-scatters within a replica, then all-reduces across them); pass
     ``dp_group=shard_group(p)`` to ``clip_grad_norm_``, which sums the shards' squares over it.
 
-    One FSDP unit per module of ``units`` (default for a :class:`~tensorpar.models.GPT`: one
-    per transformer block), then the root: the embedding, final norm and (tied) LM head stay
-    together in it, gathered from forward through backward. ``reshard_after_forward=False``
+    One FSDP unit per entry of ``units`` (a module, or a list of modules gathered together),
+    then the root: the embedding, final norm and (tied) LM head stay together in it, gathered
+    from forward through backward. The default for a :class:`~tensorpar.models.GPT` groups
+    consecutive transformer blocks into units of at least ``min_unit_mib`` MiB of this rank's
+    parameters (one block each where a block holds that much; ``min_unit_mib=0``, or a model
+    that recomputes its blocks: one block per unit), and leaves the blocks after the last such
+    unit in the root: every unit costs three collectives a step, each with a fixed cost, the
+    reason DDP has buckets. ``reshard_after_forward=False``
     keeps each unit gathered between its forward and backward (ZeRO-2-like: more memory, one
     all-gather less). TP attributes (``tensor_model_parallel``, ``sequence_parallel``, ...)
     carry over to the sharded parameters, so ``allreduce_sequence_parallel_grads``,
@@ -322,8 +246,10 @@ def fully_shard(model: nn.Module, *, dp_group=None, units=None, reshard_after_fo
         tp.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
     """
+    if isinstance(min_unit_mib, bool) or not isinstance(min_unit_mib, (int, float)) or not 0 <= min_unit_mib < math.inf:
+        raise ValueError(f"fully_shard: min_unit_mib must be a number of MiB >= 0, got {min_unit_mib!r}")
     group = dp_group if dp_group is not None else get_data_parallel_group()
-    units = _default_units(model) if units is None else list(units)
+    units = _default_units(model, min_unit_mib) if units is None else list(units)
     _refuse(model, units)
     attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}
     mesh = hsdp_mesh(group, dp_replicate)
@@ -333,7 +259,7 @@ def fully_shard(model: nn.Module, *, dp_group=None, units=None, reshard_after_fo
     # The root keeps FSDP's default: gathered after forward, since backward needs it at once.
     _torch_fully_shard(model, mesh=mesh, mp_policy=policy,
                        **({} if reshard_after_forward else {"reshard_after_forward": False}))
-    for unit in [*units, model]:
+    for unit in _units(model):
         unit.set_custom_all_gather(_RecordedAllGather())
         unit.set_custom_reduce_scatter(_RecordedReduceScatter())
     for name, p in model.named_parameters():
@@ -386,13 +312,12 @@ class ShardedGradSync:
             raise ValueError("ShardedGradSync: micro_batches= needs FSDP shards over at least 2 ranks")
         if cp_group is not None:
             _check_cp_inner(shard.device_mesh.mesh.reshape(-1).tolist(), dist.get_process_group_ranks(cp_group))
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                tree = _TreeReduceScatter(micro_batches=micro_batches, replicate_group=replica_group(shard),
-                                          cp_group=cp_group)
-                module.set_custom_reduce_scatter(tree)
-                module.set_gradient_divide_factor(1.0)  # the loss is divided by the global micro-batch count
-                self.trees.append(tree)
+        for module in _units(self.model):
+            tree = _TreeReduceScatter(micro_batches=micro_batches, replicate_group=replica_group(shard),
+                                      cp_group=cp_group)
+            module.set_custom_reduce_scatter(tree)
+            module.set_gradient_divide_factor(1.0)  # the loss is divided by the global micro-batch count
+            self.trees.append(tree)
 
     @property
     def sync(self) -> bool:
@@ -403,9 +328,8 @@ class ShardedGradSync:
         self._sync = value
         if self.trees:  # every backward hands its gradients to the trees
             return
-        for module in self.model.modules():  # every FSDP root: a pipeline rank's stages are one each
-            if isinstance(module, FSDPModule):
-                module.set_requires_gradient_sync(value, recurse=False)
+        for unit in _units(self.model):
+            unit.set_requires_gradient_sync(value, recurse=False)
 
     def reduce_micro_batch(self, stage: nn.Module, micro_batch: int) -> None:
         """Sum the gradients one backward left unreduced in ``stage`` (an FSDP root: a pipeline

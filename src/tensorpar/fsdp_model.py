@@ -1,12 +1,13 @@
 """Analytic model of a TP x FSDP GPT training step (:func:`tensorpar.fully_shard`): FSDP2's
 collectives in issue order among the TP ones, and the state each rank holds.
 
-FSDP shards each unit (one per transformer block, then the root: embedding, position table,
-final norm, LM head) over the DP group. Per step and rank: forward all-gathers each unit's
-parameters (the root first, then each block as its forward starts); backward gathers each block
-again when ``reshard_after_forward`` freed it (prefetched one block ahead: the last block's at
-the start of backward, block ``i - 1``'s just before block ``i``'s backward collectives) and
-reduce-scatters each unit's gradients as its backward ends, the root's last. A unit's collective
+FSDP shards each unit (consecutive transformer blocks, as many as make ``min_unit_mib``; then the
+root: embedding, position table, final norm, LM head and the blocks after the last unit) over the
+DP group. Per step and rank: forward all-gathers each unit's parameters (the root first, then
+each unit as its first block's forward starts); backward gathers each unit again when
+``reshard_after_forward`` freed it (prefetched one unit ahead: the last unit's at the start of
+backward, the one before unit ``u``'s just before the backward collectives of ``u``'s last block)
+and reduce-scatters each unit's gradients as its backward ends, the root's last. A unit's collective
 moves one flat buffer: every parameter's TP shard padded along dim 0 to a multiple of DP (FSDP2's
 layout). Parameters travel in the compute dtype (``MixedPrecisionPolicy(param_dtype=...)``),
 gradients in fp32 (``reduce_dtype``), averaged. After backward, the training loop's SP-grad
@@ -29,6 +30,8 @@ import re
 import torch
 
 from .comm_model import CommConfig, CommOp, LinkModel, collectives
+from .fsdp import MIN_UNIT_MIB, least_unit_bytes
+from .utils import consecutive_groups
 
 PARAM_GATHER = "FSDP parameter all-gather"
 REGATHER = "FSDP re-gather for backward"
@@ -37,14 +40,18 @@ GRAD_REDUCE = "FSDP grad reduce-scatter"
 
 @dataclasses.dataclass(frozen=True)
 class FSDPConfig:
-    """FSDP over ``dp`` DP ranks; ``reshard_after_forward=False`` is the ZeRO-2-like variant."""
+    """FSDP over ``dp`` DP ranks; ``reshard_after_forward=False`` is the ZeRO-2-like variant;
+    ``min_unit_mib`` as :func:`tensorpar.fully_shard` takes it."""
 
     dp: int
     reshard_after_forward: bool = True
+    min_unit_mib: float = MIN_UNIT_MIB
 
     def __post_init__(self) -> None:
         if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 2:
             raise ValueError(f"FSDP needs a DP size of at least 2 (over one rank it shards nothing), got {self.dp!r}")
+        if not 0 <= self.min_unit_mib < math.inf:
+            raise ValueError(f"FSDP's min_unit_mib must be a number of MiB >= 0, got {self.min_unit_mib!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +67,13 @@ class DataParallelOp(CommOp):
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-    """One FSDP unit: each parameter's TP-shard shape, and whether SP marks it (replicated over TP)."""
+    """One FSDP unit: each parameter's TP-shard shape, whether SP marks it (replicated over TP),
+    and the transformer blocks it holds."""
 
     name: str
     shapes: tuple[tuple[int, ...], ...]
     sequence_parallel: tuple[bool, ...]
+    blocks: tuple[int, ...] = ()
 
     def padded_numel(self, dp: int) -> int:
         """Elements of the unit's flat all-gather output / reduce-scatter input."""
@@ -76,8 +85,9 @@ class Unit:
                    for s, sp in zip(self.shapes, self.sequence_parallel) if sp or not only_sequence_parallel)
 
 
-def units(config, *, tp: int) -> list[Unit]:
-    """The FSDP units of a GPT ``config`` at ``tp``, root first, as :func:`tensorpar.fully_shard` makes them.
+def units(config, *, tp: int, min_unit_mib: float = MIN_UNIT_MIB) -> list[Unit]:
+    """The FSDP units of a GPT ``config`` at ``tp``, root first, as :func:`tensorpar.fully_shard`
+    makes them with ``min_unit_mib`` (0: one unit per block).
 
     FSDP cannot shard an uneven TP layout, so TP must divide the heads, K/V heads and FFN width.
     """
@@ -101,10 +111,15 @@ def units(config, *, tp: int) -> list[Unit]:
     root = [((vocab, h), False), *([((config.max_seq_len, h), True)] if config.position_embedding == "learned" else []),
             *norm, *([] if config.tie_word_embeddings else [((vocab, h), False)])]
 
-    def unit(name, params):
-        return Unit(name, tuple(s for s, _ in params), tuple(sp for _, sp in params))
+    def unit(name, params, blocks):
+        params = params + block * len(blocks)
+        return Unit(name, tuple(s for s, _ in params), tuple(sp for _, sp in params), tuple(blocks))
 
-    return [unit("root", root), *(unit(f"blocks.{i}", block) for i in range(config.num_layers))]
+    block_bytes = 4 * sum(math.prod(s) for s, _ in block)  # FSDP keeps the parameters fp32
+    groups, rest = consecutive_groups([block_bytes] * config.num_layers,
+                                      at_least=least_unit_bytes(config, min_unit_mib))
+    return [unit("root", root, rest),
+            *(unit(f"blocks.{g[0]}" + (f"-{g[-1]}" if len(g) > 1 else ""), [], g) for g in groups)]
 
 
 def step_collectives(cfg: CommConfig, config, fsdp: FSDPConfig, *, link: LinkModel | None = None) -> list[CommOp]:
@@ -116,8 +131,9 @@ def step_collectives(cfg: CommConfig, config, fsdp: FSDPConfig, *, link: LinkMod
     """
     if cfg.layer != "gpt-step":
         raise ValueError(f"FSDP is modelled for --layer gpt-step, not {cfg.layer}")
-    dp, parts = fsdp.dp, units(config, tp=cfg.tp)
-    root, blocks = parts[0], parts[1:]
+    dp, parts = fsdp.dp, units(config, tp=cfg.tp, min_unit_mib=fsdp.min_unit_mib)
+    root, groups = parts[0], parts[1:]
+    unit_of = {block: u for u, unit in enumerate(groups) for block in unit.blocks}
 
     def unit_op(unit, phase, op, what, dtype):
         return DataParallelOp(unit.name, phase, op, (unit.padded_numel(dp),), dtype, cfg.tp, what,
@@ -130,7 +146,7 @@ def step_collectives(cfg: CommConfig, config, fsdp: FSDPConfig, *, link: LinkMod
         return unit_op(unit, "backward", "reduce_scatter", GRAD_REDUCE, torch.float32)
 
     ops = collectives(cfg, link=link)
-    per_block = [([], []) for _ in blocks]
+    per_block = [([], []) for _ in range(config.num_layers)]
     head, tail = ([], []), ([], [])  # (forward, backward) of the embedding; of the LM head and loss
     for op in ops:
         if op.phase == "grads":
@@ -139,15 +155,19 @@ def step_collectives(cfg: CommConfig, config, fsdp: FSDPConfig, *, link: LinkMod
         where = per_block[int(block.group(1))] if block else head if op.layer.startswith("embedding") else tail
         where[op.phase != "forward"].append(op)
     forward = [gather(root), *head[0]]
-    for unit, (fwd, _) in zip(blocks, per_block):
-        forward += [gather(unit), *fwd]
+    for i, (fwd, _) in enumerate(per_block):
+        starts = i in unit_of and groups[unit_of[i]].blocks[0] == i
+        forward += [*([gather(groups[unit_of[i]])] if starts else []), *fwd]
     forward += tail[0]
     regather = fsdp.reshard_after_forward
-    backward = [*([gather(blocks[-1], REGATHER)] if regather else []), *tail[1]]
-    for i in reversed(range(len(blocks))):
+    backward = [*([gather(groups[-1], REGATHER)] if regather and groups else []), *tail[1]]
+    for i in reversed(range(config.num_layers)):
+        u = unit_of.get(i)
         recompute = [op for op in per_block[i][1] if op.phase == "recompute"]
-        backward += [*recompute, *([gather(blocks[i - 1], REGATHER)] if regather and i else []),
-                     *[op for op in per_block[i][1] if op.phase != "recompute"], reduce(blocks[i])]
+        prefetch = regather and u and groups[u].blocks[-1] == i
+        backward += [*recompute, *([gather(groups[u - 1], REGATHER)] if prefetch else []),
+                     *[op for op in per_block[i][1] if op.phase != "recompute"],
+                     *([reduce(groups[u])] if u is not None and groups[u].blocks[0] == i else [])]
     backward += [*head[1], reduce(root)]
     return forward + backward + _grads(cfg, parts, dp)
 

@@ -14,6 +14,8 @@ import dataclasses
 import math
 
 from .comm_model import CommConfig
+from .fsdp import MIN_UNIT_MIB, least_unit_bytes
+from .utils import consecutive_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,8 +228,8 @@ def _stage_parameters(config, *, tp: int, stage: StageShare) -> tuple[float, flo
 
 
 def gpt_training_memory(config, *, tp: int, dp: int = 1, seq_len: int, micro_batch: int, dtype: str = "fp32",
-                        fsdp: bool = False, reshard_after_forward: bool = True, cp: int = 1,
-                        stages: tuple[StageShare, ...] | None = None) -> dict[str, float]:
+                        fsdp: bool = False, reshard_after_forward: bool = True, min_unit_mib: float = MIN_UNIT_MIB,
+                        cp: int = 1, stages: tuple[StageShare, ...] | None = None) -> dict[str, float]:
     """Bytes one rank holds to train a GPT ``config`` (fields as :class:`~tensorpar.models.GPTConfig`)
     with AdamW: ``parameters``, ``gradients``, ``optimizer``, ``activations``, ``gathered``,
     ``buffers`` and ``total``.
@@ -242,11 +244,12 @@ def gpt_training_memory(config, *, tp: int, dp: int = 1, seq_len: int, micro_bat
     (:func:`_transient`). ``cp``: context parallelism divides every per-token activation (the
     ranks hold ``2 x ceil(s / 2CP)`` tokens) and not the parameters; with ``fsdp`` parameters,
     gradients and optimizer state are divided over the ``dp x cp`` ranks, and ``gathered`` is
-    what FSDP holds whole for a while within a step: the root unit's parameters and gradients
-    throughout, and the blocks' parameters two at a time (the running one and the prefetched
-    one), or every block's from its forward to its backward without ``reshard_after_forward``
-    (and always under PP, where each stage's units stay gathered for the step and hold their
-    unreduced gradients), plus one block's gradients before their reduce-scatter. An estimate
+    what FSDP holds whole for a while within a step (its units as :func:`tensorpar.fully_shard`
+    groups the blocks with ``min_unit_mib``): the root unit's parameters and gradients
+    throughout, and the other units' parameters two at a time (the running one and the
+    prefetched one), or every unit's from its forward to its backward without
+    ``reshard_after_forward``, plus one unit's gradients before their reduce-scatter; under PP
+    every stage's units stay gathered for the step and hold their unreduced gradients. An estimate
     made before anything is built; ``benchmarks/stage_memory.py`` measures it.
 
     Example::
@@ -284,10 +287,15 @@ def gpt_training_memory(config, *, tp: int, dp: int = 1, seq_len: int, micro_bat
     if config.recompute:
         activations += _bytes(every, tp=tp, sp=sp)  # the block recomputed in backward
     buffers = sum(stage.microbatches * ((not stage.first) + (not stage.last)) for stage in stages) * hidden_state
-    if fsdp:
-        whole_blocks = layers if pipelined or not reshard_after_forward else min(2, layers)
-        grads_whole = layers if pipelined else 1
-        gathered = (rest + whole_blocks * block) * param_bytes + (rest + grads_whole * block) * grad_bytes
+    if fsdp and pipelined:
+        gathered = (rest + layers * block) * (param_bytes + grad_bytes)
+    elif fsdp:
+        least = least_unit_bytes(config, min_unit_mib)
+        groups, in_root = consecutive_groups([block * param_bytes] * layers, at_least=least)
+        unit = len(groups[0]) * block if groups else 0  # the blocks are alike, so are the units
+        root = rest + len(in_root) * block
+        held = min(2, len(groups)) if reshard_after_forward else len(groups)
+        gathered = (root + held * unit) * param_bytes + (root + unit) * grad_bytes
     else:
         gathered = 0
     memory = {"parameters": params * param_bytes, "gradients": params * grad_bytes,

@@ -1,4 +1,5 @@
-"""Megatron's small tensor-parallel helpers: splitting, 1-D shards, vocab ranges, broadcasting a batch.
+"""Megatron's small tensor-parallel helpers: splitting, 1-D shards, vocab ranges, broadcasting a
+batch; and the grouping of consecutive modules by size that FSDP's units use.
 
 All work on any device, over the TP group of ``initialize_model_parallel`` or an explicit
 ``tp_group``.
@@ -105,3 +106,18 @@ def broadcast_data(keys, data, datatype: torch.dtype, *, tp_group=None) -> dict[
     flat = comm.broadcast(flat, first, group)
     return {key: part.view(size) for key, part, size in zip(keys, torch.split(flat, numels), sizes)}
 
+
+def consecutive_groups(sizes: list[int], *, at_least: int) -> tuple[list[list[int]], list[int]]:
+    """Split the indices of ``sizes`` into runs in order, each closed once its sizes sum to
+    ``at_least``; returns the runs and the trailing indices whose sizes sum to less.
+
+    Example: ``consecutive_groups([3, 3, 3, 3, 3], at_least=5)`` is ``([[0, 1], [2, 3]], [4])``.
+    """
+    groups, run, total = [], [], 0
+    for index, size in enumerate(sizes):
+        run.append(index)
+        total += size
+        if total >= at_least:
+            groups.append(run)
+            run, total = [], 0
+    return groups, run

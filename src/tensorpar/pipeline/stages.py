@@ -24,7 +24,7 @@ import torch
 
 from .. import comm
 from ..errors import UsageError
-from ..fsdp import fully_shard
+from ..fsdp import MIN_UNIT_MIB, fully_shard
 from ..models import GPT, GPTConfig
 from .plan import StageLayout
 
@@ -60,11 +60,12 @@ def build_stages(config: GPTConfig, layout: StageLayout, *, pp_group, tp_group=N
     return stages
 
 
-def fully_shard_stages(stages: list[GPT], *, dp_group=None, mp_policy=None) -> list[GPT]:
+def fully_shard_stages(stages: list[GPT], *, dp_group=None, mp_policy=None,
+                       min_unit_mib: float = MIN_UNIT_MIB) -> list[GPT]:
     """Shard each of this rank's stages over ``dp_group`` (default: the DP group) with
-    :func:`tensorpar.fully_shard`: a unit per block, the stage the root. Call it before
-    :class:`~tensorpar.pipeline.PipelineSchedule`; torch's stages then hold every backward's
-    gradients unreduced and reduce-scatter them once, after the step's last micro-batch.
+    :func:`tensorpar.fully_shard`: its blocks in units of ``min_unit_mib``, the stage the root.
+    Call it before :class:`~tensorpar.pipeline.PipelineSchedule`; torch's stages then hold every
+    backward's gradients unreduced and reduce-scatter them once, after the step's last micro-batch.
 
     Each unit stays gathered from its first forward to the step's end (torchtitan's choice
     under PP too): resharding after each forward would gather it again for every micro-batch.
@@ -78,5 +79,6 @@ def fully_shard_stages(stages: list[GPT], *, dp_group=None, mp_policy=None) -> l
         raise UsageError("FSDP cannot shard the tied embedding that the first and the last stage share on one "
                          "rank (the V schedules zbv and dualpipev): untie the embeddings or choose another schedule")
     for stage in stages:
-        fully_shard(stage, dp_group=dp_group, reshard_after_forward=False, mp_policy=mp_policy)
+        fully_shard(stage, dp_group=dp_group, min_unit_mib=min_unit_mib, reshard_after_forward=False,
+                    mp_policy=mp_policy)
     return stages

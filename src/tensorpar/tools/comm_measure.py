@@ -160,7 +160,8 @@ def measure_on_this_rank(cfg: CommConfig, *, fsdp: FSDPConfig | None = None, con
     module, args = _workload(dataclasses.replace(cfg, dtype="fp32") if fsdp else cfg, context)
     if fsdp:
         policy = MixedPrecisionPolicy(param_dtype=cfg.torch_dtype, reduce_dtype=torch.float32)
-        fully_shard(module, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=policy)
+        fully_shard(module, reshard_after_forward=fsdp.reshard_after_forward, min_unit_mib=fsdp.min_unit_mib,
+                    mp_policy=policy)
     reducer = DataParallelGradReducer(module.parameters(), dp_group=get_data_parallel_group(
         with_context_parallel=True)) if context else None
     step = cfg.layer == "gpt-step"
