@@ -285,7 +285,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp_runs")
     # Evaluations in between: a forward that no backward follows must leave FSDP's state intact.
     plain = _train(4, 2, root / "plain", "--sp", "--save-every", "3", "--eval-every", "2", "--eval-iters", "1")
-    fsdp = _train(4, 2, root / "fsdp", "--sp", "--fsdp", "--save-every", "3", "--eval-every", "2", "--eval-iters", "1")
+    # A unit per block, resumed below with the default's units (the blocks in the root).
+    fsdp = _train(4, 2, root / "fsdp", "--sp", "--fsdp", "--fsdp-min-unit-mib", "0", "--save-every", "3",
+                  "--eval-every", "2", "--eval-iters", "1")
     resumed = {
         # FSDP checkpoint -> no FSDP at TP1 x DP1, and -> FSDP at TP1 x DP4.
         "fsdp->tp1": _train(1, 1, root / "r1", "--no-fsdp", "--resume", str(root / "fsdp" / "step_3")),
@@ -313,12 +315,17 @@ def test_checkpoints_resume_with_or_without_fsdp_at_other_sizes(runs, name):
         assert loss == pytest.approx(plain[step], rel=2e-5)
 
 
-def test_fsdp_with_grad_fusion_is_a_usage_error(capsys):
+def test_fsdp_with_grad_fusion_and_a_unit_size_without_fsdp_are_usage_errors(capsys):
+    from tensorpar.tools import fsdp_flags
     from tensorpar.tools.cli import main
 
     assert main(["train", "--fsdp", "--grad-fusion", "--nproc", "1", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--fsdp cannot combine with gradient-accumulation fusion" in err, err
+    assert fsdp_flags.MIN_UNIT_MIB == MIN_UNIT_MIB
+    assert main(["train", "--fsdp-min-unit-mib", "0", "--nproc", "1", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--fsdp-min-unit-mib 0 applies with --fsdp" in err, err
 
 
 def _ledger_body(reshard: bool, units: str):

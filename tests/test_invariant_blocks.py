@@ -279,8 +279,9 @@ def test_tp3_with_cp_pp_and_fsdp_trains_the_tp1_run(tmp_path):
             "--seq-len", "24", "--steps", "2", "--micro-batch", "2", "--global-batch", "4", "--dropout", "0.1",
             "--attention-dropout", "0", "--eval-every", "0", "--no-progress", "--seed", "5"]
     layouts = {"tp1": (1, []), "tp3xcp2-sp": (6, ["--cp", "2", "--cp-comm", "a2a", "--sp"]), "tp3xpp2": (6, ["--pp", "2"]),
-               "tp3xdp2-fsdp": (6, ["--fsdp", "--save-every", "1"]),
-               # FSDP's shards of the QKV layer loaded into another layout: its K/V rows whole on each TP rank.
+               "tp3xdp2-fsdp": (6, ["--fsdp", "--fsdp-min-unit-mib", "0", "--save-every", "1"]),
+               # FSDP's shards of the QKV layer loaded into another layout (its K/V rows whole on each TP
+               # rank), in other units (the default's: the blocks in the root).
                "tp1xdp2-fsdp-resumed": (2, ["--fsdp", "--resume", str(tmp_path / "tp3xdp2-fsdp" / "step_1")])}
     runs = {name: run_on_ranks(_train_body, ranks, argv + ["--tp", "3" if name.startswith("tp3") else "1", *flags,
                                                            "--out", str(tmp_path / name)], timeout=300)[0]

@@ -26,7 +26,7 @@ LLAMA = ["--norm", "rmsnorm", "--activation", "swiglu", "--position-embedding", 
 # (TP, CP, DP) and flags; DP 2 runs one of the step's 2 micro-batches per DP rank. FSDP shards over
 # DP x CP: 2 ranks at 1x2 and 2x2-sp, 4 at 1x2xdp2; HSDP there: shards over CP, replicas over DP.
 LAYOUTS = {"1x1": (1, 1, 1), "1x2": (1, 2, 1), "2x2": (2, 2, 1), "2x2-sp": (2, 2, 1, "--sp"), "1x4": (1, 4, 1),
-           "1x2xdp2": (1, 2, 2), "1x2-fsdp": (1, 2, 1, "--fsdp"), "2x2-sp-fsdp": (2, 2, 1, "--sp", "--fsdp"),
+           "1x2xdp2": (1, 2, 2), "1x2-fsdp": (1, 2, 1, "--fsdp"), "2x2-sp-fsdp": (2, 2, 1, "--sp", "--fsdp", "--fsdp-min-unit-mib", "0"),
            "1x2xdp2-fsdp": (1, 2, 2, "--fsdp"), "1x2xdp2-hsdp": (1, 2, 2, "--fsdp", "--dp-replicate", "2")}
 
 

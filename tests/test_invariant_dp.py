@@ -69,13 +69,15 @@ def test_halving_tree_sums_each_dp_ranks_piece_as_a_subtree():
 def test_training_is_bit_identical_at_any_dp_size(tmp_path, model):
     """(TP, DP) = (1, 2), (2, 2), (1, 4) against (1, 1): training and validation losses == at every
     step, final weights torch.equal, with hidden dropout and clipping. GPT-2 at (2, 2) and (1, 4)
-    with --fsdp and at 1 x 4 as HSDP 2 x 2 (the tree's sum in place of FSDP's reduce-scatter);
+    with --fsdp (a unit per block at (2, 2), both blocks one unit at (1, 4): 0.08 MiB holds two
+    0.048 MiB blocks) and at 1 x 4 as HSDP 2 x 2 (the tree's sum in place of FSDP's reduce-scatter);
     its (2, 2) FSDP run, saved after step 2, resumes at 1 x 4 and at 4 x 1 with --no-fsdp on the
     same bits. The Llama-style model (2 K/V heads, whole on every TP rank) at (2, 2) with and
     without --fsdp and at 1 x 4 as HSDP 2 x 2."""
     layouts = {"1x1": (1, 1), "2x2": (2, 2), "2x2 fsdp": (2, 2, "--fsdp"),
                "hsdp 2x2": (1, 4, "--fsdp", "--dp-replicate", "2")} if model else {
-        "1x1": (1, 1), "1x2": (1, 2), "2x2 fsdp": (2, 2, "--fsdp", "--save-every", "2"), "1x4 fsdp": (1, 4, "--fsdp"),
+        "1x1": (1, 1), "1x2": (1, 2), "2x2 fsdp": (2, 2, "--fsdp", "--fsdp-min-unit-mib", "0", "--save-every", "2"),
+        "1x4 fsdp": (1, 4, "--fsdp", "--fsdp-min-unit-mib", "0.08"),
         "hsdp 2x2": (1, 4, "--fsdp", "--dp-replicate", "2")}
     runs = {name: _train(tp_size, dp_size, tmp_path / name.replace(" ", "-"), *model, *extra)
             for name, (tp_size, dp_size, *extra) in layouts.items()}

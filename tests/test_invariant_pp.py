@@ -63,7 +63,8 @@ def test_a_pipeline_run_is_bit_identical_to_pp1(reference, tmp_path, layout):
 # FSDP over each stage's DP ranks: 1F1B, looped BFS (whose backwards run the micro-batches in
 # reverse: each waits in the tree for those before it), and TP 2 + SP; the tied embedding's two
 # copies (GPT-2) added per micro-batch before the tree, the untied Llama-style model's reduced apart.
-FSDP_LAYOUTS = [(1, 2, 2, "1f1b", ()), (1, 2, 2, "looped-bfs", ()), (2, 2, 2, "1f1b", ())]
+# The blocks in the root (the default on these small models), or a unit per block.
+FSDP_LAYOUTS = [(1, 2, 2, "1f1b", ()), (1, 2, 2, "looped-bfs", ("--fsdp-min-unit-mib", "0")), (2, 2, 2, "1f1b", ())]
 
 
 @pytest.mark.slow

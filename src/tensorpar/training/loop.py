@@ -250,7 +250,7 @@ def _train(args, signals: Signals) -> RunResult:
     model_parallel_manual_seed(args.seed)
     model = GPT(config, cp_group=cp.group, device=device) if pp_size == 1 else pipeline_step.PipelinedGPT(
         config, schedule=args.pp_schedule, microbatches=args.grad_accum, virtual_stages=args.virtual_stages,
-        device=device, fsdp_group=cp.grad_group if fsdp else None, context=cp)
+        device=device, fsdp_group=cp.grad_group if fsdp else None, min_unit_mib=args.fsdp_min_unit_mib, context=cp)
     if args.init_from_hf:
         from ..models.hf import load_weights
 
@@ -261,7 +261,7 @@ def _train(args, signals: Signals) -> RunResult:
     elif init:
         checkpoint.load(init[0], model=model, optimizer=None, tp_group=tp_group, restore_rng=False, pp_group=pp_group)
     if fsdp and pp_size == 1:  # weights are replicated over DP and CP: FSDP shards over both
-        fully_shard(model, dp_group=cp.grad_group, dp_replicate=args.dp_replicate)
+        fully_shard(model, dp_group=cp.grad_group, dp_replicate=args.dp_replicate, min_unit_mib=args.fsdp_min_unit_mib)
     optimizer = adamw(_param_groups(model, args.weight_decay), device=device, tp_invariant=config.tp_invariant,
                       lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     # TP-invariant mode: the same reductions, in orders that do not depend on the TP size.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+from ..fsdp import MIN_UNIT_MIB
 from ..memory_model import gpt_parameters_per_rank, gpt_training_memory
 from ..errors import UsageError
 
@@ -88,13 +89,14 @@ def check_inference_memory(config, *, tp: int, tokens: int, local_ranks: int) ->
 
 def check_memory(config, *, tp: int, dp: int, seq_len: int, micro_batch: int, dtype: str, local_ranks: int,
                  fsdp: bool = False, cp: int = 1, pp: int = 1, schedule: str = "1f1b", microbatches: int = 1,
-                 virtual_stages: int | None = None) -> None:
+                 virtual_stages: int | None = None, min_unit_mib: float = MIN_UNIT_MIB) -> None:
     """Refuse a run whose estimated bytes per rank exceed what each rank has, naming both.
 
     ``cp``: context parallelism divides the activations, FSDP shards over ``dp x cp``. With
     ``pp > 1`` the estimate is each PP rank's (its stages, and the ``microbatches`` the
     ``schedule`` holds in flight on them: :func:`tensorpar.pipeline.pipeline_memory`), and the
-    largest is checked and named."""
+    largest is checked and named (each stage's FSDP units gathered for the step, whatever
+    ``min_unit_mib``, :func:`tensorpar.fully_shard`'s)."""
     sizes = dict(tp=tp, dp=dp, cp=cp, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, fsdp=fsdp)
     where = ""
     if pp > 1:
@@ -106,7 +108,7 @@ def check_memory(config, *, tp: int, dp: int, seq_len: int, micro_batch: int, dt
         stages = ", ".join(f"stage {s} with {n} micro-batches in flight" for s, n in need["in_flight"].items())
         where = f" on PP rank {need['rank']} of --pp {pp} ({stages} under --pp-schedule {schedule})"
     else:
-        need = gpt_training_memory(config, **sizes)
+        need = gpt_training_memory(config, min_unit_mib=min_unit_mib, **sizes)
     tables = rotary_table_bytes(config, tp=tp)
     have, what = memory_per_rank(local_ranks=local_ranks)
     if need["total"] + tables > have:
@@ -126,9 +128,10 @@ def check_memory(config, *, tp: int, dp: int, seq_len: int, micro_batch: int, dt
 
 def check_run_memory(args, config, *, dp: int, seq_len: int, local_ranks: int) -> None:
     """:func:`check_memory` of ``tensorpar train``'s ``args`` (``--tp``, ``--cp``, ``--pp`` and its
-    schedule, ``--grad-accum`` micro-batches, ``--micro-batch``, ``--dtype``, ``--fsdp``; under
-    HSDP, ``--dp-replicate`` replicas each shard over ``dp`` / R)."""
+    schedule, ``--grad-accum`` micro-batches, ``--micro-batch``, ``--dtype``, ``--fsdp`` and
+    ``--fsdp-min-unit-mib``; under HSDP, ``--dp-replicate`` replicas each shard over ``dp`` / R)."""
     replicas = getattr(args, "dp_replicate", 1) if args.fsdp else 1
     check_memory(config, tp=args.tp, dp=dp // replicas, cp=args.cp, pp=args.pp, schedule=args.pp_schedule,
                  microbatches=args.grad_accum, virtual_stages=args.virtual_stages, seq_len=seq_len,
-                 micro_batch=args.micro_batch, dtype=args.dtype, local_ranks=local_ranks, fsdp=args.fsdp)
+                 micro_batch=args.micro_batch, dtype=args.dtype, local_ranks=local_ranks, fsdp=args.fsdp,
+                 min_unit_mib=args.fsdp_min_unit_mib)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .. import comm, parallel_state as ps
-from ..fsdp import ShardedGradSync
+from ..fsdp import MIN_UNIT_MIB, ShardedGradSync
 from ..invariant_dropout import MaskCounter
 from ..models import GPTConfig
 from ..pipeline import PipelineSchedule, StageLayout, bubble_fraction, build_stages, fully_shard_stages, stage_layout
@@ -69,12 +69,13 @@ class PipelinedGPT(nn.Module):
     ``named_parameters`` gives the PP=1 names (each parameter once); ``num_parameters`` is the
     whole model's count (the unpadded TP=1 model's, as ``count_parameters`` gives at PP=1).
     Given ``fsdp_group`` (the DP group, or DP x CP), each stage is sharded over it
-    (:func:`tensorpar.pipeline.fully_shard_stages`); given a ``context`` of CP > 1, every stage
-    runs its CP rank's chunks of each sequence.
+    (:func:`tensorpar.pipeline.fully_shard_stages`, in units of ``min_unit_mib``); given a
+    ``context`` of CP > 1, every stage runs its CP rank's chunks of each sequence.
     """
 
     def __init__(self, config: GPTConfig, *, schedule: str, microbatches: int, virtual_stages: int | None,
-                 device, fsdp_group=None, context: ContextLayout | None = None) -> None:
+                 device, fsdp_group=None, min_unit_mib: float = MIN_UNIT_MIB,
+                 context: ContextLayout | None = None) -> None:
         super().__init__()
         pp_group, tp_group = ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group()
         self.config, self.tp_group, self.pp_group = config, tp_group, pp_group
@@ -82,7 +83,8 @@ class PipelinedGPT(nn.Module):
                                    virtual_stages=virtual_stages)
         stages = build_stages(config, self.layout, pp_group=pp_group, tp_group=tp_group,
                               cp_group=None if context is None else context.group, device=device)
-        self.stages = nn.ModuleList(stages if fsdp_group is None else fully_shard_stages(stages, dp_group=fsdp_group))
+        self.stages = nn.ModuleList(stages if fsdp_group is None else fully_shard_stages(
+            stages, dp_group=fsdp_group, min_unit_mib=min_unit_mib))
         ends = {self.layout.rank_of(0), self.layout.rank_of(self.layout.num_stages - 1)}
         embedding_group = ps.get_embedding_group() if comm.group_rank(pp_group) in ends and len(ends) > 1 else None
         # The invariant mode: one division by the global micro-batch count, at any DP size, as at PP=1;
