@@ -131,13 +131,15 @@ def test_fsdp_matches_plain_data_parallel(overrides, accumulate, reshard, units)
 
 
 def _hsdp_body():
-    """HSDP 2 x 2 at TP 1 (and a TP 2 x (1 x 2) mesh check): plain DP's losses, grads, norms and weights."""
+    """HSDP 2 x 2 at TP 1, a unit of two blocks and the root: plain DP's losses, grads, norms and weights."""
     from tensorpar.fsdp import describe, shard_group
 
     tp.initialize_model_parallel(1)
     dp_rank, dp_group = tp.get_data_parallel_rank(), tp.get_data_parallel_group()
-    config = GPTConfig(**BASE)
-    plain, hybrid = _build(config), tp.fully_shard(_build(config), dp_replicate=2)
+    config = GPTConfig(**{**BASE, "num_layers": 3})
+    plain, hybrid = _build(config), _build(config)
+    tp.fully_shard(hybrid, dp_replicate=2, min_unit_mib=_min_unit_mib(hybrid, "pairs"))
+    assert _fsdp_units(hybrid) == [["blocks.0", "blocks.1"]]  # and block 2 in the root
     word = hybrid.embedding.word.weight
     assert word.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
     assert word.device_mesh.mesh.tolist() == [[0, 1], [2, 3]] and word.placements[0].is_replicate()
