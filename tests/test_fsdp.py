@@ -9,7 +9,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import tensorpar as tp
-from tensorpar.fsdp import MIN_UNIT_MIB, bytes_per_rank, gather_dp_shards
+from tensorpar.fsdp import MIN_UNIT_MIB, bytes_per_rank, describe, gather_dp_shards
 from tensorpar.grads import DataParallelGradReducer, allreduce_sequence_parallel_grads, clip_grad_norm_
 from tensorpar.models import GPT, GPTConfig
 from tensorpar.models.layout import gather_full_tensor
@@ -132,7 +132,7 @@ def test_fsdp_matches_plain_data_parallel(overrides, accumulate, reshard, units)
 
 def _hsdp_body():
     """HSDP 2 x 2 at TP 1, a unit of two blocks and the root: plain DP's losses, grads, norms and weights."""
-    from tensorpar.fsdp import describe, shard_group
+    from tensorpar.fsdp import shard_group
 
     tp.initialize_model_parallel(1)
     dp_rank, dp_group = tp.get_data_parallel_rank(), tp.get_data_parallel_group()
@@ -147,7 +147,8 @@ def _hsdp_body():
     assert tp.comm.group_size(group) == 2 and word.to_local().shape[0] == -(-word.shape[0] // 2)
     me = dist.get_rank()
     assert describe(hybrid) == (f"HSDP on a 2 x 2 mesh: dim 0 (dp_replicate) replicates over ranks {[me % 2, me % 2 + 2]}, "
-                                f"dim 1 (dp_shard) shards each TP shard 1/2 over ranks {[me - me % 2, me - me % 2 + 1]}")
+                                f"dim 1 (dp_shard) shards each TP shard 1/2 over ranks {[me - me % 2, me - me % 2 + 1]}, "
+                                "in 2 units")
     with pytest.raises(ValueError, match="HSDP shards split over 2 ranks, not dp_group's 4"):
         word.grad = word.detach().clone()
         clip_grad_norm_(hybrid.parameters(), 1.0, dp_group=dp_group)
@@ -200,6 +201,10 @@ def _layout_body():
     # The tied weight lives in the root unit (the LM head owns no parameter).
     assert not isinstance(model.embedding, FSDPModule) and not isinstance(model.lm_head, FSDPModule)
     assert all(isinstance(block, FSDPModule) for block in model.blocks) and isinstance(model, FSDPModule)
+    assert describe(model).startswith("FSDP shards each TP shard 1/2 over ranks") and describe(model).endswith(
+        ", in 3 units")  # the run header's
+    root_only = tp.fully_shard(_build(GPTConfig(**BASE)))
+    assert describe(root_only).endswith(", in 1 unit")
     return True
 
 

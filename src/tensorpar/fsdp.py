@@ -396,16 +396,17 @@ def _check_cp_inner(mesh_ranks: list[int], cp_ranks: list[int]) -> None:
 
 def describe(model: nn.Module) -> str:
     """Which of the FSDP mesh's dimensions shards over which ranks, and which replicates (this
-    rank's groups), for a run header.
+    rank's groups), and in how many units, for a run header.
 
     Example: ``"HSDP on a 2 x 2 mesh: dim 0 (dp_replicate) replicates over ranks [0, 2], dim 1
-    (dp_shard) shards each TP shard 1/2 over ranks [0, 1]"``.
+    (dp_shard) shards each TP shard 1/2 over ranks [0, 1], in 3 units"``.
     """
     mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
     grid = mesh.mesh.reshape(-1, mesh.shape[-1]).tolist()  # rows: the shard groups
     me = dist.get_rank()
     row = next(r for r in grid if me in r)
-    shards = f"shards each TP shard 1/{len(row)} over ranks {row}"
+    count = len(_units(model))
+    shards = f"shards each TP shard 1/{len(row)} over ranks {row}, in {count} unit{'s' * (count > 1)}"
     if mesh.ndim == 1:
         return f"FSDP {shards}"
     column = [r[row.index(me)] for r in grid]
