@@ -229,9 +229,8 @@ def fully_shard(model: nn.Module, *, dp_group=None, units=None, min_unit_mib: fl
     parameters (one block each where a block holds that much; ``min_unit_mib=0``, or a model
     that recomputes its blocks: one block per unit), and leaves the blocks after the last such
     unit in the root: every unit costs three collectives a step, each with a fixed cost, the
-    reason DDP has buckets. ``reshard_after_forward=False``
-    keeps each unit gathered between its forward and backward (ZeRO-2-like: more memory, one
-    all-gather less). TP attributes (``tensor_model_parallel``, ``sequence_parallel``, ...)
+    reason DDP has buckets. ``reshard_after_forward=False`` keeps each unit gathered between its
+    forward and backward (ZeRO-2-like: more memory, one all-gather less). TP attributes (``tensor_model_parallel``, ``sequence_parallel``, ...)
     carry over to the sharded parameters, so ``allreduce_sequence_parallel_grads``,
     ``clip_grad_norm_`` and checkpoints keep working (given another ``dp_group`` than the DP
     group, pass it to ``clip_grad_norm_`` too); :class:`~tensorpar.CommLedger` records FSDP's

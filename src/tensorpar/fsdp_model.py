@@ -164,7 +164,7 @@ def step_collectives(cfg: CommConfig, config, fsdp: FSDPConfig, *, link: LinkMod
     for i in reversed(range(config.num_layers)):
         u = unit_of.get(i)
         recompute = [op for op in per_block[i][1] if op.phase == "recompute"]
-        prefetch = regather and u and groups[u].blocks[-1] == i
+        prefetch = regather and u is not None and u > 0 and groups[u].blocks[-1] == i  # unit u's first block back
         backward += [*recompute, *([gather(groups[u - 1], REGATHER)] if prefetch else []),
                      *[op for op in per_block[i][1] if op.phase != "recompute"],
                      *([reduce(groups[u])] if u is not None and groups[u].blocks[0] == i else [])]
