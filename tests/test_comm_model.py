@@ -488,6 +488,8 @@ def test_fsdp_units_pad_each_shard_and_add_dp_collectives():
     (["--layer", "gpt-step", "--fsdp", "--dp", "1"], "FSDP needs a DP size of at least 2"),
     (["--layer", "gpt-step", "--fsdp", "--heads", "6", "--hidden", "48", "--tp", "4"],
      "FSDP needs the TP size (4) to divide heads (6)"),
+    (["--layer", "gpt-step", "--fsdp-min-unit-mib", "2"], "--fsdp-min-unit-mib 2 applies with --fsdp"),
+    (["--layer", "gpt-step", "--fsdp", "--fsdp-min-unit-mib", "-1"], "must be a finite number >= 0, got -1"),
 ])
 def test_fsdp_bad_command_line_exits_2(argv, message, capsys):
     assert cli.main(["comm", *argv]) == 2
@@ -503,4 +505,12 @@ def test_fsdp_report_lists_unit_collectives(capsys):
     assert [(r[0], r[1], r[2], r[-4]) for r in rows] == [
         ("forward", "root", "all_gather", "1"), ("forward", "blocks.*", "all_gather", "4"),
         ("backward", "blocks.*", "reduce_scatter", "4"), ("backward", "root", "reduce_scatter", "1")]
-    assert "FSDP over DP=8 without resharding after forward" in out
+    assert "FSDP over DP=8 without resharding after forward in 5 units" in out
+    # The default hidden size's blocks (384 MiB of fp32 parameters per TP rank) in pairs.
+    assert cli.main([*argv, "--fsdp-min-unit-mib", "500"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("forward", "backward")) and "FSDP" in line]
+    assert [(r[0], r[1], r[2], r[-4]) for r in rows] == [
+        ("forward", "root", "all_gather", "1"), ("forward", "blocks.*", "all_gather", "2"),
+        ("backward", "blocks.*", "reduce_scatter", "2"), ("backward", "root", "reduce_scatter", "1")]
+    assert "in 3 units" in out

@@ -141,10 +141,16 @@ def context_json(cfg: CommConfig, cp: ContextConfig | None, link) -> dict | None
             "ring_overlap": ring_overlap(cfg, cp, link) if cp.comm_type == "p2p" else None}
 
 
+def any_block(layer: str) -> str:
+    """``layer`` with its block index (``blocks.3.mlp``) or FSDP unit's blocks (``blocks.0-1``) as
+    ``blocks.*``, so that a table folds every block's rows into one."""
+    return re.sub(r"^blocks\.\d+(-\d+)?", "blocks.*", layer)
+
+
 # --- measured on every rank -----------------------------------------------------------------------
 
 def _layers(ops: list[CommOp]) -> str:
-    names = list(dict.fromkeys(re.sub(r"^blocks\.\d+", "blocks.*", op.layer) for op in ops))
+    names = list(dict.fromkeys(any_block(op.layer) for op in ops))
     return (names[0] + (f" (+{len(names) - 1} more)" if len(names) > 1 else "")) if names else "-"
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 
 
@@ -38,19 +37,22 @@ from ..comm_model import (
 from .. import context_model
 from ..context import COMM_TYPES
 from ..errors import UsageError
-from ..fsdp_model import FSDPConfig, state_bytes_per_rank, step_collectives
+from ..fsdp_model import MIN_UNIT_MIB, FSDPConfig, state_bytes_per_rank, step_collectives, units
 from ..memory_model import activation_memory
 from ..pipeline import SCHEDULES, PipelineCost, pipeline_cost, rank_collectives
 from .cli import TORCH_COMMANDS
-from .comm_axes import (compared, context_json, duration, dtype_name, format_context, format_pipeline, format_ranks,
-                        ordered_table, pipeline_json, size, table, unpredicted)
+from .comm_axes import (any_block, compared, context_json, duration, dtype_name, format_context, format_pipeline,
+                        format_ranks, ordered_table, pipeline_json, size, table, unpredicted)
 from .comm_measure import check_measurable, gpt_config, measure, measure_ranks, record_key, scaled
+from .flag_types import non_negative
 
 
 # --- formatting ---------------------------------------------------------------------------------
 
 def _fsdp(args) -> FSDPConfig | None:
-    return FSDPConfig(dp=args.dp or 2, reshard_after_forward=args.reshard_after_forward) if args.fsdp else None
+    mib = MIN_UNIT_MIB if args.fsdp_min_unit_mib is None else args.fsdp_min_unit_mib
+    return FSDPConfig(dp=args.dp or 2, reshard_after_forward=args.reshard_after_forward,
+                      min_unit_mib=mib) if args.fsdp else None
 
 
 def _context(args) -> context_model.ContextConfig | None:
@@ -78,8 +80,10 @@ def _describe(cfg: CommConfig, args) -> str:
              f"vocab={cfg.vocab} layers={cfg.layers}")
     fsdp, context = _fsdp(args), _context(args)
     if fsdp:
-        modes.append(f"FSDP over DP={fsdp.dp}"
-                     + ("" if fsdp.reshard_after_forward else " without resharding after forward"))
+        count = len(units(gpt_config(cfg), tp=cfg.tp, min_unit_mib=fsdp.min_unit_mib))
+        modes.append(f"FSDP over DP={fsdp.dp}" + ("" if fsdp.reshard_after_forward else
+                                                  " without resharding after forward")
+                     + f" in {count} unit{'s' * (count > 1)}")
     if context:
         modes.append(f"CP={context.cp} ({context.comm_type})" + (f", DP={context.dp}" if context.dp > 1 else ""))
     return f"{cfg.layer} at TP={cfg.tp}, {cfg.dtype}{', ' + ', '.join(modes) if modes else ''} ({sizes})"
@@ -98,7 +102,7 @@ def format_overlap(cfg: CommConfig, args) -> list[str]:
         return []
     rows: dict[tuple, list] = {}
     for entry in plan:
-        key = (re.sub(r"^blocks\.\d+", "blocks.*", entry["layer"]), entry["phase"], entry["op"], entry["chunks"])
+        key = (any_block(entry["layer"]), entry["phase"], entry["op"], entry["chunks"])
         row = rows.setdefault(key, [0, 0.0, 0.0])
         row[0] += 1
         row[1] += entry["exposed_s"]
@@ -131,7 +135,7 @@ def format_report(cfg: CommConfig, args) -> str:
     rows: dict[tuple, list] = {}
     for op in ops:
         what = op.what + (f" [{op.group}]" if isinstance(op, GroupOp) else "")
-        key = (op.phase, re.sub(r"^blocks\.\d+", "blocks.*", op.layer), op.op, op.shape, op.dtype, what)
+        key = (op.phase, any_block(op.layer), op.op, op.shape, op.dtype, what)
         rows.setdefault(key, [0, op])[0] += 1
     rows_text = table(["phase", "layer", "op", "shape", "dtype", "bytes", "sent/rank", "est. time", "x", "what"],
                       [[phase, layer, kind, list(shape), dtype_name(dtype), size(op.bytes),
@@ -296,8 +300,11 @@ def register(subparsers) -> None:
                    help="with --fsdp: the DP size FSDP shards over (default 2); with --cp: the DP ranks the "
                         "weight grads are also averaged over (default 1)")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --fsdp: free each block's gathered parameters after its forward (default: yes; "
+                   help="with --fsdp: free each unit's gathered parameters after its forward (default: yes; "
                         "no: ZeRO-2-like)")
+    p.add_argument("--fsdp-min-unit-mib", type=non_negative(float), default=None, metavar="MIB",
+                   help="with --fsdp: consecutive blocks make one FSDP unit until it holds MIB MiB of a rank's "
+                        f"fp32 parameters; 0: a unit per block (default {MIN_UNIT_MIB:g}, as tp.fully_shard)")
     p.add_argument("--pp", type=_positive_int, default=None,
                    help="with --layer gpt-step: the layers cut into this many pipeline stages; also report "
                         "the sends between stages and the schedule's bubble (default: no pipeline)")
@@ -376,6 +383,8 @@ def run(args) -> int:
     """Print the report; with ``--measure`` exit 1 if measurement and prediction differ."""
     try:
         cfg = _config(args)
+        if args.fsdp_min_unit_mib is not None and not args.fsdp:
+            raise ValueError(f"--fsdp-min-unit-mib {args.fsdp_min_unit_mib:g} applies with --fsdp")
         if args.dp is not None and not args.fsdp and args.cp is None:
             raise ValueError(f"--dp {args.dp} applies with --fsdp (the DP size FSDP shards over) or --cp")
         _check_pipeline_flags(args)
