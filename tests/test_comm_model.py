@@ -497,20 +497,15 @@ def test_fsdp_bad_command_line_exits_2(argv, message, capsys):
     assert err.count("\n") == 1 and message in err, err
 
 
-def test_fsdp_report_lists_unit_collectives(capsys):
+@pytest.mark.parametrize("mib, blocks", [(None, 4), ("500", 2)], ids=["default", "pairs"])
+def test_fsdp_report_lists_unit_collectives(capsys, mib, blocks):
+    """At the default hidden size a block holds 384 MiB of fp32 parameters per TP rank: a unit of
+    its own by default, two a unit at 500 MiB."""
     argv = ["comm", "--layer", "gpt-step", "--layers", "4", "--fsdp", "--dp", "8", "--no-reshard-after-forward"]
-    assert cli.main(argv) == 0
+    assert cli.main(argv + (["--fsdp-min-unit-mib", mib] if mib else [])) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith(("forward", "backward")) and "FSDP" in line]
     assert [(r[0], r[1], r[2], r[-4]) for r in rows] == [
-        ("forward", "root", "all_gather", "1"), ("forward", "blocks.*", "all_gather", "4"),
-        ("backward", "blocks.*", "reduce_scatter", "4"), ("backward", "root", "reduce_scatter", "1")]
-    assert "FSDP over DP=8 without resharding after forward in 5 units" in out
-    # The default hidden size's blocks (384 MiB of fp32 parameters per TP rank) in pairs.
-    assert cli.main([*argv, "--fsdp-min-unit-mib", "500"]) == 0
-    out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.startswith(("forward", "backward")) and "FSDP" in line]
-    assert [(r[0], r[1], r[2], r[-4]) for r in rows] == [
-        ("forward", "root", "all_gather", "1"), ("forward", "blocks.*", "all_gather", "2"),
-        ("backward", "blocks.*", "reduce_scatter", "2"), ("backward", "root", "reduce_scatter", "1")]
-    assert "in 3 units" in out
+        ("forward", "root", "all_gather", "1"), ("forward", "blocks.*", "all_gather", str(blocks)),
+        ("backward", "blocks.*", "reduce_scatter", str(blocks)), ("backward", "root", "reduce_scatter", "1")]
+    assert f"FSDP over DP=8 without resharding after forward in {blocks + 1} units" in out
