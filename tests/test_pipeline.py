@@ -10,9 +10,10 @@ import tensorpar as tp
 from tensorpar import pipeline
 from tensorpar.comm_model import CommConfig
 from tensorpar.errors import UsageError
-from tensorpar.fsdp import MIN_UNIT_MIB, gather_dp_shards
+from tensorpar.fsdp import gather_dp_shards
 from tensorpar.models import GPT, GPTConfig
 from tests.harness import run_on_ranks
+from tests.test_fsdp import _min_unit_mib
 
 TINY = dict(vocab_size=61, max_seq_len=16, num_layers=4, num_heads=2, hidden_size=32, make_vocab_size_divisible_by=8)
 LLAMA = dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False, tie_word_embeddings=False)
@@ -170,9 +171,7 @@ def _fsdp_body(tp_invariant: bool, units: str):
     layout = pipeline.stage_layout(config.num_layers, pp_size=2, schedule="1f1b")
     tp.model_parallel_manual_seed(1234, tp_group=groups["tp"])
     stages = pipeline.build_stages(config, layout, pp_group=groups["pp"], tp_group=groups["tp"])
-    block = sum(p.numel() * p.element_size() for p in stages[0].blocks[0].parameters())
-    mib = {"per block": 0, "default": MIN_UNIT_MIB, "pairs": 1.5 * block / 2**20}[units]
-    pipeline.fully_shard_stages(stages, dp_group=groups["dp"], min_unit_mib=mib)
+    pipeline.fully_shard_stages(stages, dp_group=groups["dp"], min_unit_mib=_min_unit_mib(stages[0], units))
     schedule = pipeline.PipelineSchedule(stages, layout, schedule="1f1b", microbatches=2, pp_group=groups["pp"],
                                          embedding_group=groups["embedding"])
     loss = schedule.step(tokens, labels)

@@ -156,8 +156,8 @@ def step_collectives(cfg: CommConfig, config, fsdp: FSDPConfig, *, link: LinkMod
         where[op.phase != "forward"].append(op)
     forward = [gather(root), *head[0]]
     for i, (fwd, _) in enumerate(per_block):
-        starts = i in unit_of and groups[unit_of[i]].blocks[0] == i
-        forward += [*([gather(groups[unit_of[i]])] if starts else []), *fwd]
+        u = unit_of.get(i)
+        forward += [*([gather(groups[u])] if u is not None and groups[u].blocks[0] == i else []), *fwd]
     forward += tail[0]
     regather = fsdp.reshard_after_forward
     backward = [*([gather(groups[-1], REGATHER)] if regather and groups else []), *tail[1]]

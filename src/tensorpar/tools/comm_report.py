@@ -50,9 +50,8 @@ from .flag_types import non_negative
 # --- formatting ---------------------------------------------------------------------------------
 
 def _fsdp(args) -> FSDPConfig | None:
-    mib = MIN_UNIT_MIB if args.fsdp_min_unit_mib is None else args.fsdp_min_unit_mib
     return FSDPConfig(dp=args.dp or 2, reshard_after_forward=args.reshard_after_forward,
-                      min_unit_mib=mib) if args.fsdp else None
+                      min_unit_mib=args.fsdp_min_unit_mib) if args.fsdp else None
 
 
 def _context(args) -> context_model.ContextConfig | None:
@@ -302,7 +301,7 @@ def register(subparsers) -> None:
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="with --fsdp: free each unit's gathered parameters after its forward (default: yes; "
                         "no: ZeRO-2-like)")
-    p.add_argument("--fsdp-min-unit-mib", type=non_negative(float), default=None, metavar="MIB",
+    p.add_argument("--fsdp-min-unit-mib", type=non_negative(float), default=MIN_UNIT_MIB, metavar="MIB",
                    help="with --fsdp: consecutive blocks make one FSDP unit until it holds MIB MiB of a rank's "
                         f"fp32 parameters; 0: a unit per block (default {MIN_UNIT_MIB:g}, as tp.fully_shard)")
     p.add_argument("--pp", type=_positive_int, default=None,
@@ -383,7 +382,7 @@ def run(args) -> int:
     """Print the report; with ``--measure`` exit 1 if measurement and prediction differ."""
     try:
         cfg = _config(args)
-        if args.fsdp_min_unit_mib is not None and not args.fsdp:
+        if args.fsdp_min_unit_mib != MIN_UNIT_MIB and not args.fsdp:
             raise ValueError(f"--fsdp-min-unit-mib {args.fsdp_min_unit_mib:g} applies with --fsdp")
         if args.dp is not None and not args.fsdp and args.cp is None:
             raise ValueError(f"--dp {args.dp} applies with --fsdp (the DP size FSDP shards over) or --cp")
