@@ -1,5 +1,9 @@
 """Collectives along any dimension, async handles, and what CommLedger records."""
 
+import contextlib
+import functools
+import unittest.mock
+
 import pytest
 import torch
 
@@ -8,7 +12,29 @@ from tensorpar import comm
 from tests.harness import run_on_ranks
 
 
-def _collectives_body():
+def _counting_all_to_alls():
+    """Patches ``dist.all_to_all_single`` to count its calls into the list it returns."""
+    calls, real = [], torch.distributed.all_to_all_single
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    return calls, unittest.mock.patch.object(torch.distributed, "all_to_all_single", counting)
+
+
+def _collectives_body(exchange: bool):
+    calls, counting = _counting_all_to_alls()
+    native = unittest.mock.patch.object(comm, "_exchanged", lambda *args, **kwargs: False)
+    with counting, contextlib.nullcontext() if exchange else native:
+        _collectives()
+    # On gloo each collective of these small CPU tensors is one all-to-all (comm._exchanged).
+    n = torch.distributed.get_world_size()
+    assert len(calls) == (0 if n == 1 else 21 if exchange else 1), calls  # 20 collectives, 1 all-to-all
+    return True
+
+
+def _collectives():
     tp.initialize_model_parallel(torch.distributed.get_world_size())
     group = tp.get_tensor_model_parallel_group()
     n, r = comm.group_size(group), comm.group_rank(group)
@@ -36,12 +62,43 @@ def _collectives_body():
     source = torch.full((2,), float(r))
     comm.broadcast(source, tp.get_tensor_model_parallel_src_rank(), group)
     torch.testing.assert_close(source, torch.zeros(2))
-    return True
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchanged", "gloo's own"])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_collectives_along_any_dim_sync_and_async(world_size, exchange):
+    assert all(run_on_ranks(_collectives_body, world_size, exchange))
+
+
+def _exchange_order_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    group = tp.get_tensor_model_parallel_group()
+    n, r = comm.group_size(group), comm.group_rank(group)
+    calls, counting = _counting_all_to_alls()
+    with counting:
+        for dtype in (torch.float32, torch.bfloat16):
+            per_rank = [torch.randn(4 * n, 3, generator=torch.Generator().manual_seed(j)).to(dtype) for j in range(n)]
+            in_rank_order = functools.reduce(torch.add, per_rank)   # ((x0 + x1) + x2) + x3
+            assert torch.equal(comm.all_reduce(per_rank[r].clone(), group), in_rank_order)
+            assert torch.equal(comm.reduce_scatter(per_rank[r], group), in_rank_order.chunk(n)[r])
+            assert torch.equal(comm.all_reduce(per_rank[r].clone(), group, op="min"), torch.stack(per_rank).amin(0))
+        small = len(calls)
+        # Above EXCHANGE_MAX_BYTES an all-gather or all-reduce is gloo's own; a reduce-scatter
+        # is exchanged at any size (its all-to-all sends no copies).
+        big = torch.full((comm.EXCHANGE_MAX_BYTES // 4 + n,), float(r + 1))
+        summed = torch.full_like(big, n * (n + 1) / 2)
+        torch.testing.assert_close(comm.all_reduce(big.clone(), group), summed)
+        torch.testing.assert_close(comm.all_gather(big, group), torch.cat([torch.full_like(big, j + 1) for j in range(n)]))
+        torch.testing.assert_close(comm.reduce_scatter(big.repeat(n), group), summed)
+    return small, len(calls) - small
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_collectives_along_any_dim_sync_and_async(world_size):
-    assert all(run_on_ranks(_collectives_body, world_size))
+def test_exchanged_collectives_combine_in_rank_order_and_stop_at_their_size_limit(world_size):
+    """On gloo, CPU collectives go as one all-to-all and combine every rank's block in rank
+    order: every rank the same bits, those of ``((x0 + x1) + x2) + x3``."""
+    expected = (0, 0) if world_size == 1 else (6, 1)
+    assert run_on_ranks(_exchange_order_body, world_size) == [expected] * world_size
 
 
 def _ledger_body():

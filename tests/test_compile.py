@@ -7,6 +7,7 @@ forward graph too. Compiled with ``aot_eager`` (AOT autograd's forward and backw
 run eagerly): the graphs inductor would get, without a C++ build per test on 2 cores.
 """
 
+import unittest.mock
 from collections import Counter
 
 import pytest
@@ -16,7 +17,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import tensorpar as tp
-from tensorpar import linear_function
+from tensorpar import comm, linear_function
 from tensorpar.models import GPT, GPTConfig
 from tests.harness import run_on_ranks
 from tests.test_gpt import _data, _full_grads, _single_rank_group
@@ -30,8 +31,10 @@ BF16_LOSS_RTOL, BF16_GRAD_SCALE = 1e-3, 2.0 ** -6
 STEPS = 2
 
 
-_OP_NAMES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-             "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+_OP_NAMES = {"_c10d_functional.all_reduce.default": "all_reduce",
+             "_c10d_functional.all_gather_into_tensor.default": "all_gather",
+             "_c10d_functional.reduce_scatter_tensor.default": "reduce_scatter",
+             "_c10d_functional.all_to_all_single.default": "all_to_all"}
 
 
 def _counting_backend():
@@ -48,7 +51,7 @@ def _counting_backend():
             waits = [nodes.index(u) for u in node.users if "wait_tensor" in str(u.target)]
             if waits and any(str(n.target) in ("aten.mm.default", "aten.addmm.default") for n in nodes[i:min(waits)]):
                 overlapped.append(str(node.target))
-        collectives.extend(_OP_NAMES[n.target.name().split("::")[1].split(".")[0]] for n in gm.graph.nodes
+        collectives.extend(str(n.target) for n in gm.graph.nodes
                            if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")
                            and "wait_tensor" not in str(n.target))
         return gm
@@ -123,7 +126,14 @@ def _assert_matches_tp1(got, overrides, tokens, labels, *, bf16):
                                            msg=lambda m, name=name: f"{overrides} step {s} {name} vs TP=1: {m}")
 
 
-def _compiled_matches_eager_body(cases, tp1):
+def _compiled_matches_eager_body(cases, tp1, exchange=True):
+    if exchange:
+        return _compiled_matches_eager(cases, tp1, exchange)
+    with unittest.mock.patch.object(comm, "_exchanged", lambda *args, **kwargs: False):
+        return _compiled_matches_eager(cases, tp1, exchange)
+
+
+def _compiled_matches_eager(cases, tp1, exchange):
     torch._dynamo.reset()
     group = _single_rank_group() if tp1 else None
     if not tp1:
@@ -147,13 +157,17 @@ def _compiled_matches_eager_body(cases, tp1):
             for name, grad in expected[1][s].items():
                 torch.testing.assert_close(got[1][s][name], grad, rtol=RTOL, atol=ATOL,
                                            msg=lambda m, name=name: f"{overrides} step {s} grad {name}: {m}")
-            # The ledger sees every collective of the compiled graphs, forward and backward, each step.
+            # The ledger sees every collective of the compiled graphs, forward and backward, each
+            # step (exchanged on gloo, each is an all-to-all in the graph: comm._exchanged).
             ledger = Counter(op for op, _, _ in got[2][s])
-            graph = Counter(collectives)
+            graph = Counter(_OP_NAMES[op] for op in collectives)
+            if exchange:
+                ledger = Counter(all_to_all=ledger.total())
             if overrides.get("sequence_parallel"):
                 # Except the backward re-gathers of the column inputs: the compiler merges each with
                 # its forward twin (it keeps the gathered input), the ledger still counts it.
-                assert ledger - graph == Counter(all_gather=_column_layers(compiled)), (overrides, ledger, graph)
+                regathers = Counter({"all_to_all" if exchange else "all_gather": _column_layers(compiled)})
+                assert ledger - graph == regathers, (overrides, ledger, graph)
             else:
                 assert ledger == graph, (overrides, s, ledger, graph)
             if not overrides.get("recompute"):
@@ -169,14 +183,16 @@ def _compiled_matches_eager_body(cases, tp1):
     return True
 
 
-@pytest.mark.parametrize("world_size,cases", [
-    (2, [{}, {"sequence_parallel": True}, {"recompute": True}]),
-    (4, [{"sequence_parallel": True, "recompute": True}]),
-    (2, [{"overlap": 2, "interleave": 2}]),
+@pytest.mark.parametrize("world_size,cases,exchange", [
+    (2, [{}, {"sequence_parallel": True}, {"recompute": True}], True),
+    (4, [{"sequence_parallel": True, "recompute": True}], True),
+    (2, [{"overlap": 2, "interleave": 2}], True),
+    # gloo's own collectives, as NCCL's run: each its own functional collective in the graph.
+    (2, [{}, {"sequence_parallel": True}], False),
 ])
 @pytest.mark.slow
-def test_compiled_gpt_has_no_graph_break_and_matches_eager(world_size, cases):
-    assert all(run_on_ranks(_compiled_matches_eager_body, world_size, cases, False, timeout=900))
+def test_compiled_gpt_has_no_graph_break_and_matches_eager(world_size, cases, exchange):
+    assert all(run_on_ranks(_compiled_matches_eager_body, world_size, cases, False, exchange, timeout=900))
 
 
 @pytest.mark.slow

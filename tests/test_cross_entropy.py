@@ -148,11 +148,6 @@ def test_cross_entropy_collectives_at_tp2():
         ]
 
 
-def _fresh_vocab_tensors(ops):
-    """Out-of-place ops whose result has the logits' size: the [..., V/TP] temporaries."""
-    return sum(n for func, n in ops.big_results.items() if not func._schema.name.endswith("_"))
-
-
 def _hot_path_body(read_back: bool):
     """Items 8 and 9: no host sync (the range check is asynchronous off CPU) and one fp32 copy
     of the logits, worked on in place."""
@@ -174,7 +169,7 @@ def _hot_path_body(read_back: bool):
         bad[1, 1] = 10
         with pytest.raises((ValueError, RuntimeError), match="out of range for vocab_size 9"):
             tp.vocab_parallel_cross_entropy(logits, bad, vocab_size=9)
-    return ops.host_syncs, _fresh_vocab_tensors(ops)
+    return ops.host_syncs, ops.fresh_big_results
 
 
 def test_cross_entropy_forward_makes_one_vocab_sized_copy_and_no_host_sync_off_cpu():

@@ -198,8 +198,7 @@ def _hot_path_body(read_back: bool):
             layer(torch.full((2, 5), layer.num_embeddings))
     full = _full_weight(0)
     torch.testing.assert_close(out, full[ids])
-    fresh = sum(n for func, n in ops.big_results.items() if not func._schema.name.endswith("_"))
-    return ops.host_syncs, fresh
+    return ops.host_syncs, ops.fresh_big_results
 
 
 def test_embedding_forward_sums_its_lookup_in_place_and_does_not_sync_off_cpu():

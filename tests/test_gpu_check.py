@@ -69,7 +69,7 @@ def test_gpu_check_layers_rng_gpt_context_and_overlap_at_tp2(staged):
         assert result["staged"] == staged
         # The dgrad all-reduce is launched before the wgrad GEMM; whether gloo's thread is
         # still busy when the GEMM starts is up to the CPU scheduler (the GPU run asserts it).
-        assert result["profile"]["allreduce_events"] and result["profile"]["gemms_after_launch"], result["profile"]
+        assert result["profile"]["dgrad_reduce_events"] and result["profile"]["gemms_after_launch"], result["profile"]
         # Chunked and interleaved variants agree with overlap off (checked inside), staged or not.
         assert len(result["overlap_variants"]["of_ceiling"]) == 10
 

@@ -1,163 +1,36 @@
-"""Every collective tensorpar issues, and ``CommLedger``, which records them.
+"""Every collective tensorpar issues.
 
 All functions work on any device and backend (gloo on CPU, NCCL on CUDA). With a group of one
 rank they do nothing and record nothing. A tensor made for a collective (a scalar, a timing)
 goes on :func:`collective_device` (:func:`scalars` makes one there). ``async_op=True`` returns a :class:`Handle`; call
-``wait()`` on it before reading the result.
+``wait()`` on it before reading the result. Every collective is recorded by the active
+:class:`~tensorpar.comm_ledger.CommLedger` (re-exported here).
 
-Under ``torch.compile`` the collectives are torch's functional collectives (traceable), and
-a ledger records each execution of the compiled graph.
-
-Shapes and bytes in records are those of the *full* tensor of the collective: the gathered
-output of an all-gather, the input of a reduce-scatter, the tensor of an all-reduce, the tensor
-one rank sends in a ``send_recv`` (a ring step: send to one peer, receive from another).
-
-Example::
-
-    with tp.CommLedger() as ledger:
-        out, _ = layer(x)
-        out.sum().backward()
-    print(ledger.summary())
+Under ``torch.compile`` the collectives are torch's functional collectives (traceable). On gloo,
+a CPU tensor's reduce-scatter, and its all-gather and all-reduce up to ``EXCHANGE_MAX_BYTES``,
+go as one all-to-all, the blocks that arrive combined in rank order (the same bits on every
+rank): one round trip where gloo's rings take several.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from .comm_ledger import CommLedger, CommRecord, bytes_sent_per_rank, record as _record, record_p2p
+
+__all__ = ["CommLedger", "CommRecord", "Handle", "all_gather", "all_reduce", "all_to_all", "broadcast",
+           "bytes_sent_per_rank", "check_divisible", "collective_device", "group_rank", "group_size",
+           "record_p2p", "reduce_scatter", "scalars", "send_recv"]
+
 # torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-_RING_SEND_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "send_recv": lambda n: 1.0,
-    "send": lambda n: 1.0,
-    "recv": lambda n: 0.0,
-}
-
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-@dataclasses.dataclass(frozen=True)
-class CommRecord:
-    """One collective: ``bytes`` is the full tensor's size, ``phase`` the ledger's label."""
-
-    op: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    bytes: int
-    group_size: int
-    async_op: bool
-    phase: str | None = None
-    reduce_op: str | None = None
-
-    @property
-    def bytes_sent_per_rank(self) -> float:
-        """Bytes each rank sends under a ring algorithm."""
-        return bytes_sent_per_rank(self.op, self.bytes, self.group_size)
-
-
-def bytes_sent_per_rank(op: str, nbytes: int, group_size: int) -> float:
-    """Bytes each rank sends for collective ``op`` of a ``nbytes`` tensor under a ring algorithm."""
-    return nbytes * _RING_SEND_FACTOR[op](group_size)
-
-
-_ACTIVE_LEDGERS: list["CommLedger"] = []
-
-
-class CommLedger:
-    """Context manager recording every collective tensorpar issues while it is active.
-
-    ``ledger.phase("backward")`` labels the records made inside it. Ledgers nest: each active
-    ledger records every collective.
-    """
-
-    def __init__(self) -> None:
-        self.records: list[CommRecord] = []
-        self._phase: str | None = None
-
-    def __enter__(self) -> "CommLedger":
-        _ACTIVE_LEDGERS.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _ACTIVE_LEDGERS.remove(self)
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        previous, self._phase = self._phase, name
-        try:
-            yield self
-        finally:
-            self._phase = previous
-
-    def clear(self) -> None:
-        self.records.clear()
-
-    def filter(self, *, op: str | None = None, phase: str | None = None) -> list[CommRecord]:
-        return [r for r in self.records
-                if (op is None or r.op == op) and (phase is None or r.phase == phase)]
-
-    def count(self, op: str | None = None, *, phase: str | None = None) -> int:
-        return len(self.filter(op=op, phase=phase))
-
-    def total_bytes(self, op: str | None = None, *, phase: str | None = None) -> int:
-        return sum(r.bytes for r in self.filter(op=op, phase=phase))
-
-    def ops(self, phase: str | None = None) -> list[str]:
-        return [r.op for r in self.filter(phase=phase)]
-
-    def summary(self) -> str:
-        lines = [f"{'phase':<10} {'op':<15} {'shape':<22} {'dtype':<15} {'bytes':>12} {'async':>6}"]
-        for r in self.records:
-            lines.append(f"{r.phase or '-':<10} {r.op:<15} {str(list(r.shape)):<22} "
-                         f"{str(r.dtype).replace('torch.', ''):<15} {r.bytes:>12} {str(r.async_op):>6}")
-        return "\n".join(lines)
-
-
-def _record(op: str, tensor_shape, dtype: torch.dtype, group_size: int, async_op: bool,
-            reduce_op: str | None = None) -> None:
-    if not _ACTIVE_LEDGERS:
-        return
-    shape = [int(s) for s in tensor_shape]
-    if torch.compiler.is_compiling():
-        # Traced once, run every step: an op with a side effect records each execution of the
-        # compiled graph (forward and backward). Only graphs traced while a ledger is active
-        # carry it: opening a ledger recompiles once.
-        torch.ops.tensorpar.record_collective(op, shape, dtype, group_size, async_op, reduce_op)
-    else:
-        _append_record(op, shape, dtype, group_size, async_op, reduce_op)
-
-
-def _append_record(op: str, shape: list[int], dtype: torch.dtype, group_size: int, async_op: bool,
-                   reduce_op: str | None) -> None:
-    numel = 1
-    for s in shape:
-        numel *= s
-    for ledger in _ACTIVE_LEDGERS:
-        ledger.records.append(CommRecord(op, dtype, tuple(shape), numel * dtype.itemsize, group_size, async_op,
-                                         ledger._phase, reduce_op))
-
-
-_record_compiled = torch.library.custom_op("tensorpar::record_collective", mutates_args=())(_append_record)
-_record_compiled.register_fake(lambda *args: None)
-torch.library._register_effectful_op("tensorpar::record_collective", torch.library.EffectType.ORDERED)
-
-
-def record_p2p(op: str, tensor: torch.Tensor) -> None:
-    """Record a point-to-point ``send`` or ``recv`` of ``tensor`` (between two ranks) that
-    another engine issues: torch.distributed.pipelining's stages (:mod:`tensorpar.pipeline`)."""
-    _record(op, tensor.shape, tensor.dtype, 2, True)
 
 
 class Handle:
@@ -247,6 +120,61 @@ def check_divisible(size: int, parts: int, what: str) -> None:
         raise ValueError(f"{what} ({size}) is not divisible by the tensor-parallel size ({parts})")
 
 
+# gloo's collectives on CPU go round a ring, a round trip per step, each waking a thread on the
+# peer; its all-to-all is one exchange. Over 2 ranks sharing 2 cores (benchmarks/README.md,
+# "collectives on gloo"): a 256 KiB all-reduce took 1.65 ms as gloo's and 0.57 as one exchange,
+# a reduce-scatter of 8 MiB 8-10 ms against 4. An all-gather or all-reduce by all-to-all sends
+# ``n`` copies of the tensor, which from about 2 MiB costs more than the rounds save.
+EXCHANGE_MAX_BYTES = 1 << 20
+
+_FOLDS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+def _exchanged(tensor: torch.Tensor, group, *, copies: bool) -> bool:
+    """Whether a collective of ``tensor`` goes as one all-to-all: on gloo, for CPU tensors; if its
+    all-to-all sends ``copies`` of the tensor, up to ``EXCHANGE_MAX_BYTES`` of it."""
+    return (tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
+            and (not copies or tensor.numel() * tensor.element_size() <= EXCHANGE_MAX_BYTES))
+
+
+def _exchange(blocks: torch.Tensor, group, async_op: bool, finish: Callable[[torch.Tensor], torch.Tensor]):
+    """All-to-all of ``blocks`` (dim-0 block ``i`` to rank ``i``); ``finish`` gets the blocks
+    that arrived, in rank order."""
+    n = group_size(group)
+    if torch.compiler.is_compiling():
+        sizes = [blocks.shape[0] // n] * n
+        return _traced(_launched("all_to_all_single", blocks, sizes, sizes, group.group_name), async_op, finish)
+    arrived = torch.empty_like(blocks)
+    work = dist.all_to_all_single(arrived, blocks, group=group, async_op=async_op)
+    return Handle(work, arrived, finish) if async_op else finish(arrived)
+
+
+def _fold_blocks(stacked: torch.Tensor, op: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    result = _FOLDS[op](stacked[0], stacked[1], out=out)
+    for block in stacked[2:]:
+        result = _FOLDS[op](result, block, out=result)
+    return result
+
+
+@torch.library.custom_op("tensorpar::fold", mutates_args=())
+def _fold_opaque(stacked: torch.Tensor, op: str) -> torch.Tensor:
+    return _fold_blocks(stacked, op)
+
+
+_fold_opaque.register_fake(lambda stacked, op: stacked[0].new_empty(stacked.shape[1:]))
+
+
+def _fold(stacked: torch.Tensor, op: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``stacked[0]`` (rank 0's block) combined with ``stacked[1]``, then with ``stacked[2]``...,
+    into ``out`` if given: the same order, so the same bits, on every rank. Compiled, a bf16 or
+    fp16 fold stays opaque to inductor, which would otherwise fuse it into the ops that read it
+    and skip rounding the result, as eager rounds it."""
+    if torch.compiler.is_compiling() and stacked.dtype in (torch.bfloat16, torch.float16):
+        result = _fold_opaque(stacked, op)
+        return result if out is None else out.copy_(result)
+    return _fold_blocks(stacked, op, out)
+
+
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum",
                async_op: bool = False):
     """In-place all-reduce of ``tensor`` over ``group``; returns it (or a Handle)."""
@@ -254,6 +182,9 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum
     if n == 1:
         return _done(tensor, async_op)
     _record("all_reduce", tensor.shape, tensor.dtype, n, async_op, op)
+    if _exchanged(tensor, group, copies=True):
+        return _exchange(torch.cat([tensor.reshape(1, -1)] * n), group, async_op,
+                         lambda arrived: _fold(arrived.view(n, *tensor.shape), op, out=tensor))
     if torch.compiler.is_compiling():
         # Dynamo cannot trace process-group calls; torch's functional collectives it can.
         return _traced(_launched("all_reduce", tensor, op, group.group_name), async_op, tensor.copy_)
@@ -339,6 +270,9 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
     shape = list(tensor.shape)
     shape[dim] *= n
     _record("all_gather", shape, tensor.dtype, n, async_op)
+    if _exchanged(tensor, group, copies=True):
+        return _exchange(torch.cat([tensor.movedim(dim, 0)] * n), group, async_op,
+                         lambda gathered: _place(gathered.movedim(0, dim), out))
     if torch.compiler.is_compiling():
         return _traced(_launched("all_gather_into_tensor", tensor.movedim(dim, 0).contiguous(), n, group.group_name),
                        async_op, lambda t: _place(t.movedim(0, dim) if dim else t, out))
@@ -395,6 +329,14 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int =
     _record("reduce_scatter", tensor.shape, tensor.dtype, n, async_op, op)
     if out is not None and dim != 0:
         raise ValueError("reduce_scatter: `out` is supported for dim 0 only")
+    if _exchanged(tensor, group, copies=False):
+        source = tensor.movedim(dim, 0).contiguous()
+
+        def scattered(arrived: torch.Tensor) -> torch.Tensor:
+            mine = arrived.view(n, -1, *source.shape[1:])
+            return _fold(mine, op, out=out) if dim == 0 else _fold(mine, op).movedim(0, dim).contiguous()
+
+        return _exchange(source, group, async_op, scattered)
     if torch.compiler.is_compiling():
         return _traced(_launched("reduce_scatter_tensor", tensor.movedim(dim, 0).contiguous(), op, n, group.group_name),
                        async_op, lambda t: _place(t.movedim(0, dim) if dim else t, out))

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.tensor import DTensor
 
-from . import comm
+from . import comm, comm_ledger
 from .fsdp_mesh import dp_mesh, full_box, hsdp_mesh, replica_group, shard_group, tp_dp_mesh
 from .grads import gather_dim0_shards, is_tp_invariant
 from .p2p_collectives import ring_all_gather, ring_reduce_scatter, uses_ring
@@ -89,7 +89,7 @@ def scatter_dp_shard(shard: DTensor, whole: torch.Tensor, *, dp_group=None) -> N
 
 class _RecordedAllGather(DefaultAllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        comm._record("all_gather", output_tensor.shape, output_tensor.dtype, comm.group_size(group), async_op)
+        comm_ledger.record("all_gather", output_tensor.shape, output_tensor.dtype, comm.group_size(group), async_op)
         if async_op or not uses_ring(group):
             return super().__call__(output_tensor, input_tensor, group, async_op)
         ring_all_gather(output_tensor, input_tensor, group)
@@ -97,7 +97,7 @@ class _RecordedAllGather(DefaultAllGather):
 
 class _RecordedReduceScatter(DefaultReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        comm._record("reduce_scatter", input_tensor.shape, input_tensor.dtype, comm.group_size(group), async_op,
+        comm_ledger.record("reduce_scatter", input_tensor.shape, input_tensor.dtype, comm.group_size(group), async_op,
                      "avg" if op == dist.ReduceOp.AVG else "sum")
         if async_op or not uses_ring(group) or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             return super().__call__(output_tensor, input_tensor, group, op, async_op)

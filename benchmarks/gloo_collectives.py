@@ -1,0 +1,82 @@
+"""tensorpar's collectives on gloo (CPU tensors) against gloo's own, per op and size, in one run::
+
+    python benchmarks/gloo_collectives.py --ranks 2
+
+On gloo, ``tensorpar.comm`` sends a CPU tensor's reduce-scatter, and its all-gather and
+all-reduce up to ``comm.EXCHANGE_MAX_BYTES``, as one all-to-all and combines the blocks in rank
+order. Per op and size: ``comm``'s call as it runs, and the same call with the exchange off
+(gloo's ``all_reduce``, ``all_gather_single``, ``reduce_scatter_single``), in alternating rounds;
+the ratio is tensorpar's time / gloo's (below 1: the exchange is faster), the median over the
+rounds with its interquartile range, the slowest rank's time per round. Sizes are the tensor's
+bytes: an all-gather's input, a reduce-scatter's input, an all-reduce's tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+import unittest.mock
+
+import torch
+import torch.distributed as dist
+
+from gpt_step import launch_and_print
+
+KIB = 1024
+
+
+def _quartiles(values) -> list[float]:
+    q1, median, q3 = statistics.quantiles(values, n=4)
+    return [round(q1, 3), round(median, 3), round(q3, 3)]
+
+
+def run(args) -> dict:
+    import tensorpar as tp
+    from tensorpar import comm
+
+    tp.initialize_model_parallel(args.ranks)
+    group = tp.get_tensor_model_parallel_group()
+    n = comm.group_size(group)
+    gloo_own = unittest.mock.patch.object(comm, "_exchanged", lambda *a, **k: False)
+    results = {}
+    for kib in args.sizes_kib:
+        tensor = torch.zeros(kib * KIB // 4 // n * n)  # zeros: the all-reduce sums it into itself
+        calls = {"all_reduce": lambda: comm.all_reduce(tensor, group),
+                 "all_gather": lambda: comm.all_gather(tensor, group),
+                 "reduce_scatter": lambda: comm.reduce_scatter(tensor, group)}
+        repeats = max(2, args.repeats * 256 // max(kib, 256))
+        for op, call in calls.items():
+            times = {"tensorpar": [], "gloo": []}
+            for _ in range(args.rounds):
+                for side, patch in (("tensorpar", contextlib.nullcontext()), ("gloo", gloo_own)):
+                    with patch:
+                        call()
+                        dist.barrier(group=group)
+                        began = time.perf_counter()
+                        for _ in range(repeats):
+                            call()
+                        took = torch.tensor([(time.perf_counter() - began) / repeats], dtype=torch.float64)
+                    dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+                    times[side].append(took.item())
+            ratios = [ours / theirs for ours, theirs in zip(times["tensorpar"], times["gloo"])]
+            results[f"{op} {kib} KiB"] = {"tensorpar_ms": round(1e3 * statistics.median(times["tensorpar"]), 3),
+                                          "gloo_ms": round(1e3 * statistics.median(times["gloo"]), 3),
+                                          "ratio_q1_median_q3": _quartiles(ratios)}
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--sizes-kib", type=int, nargs="+", default=[2, 256, 1024, 4096, 8192])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=20, help="calls timed per round at 256 KiB and below")
+    args = parser.parse_args()
+    args.tp = args.ranks  # launch_and_print starts args.tp ranks
+    launch_and_print(run, args)
+
+
+if __name__ == "__main__":
+    main()
