@@ -121,10 +121,10 @@ def check_divisible(size: int, parts: int, what: str) -> None:
 
 
 # gloo's collectives on CPU go round a ring, a round trip per step, each waking a thread on the
-# peer; its all-to-all is one exchange. Over 2 ranks sharing 2 cores (benchmarks/README.md,
-# "collectives on gloo"): a 256 KiB all-reduce took 1.65 ms as gloo's and 0.57 as one exchange,
-# a reduce-scatter of 8 MiB 8-10 ms against 4. An all-gather or all-reduce by all-to-all sends
-# ``n`` copies of the tensor, which from about 2 MiB costs more than the rounds save.
+# peer; its all-to-all is one exchange. Over 2 ranks sharing 2 cores (benchmarks/gloo_collectives.py):
+# a 256 KiB all-reduce took 1.65 ms as gloo's and 0.68 as one exchange, an 8 MiB reduce-scatter
+# 8.8 ms against 4.1. An all-gather or all-reduce by all-to-all sends ``n`` copies of the
+# tensor, which from about 2 MiB costs more than the rounds save.
 EXCHANGE_MAX_BYTES = 1 << 20
 
 _FOLDS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
