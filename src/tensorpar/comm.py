@@ -146,7 +146,10 @@ def _exchange(blocks: torch.Tensor, group, async_op: bool, finish: Callable[[tor
         return _traced(_launched("all_to_all_single", blocks, sizes, sizes, group.group_name), async_op, finish)
     arrived = torch.empty_like(blocks)
     work = dist.all_to_all_single(arrived, blocks, group=group, async_op=async_op)
-    return Handle(work, arrived, finish) if async_op else finish(arrived)
+    if not async_op:
+        return finish(arrived)
+    # The blocks being sent must live until the work is done: the handle keeps them.
+    return Handle(work, (arrived, blocks), lambda pair: finish(pair[0]))
 
 
 def _fold_blocks(stacked: torch.Tensor, op: str, out: torch.Tensor | None = None) -> torch.Tensor:

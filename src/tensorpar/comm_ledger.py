@@ -31,6 +31,7 @@ _RING_SEND_FACTOR = {
     "recv": lambda n: 0.0,
 }
 
+
 @dataclasses.dataclass(frozen=True)
 class CommRecord:
     """One collective: ``bytes`` is the full tensor's size, ``phase`` the ledger's label."""
@@ -109,7 +110,8 @@ class CommLedger:
 
 
 def record(op: str, tensor_shape, dtype: torch.dtype, group_size: int, async_op: bool,
-            reduce_op: str | None = None) -> None:
+           reduce_op: str | None = None) -> None:
+    """Record collective ``op`` of a ``tensor_shape`` tensor in every active ledger."""
     if not _ACTIVE_LEDGERS:
         return
     shape = [int(s) for s in tensor_shape]
