@@ -2,9 +2,9 @@
 
     python benchmarks/gloo_collectives.py --ranks 2
 
-On gloo, ``tensorpar.comm`` sends a CPU tensor's reduce-scatter, and its all-gather and
-all-reduce up to ``comm.EXCHANGE_MAX_BYTES``, as one all-to-all and combines the blocks in rank
-order. Per op and size: ``comm``'s call as it runs, and the same call with the exchange off
+On gloo, ``tensorpar.comm`` sends a CPU tensor's reduce-scatter, its all-gather while the
+all-to-all's copies of it come to ``comm.EXCHANGE_MAX_BYTES`` at most, and its all-reduce over 2
+ranks under the same limit, as one all-to-all, and combines the blocks in rank order. Per op and size: ``comm``'s call as it runs, and the same call with the exchange off
 (gloo's ``all_reduce``, ``all_gather_single``, ``reduce_scatter_single``), in alternating rounds;
 the ratio is tensorpar's time / gloo's (below 1: the exchange is faster), the median over the
 rounds with its interquartile range, the slowest rank's time per round. Sizes are the tensor's

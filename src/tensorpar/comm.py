@@ -7,9 +7,10 @@ goes on :func:`collective_device` (:func:`scalars` makes one there). ``async_op=
 :class:`~tensorpar.comm_ledger.CommLedger` (re-exported here).
 
 Under ``torch.compile`` the collectives are torch's functional collectives (traceable). On gloo,
-a CPU tensor's reduce-scatter, and its all-gather and all-reduce up to ``EXCHANGE_MAX_BYTES``,
-go as one all-to-all, the blocks that arrive combined in rank order (the same bits on every
-rank): one round trip where gloo's rings take several.
+a CPU tensor's reduce-scatter, its all-gather while the all-to-all's copies of it come to at most
+``EXCHANGE_MAX_BYTES``, and its all-reduce over 2 ranks under the same limit go as one
+all-to-all, the blocks that arrive combined in rank order (the same bits on every rank): one
+round trip where gloo's rings take several, and the ring's bytes.
 """
 
 from __future__ import annotations
@@ -123,18 +124,19 @@ def check_divisible(size: int, parts: int, what: str) -> None:
 # gloo's collectives on CPU go round a ring, a round trip per step, each waking a thread on the
 # peer; its all-to-all is one exchange. Over 2 ranks sharing 2 cores (benchmarks/gloo_collectives.py):
 # a 256 KiB all-reduce took 1.65 ms as gloo's and 0.68 as one exchange, an 8 MiB reduce-scatter
-# 8.8 ms against 4.1. An all-gather or all-reduce by all-to-all sends ``n`` copies of the
-# tensor, which from about 2 MiB costs more than the rounds save.
-EXCHANGE_MAX_BYTES = 1 << 20
+# 8.8 ms against 4.1. An all-gather by all-to-all sends ``n`` copies of its input, to be made
+# first; from about 4 MiB of them that costs more than the rounds save. An all-reduce by
+# all-to-all sends every rank's tensor to every other rank: the ring's bytes over 2 ranks only.
+EXCHANGE_MAX_BYTES = 2 << 20
 
 _FOLDS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
-def _exchanged(tensor: torch.Tensor, group, *, copies: bool) -> bool:
-    """Whether a collective of ``tensor`` goes as one all-to-all: on gloo, for CPU tensors; if its
-    all-to-all sends ``copies`` of the tensor, up to ``EXCHANGE_MAX_BYTES`` of it."""
+def _exchanged(tensor: torch.Tensor, group, *, copies: int = 0) -> bool:
+    """Whether a collective of ``tensor`` goes as one all-to-all: on gloo, for CPU tensors, if
+    the ``copies`` of the tensor its all-to-all sends come to ``EXCHANGE_MAX_BYTES`` at most."""
     return (tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
-            and (not copies or tensor.numel() * tensor.element_size() <= EXCHANGE_MAX_BYTES))
+            and copies * tensor.numel() * tensor.element_size() <= EXCHANGE_MAX_BYTES)
 
 
 def _exchange(blocks: torch.Tensor, group, async_op: bool, finish: Callable[[torch.Tensor], torch.Tensor]):
@@ -185,7 +187,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum
     if n == 1:
         return _done(tensor, async_op)
     _record("all_reduce", tensor.shape, tensor.dtype, n, async_op, op)
-    if _exchanged(tensor, group, copies=True):
+    if n == 2 and _exchanged(tensor, group, copies=n):
         return _exchange(torch.cat([tensor.reshape(1, -1)] * n), group, async_op,
                          lambda arrived: _fold(arrived.view(n, *tensor.shape), op, out=tensor))
     if torch.compiler.is_compiling():
@@ -273,7 +275,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
     shape = list(tensor.shape)
     shape[dim] *= n
     _record("all_gather", shape, tensor.dtype, n, async_op)
-    if _exchanged(tensor, group, copies=True):
+    if _exchanged(tensor, group, copies=n):
         return _exchange(torch.cat([tensor.movedim(dim, 0)] * n), group, async_op,
                          lambda gathered: _place(gathered.movedim(0, dim), out))
     if torch.compiler.is_compiling():
@@ -332,7 +334,7 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int =
     _record("reduce_scatter", tensor.shape, tensor.dtype, n, async_op, op)
     if out is not None and dim != 0:
         raise ValueError("reduce_scatter: `out` is supported for dim 0 only")
-    if _exchanged(tensor, group, copies=False):
+    if _exchanged(tensor, group):
         source = tensor.movedim(dim, 0).contiguous()
 
         def scattered(arrived: torch.Tensor) -> torch.Tensor:
