@@ -25,7 +25,7 @@ from .comm_ledger import CommLedger, CommRecord, bytes_sent_per_rank, record as 
 
 __all__ = ["CommLedger", "CommRecord", "Handle", "all_gather", "all_reduce", "all_to_all", "broadcast",
            "bytes_sent_per_rank", "check_divisible", "collective_device", "group_rank", "group_size",
-           "record_p2p", "reduce_scatter", "scalars", "send_recv"]
+           "record_p2p", "reduce_scatter", "scalars", "send_recv", "EXCHANGE_MAX_BYTES"]
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

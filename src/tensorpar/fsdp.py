@@ -39,7 +39,7 @@ from .utils import consecutive_groups
 
 __all__ = ["fully_shard", "reshard", "is_fully_sharded", "dp_mesh", "hsdp_mesh", "shard_group", "gather_dp_shards",
            "replica_group", "scatter_dp_shard", "tp_dp_mesh", "full_box", "ShardedGradSync", "describe", "bytes_per_rank",
-           "take_unsharded_grad", "MIN_UNIT_MIB", "least_unit_bytes"]
+           "take_unsharded_grad", "MIN_UNIT_MIB", "check_min_unit_mib", "least_unit_bytes"]
 
 # The default least size of an FSDP unit: DDP's bucket size (its bucket_cap_mb).
 MIN_UNIT_MIB = 25.0
@@ -156,6 +156,12 @@ class _TreeReduceScatter(DefaultReduceScatter):
         return None
 
 
+def check_min_unit_mib(min_unit_mib, what: str) -> None:
+    """Refuse a ``min_unit_mib`` that is no finite number of MiB >= 0, in one line naming ``what``."""
+    if isinstance(min_unit_mib, bool) or not isinstance(min_unit_mib, (int, float)) or not 0 <= min_unit_mib < math.inf:
+        raise ValueError(f"{what}: min_unit_mib must be a number of MiB >= 0, got {min_unit_mib!r}")
+
+
 def least_unit_bytes(config, min_unit_mib: float) -> int:
     """The bytes of parameters at which a unit of consecutive blocks of a GPT ``config`` closes:
     ``min_unit_mib``, or 0 (one block per unit) where the blocks recompute in backward, since
@@ -245,8 +251,7 @@ def fully_shard(model: nn.Module, *, dp_group=None, units=None, min_unit_mib: fl
         tp.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
     """
-    if isinstance(min_unit_mib, bool) or not isinstance(min_unit_mib, (int, float)) or not 0 <= min_unit_mib < math.inf:
-        raise ValueError(f"fully_shard: min_unit_mib must be a number of MiB >= 0, got {min_unit_mib!r}")
+    check_min_unit_mib(min_unit_mib, "fully_shard")
     group = dp_group if dp_group is not None else get_data_parallel_group()
     units = _default_units(model, min_unit_mib) if units is None else list(units)
     _refuse(model, units)

@@ -30,7 +30,7 @@ import re
 import torch
 
 from .comm_model import CommConfig, CommOp, LinkModel, collectives
-from .fsdp import MIN_UNIT_MIB, least_unit_bytes
+from .fsdp import MIN_UNIT_MIB, check_min_unit_mib, least_unit_bytes
 from .utils import consecutive_groups
 
 PARAM_GATHER = "FSDP parameter all-gather"
@@ -50,8 +50,7 @@ class FSDPConfig:
     def __post_init__(self) -> None:
         if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 2:
             raise ValueError(f"FSDP needs a DP size of at least 2 (over one rank it shards nothing), got {self.dp!r}")
-        if not 0 <= self.min_unit_mib < math.inf:
-            raise ValueError(f"FSDP's min_unit_mib must be a number of MiB >= 0, got {self.min_unit_mib!r}")
+        check_min_unit_mib(self.min_unit_mib, "FSDP")
 
 
 @dataclasses.dataclass(frozen=True)
