@@ -14,7 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._guards import detect_fake_mode
+from torch._inductor.fx_passes.post_grad import post_grad_passes
+from torch._inductor.virtualized import V
 
 import tensorpar as tp
 from tensorpar import comm, linear_function
@@ -29,30 +33,38 @@ RTOL, ATOL = 1e-5, 1e-6
 # to 2^-6 (twice bf16's precision) of its largest element (measured: 7e-5 and 0.8% of it).
 BF16_LOSS_RTOL, BF16_GRAD_SCALE = 1e-3, 2.0 ** -6
 STEPS = 2
+GEMMS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
 
 
-_OP_NAMES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+# The functional collectives in the graphs (inductor's post-grad passes make all_reduce in place).
+_OP_NAMES = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
              "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
 
 
 def _counting_backend():
     """``aot_eager`` that keeps the dynamo graphs and the collectives in the AOT graphs it runs;
-    ``overlapped`` ends with one ``"waits"`` entry per wait beyond one per collective."""
+    ``overlapped`` ends with one ``"waits"`` entry per wait beyond one per collective.
+
+    The AOT graphs run after inductor's post-grad passes (its pattern rewrites, such as folding
+    ``mm + add`` into ``addmm``): the order of GEMMs and collectives its scheduler starts from.
+    """
     graphs, collectives, overlapped = [], [], []
 
     def run_eagerly(gm, example_inputs):
+        with V.set_fake_mode(detect_fake_mode(example_inputs)):
+            post_grad_passes(gm, is_inference=False)
         nodes = list(gm.graph.nodes)
         launches = sum(n.op == "call_function" and str(n.target).startswith("_c10d_functional.")
                        and "wait_tensor" not in str(n.target) for n in nodes)
         overlapped.extend(["waits"] * (sum("wait_tensor" in str(n.target) for n in nodes) - launches))
         for i, node in enumerate(nodes):  # collectives with a GEMM between their launch and wait
             waits = [nodes.index(u) for u in node.users if "wait_tensor" in str(u.target)]
-            if waits and any(str(n.target) in ("aten.mm.default", "aten.addmm.default") for n in nodes[i:min(waits)]):
+            if waits and any(str(n.target) in GEMMS for n in nodes[i:min(waits)]):
                 overlapped.append(str(node.target))
         collectives.extend(_OP_NAMES[n.target.name().split("::")[1].split(".")[0]] for n in gm.graph.nodes
                            if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")
                            and "wait_tensor" not in str(n.target))
-        return gm
+        return make_boxed_func(gm)
 
     # Inductor's partitioner, which decides what backward recomputes.
     aot = aot_autograd(fw_compiler=run_eagerly, bw_compiler=run_eagerly,

@@ -218,6 +218,13 @@ def compute_weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_ou
     if gradient_accumulation_fusion:
         _accumulate_wgrad_into_main_grad(weight, grad_output_2d, input_2d)
         return _weight_grad_placeholder(weight)
+    if torch.compiler.is_compiling() and grad_output_2d.dtype == weight.dtype:
+        # Inductor folds ``mm + add`` into one addmm. For a weight autograd adds a second gradient to
+        # (the tied LM head's, the embedding's) that GEMM would then wait for the other gradient at the
+        # end of the backward, not run while the dgrad reduction is in flight. A batch of one is the
+        # same GEMM, same bits, which the fold does not match. At a lower compute dtype the cast to
+        # the weight's dtype already stands between them (and bf16 bmm is slower than mm on CPU).
+        return torch.bmm(grad_output_2d.t()[None], input_2d[None])[0]
     return grad_output_2d.t().matmul(input_2d)
 
 
