@@ -3,8 +3,9 @@
 ``fullgraph=True`` turns any graph break into an error; the counting backend checks that one
 graph was compiled and that later steps reuse it. The backward of every autograd function is
 traced together with its forward, so a collective dynamo cannot trace in backward breaks the
-forward graph too. Compiled with ``aot_eager`` (AOT autograd's forward and backward graphs,
-run eagerly): the graphs inductor would get, without a C++ build per test on 2 cores.
+forward graph too. Compiled as ``aot_eager`` is (AOT autograd's forward and backward graphs,
+run eagerly) after inductor's post-grad passes: the graphs inductor's scheduler would get,
+without a C++ build per test on 2 cores.
 """
 
 import unittest.mock
