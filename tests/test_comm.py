@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import time
 import unittest.mock
 
 import pytest
@@ -108,6 +109,40 @@ def test_exchanged_collectives_combine_in_rank_order_and_stop_at_their_size_limi
     ranks (over more, an all-to-all would send more than the ring's bytes)."""
     expected = {1: (0, 0), 2: (6, 1), 4: (2, 1)}[world_size]
     assert run_on_ranks(_exchange_order_body, world_size) == [expected] * world_size
+
+
+def _polling_body():
+    tp.initialize_model_parallel(torch.distributed.get_world_size())
+    group = tp.get_tensor_model_parallel_group()
+    n, r = comm.group_size(group), comm.group_rank(group)
+    yields = []
+    with unittest.mock.patch.object(comm, "_yield_core", lambda: yields.append(1)):
+        if r == 0:
+            handle = comm.reduce_scatter(torch.ones(n, 3), group, async_op=True)
+            torch.testing.assert_close(handle.wait(), torch.full((1, 3), float(n)))
+        else:
+            time.sleep(0.2)  # rank 0 waits meanwhile
+            torch.testing.assert_close(comm.reduce_scatter(torch.ones(n, 3), group), torch.full((1, 3), float(n)))
+    return bool(yields)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_an_exchange_is_waited_by_polling_with_the_core_yielded(world_size):
+    """A rank waiting for its exchange's peers yields its core rather than sleeping in gloo's
+    wait (comm._YieldingWait: a sleeping virtual CPU took milliseconds to wake)."""
+    assert run_on_ranks(_polling_body, world_size)[0]
+
+
+def test_an_exchange_wait_raises_what_its_collective_raised():
+    class Failed:
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            raise RuntimeError("peer 1 closed the connection")
+
+    with pytest.raises(RuntimeError, match="peer 1 closed"):
+        comm._YieldingWait(Failed(), torch.ones(1)).wait()
 
 
 def _ledger_body():

@@ -37,9 +37,16 @@ STEPS = 2
 GEMMS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
 
 
-# The functional collectives in the graphs (inductor's post-grad passes make all_reduce in place).
-_OP_NAMES = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
-             "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+# The collectives launched in the graphs: torch's functional ones (inductor's post-grad passes make
+# all_reduce in place) and gloo's exchanges (comm._exchange_op, an all-to-all).
+_OP_NAMES = {"_c10d_functional.all_reduce": "all_reduce", "_c10d_functional.all_reduce_": "all_reduce",
+             "_c10d_functional.all_gather_into_tensor": "all_gather",
+             "_c10d_functional.reduce_scatter_tensor": "reduce_scatter",
+             "_c10d_functional.all_to_all_single": "all_to_all", "tensorpar.exchange": "all_to_all"}
+
+
+def _launched_collective(node) -> str | None:
+    return _OP_NAMES.get(str(node.target).removesuffix(".default")) if node.op == "call_function" else None
 
 
 def _counting_backend():
@@ -55,16 +62,13 @@ def _counting_backend():
         with V.set_fake_mode(detect_fake_mode(example_inputs)):
             post_grad_passes(gm, is_inference=False)
         nodes = list(gm.graph.nodes)
-        launches = sum(n.op == "call_function" and str(n.target).startswith("_c10d_functional.")
-                       and "wait_tensor" not in str(n.target) for n in nodes)
-        overlapped.extend(["waits"] * (sum("wait_tensor" in str(n.target) for n in nodes) - launches))
+        launched = [_launched_collective(n) for n in nodes if _launched_collective(n)]
+        overlapped.extend(["waits"] * (sum("wait_tensor" in str(n.target) for n in nodes) - len(launched)))
         for i, node in enumerate(nodes):  # collectives with a GEMM between their launch and wait
             waits = [nodes.index(u) for u in node.users if "wait_tensor" in str(u.target)]
             if waits and any(str(n.target) in GEMMS for n in nodes[i:min(waits)]):
                 overlapped.append(str(node.target))
-        collectives.extend(_OP_NAMES[n.target.name().split("::")[1].split(".")[0]] for n in gm.graph.nodes
-                           if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")
-                           and "wait_tensor" not in str(n.target))
+        collectives.extend(launched)
         return make_boxed_func(gm)
 
     # Inductor's partitioner, which decides what backward recomputes.
