@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar import comm
+from tensorpar import comm, gloo_transport
 from tests.harness import run_on_ranks
 
 
@@ -111,25 +111,45 @@ def test_exchanged_collectives_combine_in_rank_order_and_stop_at_their_size_limi
     assert run_on_ranks(_exchange_order_body, world_size) == [expected] * world_size
 
 
+def _polled_collectives(group, n, r):
+    x = torch.full((n, 3), float(r + 1))
+    total = n * (n + 1) / 2
+    torch.testing.assert_close(comm.all_reduce(x.clone(), group), torch.full_like(x, total))
+    torch.testing.assert_close(comm.all_reduce(x.clone(), group, async_op=True).wait(), torch.full_like(x, total))
+    every = torch.cat([torch.full((n, 3), float(j + 1)) for j in range(n)])
+    torch.testing.assert_close(comm.all_gather(x, group), every)
+    torch.testing.assert_close(comm.all_gather(x, group, async_op=True).wait(), every)
+    torch.testing.assert_close(comm.all_to_all(x, group), torch.arange(1.0, n + 1).repeat_interleave(3).view(n, 3))
+    torch.testing.assert_close(comm.broadcast(x.clone(), 0, group), torch.ones_like(x))
+
+
 def _polling_body():
     tp.initialize_model_parallel(torch.distributed.get_world_size())
     group = tp.get_tensor_model_parallel_group()
     n, r = comm.group_size(group), comm.group_rank(group)
     yields = []
-    with unittest.mock.patch.object(comm, "_yield_core", lambda: yields.append(1)):
-        if r == 0:
-            handle = comm.reduce_scatter(torch.ones(n, 3), group, async_op=True)
-            torch.testing.assert_close(handle.wait(), torch.full((1, 3), float(n)))
-        else:
+    native = unittest.mock.patch.object(comm, "_exchanged", lambda *args, **kwargs: False)
+    with (unittest.mock.patch.object(gloo_transport, "_yield_core", lambda: yields.append(1)),
+          unittest.mock.patch.object(gloo_transport, "POLL_SECONDS", 10.0)):
+        began = time.perf_counter()
+        _polled_collectives(group, n, r)  # exchanged, but the all-reduces over 4 ranks
+        with native:
+            _polled_collectives(group, n, r)  # gloo's own
+        torch.testing.assert_close(comm.reduce_scatter(torch.ones(n, 3), group), torch.full((1, 3), float(n)))
+        # Each wait ended when its work reported completion, not after POLL_SECONDS.
+        assert time.perf_counter() - began < 5, time.perf_counter() - began
+        yields.clear()
+        if r != 0:
             time.sleep(0.2)  # rank 0 waits meanwhile
-            torch.testing.assert_close(comm.reduce_scatter(torch.ones(n, 3), group), torch.full((1, 3), float(n)))
+        torch.testing.assert_close(comm.all_reduce(torch.ones(3), group), torch.full((3,), float(n)))
     return bool(yields)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_an_exchange_is_waited_by_polling_with_the_core_yielded(world_size):
-    """A rank waiting for its exchange's peers yields its core rather than sleeping in gloo's
-    wait (comm._YieldingWait: a sleeping virtual CPU took milliseconds to wake)."""
+def test_collectives_on_gloo_are_waited_by_polling_with_the_core_yielded(world_size):
+    """A rank waiting for its peers yields its core rather than sleeping in gloo's wait
+    (comm.YieldingWait: a sleeping virtual CPU took milliseconds to wake); every work polled
+    reports its completion without being waited (or the polling would run out its time)."""
     assert run_on_ranks(_polling_body, world_size)[0]
 
 
@@ -142,7 +162,7 @@ def test_an_exchange_wait_raises_what_its_collective_raised():
             raise RuntimeError("peer 1 closed the connection")
 
     with pytest.raises(RuntimeError, match="peer 1 closed"):
-        comm._YieldingWait(Failed(), torch.ones(1)).wait()
+        comm.YieldingWait(Failed()).wait()
 
 
 def _ledger_body():

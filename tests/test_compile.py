@@ -38,7 +38,7 @@ GEMMS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
 
 
 # The collectives launched in the graphs: torch's functional ones (inductor's post-grad passes make
-# all_reduce in place) and gloo's exchanges (comm._exchange_op, an all-to-all).
+# all_reduce in place) and gloo's exchanges (gloo_transport.exchange_op, an all-to-all).
 _OP_NAMES = {"_c10d_functional.all_reduce": "all_reduce", "_c10d_functional.all_reduce_": "all_reduce",
              "_c10d_functional.all_gather_into_tensor": "all_gather",
              "_c10d_functional.reduce_scatter_tensor": "reduce_scatter",

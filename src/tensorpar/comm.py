@@ -10,15 +10,12 @@ Under ``torch.compile`` the collectives are torch's functional collectives (trac
 a CPU tensor's reduce-scatter, its all-gather while the all-to-all's copies of it come to at most
 ``EXCHANGE_MAX_BYTES``, and its all-reduce over 2 ranks under the same limit go as one
 all-to-all, the blocks that arrive combined in rank order (the same bits on every rank): one
-round trip where gloo's rings take several, and the ring's bytes. Its wait polls, yielding the
-core, rather than sleeping (compiled: the ``tensorpar::exchange`` op, whose result the graph's
-``wait_tensor`` waits for the same way).
+round trip where gloo's rings take several, and the ring's bytes. gloo's works are waited by
+polling with the core yielded, compiled too (:mod:`tensorpar.gloo_transport`).
 """
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Callable
 
 import torch
@@ -26,10 +23,13 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .comm_ledger import CommLedger, CommRecord, bytes_sent_per_rank, record as _record, record_p2p
+from .gloo_transport import (EXCHANGE_MAX_BYTES, POLL_SECONDS, YieldingWait, exchange_op, exchanged as _exchanged,
+                             fold as _fold, launch as _launch, start_exchange)
 
 __all__ = ["CommLedger", "CommRecord", "Handle", "all_gather", "all_reduce", "all_to_all", "broadcast",
            "bytes_sent_per_rank", "check_divisible", "collective_device", "group_rank", "group_size",
-           "record_p2p", "reduce_scatter", "scalars", "send_recv", "EXCHANGE_MAX_BYTES"]
+           "record_p2p", "reduce_scatter", "scalars", "send_recv", "EXCHANGE_MAX_BYTES", "POLL_SECONDS",
+           "YieldingWait"]
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -125,111 +125,18 @@ def check_divisible(size: int, parts: int, what: str) -> None:
         raise ValueError(f"{what} ({size}) is not divisible by the tensor-parallel size ({parts})")
 
 
-# gloo's collectives on CPU go round a ring, a round trip per step, each waking a thread on the
-# peer; its all-to-all is one exchange. Over 2 ranks sharing 2 cores (benchmarks/gloo_collectives.py):
-# a 256 KiB all-reduce took 1.65 ms as gloo's and 0.68 as one exchange, an 8 MiB reduce-scatter
-# 8.8 ms against 4.1. An all-gather by all-to-all sends ``n`` copies of its input, to be made
-# first; from about 4 MiB of them that costs more than the rounds save. An all-reduce by
-# all-to-all sends every rank's tensor to every other rank: the ring's bytes over 2 ranks only.
-EXCHANGE_MAX_BYTES = 2 << 20
-
-_FOLDS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
-
-
-def _exchanged(tensor: torch.Tensor, group, *, copies: int = 0) -> bool:
-    """Whether a collective of ``tensor`` goes as one all-to-all: on gloo, for CPU tensors, if
-    the ``copies`` of the tensor its all-to-all sends come to ``EXCHANGE_MAX_BYTES`` at most."""
-    return (tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
-            and copies * tensor.numel() * tensor.element_size() <= EXCHANGE_MAX_BYTES)
-
-
 def _exchange(source: torch.Tensor, group, async_op: bool, finish: Callable[[torch.Tensor], torch.Tensor],
               *, copies: int = 1):
     """All-to-all of ``copies`` copies of ``source`` stacked on dim 0 (block ``i`` to rank ``i``;
     with one copy, ``source`` holds the blocks); ``finish`` gets the blocks that arrived, in rank
-    order. Waited by polling (:class:`_YieldingWait`), compiled too (the ``tensorpar::exchange`` op)."""
+    order. Waited by polling (:class:`YieldingWait`), compiled too (the ``tensorpar::exchange`` op)."""
     if torch.compiler.is_compiling():
-        return _traced(_exchange_op(source, copies, group.group_name), async_op, finish)
-    arrived, work = _start_exchange(source, copies, group)
+        return _traced(exchange_op(source, copies, group.group_name), async_op, finish)
+    arrived, work = start_exchange(source, copies, group)
     if async_op:
         return Handle(work, arrived, finish)
     work.wait()
     return finish(arrived)
-
-
-def _start_exchange(source: torch.Tensor, copies: int, group) -> tuple[torch.Tensor, _YieldingWait]:
-    """The exchange launched: the tensor the blocks arrive in, and the work to wait for."""
-    blocks = torch.cat([source] * copies) if copies > 1 else source.contiguous()
-    arrived = torch.empty_like(blocks)
-    return arrived, _YieldingWait(dist.all_to_all_single(arrived, blocks, group=group, async_op=True), blocks)
-
-
-class _YieldingWait(dist.Work):
-    """A gloo collective's work whose ``wait()`` polls it, yielding the core between polls, and
-    keeps the tensor it sends alive until then.
-
-    A thread asleep in gloo's ``wait()`` leaves its core idle; on a VM an idle virtual CPU halts,
-    and waking it for the result took milliseconds (a 64 KiB exchange between two ranks running
-    GEMMs: median 1.7 ms asleep, 0.6 ms polling; 90th percentile 5.0 and 1.5 ms). Yielding lets
-    the gloo threads, and ranks sharing the cores, run meanwhile.
-    """
-
-    def __init__(self, work: dist.Work, sent: torch.Tensor):
-        super().__init__()
-        self._work, self._sent = work, sent
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
-    def wait(self, timeout=None) -> bool:
-        while not self._work.is_completed():
-            _yield_core()
-        self._sent = None
-        return self._work.wait()  # raises the collective's error, if it failed
-
-
-_yield_core = getattr(os, "sched_yield", lambda: time.sleep(0))
-
-
-@torch.library.custom_op("tensorpar::exchange", mutates_args=())
-def _exchange_op(source: torch.Tensor, copies: int, group_name: str) -> torch.Tensor:
-    """:func:`_exchange` launched inside a compiled graph; the graph's ``wait_tensor`` of the
-    result waits as :class:`_YieldingWait` does. The blocks are this op's own copy: inductor
-    may reuse ``source``'s memory once the op returns, while the exchange still reads it."""
-    owned = source.clone(memory_format=torch.contiguous_format) if copies == 1 else source
-    arrived, work = _start_exchange(owned, copies, dist.distributed_c10d._resolve_process_group(group_name))
-    torch._C._distributed_c10d._register_work(arrived, work)
-    return arrived
-
-
-_exchange_op.register_fake(lambda source, copies, group_name: source.new_empty((source.shape[0] * copies,
-                                                                                *source.shape[1:])))
-
-
-def _fold_blocks(stacked: torch.Tensor, op: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    result = _FOLDS[op](stacked[0], stacked[1], out=out)
-    for block in stacked[2:]:
-        result = _FOLDS[op](result, block, out=result)
-    return result
-
-
-@torch.library.custom_op("tensorpar::fold", mutates_args=())
-def _fold_opaque(stacked: torch.Tensor, op: str) -> torch.Tensor:
-    return _fold_blocks(stacked, op)
-
-
-_fold_opaque.register_fake(lambda stacked, op: stacked[0].new_empty(stacked.shape[1:]))
-
-
-def _fold(stacked: torch.Tensor, op: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``stacked[0]`` (rank 0's block) combined with ``stacked[1]``, then with ``stacked[2]``...,
-    into ``out`` if given: the same order, so the same bits, on every rank. Compiled, a bf16 or
-    fp16 fold stays opaque to inductor, which would otherwise fuse it into the ops that read it
-    and skip rounding the result, as eager rounds it."""
-    if torch.compiler.is_compiling() and stacked.dtype in (torch.bfloat16, torch.float16):
-        result = _fold_opaque(stacked, op)
-        return result if out is None else out.copy_(result)
-    return _fold_blocks(stacked, op, out)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum",
@@ -245,7 +152,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum
     if torch.compiler.is_compiling():
         # Dynamo cannot trace process-group calls; torch's functional collectives it can.
         return _traced(_launched("all_reduce", tensor, op, group.group_name), async_op, tensor.copy_)
-    work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
+    work = _launch(lambda a: dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=a), group, async_op)
     return Handle(work, tensor) if async_op else tensor
 
 
@@ -348,7 +255,8 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
         def finish(t: torch.Tensor) -> torch.Tensor:
             return t.movedim(0, dim).contiguous()
 
-    work = _all_gather_single(result, tensor.contiguous(), group=group, async_op=async_op)
+    work = _launch(lambda a: _all_gather_single(result, tensor.contiguous(), group=group, async_op=a), group,
+                   async_op)
     if async_op:
         return Handle(work, result, finish)
     return finish(result) if finish else result
@@ -426,8 +334,9 @@ def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup, *,
         out = torch.empty_like(tensor)
     else:
         out = tensor.new_empty([sum(output_split_sizes)] + list(tensor.shape[1:]))
-    dist.all_to_all_single(out, tensor, output_split_sizes=output_split_sizes,
-                           input_split_sizes=input_split_sizes, group=group)
+    _launch(lambda a: dist.all_to_all_single(out, tensor, output_split_sizes=output_split_sizes,
+                                             input_split_sizes=input_split_sizes, group=group, async_op=a),
+            group, False)
     return out
 
 
@@ -437,7 +346,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
     if n == 1:
         return tensor
     _record("broadcast", tensor.shape, tensor.dtype, n, False)
-    dist.broadcast(tensor, src=src, group=group)
+    _launch(lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a), group, False)
     return tensor
 
 
