@@ -4,8 +4,10 @@
 
 On gloo, ``tensorpar.comm`` sends a CPU tensor's reduce-scatter, its all-gather while the
 all-to-all's copies of it come to ``comm.EXCHANGE_MAX_BYTES`` at most, and its all-reduce over 2
-ranks under the same limit, as one all-to-all, and combines the blocks in rank order. Per op and size: ``comm``'s call as it runs, and the same call with the exchange off
-(gloo's ``all_reduce``, ``all_gather_single``, ``reduce_scatter_single``), in alternating rounds;
+ranks under the same limit, as one all-to-all, combines the blocks in rank order, and waits by
+polling (``gloo_transport.YieldingWait``). Per op and size: ``comm``'s call as it runs, and the
+same call with the exchange and the polling off (gloo's ``all_reduce``, ``all_gather_single``,
+``reduce_scatter_single`` and their waits), in alternating rounds;
 the ratio is tensorpar's time / gloo's (below 1: the exchange is faster), the median over the
 rounds with its interquartile range, the slowest rank's time per round. Sizes are the tensor's
 bytes: an all-gather's input, a reduce-scatter's input, an all-reduce's tensor.
@@ -34,12 +36,13 @@ def _quartiles(values) -> list[float]:
 
 def run(args) -> dict:
     import tensorpar as tp
-    from tensorpar import comm
+    from tensorpar import comm, gloo_transport
 
     tp.initialize_model_parallel(args.ranks)
     group = tp.get_tensor_model_parallel_group()
     n = comm.group_size(group)
-    gloo_own = unittest.mock.patch.object(comm, "_exchanged", lambda *a, **k: False)
+    gloo_own = [unittest.mock.patch.object(comm, "_exchanged", lambda *a, **k: False),
+                unittest.mock.patch.object(gloo_transport, "POLL_SECONDS", 0.0)]
     results = {}
     for kib in args.sizes_kib:
         tensor = torch.zeros(kib * KIB // 4 // n * n)  # zeros: the all-reduce sums it into itself
@@ -50,8 +53,10 @@ def run(args) -> dict:
         for op, call in calls.items():
             times = {"tensorpar": [], "gloo": []}
             for _ in range(args.rounds):
-                for side, patch in (("tensorpar", contextlib.nullcontext()), ("gloo", gloo_own)):
-                    with patch:
+                for side, patches in (("tensorpar", []), ("gloo", gloo_own)):
+                    with contextlib.ExitStack() as stack:
+                        for patch in patches:
+                            stack.enter_context(patch)
                         call()
                         dist.barrier(group=group)
                         began = time.perf_counter()
