@@ -10,7 +10,9 @@ same call with the exchange and the polling off (gloo's ``all_reduce``, ``all_ga
 ``reduce_scatter_single`` and their waits), in alternating rounds;
 the ratio is tensorpar's time / gloo's (below 1: the exchange is faster), the median over the
 rounds with its interquartile range, the slowest rank's time per round. Sizes are the tensor's
-bytes: an all-gather's input, a reduce-scatter's input, an all-reduce's tensor.
+bytes: an all-gather's input, a reduce-scatter's input, an all-reduce's tensor. With
+``--gemm N`` every rank multiplies two N x N matrices before each call, as a training step
+computes between its collectives (only the calls are timed): where waiting by polling counts.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def run(args) -> dict:
     n = comm.group_size(group)
     gloo_own = [unittest.mock.patch.object(comm, "_exchanged", lambda *a, **k: False),
                 unittest.mock.patch.object(gloo_transport, "POLL_SECONDS", 0.0)]
+    operands = [torch.randn(args.gemm, args.gemm) for _ in range(2)]
     results = {}
     for kib in args.sizes_kib:
         tensor = torch.zeros(kib * KIB // 4 // n * n)  # zeros: the all-reduce sums it into itself
@@ -59,10 +62,13 @@ def run(args) -> dict:
                             stack.enter_context(patch)
                         call()
                         dist.barrier(group=group)
-                        began = time.perf_counter()
+                        spent = 0.0
                         for _ in range(repeats):
+                            torch.mm(*operands)
+                            began = time.perf_counter()
                             call()
-                        took = torch.tensor([(time.perf_counter() - began) / repeats], dtype=torch.float64)
+                            spent += time.perf_counter() - began
+                        took = torch.tensor([spent / repeats], dtype=torch.float64)
                     dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
                     times[side].append(took.item())
             ratios = [ours / theirs for ours, theirs in zip(times["tensorpar"], times["gloo"])]
@@ -78,6 +84,7 @@ def main() -> None:
     parser.add_argument("--sizes-kib", type=int, nargs="+", default=[2, 256, 1024, 4096, 8192])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--repeats", type=int, default=20, help="calls timed per round at 256 KiB and below")
+    parser.add_argument("--gemm", type=int, default=0, help="an N x N GEMM on every rank before each call")
     args = parser.parse_args()
     args.tp = args.ranks  # launch_and_print starts args.tp ranks
     launch_and_print(run, args)
