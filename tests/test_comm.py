@@ -148,7 +148,7 @@ def _polling_body():
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_collectives_on_gloo_are_waited_by_polling_with_the_core_yielded(world_size):
     """A rank waiting for its peers yields its core rather than sleeping in gloo's wait
-    (comm.YieldingWait: a sleeping virtual CPU took milliseconds to wake); every work polled
+    (gloo_transport.YieldingWait: a sleeping virtual CPU took milliseconds to wake); every work polled
     reports its completion without being waited (or the polling would run out its time)."""
     assert run_on_ranks(_polling_body, world_size)[0]
 
@@ -162,7 +162,7 @@ def test_an_exchange_wait_raises_what_its_collective_raised():
             raise RuntimeError("peer 1 closed the connection")
 
     with pytest.raises(RuntimeError, match="peer 1 closed"):
-        comm.YieldingWait(Failed()).wait()
+        gloo_transport.YieldingWait(Failed()).wait()
 
 
 def _ledger_body():

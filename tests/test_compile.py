@@ -8,6 +8,7 @@ run eagerly) after inductor's post-grad passes: the graphs inductor's scheduler 
 without a C++ build per test on 2 cores.
 """
 
+import time
 import unittest.mock
 from collections import Counter
 
@@ -22,7 +23,7 @@ from torch._inductor.fx_passes.post_grad import post_grad_passes
 from torch._inductor.virtualized import V
 
 import tensorpar as tp
-from tensorpar import comm, linear_function
+from tensorpar import comm, gloo_transport, linear_function
 from tensorpar.models import GPT, GPTConfig
 from tests.harness import run_on_ranks
 from tests.test_gpt import _data, _full_grads, _single_rank_group
@@ -246,6 +247,24 @@ def _mappings_body():
 
 def test_compiled_mappings_match_eager():
     assert all(run_on_ranks(_mappings_body, 2, timeout=900))
+
+
+def _compiled_exchange_polls_body():
+    tp.initialize_model_parallel(dist.get_world_size())
+    group = tp.get_tensor_model_parallel_group()
+    summed = torch.compile(lambda x: comm.all_reduce(x * 1, group), backend="aot_eager", fullgraph=True)
+    assert torch.equal(summed(torch.ones(4)), torch.full((4,), 2.0))  # compiled: a tensorpar::exchange
+    yields = []
+    with unittest.mock.patch.object(gloo_transport, "_yield_core", lambda: yields.append(1)):
+        if dist.get_rank() == 1:
+            time.sleep(0.2)  # rank 0 waits meanwhile
+        assert torch.equal(summed(torch.ones(4)), torch.full((4,), 2.0))
+    return bool(yields) or dist.get_rank() == 1
+
+
+def test_compiled_exchange_is_waited_by_polling():
+    """The graph's wait_tensor of a tensorpar::exchange waits as eager code does: polling."""
+    assert all(run_on_ranks(_compiled_exchange_polls_body, 2, timeout=900))
 
 
 def _train_body(argv):

@@ -23,13 +23,12 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .comm_ledger import CommLedger, CommRecord, bytes_sent_per_rank, record as _record, record_p2p
-from .gloo_transport import (EXCHANGE_MAX_BYTES, POLL_SECONDS, YieldingWait, exchange_op, exchanged as _exchanged,
-                             fold as _fold, launch as _launch, start_exchange)
+from .gloo_transport import (EXCHANGE_MAX_BYTES, exchange_op, exchanged as _exchanged, fold as _fold,
+                             launch as _launch, start_exchange)
 
 __all__ = ["CommLedger", "CommRecord", "Handle", "all_gather", "all_reduce", "all_to_all", "broadcast",
            "bytes_sent_per_rank", "check_divisible", "collective_device", "group_rank", "group_size",
-           "record_p2p", "reduce_scatter", "scalars", "send_recv", "EXCHANGE_MAX_BYTES", "POLL_SECONDS",
-           "YieldingWait"]
+           "record_p2p", "reduce_scatter", "scalars", "send_recv", "EXCHANGE_MAX_BYTES"]
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -129,7 +128,8 @@ def _exchange(source: torch.Tensor, group, async_op: bool, finish: Callable[[tor
               *, copies: int = 1):
     """All-to-all of ``copies`` copies of ``source`` stacked on dim 0 (block ``i`` to rank ``i``;
     with one copy, ``source`` holds the blocks); ``finish`` gets the blocks that arrived, in rank
-    order. Waited by polling (:class:`YieldingWait`), compiled too (the ``tensorpar::exchange`` op)."""
+    order. Waited by polling (``gloo_transport.YieldingWait``), compiled too (its ``tensorpar::exchange``
+    op)."""
     if torch.compiler.is_compiling():
         return _traced(exchange_op(source, copies, group.group_name), async_op, finish)
     arrived, work = start_exchange(source, copies, group)

@@ -25,12 +25,11 @@ import torch.distributed as dist
 __all__ = ["EXCHANGE_MAX_BYTES", "POLL_SECONDS", "YieldingWait", "exchange_op", "exchanged", "fold", "launch",
            "start_exchange"]
 
-# gloo's collectives on CPU go round a ring, a round trip per step, each waking a thread on the
-# peer; its all-to-all is one exchange. Over 2 ranks sharing 2 cores (benchmarks/gloo_collectives.py):
-# a 256 KiB all-reduce took 1.65 ms as gloo's and 0.68 as one exchange, an 8 MiB reduce-scatter
-# 8.8 ms against 4.1. An all-gather by all-to-all sends ``n`` copies of its input, to be made
-# first; from about 4 MiB of them that costs more than the rounds save. An all-reduce by
-# all-to-all sends every rank's tensor to every other rank: the ring's bytes over 2 ranks only.
+# Over 2 ranks sharing 2 cores (benchmarks/gloo_collectives.py): a 256 KiB all-reduce took 1.65 ms
+# as gloo's and 0.68 as one exchange, an 8 MiB reduce-scatter 8.8 ms against 4.1. An all-gather by
+# all-to-all sends ``n`` copies of its input, to be made first; from about 4 MiB of them that costs
+# more than the rounds save. An all-reduce by all-to-all sends every rank's tensor to every other
+# rank: the ring's bytes over 2 ranks only.
 EXCHANGE_MAX_BYTES = 2 << 20
 
 _FOLDS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
@@ -87,12 +86,12 @@ POLL_SECONDS = 0.02
 _yield_core = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
-def launch(launch: Callable[[bool], dist.Work | None], group, async_op: bool) -> dist.Work | None:
-    """``launch(async_op)``: the collective's work when ``async_op``, else None once it is done.
-    On gloo it is launched async and waited by polling (:class:`YieldingWait`)."""
+def launch(start: Callable[[bool], dist.Work | None], group, async_op: bool) -> dist.Work | None:
+    """``start(async_op)``, a collective over ``group``: its work when ``async_op``, else None
+    once it is done. On gloo it is started async and waited by polling (:class:`YieldingWait`)."""
     if dist.get_backend(group) != "gloo":
-        return launch(async_op)
-    work = YieldingWait(launch(True))
+        return start(async_op)
+    work = YieldingWait(start(True))
     if async_op:
         return work
     work.wait()
