@@ -63,7 +63,7 @@ def _counting_backend():
         with V.set_fake_mode(detect_fake_mode(example_inputs)):
             post_grad_passes(gm, is_inference=False)
         nodes = list(gm.graph.nodes)
-        launched = [_launched_collective(n) for n in nodes if _launched_collective(n)]
+        launched = [op for n in nodes if (op := _launched_collective(n))]
         overlapped.extend(["waits"] * (sum("wait_tensor" in str(n.target) for n in nodes) - len(launched)))
         for i, node in enumerate(nodes):  # collectives with a GEMM between their launch and wait
             waits = [nodes.index(u) for u in node.users if "wait_tensor" in str(u.target)]

@@ -98,7 +98,7 @@ class _RecordedAllGather(DefaultAllGather):
 class _RecordedReduceScatter(DefaultReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         comm_ledger.record("reduce_scatter", input_tensor.shape, input_tensor.dtype, comm.group_size(group), async_op,
-                     "avg" if op == dist.ReduceOp.AVG else "sum")
+                           "avg" if op == dist.ReduceOp.AVG else "sum")
         if async_op or not uses_ring(group) or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
         ring_reduce_scatter(output_tensor, input_tensor, group)
