@@ -39,11 +39,12 @@ GEMMS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
 
 
 # The collectives launched in the graphs: torch's functional ones (inductor's post-grad passes make
-# all_reduce in place) and gloo's exchanges (gloo_transport.exchange_op, an all-to-all).
+# all_reduce in place) and gloo's all-to-alls (gloo_transport's exchange_op and swap_op).
 _OP_NAMES = {"_c10d_functional.all_reduce": "all_reduce", "_c10d_functional.all_reduce_": "all_reduce",
              "_c10d_functional.all_gather_into_tensor": "all_gather",
              "_c10d_functional.reduce_scatter_tensor": "reduce_scatter",
-             "_c10d_functional.all_to_all_single": "all_to_all", "tensorpar.exchange": "all_to_all"}
+             "_c10d_functional.all_to_all_single": "all_to_all", "tensorpar.exchange": "all_to_all",
+             "tensorpar.swap": "all_to_all"}
 
 
 def _launched_collective(node) -> str | None:
@@ -252,19 +253,24 @@ def test_compiled_mappings_match_eager():
 def _compiled_exchange_polls_body():
     tp.initialize_model_parallel(dist.get_world_size())
     group = tp.get_tensor_model_parallel_group()
-    summed = torch.compile(lambda x: comm.all_reduce(x * 1, group), backend="aot_eager", fullgraph=True)
-    assert torch.equal(summed(torch.ones(4)), torch.full((4,), 2.0))  # compiled: a tensorpar::exchange
+    n = dist.get_world_size()
+    # Compiled, a tensorpar::swap over 2 ranks, a tensorpar::exchange over more.
+    gathered = torch.compile(lambda x: comm.all_gather(x * 1, group), backend="aot_eager", fullgraph=True)
+    expected = torch.arange(n, dtype=torch.float32).repeat_interleave(4)
+    assert torch.equal(gathered(torch.full((4,), float(dist.get_rank()))), expected)
     yields = []
     with unittest.mock.patch.object(gloo_transport, "_yield_core", lambda: yields.append(1)):
-        if dist.get_rank() == 1:
+        if dist.get_rank() != 0:
             time.sleep(0.2)  # rank 0 waits meanwhile
-        assert torch.equal(summed(torch.ones(4)), torch.full((4,), 2.0))
-    return bool(yields) or dist.get_rank() == 1
+        assert torch.equal(gathered(torch.full((4,), float(dist.get_rank()))), expected)
+    return bool(yields) or dist.get_rank() != 0
 
 
-def test_compiled_exchange_is_waited_by_polling():
-    """The graph's wait_tensor of a tensorpar::exchange waits as eager code does: polling."""
-    assert all(run_on_ranks(_compiled_exchange_polls_body, 2, timeout=900))
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_compiled_exchange_is_waited_by_polling(world_size):
+    """The graph's wait_tensor of gloo's all-to-all (tensorpar::swap, tensorpar::exchange) waits as
+    eager code does: polling."""
+    assert all(run_on_ranks(_compiled_exchange_polls_body, world_size, timeout=900))
 
 
 def _train_body(argv):

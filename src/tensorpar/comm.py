@@ -24,7 +24,7 @@ import torch.distributed._functional_collectives as funcol
 
 from .comm_ledger import CommLedger, CommRecord, bytes_sent_per_rank, record as _record, record_p2p
 from .gloo_transport import (EXCHANGE_MAX_BYTES, exchange_op, exchanged as _exchanged, fold as _fold,
-                             launch as _launch, start_exchange)
+                             launch as _launch, start_exchange, start_swap, swap_op)
 
 __all__ = ["CommLedger", "CommRecord", "Handle", "all_gather", "all_reduce", "all_to_all", "broadcast",
            "bytes_sent_per_rank", "check_divisible", "collective_device", "group_rank", "group_size",
@@ -139,6 +139,26 @@ def _exchange(source: torch.Tensor, group, async_op: bool, finish: Callable[[tor
     return finish(arrived)
 
 
+def _swap(send: torch.Tensor, group, async_op: bool, finish: Callable[[list[torch.Tensor]], torch.Tensor],
+          *, kept: torch.Tensor | None = None):
+    """Over 2 ranks: ``send`` to the peer, the peer's received; ``finish`` gets ``kept`` (default
+    ``send``) and what was received, in rank order. Compiled, the ``tensorpar::swap`` op."""
+    kept = send if kept is None else kept
+
+    def in_rank_order(received: torch.Tensor) -> torch.Tensor:
+        return finish([received, kept] if group_rank(group) else [kept, received])
+
+    if torch.compiler.is_compiling():
+        return _traced(swap_op(send, group.group_name), async_op, in_rank_order)
+    send = send.contiguous()
+    received = torch.empty_like(send)
+    work = start_swap(send, received, group)
+    if async_op:
+        return Handle(work, received, in_rank_order)
+    work.wait()
+    return in_rank_order(received)
+
+
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum",
                async_op: bool = False):
     """In-place all-reduce of ``tensor`` over ``group``; returns it (or a Handle)."""
@@ -147,8 +167,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum
         return _done(tensor, async_op)
     _record("all_reduce", tensor.shape, tensor.dtype, n, async_op, op)
     if n == 2 and _exchanged(tensor, group, copies=n):
-        return _exchange(tensor.reshape(1, -1), group, async_op,
-                         lambda arrived: _fold(arrived.view(n, *tensor.shape), op, out=tensor), copies=n)
+        return _swap(tensor, group, async_op, lambda pair: _fold(pair, op, out=tensor))
     if torch.compiler.is_compiling():
         # Dynamo cannot trace process-group calls; torch's functional collectives it can.
         return _traced(_launched("all_reduce", tensor, op, group.group_name), async_op, tensor.copy_)
@@ -234,6 +253,8 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
     shape = list(tensor.shape)
     shape[dim] *= n
     _record("all_gather", shape, tensor.dtype, n, async_op)
+    if n == 2 and _exchanged(tensor, group, copies=n):
+        return _swap(tensor, group, async_op, lambda pair: torch.cat(pair, dim=dim, out=out))
     if _exchanged(tensor, group, copies=n):
         return _exchange(tensor.movedim(dim, 0), group, async_op,
                          lambda gathered: _place(gathered.movedim(0, dim), out), copies=n)
@@ -296,12 +317,15 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int =
         raise ValueError("reduce_scatter: `out` is supported for dim 0 only")
     if _exchanged(tensor, group):
         source = tensor.movedim(dim, 0).contiguous()
+        blocks = source.view(n, -1, *source.shape[1:])
 
-        def scattered(arrived: torch.Tensor) -> torch.Tensor:
-            mine = arrived.view(n, -1, *source.shape[1:])
+        def scattered(mine) -> torch.Tensor:
             return _fold(mine, op, out=out) if dim == 0 else _fold(mine, op).movedim(0, dim).contiguous()
 
-        return _exchange(source, group, async_op, scattered)
+        if n == 2:
+            rank = group_rank(group)
+            return _swap(blocks[1 - rank], group, async_op, scattered, kept=blocks[rank])
+        return _exchange(source, group, async_op, lambda arrived: scattered(arrived.view_as(blocks)))
     if torch.compiler.is_compiling():
         return _traced(_launched("reduce_scatter_tensor", tensor.movedim(dim, 0).contiguous(), op, n, group.group_name),
                        async_op, lambda t: _place(t.movedim(0, dim) if dim else t, out))

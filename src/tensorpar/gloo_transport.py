@@ -3,14 +3,15 @@
 gloo's CPU collectives go round a ring, a round trip per step, each waking a thread on the peer;
 its all-to-all is one exchange. :mod:`tensorpar.comm` sends a reduce-scatter, and an all-gather
 or all-reduce within ``EXCHANGE_MAX_BYTES``, as one (:func:`start_exchange`; compiled, the
-``tensorpar::exchange`` op) and combines the blocks that arrive in rank order (:func:`fold`: the
-same bits on every rank). Its gloo works are waited by polling (:class:`YieldingWait`).
+``tensorpar::exchange`` op; over 2 ranks :func:`start_swap`, the ``tensorpar::swap`` op) and
+combines the blocks that arrive in rank order (:func:`fold`: the same bits on every rank). Its
+gloo works are waited by polling (:class:`YieldingWait`).
 
 Example::
 
-    arrived, work = start_exchange(t.reshape(1, -1), 2, group)   # over 2 ranks: an all-reduce
-    work.wait()
-    total = fold(arrived.view(2, *t.shape), "sum")
+    received = torch.empty_like(t)
+    start_swap(t, received, group).wait()       # over 2 ranks: an all-reduce
+    total = fold([t, received] if group.rank() == 0 else [received, t], "sum")
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["EXCHANGE_MAX_BYTES", "POLL_SECONDS", "YieldingWait", "exchange_op", "exchanged", "fold", "launch",
-           "start_exchange"]
+           "start_exchange", "start_swap", "swap_op"]
 
 # Over 2 ranks sharing 2 cores (benchmarks/gloo_collectives.py): a 256 KiB all-reduce took 1.65 ms
 # as gloo's and 0.68 as one exchange, an 8 MiB reduce-scatter 8.8 ms against 4.1. An all-gather by
@@ -33,6 +34,10 @@ __all__ = ["EXCHANGE_MAX_BYTES", "POLL_SECONDS", "YieldingWait", "exchange_op", 
 EXCHANGE_MAX_BYTES = 2 << 20
 
 _FOLDS = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+def _contiguous_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
 
 
 def exchanged(tensor: torch.Tensor, group, *, copies: int = 0) -> bool:
@@ -48,6 +53,16 @@ def start_exchange(source: torch.Tensor, copies: int, group) -> tuple[torch.Tens
     blocks = torch.cat([source] * copies) if copies > 1 else source.contiguous()
     arrived = torch.empty_like(blocks)
     return arrived, YieldingWait(dist.all_to_all_single(arrived, blocks, group=group, async_op=True))
+
+
+def start_swap(send: torch.Tensor, received: torch.Tensor, group) -> YieldingWait:
+    """Over 2 ranks: ``send`` sent to the peer, the peer's into ``received`` (both contiguous, of one
+    size): an all-to-all without the rank's own block, and without the copies of ``send`` that
+    :func:`start_exchange` stacks (benchmarks/even_shapes_vs_before.py: a TP=2 GPT step took 0.95x
+    the time it took with exchanges)."""
+    splits = [send.numel(), 0] if dist.get_rank(group) else [0, send.numel()]
+    return YieldingWait(dist.all_to_all_single(received.view(-1), send.view(-1), output_split_sizes=splits,
+                                               input_split_sizes=splits, group=group, async_op=True))
 
 
 class YieldingWait(dist.Work):
@@ -113,27 +128,43 @@ exchange_op.register_fake(lambda source, copies, group_name: source.new_empty((s
                                                                                 *source.shape[1:])))
 
 
-def _fold_blocks(stacked: torch.Tensor, op: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    result = _FOLDS[op](stacked[0], stacked[1], out=out)
-    for block in stacked[2:]:
+@torch.library.custom_op("tensorpar::swap", mutates_args=())
+def swap_op(send: torch.Tensor, group_name: str) -> torch.Tensor:
+    """:func:`start_swap` inside a compiled graph: the peer's ``send``, waited by the graph's
+    ``wait_tensor`` as :class:`YieldingWait` waits. What it sends is this op's own copy of ``send``,
+    as in ``tensorpar::exchange``."""
+    owned = send.clone(memory_format=torch.contiguous_format)
+    received = _contiguous_like(owned)
+    work = start_swap(owned, received, dist.distributed_c10d._resolve_process_group(group_name))
+    torch._C._distributed_c10d._register_work(received, work)
+    return received
+
+
+swap_op.register_fake(lambda send, group_name: _contiguous_like(send))
+
+
+def _fold_blocks(blocks, op: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    result = _FOLDS[op](blocks[0], blocks[1], out=out)
+    for block in blocks[2:]:
         result = _FOLDS[op](result, block, out=result)
     return result
 
 
 @torch.library.custom_op("tensorpar::fold", mutates_args=())
-def _fold_opaque(stacked: torch.Tensor, op: str) -> torch.Tensor:
-    return _fold_blocks(stacked, op)
+def _fold_opaque(blocks: list[torch.Tensor], op: str) -> torch.Tensor:
+    return _fold_blocks(blocks, op, out=_contiguous_like(blocks[0]))
 
 
-_fold_opaque.register_fake(lambda stacked, op: stacked[0].new_empty(stacked.shape[1:]))
+_fold_opaque.register_fake(lambda blocks, op: _contiguous_like(blocks[0]))
 
 
-def fold(stacked: torch.Tensor, op: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``stacked[0]`` (rank 0's block) combined with ``stacked[1]``, then with ``stacked[2]``...,
-    into ``out`` if given: the same order, so the same bits, on every rank. Compiled, a bf16 or
-    fp16 fold stays opaque to inductor, which would otherwise fuse it into the ops that read it
-    and skip rounding the result, as eager rounds it."""
-    if torch.compiler.is_compiling() and stacked.dtype in (torch.bfloat16, torch.float16):
-        result = _fold_opaque(stacked, op)
+def fold(blocks, op: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``blocks[0]`` (rank 0's block; ``blocks`` a sequence of tensors, or one stacked on dim 0)
+    combined with ``blocks[1]``, then with ``blocks[2]``..., into ``out`` if given: the same order,
+    so the same bits, on every rank. Compiled, a bf16 or fp16 fold stays opaque to inductor, which
+    would otherwise fuse it into the ops that read it and skip rounding the result, as eager rounds
+    it."""
+    if torch.compiler.is_compiling() and blocks[0].dtype in (torch.bfloat16, torch.float16):
+        result = _fold_opaque(list(blocks), op)
         return result if out is None else out.copy_(result)
-    return _fold_blocks(stacked, op, out)
+    return _fold_blocks(blocks, op, out)
