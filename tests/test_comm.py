@@ -14,11 +14,12 @@ from tests.harness import run_on_ranks
 
 
 def _counting_all_to_alls():
-    """Patches ``dist.all_to_all_single`` to count its calls into the list it returns."""
+    """Patches ``dist.all_to_all_single`` to list its calls (input shape, input split sizes) into
+    the list it returns."""
     calls, real = [], torch.distributed.all_to_all_single
 
     def counting(*args, **kwargs):
-        calls.append(args[1].shape)
+        calls.append((args[1].shape, kwargs.get("input_split_sizes")))
         return real(*args, **kwargs)
 
     return calls, unittest.mock.patch.object(torch.distributed, "all_to_all_single", counting)
@@ -34,6 +35,9 @@ def _collectives_body(exchange: bool):
     n = torch.distributed.get_world_size()
     exchanged = 20 if n == 2 else 17
     assert len(calls) == (0 if n == 1 else exchanged + 1 if exchange else 1), calls
+    if n == 2 and exchange:  # each sends the peer its block, none to itself
+        rank = torch.distributed.get_rank()
+        assert all(splits[rank] == 0 and splits[1 - rank] > 0 for _, splits in calls[:-1]), calls
     return True
 
 
