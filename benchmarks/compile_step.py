@@ -4,7 +4,7 @@ without sequence parallelism, in one run::
     python benchmarks/compile_step.py --tp 2
 
 Per variant: ``torch.compile(model)`` (inductor) against the same model eager, timed in
-alternating rounds so both meet the same load; the ratio is compiled time / eager time (below 1:
+alternating rounds (which goes first alternates too) so both meet the same load; the ratio is compiled time / eager time (below 1:
 compiled is faster): the median ratio over the rounds and its interquartile range, the compile
 warm-up excluded; the same for the CPU time the ranks spend (less sensitive to other
 processes on shared cores than wall time). Dynamo's graph-break count and the graphs compiled
@@ -82,9 +82,9 @@ def run(args) -> dict:
             results[f"{'sp' if sp else 'tp'}_{mode}_warmup_s"] = time.perf_counter() - began
         graphs_before, _ = _graphs()
         ratios, cpu_ratios, times = [], [], {"eager": [], "compiled": []}
-        for _ in range(args.rounds):
+        for round_ in range(args.rounds):
             cpu = {}
-            for mode in ("eager", "compiled"):
+            for mode in ("eager", "compiled")[::1 if round_ % 2 == 0 else -1]:
                 t = torch.tensor(_timed(steps[mode], args.iters), dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
                 times[mode].append(t[0].item())
