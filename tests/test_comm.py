@@ -33,7 +33,7 @@ def _collectives_body(exchange: bool):
     # On gloo each collective of these small CPU tensors is one all-to-all (comm._exchanged) but
     # the 3 all-reduces over more than 2 ranks; then comes the body's own all-to-all.
     n = torch.distributed.get_world_size()
-    exchanged = 20 if n == 2 else 17
+    exchanged = 21 if n == 2 else 17
     assert len(calls) == (0 if n == 1 else exchanged + 1 if exchange else 1), calls
     if n == 2 and exchange:  # each sends the peer its block, none to itself
         rank = torch.distributed.get_rank()
@@ -61,6 +61,9 @@ def _collectives():
     torch.testing.assert_close(into[1:3], total.chunk(n, 0)[r])
     torch.testing.assert_close(comm.all_reduce(mine.clone(), group), total)
     torch.testing.assert_close(comm.all_reduce(mine.clone(), group, async_op=True).wait(), total)
+    strided = mine.clone().transpose(0, 2)  # summed in place, into the caller's strided view
+    assert comm.all_reduce(strided, group, async_op=True).wait() is strided
+    torch.testing.assert_close(strided, total.transpose(0, 2))
     torch.testing.assert_close(comm.all_reduce(mine.clone(), group, op="max"),
                                torch.stack(per_rank).amax(0))
     sent = torch.cat([torch.full((1, 2), float(10 * r + j)) for j in range(n)])
