@@ -4,12 +4,13 @@ without sequence parallelism, in one run::
     python benchmarks/compile_step.py --tp 2
 
 Per variant: ``torch.compile(model)`` (inductor) against the same model eager, timed in
-alternating rounds (which goes first alternates too) so both meet the same load; the ratio is compiled time / eager time (below 1:
-compiled is faster): the median ratio over the rounds and its interquartile range, the compile
-warm-up excluded; the same for the CPU time the ranks spend (less sensitive to other
-processes on shared cores than wall time). Dynamo's graph-break count and the graphs compiled
-during the timed rounds (recompiles; 0 expected) are printed too. The 1-minute load average before and after is printed
-with the figures: on shared cores a ratio is only as good as the load was steady.
+alternating rounds (which goes first alternates too) so both meet the same load; the ratio is
+compiled time / eager time (below 1: compiled is faster): the median ratio over the rounds and
+its interquartile range, the compile warm-up excluded; the same for the CPU time the ranks spend
+(less sensitive to other processes on shared cores than wall time). Dynamo's graph-break count
+and the graphs compiled during the timed rounds (recompiles; 0 expected) are printed too. The
+1-minute load average before and after is printed with the figures: on shared cores a ratio is
+only as good as the load was steady.
 """
 
 from __future__ import annotations
