@@ -253,9 +253,9 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
     shape = list(tensor.shape)
     shape[dim] *= n
     _record("all_gather", shape, tensor.dtype, n, async_op)
-    if n == 2 and _exchanged(tensor, group, copies=n):
-        return _swap(tensor, group, async_op, lambda pair: torch.cat(pair, dim=dim, out=out))
     if _exchanged(tensor, group, copies=n):
+        if n == 2:
+            return _swap(tensor, group, async_op, lambda pair: torch.cat(pair, dim=dim, out=out))
         return _exchange(tensor.movedim(dim, 0), group, async_op,
                          lambda gathered: _place(gathered.movedim(0, dim), out), copies=n)
     if torch.compiler.is_compiling():
