@@ -51,14 +51,45 @@ def _launched_collective(node) -> str | None:
     return _OP_NAMES.get(str(node.target).removesuffix(".default")) if node.op == "call_function" else None
 
 
+def _is_view(node) -> bool:
+    return getattr(node.target, "is_view", False) or node.target is torch.ops.aten._unsafe_view.default
+
+
+def _unread_swap_sources(nodes) -> list[str]:
+    """The ``tensorpar::swap`` nodes sending from their source's memory that no node reads after
+    the swap's wait.
+
+    A swap sends from its source's memory where the source spans it (a slice of a larger buffer
+    travels as a copy): inductor keeps a buffer's memory as it is until the buffer's last reader,
+    so one of those readers must come after the wait.
+    """
+    def readers(node):
+        for user in node.users:
+            yield from readers(user) if _is_view(user) else [user]
+
+    unread = []
+    for node in nodes:
+        if (_launched_collective(node) and "swap" in str(node.target)
+                and gloo_transport.spans_its_storage(node.args[0].meta["val"])):
+            wait = min(nodes.index(u) for u in node.users if "wait_tensor" in str(u.target))
+            base = node.args[0]
+            while _is_view(base):
+                base = base.args[0]
+            if not any(nodes.index(r) > wait for r in readers(base)):
+                unread.append(node.name)
+    return unread
+
+
 def _counting_backend():
     """``aot_eager`` that keeps the dynamo graphs and the collectives in the AOT graphs it runs;
-    ``overlapped`` ends with one ``"waits"`` entry per wait beyond one per collective.
+    ``overlapped`` ends with one ``"waits"`` entry per wait beyond one per collective; ``unread``
+    names the swaps whose source memory the graph could reuse while it is sent
+    (:func:`_unread_swap_sources`).
 
     The AOT graphs run after inductor's post-grad passes (its pattern rewrites, such as folding
     ``mm + add`` into ``addmm``): the order of GEMMs and collectives its scheduler starts from.
     """
-    graphs, collectives, overlapped = [], [], []
+    graphs, collectives, overlapped, unread = [], [], [], []
 
     def run_eagerly(gm, example_inputs):
         with V.set_fake_mode(detect_fake_mode(example_inputs)):
@@ -71,6 +102,7 @@ def _counting_backend():
             if waits and any(str(n.target) in GEMMS for n in nodes[i:min(waits)]):
                 overlapped.append(str(node.target))
         collectives.extend(launched)
+        unread.extend(_unread_swap_sources(nodes))
         return make_boxed_func(gm)
 
     # Inductor's partitioner, which decides what backward recomputes.
@@ -81,7 +113,7 @@ def _counting_backend():
         graphs.append(gm)
         return aot(gm, example_inputs)
 
-    return backend, graphs, collectives, overlapped
+    return backend, graphs, collectives, overlapped, unread
 
 
 def _column_layers(model):
@@ -161,13 +193,14 @@ def _compiled_matches_eager(cases, tp1, exchange):
         bf16 = case.get("bf16", False)
         eager = _build(overrides, group)
         compiled = _build(overrides, group)
-        backend, graphs, collectives, overlapped = _counting_backend()
+        backend, graphs, collectives, overlapped, unread = _counting_backend()
         step = torch.compile(compiled, backend=backend, fullgraph=True)
         # Compiled first: its trace meets the fused wgrad's one-time kernel probe, as train --compile's does.
         linear_function._FUSED_ADDMM_SUPPORTED.clear()
         got = _steps(compiled, step, tokens, labels, bf16=bf16)
         expected = _steps(eager, eager, tokens, labels, bf16=bf16)
         assert len(graphs) == 1, (overrides, len(graphs))  # and no recompile on the second step
+        assert not unread, (overrides, unread)
         for s in range(STEPS):
             torch.testing.assert_close(got[0][s], expected[0][s], rtol=RTOL, atol=ATOL,
                                        msg=lambda m: f"{overrides} step {s} loss: {m}")
@@ -248,6 +281,35 @@ def _mappings_body():
 
 def test_compiled_mappings_match_eager():
     assert all(run_on_ranks(_mappings_body, 2, timeout=900))
+
+
+def _swap_sources_body():
+    tp.initialize_model_parallel(2)
+    group = tp.get_tensor_model_parallel_group()
+    x = torch.arange(32.0).reshape(8, 4) + 32 * dist.get_rank()
+    w = torch.linspace(-1, 1, 16).reshape(4, 4)
+
+    def in_flight(x):
+        """Each collective of a GEMM's result in flight while a GEMM of the same size computes."""
+        results = []
+        for start in (comm.all_reduce, comm.all_gather, comm.reduce_scatter):
+            handle = start(x @ w, group, async_op=True)
+            other = (x + 1) @ w
+            results += [handle.wait(), other]
+        return results
+
+    backend, _, collectives, _, unread = _counting_backend()
+    compiled = torch.compile(in_flight, backend=backend, fullgraph=True)(x)
+    assert collectives == ["all_to_all"] * 3 and not unread, (collectives, unread)
+    for got, expected in zip(compiled, in_flight(x)):
+        assert torch.equal(got, expected)
+    return True
+
+
+def test_compiled_swaps_send_from_memory_read_after_their_wait():
+    """Over 2 ranks a compiled all-reduce, all-gather or reduce-scatter sends from its source's
+    memory, not a copy: the graph reads that memory after the wait, so inductor keeps it intact."""
+    assert all(run_on_ranks(_swap_sources_body, 2, timeout=900))
 
 
 def _compiled_exchange_polls_body():
@@ -346,7 +408,7 @@ def _dropout_body(cases):
         for name, tp_group, p in runs[:None if k == 0 else 2]:  # dropout changes the loss: seen once
             torch._dynamo.reset()  # each model's own graphs, none reused from the previous one
             model = _build({"dropout": p, **overrides}, tp_group)
-            backend, graphs, _, _ = _counting_backend()
+            backend, graphs, *_ = _counting_backend()
             torch.manual_seed(11)  # the default stream, which compiled dropout draws from
             losses[name] = _steps(model, torch.compile(model, backend=backend, fullgraph=True), tokens, labels)[0]
             assert len(graphs) == 1, (overrides, name, len(graphs))

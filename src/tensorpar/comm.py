@@ -139,18 +139,21 @@ def _exchange(source: torch.Tensor, group, async_op: bool, finish: Callable[[tor
     return finish(arrived)
 
 
-def _swap(send: torch.Tensor, group, async_op: bool, finish: Callable[[list[torch.Tensor]], torch.Tensor],
-          *, kept: torch.Tensor | None = None):
-    """Over 2 ranks: ``send`` to the peer, the peer's received; ``finish`` gets ``kept`` (default
-    ``send``) and what was received, in rank order. Compiled, the ``tensorpar::swap`` op."""
-    kept = send if kept is None else kept
+def _swap(source: torch.Tensor, group, async_op: bool, finish: Callable[[list[torch.Tensor]], torch.Tensor],
+          *, halves: bool = False):
+    """Over 2 ranks: ``source`` to the peer (``halves``: only the peer's half of it, on dim 0), the
+    peer's received; ``finish`` gets the rank's own (``source``, or its half) and what was received,
+    in rank order. Compiled, the ``tensorpar::swap`` op: ``finish`` reads ``source`` after the wait,
+    which keeps the memory the op sends from as it is until then."""
+    rank = group_rank(group)
 
     def in_rank_order(received: torch.Tensor) -> torch.Tensor:
-        return finish([received, kept] if group_rank(group) else [kept, received])
+        kept = source[rank] if halves else source
+        return finish([received, kept] if rank else [kept, received])
 
     if torch.compiler.is_compiling():
-        return _traced(swap_op(send, group.group_name), async_op, in_rank_order)
-    send = send.contiguous()
+        return _traced(swap_op(source, group.group_name, halves), async_op, in_rank_order)
+    send = source[1 - rank] if halves else source.contiguous()
     received = torch.empty_like(send)
     work = start_swap(send, received, group)
     if async_op:
@@ -323,8 +326,7 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int =
             return _fold(mine, op, out=out) if dim == 0 else _fold(mine, op).movedim(0, dim).contiguous()
 
         if n == 2:
-            rank = group_rank(group)
-            return _swap(blocks[1 - rank], group, async_op, scattered, kept=blocks[rank])
+            return _swap(blocks, group, async_op, scattered, halves=True)
         return _exchange(source, group, async_op, lambda arrived: scattered(arrived.view_as(blocks)))
     if torch.compiler.is_compiling():
         return _traced(_launched("reduce_scatter_tensor", tensor.movedim(dim, 0).contiguous(), op, n, group.group_name),

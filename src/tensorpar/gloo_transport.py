@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["EXCHANGE_MAX_BYTES", "POLL_SECONDS", "YieldingWait", "exchange_op", "exchanged", "fold", "launch",
-           "start_exchange", "start_swap", "swap_op"]
+           "spans_its_storage", "start_exchange", "start_swap", "swap_op"]
 
 # Over 2 ranks sharing 2 cores (benchmarks/gloo_collectives.py): a 256 KiB all-reduce took 1.65 ms
 # as gloo's and 0.68 as one exchange, an 8 MiB reduce-scatter 8.8 ms against 4.1. An all-gather by
@@ -128,19 +128,35 @@ exchange_op.register_fake(lambda source, copies, group_name: source.new_empty((s
                                                                                 *source.shape[1:])))
 
 
+def spans_its_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is all of its memory: contiguous, from the storage's first byte to its last."""
+    return (tensor.is_contiguous() and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+
+
 @torch.library.custom_op("tensorpar::swap", mutates_args=())
-def swap_op(send: torch.Tensor, group_name: str) -> torch.Tensor:
-    """:func:`start_swap` inside a compiled graph: the peer's ``send``, waited by the graph's
-    ``wait_tensor`` as :class:`YieldingWait` waits. What it sends is this op's own copy of ``send``,
-    as in ``tensorpar::exchange``."""
-    owned = send.clone(memory_format=torch.contiguous_format)
-    received = _contiguous_like(owned)
-    work = start_swap(owned, received, dist.distributed_c10d._resolve_process_group(group_name))
-    torch._C._distributed_c10d._register_work(received, work)
+def swap_op(source: torch.Tensor, group_name: str, halves: bool) -> torch.Tensor:
+    """:func:`start_swap` of ``source`` inside a compiled graph (``halves``: of its two halves on dim 0,
+    the peer's): what the peer sent, waited by the graph's ``wait_tensor`` as :class:`YieldingWait`
+    waits.
+
+    A ``source`` that :func:`spans_its_storage` is sent from its own memory, which inductor reuses
+    only after the graph's last read of it: the caller reads ``source`` after the wait
+    (:mod:`tensorpar.comm` combines the rank's own part with the peer's). Copying it instead took
+    1.5% of a compiled TP=2 GPT step (benchmarks/compile_step.py's model). Any other ``source`` (a
+    slice of a larger buffer, whose other parts the graph may write anew while this one travels)
+    is sent from a copy of its own, which the work holds.
+    """
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    if not spans_its_storage(source):
+        source = source.clone(memory_format=torch.contiguous_format)
+    send = source[1 - dist.get_rank(group)] if halves else source
+    received = _contiguous_like(send)
+    torch._C._distributed_c10d._register_work(received, start_swap(send, received, group))
     return received
 
 
-swap_op.register_fake(lambda send, group_name: _contiguous_like(send))
+swap_op.register_fake(lambda source, group_name, halves: _contiguous_like(source[0] if halves else source))
 
 
 def _fold_blocks(blocks, op: str, out: torch.Tensor | None = None) -> torch.Tensor:
