@@ -168,7 +168,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum
     n = group_size(group)
     if n == 1:
         return _done(tensor, async_op)
-    _record("all_reduce", tensor.shape, tensor.dtype, n, async_op, op)
+    _record("all_reduce", tensor, n, async_op, op)
     if n == 2 and _exchanged(tensor, group, copies=n):
         return _swap(tensor, group, async_op, lambda pair: _fold(pair, op, out=tensor))
     if torch.compiler.is_compiling():
@@ -255,7 +255,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
         return _on_host(lambda t: all_gather(t, group, dim=dim), tensor, out, async_op)
     shape = list(tensor.shape)
     shape[dim] *= n
-    _record("all_gather", shape, tensor.dtype, n, async_op)
+    _record("all_gather", tensor, n, async_op, shape=shape)
     if _exchanged(tensor, group, copies=n):
         if n == 2:
             return _swap(tensor, group, async_op, lambda pair: torch.cat(pair, dim=dim, out=out))
@@ -315,7 +315,7 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int =
     if _staged_on_host("reduce_scatter", tensor, group):
         return _on_host(lambda t: reduce_scatter(t, group, dim=dim, op=op), tensor, out, async_op)
     check_divisible(tensor.shape[dim], n, f"reduce-scatter dimension {dim} of shape {list(tensor.shape)}")
-    _record("reduce_scatter", tensor.shape, tensor.dtype, n, async_op, op)
+    _record("reduce_scatter", tensor, n, async_op, op)
     if out is not None and dim != 0:
         raise ValueError("reduce_scatter: `out` is supported for dim 0 only")
     if _exchanged(tensor, group):
@@ -351,7 +351,7 @@ def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup, *,
     if _staged_on_host("all_to_all", tensor, group):
         return _on_host(lambda t: all_to_all(t, group, output_split_sizes=output_split_sizes,
                                              input_split_sizes=input_split_sizes), tensor, None, False)
-    _record("all_to_all", tensor.shape, tensor.dtype, n, False)
+    _record("all_to_all", tensor, n, False)
     if torch.compiler.is_compiling():
         return _traced(funcol.all_to_all_single(tensor.contiguous(), output_split_sizes, input_split_sizes,
                                                 group), False)
@@ -371,7 +371,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
     n = group_size(group)
     if n == 1:
         return tensor
-    _record("broadcast", tensor.shape, tensor.dtype, n, False)
+    _record("broadcast", tensor, n, False)
     _launch(lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a), group, False)
     return tensor
 
@@ -396,7 +396,7 @@ def send_recv(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, 
     if send.shape != recv.shape or send.dtype != recv.dtype:
         raise ValueError(f"send_recv: send {list(send.shape)} {send.dtype} and recv {list(recv.shape)} "
                          f"{recv.dtype} must match")
-    _record("send_recv", send.shape, send.dtype, n, async_op)
+    _record("send_recv", send, n, async_op)
     staged = _staged_on_host("send_recv", send, group)
     outgoing, incoming = (send.cpu(), recv.cpu()) if staged else (send.contiguous(), recv)
     if not incoming.is_contiguous():

@@ -109,19 +109,23 @@ class CommLedger:
         return "\n".join(lines)
 
 
-def record(op: str, tensor_shape, dtype: torch.dtype, group_size: int, async_op: bool,
-           reduce_op: str | None = None) -> None:
-    """Record collective ``op`` of a ``tensor_shape`` tensor in every active ledger."""
+def record(op: str, tensor: torch.Tensor, group_size: int, async_op: bool, reduce_op: str | None = None,
+           *, shape=None) -> None:
+    """Record collective ``op`` of ``tensor`` in every active ledger: of its ``shape`` where that
+    is not the tensor's own (an all-gather's gathered output)."""
     if not _ACTIVE_LEDGERS:
         return
-    shape = [int(s) for s in tensor_shape]
+    shape = [int(s) for s in (tensor.shape if shape is None else shape)]
     if torch.compiler.is_compiling():
         # Traced once, run every step: an op with a side effect records each execution of the
         # compiled graph (forward and backward). Only graphs traced while a ledger is active
-        # carry it: opening a ledger recompiles once.
-        torch.ops.tensorpar.record_collective(op, shape, dtype, group_size, async_op, reduce_op)
+        # carry it: opening a ledger recompiles once. The op reads the tensor, which gives it a
+        # device: inductor emits its pending fused kernels before an op with one, and frees their
+        # inputs after them (before an op without one it freed the inputs and emitted the kernel
+        # after, reading freed memory).
+        torch.ops.tensorpar.record_collective(tensor, op, shape, group_size, async_op, reduce_op)
     else:
-        _append_record(op, shape, dtype, group_size, async_op, reduce_op)
+        _append_record(op, shape, tensor.dtype, group_size, async_op, reduce_op)
 
 
 def _append_record(op: str, shape: list[int], dtype: torch.dtype, group_size: int, async_op: bool,
@@ -134,7 +138,12 @@ def _append_record(op: str, shape: list[int], dtype: torch.dtype, group_size: in
                                          ledger._phase, reduce_op))
 
 
-_record_compiled = torch.library.custom_op("tensorpar::record_collective", mutates_args=())(_append_record)
+@torch.library.custom_op("tensorpar::record_collective", mutates_args=())
+def _record_compiled(tensor: torch.Tensor, op: str, shape: list[int], group_size: int, async_op: bool,
+                     reduce_op: str | None) -> None:
+    _append_record(op, shape, tensor.dtype, group_size, async_op, reduce_op)
+
+
 _record_compiled.register_fake(lambda *args: None)
 torch.library._register_effectful_op("tensorpar::record_collective", torch.library.EffectType.ORDERED)
 
@@ -142,4 +151,4 @@ torch.library._register_effectful_op("tensorpar::record_collective", torch.libra
 def record_p2p(op: str, tensor: torch.Tensor) -> None:
     """Record a point-to-point ``send`` or ``recv`` of ``tensor`` (between two ranks) that
     another engine issues: torch.distributed.pipelining's stages (:mod:`tensorpar.pipeline`)."""
-    record(op, tensor.shape, tensor.dtype, 2, True)
+    record(op, tensor, 2, True)

@@ -89,7 +89,7 @@ def scatter_dp_shard(shard: DTensor, whole: torch.Tensor, *, dp_group=None) -> N
 
 class _RecordedAllGather(DefaultAllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        comm_ledger.record("all_gather", output_tensor.shape, output_tensor.dtype, comm.group_size(group), async_op)
+        comm_ledger.record("all_gather", output_tensor, comm.group_size(group), async_op)
         if async_op or not uses_ring(group):
             return super().__call__(output_tensor, input_tensor, group, async_op)
         ring_all_gather(output_tensor, input_tensor, group)
@@ -97,7 +97,7 @@ class _RecordedAllGather(DefaultAllGather):
 
 class _RecordedReduceScatter(DefaultReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        comm_ledger.record("reduce_scatter", input_tensor.shape, input_tensor.dtype, comm.group_size(group), async_op,
+        comm_ledger.record("reduce_scatter", input_tensor, comm.group_size(group), async_op,
                            "avg" if op == dist.ReduceOp.AVG else "sum")
         if async_op or not uses_ring(group) or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
