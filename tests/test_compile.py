@@ -5,7 +5,9 @@ graph was compiled and that later steps reuse it. The backward of every autograd
 traced together with its forward, so a collective dynamo cannot trace in backward breaks the
 forward graph too. Compiled as ``aot_eager`` is (AOT autograd's forward and backward graphs,
 run eagerly) after inductor's post-grad passes: the graphs inductor's scheduler would get,
-without a C++ build per test on 2 cores.
+without a C++ build per test on 2 cores. Two tests build inductor's kernels: ``tensorpar train
+--compile``'s, and a GPT's under a ledger (where the order of the kernels and the ledger's records
+matters).
 """
 
 import time
