@@ -110,7 +110,7 @@ class CommLedger:
 
 
 def record(op: str, tensor: torch.Tensor, group_size: int, async_op: bool, reduce_op: str | None = None,
-           *, shape=None) -> None:
+           *, shape: list[int] | None = None) -> None:
     """Record collective ``op`` of ``tensor`` in every active ledger: of its ``shape`` where that
     is not the tensor's own (an all-gather's gathered output)."""
     if not _ACTIVE_LEDGERS:
