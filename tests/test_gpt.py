@@ -55,6 +55,23 @@ def _full_grads(model):
             for lay in model.parameter_layouts()}
 
 
+def _assert_trains_as_tp1(model, reference, tokens, labels, seed=11):
+    """One forward and backward of ``model`` and of its TP=1 ``reference``, each from ``seed``: the
+    same loss and full gradients. Returns ``model``'s loss."""
+    losses = []
+    for m in (reference, model):
+        tp.model_parallel_manual_seed(seed, tp_group=m.tp_group)
+        loss = m(tokens, labels)
+        loss.backward()
+        tp.allreduce_sequence_parallel_grads(m, tp_group=m.tp_group)
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=RTOL, atol=ATOL)
+    ref_grads, tp_grads = _full_grads(reference), _full_grads(model)
+    for name in ref_grads:
+        torch.testing.assert_close(tp_grads[name], ref_grads[name], rtol=RTOL, atol=ATOL, msg=name)
+    return losses[1]
+
+
 def _data(seed=1, batch=2, seq=8):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, BASE["vocab_size"], (batch, seq), generator=g)
@@ -217,20 +234,10 @@ def _dropout_body():
     # drawn from the shared default stream, the same as TP=1 draws, so the model is TP=1's.
     for sp in (False, True):
         config = GPTConfig(**BASE, dropout=0.3, attention_dropout=0.0, sequence_parallel=sp)
-        ref, model = _build(config, single), _build(config, group)
-        losses = []
-        for m in (ref, model):
-            tp.model_parallel_manual_seed(11, tp_group=m.tp_group)
-            loss = m(tokens, labels)
-            loss.backward()
-            tp.allreduce_sequence_parallel_grads(m, tp_group=m.tp_group)
-            losses.append(loss.detach())
-        torch.testing.assert_close(losses[1], losses[0], rtol=RTOL, atol=ATOL)
-        ref_grads, tp_grads = _full_grads(ref), _full_grads(model)
-        for name in ref_grads:
-            torch.testing.assert_close(tp_grads[name], ref_grads[name], rtol=RTOL, atol=ATOL, msg=name)
+        model = _build(config, group)
+        loss = _assert_trains_as_tp1(model, _build(config, single), tokens, labels)
         with torch.no_grad():  # dropout really is on
-            assert not torch.allclose(model.eval()(tokens, labels), losses[1])
+            assert not torch.allclose(model.eval()(tokens, labels), loss)
 
     # Attention dropout acts on each rank's own heads: each global head's mask is its own.
     results = {}
@@ -284,21 +291,10 @@ def _padded_dropout_body():
     group, single = tp.get_tensor_model_parallel_group(), _single_rank_group()
     tokens, labels = _data(seq=11)  # SP pads 11 tokens to 12 at TP 2 and 4
     config = GPTConfig(**BASE, dropout=0.3, attention_dropout=0.0, sequence_parallel=True)
-    ref, model = _build(config, single), _build(config, group)
-    losses = []
     # Blocks of 3 rows: the last real block (rows 9, 10) is cut by the padding at row 11.
     with unittest.mock.patch.object(torch.Tensor, "bernoulli_", _size_dependent_bernoulli_), \
             unittest.mock.patch.object(tp.random, "DROPOUT_BLOCK_ELEMENTS", 3 * 2 * BASE["hidden_size"]):
-        for m in (ref, model):
-            tp.model_parallel_manual_seed(11, tp_group=m.tp_group)
-            loss = m(tokens, labels)
-            loss.backward()
-            tp.allreduce_sequence_parallel_grads(m, tp_group=m.tp_group)
-            losses.append(loss.detach())
-    torch.testing.assert_close(losses[1], losses[0], rtol=RTOL, atol=ATOL)
-    ref_grads, tp_grads = _full_grads(ref), _full_grads(model)
-    for name in ref_grads:
-        torch.testing.assert_close(tp_grads[name], ref_grads[name], rtol=RTOL, atol=ATOL, msg=name)
+        _assert_trains_as_tp1(_build(config, group), _build(config, single), tokens, labels)
     return True
 
 

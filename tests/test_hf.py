@@ -12,6 +12,7 @@ import torch.distributed as dist
 import tensorpar as tp
 from tensorpar.models import GPT, from_hf, to_hf
 from tests.harness import run_on_ranks
+from tests.test_gpt import _single_rank_group
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,17 +34,6 @@ FAMILIES = {
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
         **LLAMA_SHAPE, tie_word_embeddings=True)),
 }
-
-_SINGLE_RANK_GROUP = []
-
-
-def _single_rank_group():
-    """A TP group of this rank alone (every rank creates all of them, once per world)."""
-    if not _SINGLE_RANK_GROUP:
-        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
-        _SINGLE_RANK_GROUP.append(groups[dist.get_rank()])
-    return _SINGLE_RANK_GROUP[0]
-
 
 def hf_model(family: str):
     """A random model, the same on every rank; norm weights moved off 1 so their mapping shows."""

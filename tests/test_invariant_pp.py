@@ -102,7 +102,7 @@ def _api_body(schedule: str, microbatches: int):
     accumulation: the names of the gradients that differ (torch.equal), and the two losses."""
     from tensorpar import pipeline
     from tensorpar.models import GPTConfig
-    from tests.test_pipeline import GPT2, TINY, _batch, _full_name, _groups, _pp1
+    from tests.test_pipeline import GPT2, TINY, _batch, _groups, _pp1
 
     import tensorpar as tp
 
@@ -118,7 +118,7 @@ def _api_body(schedule: str, microbatches: int):
     loss = schedule_.step(tokens, labels)
     reference = dict(full.named_parameters())
     differing = [name for stage in stages for name, param in stage.named_parameters()
-                 if not torch.equal(param.grad, reference[_full_name(stage, name)].grad)]
+                 if not torch.equal(param.grad, reference[pipeline.full_model_name(stage, name)].grad)]
     return differing, loss.item(), expected.item()
 
 

@@ -73,16 +73,6 @@ def _pp1(config: GPTConfig, tokens, labels, microbatches: int, tp_group):
     return model, total / microbatches
 
 
-def _full_name(stage: GPT, name: str) -> str:
-    """The PP=1 model's name of a stage's parameter (its blocks are numbered within the stage)."""
-    if name.startswith("blocks."):
-        local, rest = name[len("blocks."):].split(".", 1)
-        return f"blocks.{stage.layers[int(local)]}.{rest}"
-    if name == "lm_head.weight" and stage.config.tie_word_embeddings:
-        return "embedding.word.weight"
-    return name
-
-
 def _worst_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 
@@ -106,7 +96,7 @@ def _run_case(tp_size, pp_size, schedule, microbatches, overrides, virtual_stage
     worst, seen = 0.0, set()
     for stage in stages:
         for name, param in stage.named_parameters():
-            full_name = _full_name(stage, name)
+            full_name = pipeline.full_model_name(stage, name)
             seen.add(full_name)
             expected = reference[full_name]
             assert torch.equal(param.detach(), expected.detach()), (case, name, "weights differ from PP=1's")
@@ -176,9 +166,9 @@ def _fsdp_body(tp_invariant: bool, units: str):
                                          embedding_group=groups["embedding"])
     loss = schedule.step(tokens, labels)
     reference = dict(full.named_parameters())
-    errors = {_full_name(stage, name): _worst_error(gather_dp_shards(param.grad, dp_group=groups["dp"]),
-                                                    reference[_full_name(stage, name)].grad)
-              for stage in stages for name, param in stage.named_parameters()}
+    names = {param: pipeline.full_model_name(stage, name) for stage in stages for name, param in stage.named_parameters()}
+    errors = {name: _worst_error(gather_dp_shards(param.grad, dp_group=groups["dp"]), reference[name].grad)
+              for param, name in names.items()}
     v_stages = pipeline.build_stages(config, pipeline.stage_layout(config.num_layers, pp_size=2, schedule="zbv"),
                                      pp_group=groups["pp"], tp_group=groups["tp"])
     if v_stages[0].pre_process:  # PP rank 0 holds the first and the last stage, and their tied embedding
@@ -224,7 +214,7 @@ def _context_body():
             for name, param in stage.named_parameters():
                 grad = param.grad.clone()
                 dist.all_reduce(grad, group=cp_group)
-                errors[schedule, name] = _worst_error(grad, reference[_full_name(stage, name)].grad)
+                errors[schedule, name] = _worst_error(grad, reference[pipeline.full_model_name(stage, name)].grad)
     return errors, sent
 
 

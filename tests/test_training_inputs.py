@@ -24,6 +24,7 @@ from tensorpar.training.dcp_metadata import read_metadata
 from tensorpar.training.data import write_token_file
 from tests.cli_runner import run_tensorpar
 from tests.harness import run_on_ranks
+from tests.test_training_checkpoint import _drop
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
         "--warmup", "1", "--eval-every", "0", "--no-progress"]
@@ -297,14 +298,6 @@ def test_out_of_range_numbers_are_one_line(capsys, runs, tmp_path, argv, message
     places = {"DATA": str(tmp_path / "data.txt"), "OUT": str(tmp_path / "out.bin"), "CKPT": str(runs / "run"),
               "TOKENS": str(runs / "tokens")}
     assert _fails(capsys, [places.get(a, a) for a in argv]) == message
-
-
-def _drop(key):
-    def edit(metadata):
-        del metadata.state_dict_metadata[key]
-        for index in [i for i in metadata.storage_data if i.fqn == key]:
-            del metadata.storage_data[index]
-    return edit
 
 
 def _reshape(key):

@@ -19,12 +19,12 @@ from .microbatch_grads import MicroBatchGrads
 from .plan import (SCHEDULES, ScheduleSpec, StageLayout, check_invariant, check_microbatches, stage_layout,
                    stages_per_rank)
 from .schedule import PipelineSchedule
-from .stages import build_stages, fully_shard_stages
+from .stages import build_stages, full_model_name, fully_shard_stages
 from .tied_grads import ShardedTiedGrads
 from .torch_stage import TorchStage, require_torch_pipelining
 
 __all__ = ["SCHEDULES", "MicroBatchGrads", "PipelineCost", "PipelineSchedule", "RankTraffic", "ScheduleSpec",
            "ShardedTiedGrads",
            "StageLayout", "TorchStage", "bubble_fraction", "build_stages", "check_invariant", "check_microbatches",
-           "fully_shard_stages", "in_flight", "pipeline_cost", "pipeline_memory", "rank_collectives",
+           "full_model_name", "fully_shard_stages", "in_flight", "pipeline_cost", "pipeline_memory", "rank_collectives",
            "require_torch_pipelining", "stage_layout", "stages_per_rank"]

@@ -60,6 +60,22 @@ def build_stages(config: GPTConfig, layout: StageLayout, *, pp_group, tp_group=N
     return stages
 
 
+def full_model_name(stage: GPT, name: str) -> str:
+    """The PP=1 GPT's name of ``stage``'s parameter ``name``: the stage numbers its blocks from 0,
+    and its tied head weight is the embedding's.
+
+    Example::
+
+        full_model_name(stage, "blocks.0.mlp.fc.weight")   # "blocks.4.mlp.fc.weight" if stage.layers is [4, 5, 6, 7]
+    """
+    if name.startswith("blocks."):
+        local, rest = name[len("blocks."):].split(".", 1)
+        return f"blocks.{stage.layers[int(local)]}.{rest}"
+    if name == "lm_head.weight" and stage.config.tie_word_embeddings:
+        return "embedding.word.weight"
+    return name
+
+
 def fully_shard_stages(stages: list[GPT], *, dp_group=None, mp_policy=None,
                        min_unit_mib: float = MIN_UNIT_MIB) -> list[GPT]:
     """Shard each of this rank's stages over ``dp_group`` (default: the DP group) with

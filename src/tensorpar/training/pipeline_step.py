@@ -32,20 +32,11 @@ from .. import comm, parallel_state as ps
 from ..fsdp import MIN_UNIT_MIB, ShardedGradSync
 from ..invariant_dropout import MaskCounter
 from ..models import GPTConfig
-from ..pipeline import PipelineSchedule, StageLayout, bubble_fraction, build_stages, fully_shard_stages, stage_layout
+from ..pipeline import (PipelineSchedule, StageLayout, bubble_fraction, build_stages, full_model_name,
+                        fully_shard_stages, stage_layout)
 from .context_run import ContextLayout
 from .data import BatchSampler
 from .evaluation import autocast
-
-
-def _pp1_name(stage, name: str) -> str:
-    """The PP=1 model's name of a stage's parameter ``name``."""
-    if name.startswith("blocks."):
-        local, rest = name[len("blocks."):].split(".", 1)
-        return f"blocks.{stage.layers[int(local)]}.{rest}"
-    if name == "lm_head.weight" and stage.config.tie_word_embeddings:
-        return "embedding.word.weight"
-    return name
 
 
 def pipeline_header(layout: StageLayout, *, schedule: str, microbatches: int, virtual_stages: int | None) -> str:
@@ -106,7 +97,7 @@ class PipelinedGPT(nn.Module):
             for name, param in stage.named_parameters():
                 if id(param) not in seen:
                     seen.add(id(param))
-                    yield prefix + _pp1_name(stage, name), param
+                    yield prefix + full_model_name(stage, name), param
 
     def _count(self) -> int:
         tp = comm.group_size(self.tp_group)
