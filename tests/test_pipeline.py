@@ -166,7 +166,8 @@ def _fsdp_body(tp_invariant: bool, units: str):
                                          embedding_group=groups["embedding"])
     loss = schedule.step(tokens, labels)
     reference = dict(full.named_parameters())
-    names = {param: pipeline.full_model_name(stage, name) for stage in stages for name, param in stage.named_parameters()}
+    names = {param: pipeline.full_model_name(stage, name)
+             for stage in stages for name, param in stage.named_parameters()}
     errors = {name: _worst_error(gather_dp_shards(param.grad, dp_group=groups["dp"]), reference[name].grad)
               for param, name in names.items()}
     v_stages = pipeline.build_stages(config, pipeline.stage_layout(config.num_layers, pp_size=2, schedule="zbv"),
