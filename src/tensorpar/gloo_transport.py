@@ -145,12 +145,12 @@ def swap_op(source: torch.Tensor, group_name: str, halves: bool) -> torch.Tensor
     (:mod:`tensorpar.comm` combines the rank's own part with the peer's). Copying it instead took
     1.5% of a compiled TP=2 GPT step (benchmarks/compile_step.py's model). Any other ``source`` (a
     slice of a larger buffer, whose other parts the graph may write anew while this one travels)
-    is sent from a copy of its own, which the work holds.
+    is sent from a copy of the part sent, which the work holds.
     """
     group = dist.distributed_c10d._resolve_process_group(group_name)
-    if not spans_its_storage(source):
-        source = source.clone(memory_format=torch.contiguous_format)
     send = source[1 - dist.get_rank(group)] if halves else source
+    if not spans_its_storage(source):
+        send = send.clone(memory_format=torch.contiguous_format)
     received = _contiguous_like(send)
     torch._C._distributed_c10d._register_work(received, start_swap(send, received, group))
     return received
