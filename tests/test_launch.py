@@ -183,3 +183,72 @@ def test_an_unknown_start_method_is_one_line(monkeypatch):
     with pytest.raises(UsageError, match=r"^TENSORPAR_START_METHOD must be one of fork, forkserver, spawn, "
                                          r"got 'vfork'$"):
         launch_local(_inherited_marker, nproc=2)
+
+
+def _affinity_of_its_threads():
+    """This rank's CPU count for torch and the CPUs of each of its threads, one started here included."""
+    import threading
+
+    import torch
+
+    started = []  # pid 0: the calling thread
+    thread = threading.Thread(target=lambda: started.append(tuple(sorted(os.sched_getaffinity(0)))))
+    thread.start()
+    thread.join()
+    masks = {tuple(sorted(os.sched_getaffinity(0))), *started}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            masks.add(tuple(sorted(os.sched_getaffinity(int(task)))))
+        except OSError:
+            pass  # a thread that has just ended
+    return torch.get_num_threads(), sorted(masks)
+
+
+@pytest.mark.parametrize("pin", ["1", "0"])
+def test_each_cpu_rank_is_bound_to_its_share_of_whole_cores_unless_told_not_to(monkeypatch, pin):
+    from tensorpar.tools.launch import core_share, physical_cores
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("binding to CPUs is Linux's")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the tests' own; the launcher shares the cores
+    monkeypatch.setenv("TENSORPAR_PIN_CORES", pin)
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = physical_cores(allowed)
+    assert sorted(cpu for core in cores for cpu in core) == allowed
+    shares = [core_share(cores, rank, 2) for rank in range(2)]
+    result = launch_local(_affinity_of_its_threads, nproc=2)
+    for rank, share in enumerate(shares):
+        threads = len(allowed) // 2 if share is None else len(share)
+        bound = pin == "1" and share is not None
+        assert result[rank] == (max(1, threads), [tuple(share) if bound else tuple(allowed)])
+    if len(cores) >= 2 and pin == "1":
+        assert not set(shares[0]) & set(shares[1])
+
+
+def test_a_share_is_whole_cores_in_order_and_none_for_more_ranks_than_cores():
+    from tensorpar.tools.launch import core_share
+
+    hyperthreaded = [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [core_share(hyperthreaded, rank, 2) for rank in range(2)] == [[0, 4, 1, 5], [2, 6, 3, 7]]
+    assert [core_share(hyperthreaded, rank, 3) for rank in range(3)] == [[0, 4], [1, 5], [2, 6]]
+    assert core_share([[0], [1]], 0, 4) is None
+
+
+def _threads_on_one_cpu():
+    import torch
+
+    from tensorpar.tools.launch import set_threads
+
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # alone on the node: its share is every CPU it may use
+    set_threads()
+    return torch.get_num_threads()
+
+
+def test_threads_follow_the_cpus_a_process_may_use_not_the_machines_count(monkeypatch):
+    """Under ``taskset -c 0`` on a many-core machine one process got a thread per core of the
+    machine, all on the one CPU."""
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("CPU affinity is Linux's")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert launch_local(_threads_on_one_cpu, nproc=2) == {0: 1, 1: 1}
