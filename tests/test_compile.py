@@ -461,7 +461,29 @@ def _dropout_body(cases):
         for name in ("tp", "tp1"):
             torch.testing.assert_close(losses[name], first, rtol=RTOL, atol=ATOL, msg=lambda m: f"{overrides}: {m}")
         assert k > 0 or losses["tp"][0] != losses["no dropout"][0], overrides
+    _assert_saved_masks_are_this_ranks_only(tokens, labels)
     return True
+
+
+def _assert_saved_masks_are_this_ranks_only(tokens, labels):
+    """A compiled TP=2 GPT with SP saves for backward masks of its own heads and rows: a view of
+    the whole mask would keep all of it alive (twice the memory at TP 2)."""
+    torch._dynamo.reset()
+    model = _build({"dropout": 0.3, "sequence_parallel": True}, None)
+    masks = []
+
+    def keep(tensor):
+        if tensor.dtype == torch.bool:
+            masks.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        torch.compile(model, backend="aot_eager", fullgraph=True)(tokens, labels)
+    (b, s), heads = tokens.shape, BASE["num_heads"] // 2
+    dropout_shapes = {(b, heads, s, s), (s // 2, b, BASE["hidden_size"])}  # attention's, and the hidden rows'
+    saved = [mask for mask in masks if tuple(mask.shape) in dropout_shapes]
+    assert {tuple(mask.shape) for mask in saved} == dropout_shapes
+    assert all(gloo_transport.spans_its_storage(mask) for mask in saved)
 
 
 @pytest.mark.slow
