@@ -35,6 +35,7 @@ from .parallel_state import (
     model_parallel_is_initialized,
     resolve_tp_group,
 )
+from .traced_masks import traced_keep_mask
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 DATA_PARALLEL_RNG = "data-parallel-rng"
@@ -269,11 +270,11 @@ def dropout(input_: torch.Tensor, p: float, *, training: bool = True, sequence_p
                              f"got {valid_rows!r}")
         full_rows = valid_rows
     if torch.compiler.is_compiling() and len(segments) == 1:
-        keep = _traced_keep_mask(input_.shape, 1.0 - p, input_.device, dim=0, start=segments[0][0], full=full_rows)
+        keep = traced_keep_mask(input_.shape, 1.0 - p, input_.device, dim=0, start=segments[0][0], full=full_rows)
     elif torch.compiler.is_compiling():
         # One draw of the rows up to this rank's last (as every rank draws), each run keeping its own.
         end = max(start + count for start, count in segments)
-        whole = _traced_keep_mask((end, *input_.shape[1:]), 1.0 - p, input_.device, dim=0, start=0, full=full_rows)
+        whole = traced_keep_mask((end, *input_.shape[1:]), 1.0 - p, input_.device, dim=0, start=0, full=full_rows)
         keep = torch.cat([whole.narrow(0, start, count) for start, count in segments])
     else:
         keep = _keep_mask(input_.shape, 1.0 - p, input_.device, segments, full_rows)
@@ -317,56 +318,10 @@ def sharded_dropout(input_: torch.Tensor, p: float, *, dim: int, start: int, ful
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     if torch.compiler.is_compiling():
-        keep = _traced_keep_mask(input_.shape, 1.0 - p, input_.device, dim=dim, start=start, full=full_size)
+        keep = traced_keep_mask(input_.shape, 1.0 - p, input_.device, dim=dim, start=start, full=full_size)
         return input_ * keep / (1.0 - p)
     with get_rng_tracker().fork():
         return torch.nn.functional.dropout(input_, p)
-
-
-def _traced_keep_mask(shape, keep_prob: float, device, *, dim: int, start: int, full: int) -> torch.Tensor:
-    """Slice ``[start, start + shape[dim])`` along ``dim`` of a keep mask drawn for ``full``, in
-    memory of its own: saved for backward, a view would keep the whole mask alive (TP times this
-    rank's attention masks, measured on a compiled TP=2 GPT).
-
-    Generators are not traceable: this draws from the default stream with one ``rand`` of the
-    full shape, identical on ranks whose default streams agree. On CPU the graph draws a seed and
-    an opaque op the mask from it with ATen's generator: inductor's own, element by element, took
-    6x as long (512 Ki elements, one core: 7.8 ms against 1.2) and made a compiled TP=2 GPT step
-    with dropout 0.1 slower than the eager one. The seed is the graph's own random draw, which the
-    compiler neither merges with another (two masks of one shape stay two) nor draws anew for a
-    recompute.
-    """
-    if torch.device(device).type == "cpu":
-        seed = torch.randint(0, 1 << 62, (), device=device)
-        return _seeded_keep_mask(seed, list(shape), keep_prob, dim, start, full)
-    return _keep_slice(lambda full_shape: torch.rand(full_shape, device=device) < keep_prob, shape,
-                       dim=dim, start=start, full=full)
-
-
-def _keep_slice(draw, shape, *, dim: int, start: int, full: int) -> torch.Tensor:
-    """Slice ``[start, start + shape[dim])`` along ``dim`` of ``draw(full_shape)``, a copy; past
-    ``full`` (SP padding) False."""
-    full_shape = list(shape)
-    if not shape:
-        return draw(full_shape)
-    full_shape[dim] = full
-    keep = draw(full_shape)
-    padding = start + shape[dim] - full
-    if padding > 0:  # positions past the real ones (SP padding): dropped
-        full_shape[dim] = padding
-        keep = torch.cat([keep, keep.new_zeros(full_shape)], dim=dim)
-    return keep.narrow(dim, start, shape[dim]).clone()
-
-
-@torch.library.custom_op("tensorpar::seeded_keep_mask", mutates_args=())
-def _seeded_keep_mask(seed: torch.Tensor, shape: list[int], keep_prob: float, dim: int, start: int,
-                      full: int) -> torch.Tensor:
-    generator = torch.Generator(device=seed.device).manual_seed(int(seed))
-    return _keep_slice(lambda full_shape: torch.rand(full_shape, generator=generator, device=seed.device) < keep_prob,
-                       shape, dim=dim, start=start, full=full)
-
-
-_seeded_keep_mask.register_fake(lambda seed, shape, *_: torch.empty(shape, dtype=torch.bool, device=seed.device))
 
 
 def _keep_mask(shape, keep_prob: float, device, segments: list[tuple[int, int]], full_rows: int,
