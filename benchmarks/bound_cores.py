@@ -24,15 +24,7 @@ import torch.distributed as dist
 
 from compile_step import _quartiles
 from gpt_step import add_arguments, build_step, launch_and_print, slowest_rank, timed
-from tensorpar.tools.launch import PIN_CORES_ENV, core_share, physical_cores
-
-
-def _bind(cpus) -> None:
-    for task in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(task), cpus)
-        except OSError:
-            pass  # a thread that has just ended
+from tensorpar.tools.launch import PIN_CORES_ENV, bind_threads, core_share, physical_cores
 
 
 def _swap_latencies(group, gemm: int, count: int) -> list[float]:
@@ -66,13 +58,13 @@ def run(args) -> dict:
     times = {(mode, binding): [] for mode in (*steps, "swap") for binding in ("bound", "unbound")}
     for round_ in range(args.rounds):
         for binding in ("bound", "unbound")[::1 if round_ % 2 == 0 else -1]:
-            _bind(bound if binding == "bound" else unbound)
+            bind_threads(bound if binding == "bound" else unbound)
             for mode, step in steps.items():
                 dist.barrier()
                 times[mode, binding].append(statistics.median(slowest_rank([timed(step) for _ in range(args.iters)])))
             if args.tp == 2:
                 times["swap", binding] += _swap_latencies(group, args.gemm, 20)
-    _bind(bound)
+    bind_threads(bound)
     results = {}
     for mode in steps:
         ratios = [b / u for b, u in zip(times[mode, "bound"], times[mode, "unbound"])]

@@ -115,7 +115,7 @@ def set_threads(*, pin: bool = False) -> None:
     torch.set_num_threads(max(1, len(allowed) // local) if share is None else len(share))
     if (pin and share is not None and hasattr(os, "sched_setaffinity") and not torch.cuda.is_available()
             and os.environ.get(PIN_CORES_ENV, "1") != "0"):
-        _bind_threads(share)
+        bind_threads(share)
 
 
 def physical_cores(cpus) -> list[list[int]]:
@@ -143,7 +143,8 @@ def core_share(cores: list[list[int]], local_rank: int, local_size: int) -> list
     return [cpu for core in cores[local_rank * per_rank:(local_rank + 1) * per_rank] for cpu in core]
 
 
-def _bind_threads(cpus: list[int]) -> None:
+def bind_threads(cpus) -> None:
+    """Bind every thread of this process to the CPUs ``cpus`` (Linux); threads it starts later inherit them."""
     for task in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError):  # a thread that has just ended
             os.sched_setaffinity(int(task), cpus)
