@@ -279,11 +279,11 @@ def test_dropout_masks_and_recompute(world_size):
     assert run_on_ranks(_dropout_body, world_size) == [True] * world_size
 
 
-def _size_dependent_bernoulli_(self, p, *, generator):
+def _size_dependent_draw(out, p, generator):
     """A draw whose value at a position depends on the size drawn, as CUDA's Philox kernel's does
     (below ~270k elements): element ``i`` of an ``n``-element draw is the generator's ``n + i``-th."""
-    values = torch.rand(2 * self.numel(), generator=generator)[self.numel():]
-    return self.copy_((values < p).view(self.shape))
+    values = torch.rand(2 * out.numel(), generator=generator)[out.numel():]
+    return out.copy_((values < p).view(out.shape))
 
 
 def _padded_dropout_body():
@@ -293,7 +293,7 @@ def _padded_dropout_body():
     config = GPTConfig(**BASE, dropout=0.3, attention_dropout=0.0, sequence_parallel=True)
     model, reference = _build(config, group), _build(config, single)
     # Blocks of 3 rows: the last real block (rows 9, 10) is cut by the padding at row 11.
-    with unittest.mock.patch.object(torch.Tensor, "bernoulli_", _size_dependent_bernoulli_), \
+    with unittest.mock.patch.object(tp.random, "_draw_keep", _size_dependent_draw), \
             unittest.mock.patch.object(tp.random, "DROPOUT_BLOCK_ELEMENTS", 3 * 2 * BASE["hidden_size"]):
         _assert_trains_as_tp1(model, reference, tokens, labels)
     return True
