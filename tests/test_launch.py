@@ -186,7 +186,7 @@ def test_an_unknown_start_method_is_one_line(monkeypatch):
 
 
 def _affinity_of_its_threads():
-    """This rank's CPU count for torch and the CPUs of each of its threads, one started here included."""
+    """This rank's intra-op thread count, and the CPUs of each of its threads (one started here included)."""
     import threading
 
     import torch
