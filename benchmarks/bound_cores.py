@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from compile_step import _quartiles
 from gpt_step import add_arguments, build_step, launch_and_print, slowest_rank, timed
-from tensorpar.tools.launch import PIN_CORES_ENV, bind_threads, core_share, physical_cores
+from tensorpar.tools.launch import PIN_CORES_ENV, bind_threads, binds_cores, core_share, physical_cores
 
 
 def _swap_latencies(group, gemm: int, count: int) -> list[float]:
@@ -90,10 +90,9 @@ def main() -> None:
     parser.add_argument("--gemm", type=int, default=300, help="the GEMM before each timed swap")
     parser.set_defaults(layers=2, seq=128, vocab=4096)
     args = parser.parse_args()
-    if (os.environ.get(PIN_CORES_ENV) == "0" or not hasattr(os, "sched_setaffinity")
-            or core_share(physical_cores(os.sched_getaffinity(0)), 0, args.tp) is None):
+    if not binds_cores() or core_share(physical_cores(os.sched_getaffinity(0)), 0, args.tp) is None:
         parser.error(f"--tp {args.tp}: its ranks are not bound to cores here (fewer cores than ranks, not Linux, "
-                     f"or {PIN_CORES_ENV}=0), so there is nothing to compare")
+                     f"a GPU, OMP_NUM_THREADS set or {PIN_CORES_ENV}=0), so there is nothing to compare")
     launch_and_print(run, args)
 
 

@@ -99,9 +99,9 @@ def set_threads(*, pin: bool = False) -> None:
     may run on (its affinity mask, not the machine's count), shared evenly among this node's
     processes (``LOCAL_WORLD_SIZE``) by whole physical cores.
 
-    With ``pin`` (a rank of a multi-process CPU run: no GPU, ``OMP_NUM_THREADS`` unset,
-    ``TENSORPAR_PIN_CORES`` not ``0``) the rank and every thread it has or starts (gloo's, the
-    intra-op pool's) are also bound to that share, where each process gets a whole core at least.
+    With ``pin`` (a rank of a multi-process launch) and where :func:`binds_cores`, the rank and
+    every thread it has or starts (gloo's, the intra-op pool's) are also bound to that share, where
+    each process gets a whole core at least.
     Over 2 ranks on 2 cores a 512 KiB swap between GEMMs took 0.47-0.73 ms at its 90th percentile
     bound against 0.80-1.91 unbound, and a TP=2 GPT step about 2% less time
     (benchmarks/bound_cores.py).
@@ -113,9 +113,15 @@ def set_threads(*, pin: bool = False) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     share = core_share(physical_cores(allowed), int(os.environ.get("LOCAL_RANK", "0")), local)
     torch.set_num_threads(max(1, len(allowed) // local) if share is None else len(share))
-    if (pin and share is not None and hasattr(os, "sched_setaffinity") and not torch.cuda.is_available()
-            and os.environ.get(PIN_CORES_ENV, "1") != "0"):
+    if pin and share is not None and binds_cores():
         bind_threads(share)
+
+
+def binds_cores() -> bool:
+    """Whether :func:`set_threads` binds a rank that has a share of whole cores: on Linux, without
+    a GPU, with ``OMP_NUM_THREADS`` unset and ``TENSORPAR_PIN_CORES`` not ``0``."""
+    return (hasattr(os, "sched_setaffinity") and "OMP_NUM_THREADS" not in os.environ
+            and os.environ.get(PIN_CORES_ENV, "1") != "0" and not torch.cuda.is_available())
 
 
 def physical_cores(cpus) -> list[list[int]]:
