@@ -25,7 +25,7 @@ from torch._inductor.fx_passes.post_grad import post_grad_passes
 from torch._inductor.virtualized import V
 
 import tensorpar as tp
-from tensorpar import comm, gloo_transport, linear_function
+from tensorpar import comm, gloo_transport, keep_masks, linear_function
 from tensorpar.models import GPT, GPTConfig
 from tests.harness import run_on_ranks
 from tests.test_gpt import _data, _full_grads, _single_rank_group
@@ -484,6 +484,41 @@ def _assert_saved_masks_are_this_ranks_only(tokens, labels):
     saved = [mask for mask in masks if tuple(mask.shape) in dropout_shapes]
     assert {tuple(mask.shape) for mask in saved} == dropout_shapes
     assert all(gloo_transport.spans_its_storage(mask) for mask in saved)
+
+
+def _drawn_mask_elements(overrides, group, tokens, labels) -> int:
+    """The mask elements one compiled forward of a GPT draws on this rank."""
+    torch._dynamo.reset()
+    model, drawn, draw = _build(overrides, group), [], keep_masks._draw_keep
+
+    def counted(out, keep_prob, generator):
+        drawn.append(out.numel())
+        return draw(out, keep_prob, generator)
+
+    with unittest.mock.patch.object(keep_masks, "_draw_keep", counted):
+        torch.compile(model, backend="aot_eager", fullgraph=True)(tokens, labels)
+    return sum(drawn)
+
+
+def _own_masks_body():
+    tp.initialize_model_parallel(2)
+    group, single = tp.get_tensor_model_parallel_group(), _single_rank_group()
+    tokens, labels = _data()
+    attention = {"dropout": 0.0, "attention_dropout": 0.3}
+    hidden = {"dropout": 0.3, "attention_dropout": 0.0, "sequence_parallel": True}
+    drawn = {"attention": [_drawn_mask_elements(attention, g, tokens, labels) for g in (single, group)]}
+    with unittest.mock.patch.object(keep_masks, "DROPOUT_BLOCK_ELEMENTS", tokens.shape[0] * BASE["hidden_size"]):
+        drawn["hidden rows"] = [_drawn_mask_elements(hidden, g, tokens, labels) for g in (single, group)]  # a row a block
+    return drawn
+
+
+@pytest.mark.slow
+def test_compiled_ranks_draw_only_their_own_masks():
+    """Compiled on CPU, a TP=2 rank draws the masks of its own heads, and under SP of its own rows'
+    blocks: half of TP=1's draws (as eager), not TP=1's whole masks to keep half of."""
+    for drawn in run_on_ranks(_own_masks_body, 2):
+        for site, (tp1, tp2) in drawn.items():
+            assert tp1 > 0 and 2 * tp2 == tp1, (site, tp1, tp2)
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tensorpar as tp
+from tensorpar import keep_masks
 from tensorpar.context import attention_dropout
 from tensorpar.models import GPT, GPTConfig, gather_full_tensor
 from tests.harness import run_on_ranks
@@ -293,8 +294,8 @@ def _padded_dropout_body():
     config = GPTConfig(**BASE, dropout=0.3, attention_dropout=0.0, sequence_parallel=True)
     model, reference = _build(config, group), _build(config, single)
     # Blocks of 3 rows: the last real block (rows 9, 10) is cut by the padding at row 11.
-    with unittest.mock.patch.object(tp.random, "_draw_keep", _size_dependent_draw), \
-            unittest.mock.patch.object(tp.random, "DROPOUT_BLOCK_ELEMENTS", 3 * 2 * BASE["hidden_size"]):
+    with unittest.mock.patch.object(keep_masks, "_draw_keep", _size_dependent_draw), \
+            unittest.mock.patch.object(keep_masks, "DROPOUT_BLOCK_ELEMENTS", 3 * 2 * BASE["hidden_size"]):
         _assert_trains_as_tp1(model, reference, tokens, labels)
     return True
 

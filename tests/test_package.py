@@ -53,7 +53,7 @@ LAYERS = (
      "tensorpar.p2p_collectives"),
     ("tensorpar.initialization",),
     ("tensorpar.linear_function", "tensorpar.linear"),
-    ("tensorpar.embedding", "tensorpar.cross_entropy", "tensorpar.traced_masks", "tensorpar.random",
+    ("tensorpar.embedding", "tensorpar.cross_entropy", "tensorpar.keep_masks", "tensorpar.random",
      "tensorpar.checkpoint_without_output"),
     ("tensorpar.grads",),
     ("tensorpar.fsdp_mesh", "tensorpar.fsdp", "tensorpar.invariant", "tensorpar.invariant_dropout"),

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tensorpar as tp
+from tensorpar import keep_masks
 from tensorpar.random import dropout
 from tests.harness import run_on_ranks
 
@@ -90,7 +91,7 @@ def _dropout_body():
     x = torch.randn(s, b, h)
     tp.model_parallel_manual_seed(9)
     # Small blocks (3 rows), so that the ranks' edges cut blocks at every TP size.
-    with unittest.mock.patch.object(tp.random, "DROPOUT_BLOCK_ELEMENTS", 3 * b * h):
+    with unittest.mock.patch.object(keep_masks, "DROPOUT_BLOCK_ELEMENTS", 3 * b * h):
         replicated = dropout(x, p)
         # Replicated: every rank draws the same mask (the default stream is shared).
         for other in _all(replicated):
@@ -124,7 +125,7 @@ def _dropout_mask_size_body():
         saved.append(t.untyped_storage().nbytes() if t.dtype == torch.bool else 0)
         return t
 
-    with unittest.mock.patch.object(tp.random, "DROPOUT_BLOCK_ELEMENTS", 3 * b * h), \
+    with unittest.mock.patch.object(keep_masks, "DROPOUT_BLOCK_ELEMENTS", 3 * b * h), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), OpCounter() as ops:
         y = dropout(x, 0.5, sequence_parallel=True)
     drawn = ops.elements[torch.ops.aten.lt.Scalar_out] // (b * h)   # rows drawn
@@ -148,7 +149,7 @@ def test_dropout_by_row_starts_gives_each_cp_rank_the_masks_of_its_global_rows()
     from tensorpar.context import SequenceChunks
 
     x = torch.randn(13, 2, 3)
-    with unittest.mock.patch.object(tp.random, "DROPOUT_BLOCK_ELEMENTS", 2 * 6):
+    with unittest.mock.patch.object(keep_masks, "DROPOUT_BLOCK_ELEMENTS", 2 * 6):
         torch.manual_seed(5)
         full = dropout(x, 0.5)
         for cp in (2, 4):

@@ -22,12 +22,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
 from . import comm
-from .initialization import slab_seed
 from .parallel_state import (
     default_device,
     get_expert_model_parallel_rank,
@@ -35,15 +33,13 @@ from .parallel_state import (
     model_parallel_is_initialized,
     resolve_tp_group,
 )
-from .traced_masks import traced_keep_mask
+from .keep_masks import block_keep_mask, traced_block_keep_mask, traced_keep_mask
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 DATA_PARALLEL_RNG = "data-parallel-rng"
 EXPERT_PARALLEL_RNG = "expert-parallel-rng"
 # Offset of the model-parallel seeds from the default seed, so the two never coincide.
 _MODEL_PARALLEL_SEED_OFFSET = 2718
-# Dropout draws its mask in blocks of about this many elements (whole rows of dim 0).
-DROPOUT_BLOCK_ELEMENTS = 1 << 20
 
 
 def _get_generator_state(device: torch.device) -> torch.Tensor:
@@ -231,10 +227,11 @@ def dropout(input_: torch.Tensor, p: float, *, training: bool = True, sequence_p
 
     For an activation every TP rank holds whole, or (``sequence_parallel=True``) one split
     along dim 0 across the TP group. The mask is drawn in blocks of whole dim-0 rows (about
-    ``DROPOUT_BLOCK_ELEMENTS`` each, placed on the full tensor), block ``k`` from a generator
-    seeded by one draw of the default stream and ``k``: under SP a rank draws only the blocks
-    its rows fall in and keeps a mask of its rows only, and every row gets the mask TP=1 gives
-    it. The default stream advances by one draw on every rank alike.
+    ``keep_masks.DROPOUT_BLOCK_ELEMENTS`` each, placed on the full tensor), block ``k`` from a
+    generator seeded by one draw of the default stream and ``k``: under SP a rank draws only the
+    blocks its rows fall in and keeps a mask of its rows only, and every row gets the mask TP=1
+    gives it. The default stream advances by one draw on every rank alike. Under
+    ``torch.compile`` the graph draws that seed (:func:`tensorpar.keep_masks.traced_block_keep_mask`).
 
     ``valid_rows``: the rows of the full tensor that are real (its TP=1 length) when the rest
     is padding (SP pads the sequence to a multiple of TP): each block is drawn at its TP=1
@@ -269,15 +266,8 @@ def dropout(input_: torch.Tensor, p: float, *, training: bool = True, sequence_p
             raise ValueError(f"dropout: valid_rows must be an int in [1, {most}] (the full sequence's rows), "
                              f"got {valid_rows!r}")
         full_rows = valid_rows
-    if torch.compiler.is_compiling() and len(segments) == 1:
-        keep = traced_keep_mask(input_.shape, 1.0 - p, input_.device, dim=0, start=segments[0][0], full=full_rows)
-    elif torch.compiler.is_compiling():
-        # One draw of the rows up to this rank's last (as every rank draws), each run keeping its own.
-        end = max(start + count for start, count in segments)
-        whole = traced_keep_mask((end, *input_.shape[1:]), 1.0 - p, input_.device, dim=0, start=0, full=full_rows)
-        keep = torch.cat([whole.narrow(0, start, count) for start, count in segments])
-    else:
-        keep = _keep_mask(input_.shape, 1.0 - p, input_.device, segments, full_rows)
+    draw = traced_block_keep_mask if torch.compiler.is_compiling() else block_keep_mask
+    keep = draw(input_.shape, 1.0 - p, input_.device, segments, full_rows)
     return input_ * keep / (1.0 - p)
 
 
@@ -322,50 +312,6 @@ def sharded_dropout(input_: torch.Tensor, p: float, *, dim: int, start: int, ful
         return input_ * keep / (1.0 - p)
     with get_rng_tracker().fork():
         return torch.nn.functional.dropout(input_, p)
-
-
-def _keep_mask(shape, keep_prob: float, device, segments: list[tuple[int, int]], full_rows: int,
-               base: int | None = None) -> torch.Tensor:
-    """The block-drawn mask of ``full_rows`` rows at this tensor's rows: ``segments`` give, in
-    order, the first row and count of each run of them; rows from ``full_rows`` on (padding)
-    are False. ``base``: the blocks' seed base (default: one draw of the default stream)."""
-    keep = torch.empty(shape, dtype=torch.bool, device=device)
-    if keep.numel() == 0:
-        return keep
-    view = keep.view(shape[0], -1) if keep.dim() else keep.view(1, 1)
-    rows_per_block = max(1, DROPOUT_BLOCK_ELEMENTS // view.shape[1])
-    # One draw from the CPU default generator: no device synchronisation.
-    base = int(torch.randint(0, 1 << 62, (1,))) if base is None else base
-    generator, local = torch.Generator(device=device), 0
-    for first_row, count in segments:
-        _fill_rows(view[local:local + count], keep_prob, first_row, full_rows, rows_per_block, base, generator)
-        local += count
-    return keep
-
-
-def _fill_rows(view: torch.Tensor, keep_prob: float, first_row: int, full_rows: int, rows_per_block: int,
-               base: int, generator: torch.Generator) -> None:
-    """Write rows ``[first_row, first_row + len(view))`` of the block-drawn mask into ``view``."""
-    view[max(0, full_rows - first_row):].fill_(False)
-    last_row = min(first_row + view.shape[0], full_rows)
-    if last_row <= first_row:
-        return
-    for block in range(first_row // rows_per_block, math.ceil(last_row / rows_per_block)):
-        start, stop = block * rows_per_block, min((block + 1) * rows_per_block, full_rows)
-        generator.manual_seed(slab_seed(base, block))
-        lo, hi = max(start, first_row), min(stop, last_row)
-        if (lo, hi) == (start, stop):
-            _draw_keep(view[lo - first_row:hi - first_row], keep_prob, generator)
-        else:  # a block across this run's edge: draw it whole, keep our rows
-            whole = _draw_keep(view.new_empty((stop - start, view.shape[1])), keep_prob, generator)
-            view[lo - first_row:hi - first_row] = whole[lo - start:hi - start]
-
-
-def _draw_keep(out: torch.Tensor, keep_prob: float, generator: torch.Generator) -> torch.Tensor:
-    """``out`` (booleans) True where a uniform draw from ``generator`` falls below ``keep_prob``. On
-    CPU twice as fast as a boolean ``bernoulli_`` (512 Ki elements, one core of an AMD EPYC: 1.2
-    ms against 2.4), which drew 1.2 M of them in 5.4 ms of an 80 ms TP=2 GPT step."""
-    return torch.lt(torch.rand(out.shape, generator=generator, device=out.device), keep_prob, out=out)
 
 
 def _device_states(devices) -> dict[torch.device, torch.Tensor]:

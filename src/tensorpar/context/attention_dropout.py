@@ -9,6 +9,8 @@ b, seq_len keys]`` tensor drawn in blocks of whole query rows (:func:`tensorpar.
 blocks, seeded by that draw and ``h``): a rank draws only the query rows it has and keeps the
 keys it reads. Neither the TP nor the CP size enters, only the sequence's real length.
 Padding rows and keys (past ``seq_len``) are dropped: causal attention never reads them.
+Traced by ``torch.compile`` on CPU, the draw is the graph's and an opaque op draws the same
+blocks from it: a rank still draws its own heads' masks only.
 
 Example::
 
@@ -24,12 +26,13 @@ from typing import Sequence
 
 import torch
 
-from ..random import _keep_mask
+from ..keep_masks import block_keep_mask, graph_seed
 
 
-def draw_base() -> int:
-    """One draw of the default CPU stream: the same on every rank whose streams agree."""
-    return int(torch.randint(0, 1 << 62, (1,)))
+def draw_base() -> int | torch.Tensor:
+    """One draw of the default CPU stream: the same on every rank whose streams agree. Traced,
+    the graph's draw (:func:`tensorpar.keep_masks.graph_seed`), a 0-dim tensor."""
+    return graph_seed() if torch.compiler.is_compiling() else int(torch.randint(0, 1 << 62, (1,)))
 
 
 def _head_base(base: int, head: int) -> int:
@@ -37,18 +40,36 @@ def _head_base(base: int, head: int) -> int:
                           "little") >> 1
 
 
-def keep_mask(base: int, p: float, *, batch: int, heads: Sequence[int], rows: list[tuple[int, int]], seq_len: int,
-              keys: int, device=None) -> torch.Tensor:
+def keep_mask(base: int | torch.Tensor, p: float, *, batch: int, heads: Sequence[int], rows: list[tuple[int, int]],
+              seq_len: int, keys: int, device=None) -> torch.Tensor:
     """``[batch, len(heads), sum of rows' counts, keys]`` booleans, True at probability ``1 - p``:
     global heads ``heads``, the query positions of ``rows`` (``(first position, count)`` runs,
-    in order) and key positions ``0..keys-1`` of a sequence of ``seq_len`` real positions."""
+    in order) and key positions ``0..keys-1`` of a sequence of ``seq_len`` real positions.
+    ``base``: :func:`draw_base`'s; traced, a tensor, and an opaque op draws the same blocks from it."""
+    if isinstance(base, torch.Tensor):
+        flat_rows = [number for run in rows for number in run]
+        return _keep_mask_op(base, p, batch, list(heads), flat_rows, seq_len, keys, torch.device(device or "cpu"))
     count = sum(n for _, n in rows)
-    keep = torch.stack([_keep_mask((count, batch, seq_len), 1.0 - p, device, rows, seq_len, base=_head_base(base, h))
-                        for h in heads], dim=1)                     # [rows, heads, b, seq_len]
+    keep = torch.stack([block_keep_mask((count, batch, seq_len), 1.0 - p, device, rows, seq_len,
+                                        base=_head_base(base, h)) for h in heads], dim=1)   # [rows, heads, b, seq_len]
     keep = keep.permute(2, 1, 0, 3)
     if keys > seq_len:  # padding keys: never read by a real query
         keep = torch.cat([keep, keep.new_zeros((*keep.shape[:-1], keys - seq_len))], dim=-1)
     return keep
+
+
+@torch.library.custom_op("tensorpar::attention_keep_mask", mutates_args=())
+def _keep_mask_op(seed: torch.Tensor, p: float, batch: int, heads: list[int], rows: list[int], seq_len: int,
+                  keys: int, device: torch.device) -> torch.Tensor:
+    """:func:`keep_mask` of the traced base ``seed`` (a CPU tensor: reading it waits for no device),
+    in memory of its own (saved for backward)."""
+    runs = list(zip(rows[::2], rows[1::2]))
+    return keep_mask(int(seed), p, batch=batch, heads=heads, rows=runs, seq_len=seq_len, keys=keys,
+                     device=device).contiguous()
+
+
+_keep_mask_op.register_fake(lambda seed, p, batch, heads, rows, seq_len, keys, device: torch.empty(
+    (batch, len(heads), sum(rows[1::2]), keys), dtype=torch.bool, device=device))
 
 
 def apply(probs: torch.Tensor, *, keep: torch.Tensor, p: float) -> torch.Tensor:

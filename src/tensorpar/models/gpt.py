@@ -218,7 +218,7 @@ class Attention(nn.Module):
         its masks by global head and position (:mod:`tensorpar.context.attention_dropout`, the
         masks a CP rank draws again; ``seq_len``: the real length of a padded sequence), with a
         ``key`` per global head (TP-invariant training, :func:`tensorpar.invariant_dropout.drop_heads`),
-        and under ``torch.compile`` this rank's slice of one mask (:func:`sharded_dropout`)."""
+        and under ``torch.compile`` off CPU this rank's slice of one mask (:func:`sharded_dropout`)."""
         if self.config.tp_invariant:  # strides that vary with the heads per rank can change a batched
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # GEMM's sums (head_dim 8, AMD EPYC)
         gqa = q.shape[1] != k.shape[1]
@@ -230,9 +230,9 @@ class Attention(nn.Module):
         if dropout_p > 0 and key is not None:  # TP-invariant masks, by global head
             drop = functools.partial(invariant_dropout.drop_heads, p=dropout_p, key=key, layer=self.layer_number,
                                      first_head=self.first_head)
-        elif dropout_p > 0 and torch.compiler.is_compiling():
-            # A traced graph cannot seed the position masks' generators: each rank keeps its
-            # heads' slice of one mask of the default stream.
+        elif dropout_p > 0 and torch.compiler.is_compiling() and q.device.type != "cpu":
+            # Off CPU the compiler's own generator is fast, and an opaque op would keep a graph
+            # from being captured whole: each rank keeps its heads' slice of one mask drawn in it.
             drop = functools.partial(sharded_dropout, p=dropout_p, dim=1, start=self.first_head,
                                      full_size=self.config.num_heads)
         elif dropout_p > 0:  # each global head's mask by position: independent over heads, any TP or CP size
