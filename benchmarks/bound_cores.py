@@ -71,8 +71,9 @@ def run(args) -> dict:
         results[mode] = {"bound_step_ms": 1e3 * statistics.median(times[mode, "bound"]),
                          "unbound_step_ms": 1e3 * statistics.median(times[mode, "unbound"]),
                          "bound_over_unbound": statistics.median(ratios), "ratio_q1_median_q3": _quartiles(ratios)}
-    results["compiled_over_eager"] = {binding: statistics.median(
-        [c / e for c, e in zip(times["compiled", binding], times["eager", binding])]) for binding in ("bound", "unbound")}
+    results["compiled_over_eager"] = {
+        binding: statistics.median([c / e for c, e in zip(times["compiled", binding], times["eager", binding])])
+        for binding in ("bound", "unbound")}
     if args.tp == 2:
         results["swap_512kib_ms_median_p90"] = {
             binding: [round(1e3 * statistics.median(times["swap", binding]), 3),

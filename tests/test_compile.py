@@ -507,8 +507,9 @@ def _own_masks_body():
     attention = {"dropout": 0.0, "attention_dropout": 0.3}
     hidden = {"dropout": 0.3, "attention_dropout": 0.0, "sequence_parallel": True}
     drawn = {"attention": [_drawn_mask_elements(attention, g, tokens, labels) for g in (single, group)]}
-    with unittest.mock.patch.object(keep_masks, "DROPOUT_BLOCK_ELEMENTS", tokens.shape[0] * BASE["hidden_size"]):
-        drawn["hidden rows"] = [_drawn_mask_elements(hidden, g, tokens, labels) for g in (single, group)]  # a row a block
+    a_row = tokens.shape[0] * BASE["hidden_size"]  # batch x hidden: each row of [s, b, h] a block of its own
+    with unittest.mock.patch.object(keep_masks, "DROPOUT_BLOCK_ELEMENTS", a_row):
+        drawn["hidden rows"] = [_drawn_mask_elements(hidden, g, tokens, labels) for g in (single, group)]
     return drawn
 
 
