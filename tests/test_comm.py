@@ -9,33 +9,47 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar import comm, gloo_transport
+from tensorpar import comm, gloo_transport, shared_memory
 from tests.harness import run_on_ranks
 
 
-def _counting_all_to_alls():
-    """Patches ``dist.all_to_all_single`` to list its calls (input shape, input split sizes) into
-    the list it returns."""
-    calls, real = [], torch.distributed.all_to_all_single
+@contextlib.contextmanager
+def _counting_exchanges():
+    """Lists the calls of gloo's ``all_to_all_single`` (the tensor sent's shape, its input split
+    sizes) and of shared-memory channels' ``start`` (the shape, "shared memory") into the list it
+    yields."""
+    calls, all_to_all, start = [], torch.distributed.all_to_all_single, shared_memory.Channel.start
 
-    def counting(*args, **kwargs):
+    def counting_all_to_all(*args, **kwargs):
         calls.append((args[1].shape, kwargs.get("input_split_sizes")))
-        return real(*args, **kwargs)
+        return all_to_all(*args, **kwargs)
 
-    return calls, unittest.mock.patch.object(torch.distributed, "all_to_all_single", counting)
+    def counting_start(channel, send, *args, **kwargs):
+        calls.append((send.shape, "shared memory"))
+        return start(channel, send, *args, **kwargs)
+
+    with (unittest.mock.patch.object(torch.distributed, "all_to_all_single", counting_all_to_all),
+          unittest.mock.patch.object(shared_memory.Channel, "start", counting_start)):
+        yield calls
 
 
-def _collectives_body(exchange: bool):
-    calls, counting = _counting_all_to_alls()
-    native = unittest.mock.patch.object(comm, "_exchanged", lambda *args, **kwargs: False)
-    with counting, contextlib.nullcontext() if exchange else native:
+_WITHOUT_SHARED_MEMORY = unittest.mock.patch.object(shared_memory, "channel", lambda group: None)
+_GLOO_OWN = unittest.mock.patch.object(comm, "_exchanged", lambda *args, **kwargs: False)
+_TRANSPORTS = {"shared memory": contextlib.nullcontext(), "gloo's all-to-all": _WITHOUT_SHARED_MEMORY,
+               "gloo's own": _GLOO_OWN}
+
+
+def _collectives_body(transport: str):
+    with _counting_exchanges() as calls, _TRANSPORTS[transport]:
         _collectives()
-    # On gloo each collective of these small CPU tensors is one all-to-all (comm._exchanged) but
+    # On gloo each collective of these small CPU tensors is one exchange (comm._exchanged) but
     # the 3 all-reduces over more than 2 ranks; then comes the body's own all-to-all.
     n = torch.distributed.get_world_size()
-    exchanged = 21 if n == 2 else 17
-    assert len(calls) == (0 if n == 1 else exchanged + 1 if exchange else 1), calls
-    if n == 2 and exchange:  # each sends the peer its block, none to itself
+    exchanged = (21 if n == 2 else 17) if transport != "gloo's own" else 0
+    assert len(calls) == (0 if n == 1 else exchanged + 1), calls
+    through_memory = [splits == "shared memory" for _, splits in calls[:-1]]
+    assert all(through_memory) if transport == "shared memory" else not any(through_memory), calls
+    if n == 2 and transport == "gloo's all-to-all":  # each sends the peer its block, none to itself
         rank = torch.distributed.get_rank()
         assert all(splits[rank] == 0 and splits[1 - rank] > 0 for _, splits in calls[:-1]), calls
     return True
@@ -74,18 +88,17 @@ def _collectives():
     torch.testing.assert_close(source, torch.zeros(2))
 
 
-@pytest.mark.parametrize("exchange", [True, False], ids=["exchanged", "gloo's own"])
+@pytest.mark.parametrize("transport", list(_TRANSPORTS))
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_collectives_along_any_dim_sync_and_async(world_size, exchange):
-    assert all(run_on_ranks(_collectives_body, world_size, exchange))
+def test_collectives_along_any_dim_sync_and_async(world_size, transport):
+    assert all(run_on_ranks(_collectives_body, world_size, transport))
 
 
 def _exchange_order_body():
     tp.initialize_model_parallel(torch.distributed.get_world_size())
     group = tp.get_tensor_model_parallel_group()
     n, r = comm.group_size(group), comm.group_rank(group)
-    calls, counting = _counting_all_to_alls()
-    with counting:
+    with _counting_exchanges() as calls:
         for dtype in (torch.float32, torch.bfloat16):
             per_rank = [torch.randn(4 * n, 3, generator=torch.Generator().manual_seed(j)).to(dtype) for j in range(n)]
             in_rank_order = functools.reduce(torch.add, per_rank)   # ((x0 + x1) + x2) + x3
@@ -135,12 +148,11 @@ def _polling_body():
     group = tp.get_tensor_model_parallel_group()
     n, r = comm.group_size(group), comm.group_rank(group)
     yields = []
-    native = unittest.mock.patch.object(comm, "_exchanged", lambda *args, **kwargs: False)
     with (unittest.mock.patch.object(gloo_transport, "_yield_core", lambda: yields.append(1)),
-          unittest.mock.patch.object(gloo_transport, "POLL_SECONDS", 10.0)):
+          unittest.mock.patch.object(gloo_transport, "POLL_SECONDS", 10.0), _WITHOUT_SHARED_MEMORY):
         began = time.perf_counter()
         _polled_collectives(group, n, r)  # exchanged, but the all-reduces over 4 ranks
-        with native:
+        with _GLOO_OWN:
             _polled_collectives(group, n, r)  # gloo's own
         torch.testing.assert_close(comm.reduce_scatter(torch.ones(n, 3), group), torch.full((1, 3), float(n)))
         # Each wait ended when its work reported completion, not after POLL_SECONDS.

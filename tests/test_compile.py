@@ -10,6 +10,7 @@ without a C++ build per test on 2 cores. Two tests build inductor's kernels: ``t
 matters).
 """
 
+import contextlib
 import time
 import unittest.mock
 from collections import Counter
@@ -25,7 +26,7 @@ from torch._inductor.fx_passes.post_grad import post_grad_passes
 from torch._inductor.virtualized import V
 
 import tensorpar as tp
-from tensorpar import comm, gloo_transport, keep_masks, linear_function
+from tensorpar import comm, gloo_transport, keep_masks, linear_function, shared_memory
 from tensorpar.models import GPT, GPTConfig
 from tests.harness import run_on_ranks
 from tests.test_gpt import _data, _full_grads, _single_rank_group
@@ -342,27 +343,31 @@ def test_inductor_compiled_gpt_under_a_ledger_matches_eager():
     assert all(run_on_ranks(_inductor_under_a_ledger_body, 2, timeout=900))
 
 
-def _compiled_exchange_polls_body():
+def _compiled_exchange_polls_body(transport: str):
     tp.initialize_model_parallel(dist.get_world_size())
     group = tp.get_tensor_model_parallel_group()
     n = dist.get_world_size()
-    # Compiled, a tensorpar::swap over 2 ranks, a tensorpar::exchange over more.
-    gathered = torch.compile(lambda x: comm.all_gather(x * 1, group), backend="aot_eager", fullgraph=True)
-    expected = torch.arange(n, dtype=torch.float32).repeat_interleave(4)
-    assert torch.equal(gathered(torch.full((4,), float(dist.get_rank()))), expected)
-    yields = []
-    with unittest.mock.patch.object(gloo_transport, "_yield_core", lambda: yields.append(1)):
-        if dist.get_rank() != 0:
-            time.sleep(0.2)  # rank 0 waits meanwhile
+    polling = shared_memory if transport == "shared memory" else gloo_transport
+    through_gloo = unittest.mock.patch.object(shared_memory, "channel", lambda group: None)
+    with contextlib.nullcontext() if polling is shared_memory else through_gloo:
+        # Compiled, a tensorpar::swap over 2 ranks, a tensorpar::exchange over more.
+        gathered = torch.compile(lambda x: comm.all_gather(x * 1, group), backend="aot_eager", fullgraph=True)
+        expected = torch.arange(n, dtype=torch.float32).repeat_interleave(4)
         assert torch.equal(gathered(torch.full((4,), float(dist.get_rank()))), expected)
+        yields = []
+        with unittest.mock.patch.object(polling, "_yield_core", lambda: yields.append(1)):
+            if dist.get_rank() != 0:
+                time.sleep(0.2)  # rank 0 waits meanwhile
+            assert torch.equal(gathered(torch.full((4,), float(dist.get_rank()))), expected)
     return bool(yields) or dist.get_rank() != 0
 
 
+@pytest.mark.parametrize("transport", ["shared memory", "gloo's all-to-all"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_compiled_exchange_is_waited_by_polling(world_size):
-    """The graph's wait_tensor of gloo's all-to-all (tensorpar::swap, tensorpar::exchange) waits as
-    eager code does: polling."""
-    assert all(run_on_ranks(_compiled_exchange_polls_body, world_size, timeout=900))
+def test_compiled_exchange_is_waited_by_polling(world_size, transport):
+    """The graph's wait_tensor of an exchange (tensorpar::swap, tensorpar::exchange) waits as eager
+    code does: polling, through shared memory and over gloo."""
+    assert all(run_on_ranks(_compiled_exchange_polls_body, world_size, transport, timeout=900))
 
 
 def _train_body(argv):

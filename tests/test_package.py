@@ -45,7 +45,7 @@ def test_the_moved_entry_points_still_work_and_say_they_moved():
 LAYERS = (
     ("tensorpar.errors", "tensorpar.porting", "tensorpar.rank_generator", "tensorpar.process_groups",
      "tensorpar.parallel_registry", "tensorpar.parallel_init", "tensorpar.parallel_state"),
-    ("tensorpar.comm_ledger", "tensorpar.gloo_transport"),
+    ("tensorpar.comm_ledger", "tensorpar.shared_memory", "tensorpar.gloo_transport"),
     ("tensorpar.comm",),
     ("tensorpar.buffers",),
     ("tensorpar.overlap",),

@@ -4,8 +4,9 @@ gloo's CPU collectives go round a ring, a round trip per step, each waking a thr
 its all-to-all is one exchange. :mod:`tensorpar.comm` sends a reduce-scatter, and an all-gather
 or all-reduce within ``EXCHANGE_MAX_BYTES``, as one (:func:`start_exchange`; compiled, the
 ``tensorpar::exchange`` op; over 2 ranks :func:`start_swap`, the ``tensorpar::swap`` op) and
-combines the blocks that arrive in rank order (:func:`fold`: the same bits on every rank). Its
-gloo works are waited by polling (:class:`YieldingWait`).
+combines the blocks that arrive in rank order (:func:`fold`: the same bits on every rank). Between
+ranks of one host the exchange goes through shared memory (:mod:`tensorpar.shared_memory`), where
+it fits a slot. Its gloo works are waited by polling (:class:`YieldingWait`).
 
 Example::
 
@@ -22,6 +23,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from . import shared_memory
 
 __all__ = ["EXCHANGE_MAX_BYTES", "POLL_SECONDS", "YieldingWait", "exchange_op", "exchanged", "fold", "launch",
            "spans_its_storage", "start_exchange", "start_swap", "swap_op"]
@@ -47,20 +50,41 @@ def exchanged(tensor: torch.Tensor, group, *, copies: int = 0) -> bool:
             and copies * tensor.numel() * tensor.element_size() <= EXCHANGE_MAX_BYTES)
 
 
-def start_exchange(source: torch.Tensor, copies: int, group) -> tuple[torch.Tensor, YieldingWait]:
-    """The exchange launched: the tensor the blocks arrive in, and the work to wait for (gloo's
-    work holds the blocks it sends)."""
-    blocks = torch.cat([source] * copies) if copies > 1 else source.contiguous()
+def start_exchange(source: torch.Tensor, copies: int, group, *, stable: bool = True
+                   ) -> tuple[torch.Tensor, dist.Work]:
+    """The exchange launched: the tensor the blocks arrive in, and the work to wait for. Through the
+    group's shared memory where it has it (:func:`tensorpar.shared_memory.channel`), else as gloo's
+    all-to-all, whose work holds the blocks it sends: a copy of ``source`` unless ``stable`` (it
+    stays as it is until the wait)."""
+    shared = shared_memory.channel(group)
+    if shared is not None and shared.fits(source):
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        arrived = source.new_empty((source.shape[0] * copies, *source.shape[1:]))
+        blocks = arrived.view(n, -1)
+        blocks[rank].copy_((source if copies > 1 else source.reshape(n, -1)[rank]).reshape(-1))
+        into = [None if peer == rank else blocks[peer] for peer in range(n)]
+        return arrived, shared.start(source, into, block=0 if copies > 1 else rank)
+    if copies > 1:
+        blocks = torch.cat([source] * copies)
+    else:
+        blocks = source.contiguous() if stable else source.clone(memory_format=torch.contiguous_format)
     arrived = torch.empty_like(blocks)
     return arrived, YieldingWait(dist.all_to_all_single(arrived, blocks, group=group, async_op=True))
 
 
-def start_swap(send: torch.Tensor, received: torch.Tensor, group) -> YieldingWait:
+def start_swap(send: torch.Tensor, received: torch.Tensor, group, *, stable: bool = True) -> dist.Work:
     """Over 2 ranks: ``send`` sent to the peer, the peer's into ``received`` (both contiguous, of one
-    size): an all-to-all without the rank's own block, and without the copies of ``send`` that
-    :func:`start_exchange` stacks (benchmarks/even_shapes_vs_before.py: a TP=2 GPT step took 0.95x
-    the time it took with exchanges)."""
-    splits = [send.numel(), 0] if dist.get_rank(group) else [0, send.numel()]
+    size). Through the group's shared memory where it has it, else an all-to-all without the
+    rank's own block, and without the copies of ``send`` that :func:`start_exchange` stacks
+    (benchmarks/even_shapes_vs_before.py: a TP=2 GPT step took 0.95x the time it took with
+    exchanges), from a copy of ``send`` unless ``stable`` (it stays as it is until the wait)."""
+    peer = 1 - dist.get_rank(group)
+    shared = shared_memory.channel(group)
+    if shared is not None and shared.fits(send):
+        return shared.start(send, [received if rank == peer else None for rank in range(2)])
+    if not stable:
+        send = send.clone(memory_format=torch.contiguous_format)
+    splits = [0, send.numel()] if peer else [send.numel(), 0]
     return YieldingWait(dist.all_to_all_single(received.view(-1), send.view(-1), output_split_sizes=splits,
                                                input_split_sizes=splits, group=group, async_op=True))
 
@@ -116,10 +140,10 @@ def launch(start: Callable[[bool], dist.Work | None], group, async_op: bool) -> 
 @torch.library.custom_op("tensorpar::exchange", mutates_args=())
 def exchange_op(source: torch.Tensor, copies: int, group_name: str) -> torch.Tensor:
     """:func:`start_exchange` inside a compiled graph; the graph's ``wait_tensor`` of the
-    result waits as :class:`YieldingWait` does. The blocks are this op's own copy: inductor
-    may reuse ``source``'s memory once the op returns, while the exchange still reads it."""
-    owned = source.clone(memory_format=torch.contiguous_format) if copies == 1 else source
-    arrived, work = start_exchange(owned, copies, dist.distributed_c10d._resolve_process_group(group_name))
+    result waits for it. Sent from a copy of ``source``: inductor may reuse its memory once the
+    op returns, while the exchange still reads it."""
+    arrived, work = start_exchange(source, copies, dist.distributed_c10d._resolve_process_group(group_name),
+                                   stable=False)
     torch._C._distributed_c10d._register_work(arrived, work)
     return arrived
 
@@ -137,10 +161,10 @@ def spans_its_storage(tensor: torch.Tensor) -> bool:
 @torch.library.custom_op("tensorpar::swap", mutates_args=())
 def swap_op(source: torch.Tensor, group_name: str, halves: bool) -> torch.Tensor:
     """:func:`start_swap` of ``source`` inside a compiled graph (``halves``: of its two halves on dim 0,
-    the peer's): what the peer sent, waited by the graph's ``wait_tensor`` as :class:`YieldingWait`
-    waits.
+    the peer's): what the peer sent, waited by the graph's ``wait_tensor``.
 
-    A ``source`` that :func:`spans_its_storage` is sent from its own memory, which inductor reuses
+    Through shared memory ``source`` is copied when the op starts. Over gloo's all-to-all, a
+    ``source`` that :func:`spans_its_storage` is sent from its own memory, which inductor reuses
     only after the graph's last read of it: the caller reads ``source`` after the wait
     (:mod:`tensorpar.comm` combines the rank's own part with the peer's). Copying it instead took
     1.5% of a compiled TP=2 GPT step (benchmarks/compile_step.py's model). Any other ``source`` (a
@@ -149,10 +173,9 @@ def swap_op(source: torch.Tensor, group_name: str, halves: bool) -> torch.Tensor
     """
     group = dist.distributed_c10d._resolve_process_group(group_name)
     send = source[1 - dist.get_rank(group)] if halves else source
-    if not spans_its_storage(source):
-        send = send.clone(memory_format=torch.contiguous_format)
     received = _contiguous_like(send)
-    torch._C._distributed_c10d._register_work(received, start_swap(send, received, group))
+    torch._C._distributed_c10d._register_work(received, start_swap(send, received, group,
+                                                                   stable=spans_its_storage(source)))
     return received
 
 

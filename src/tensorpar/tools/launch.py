@@ -418,4 +418,5 @@ def _lost_a_peer(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
-        marker in text for marker in ("Connection reset", "Connection closed", "Broken pipe", "gloo", "NCCL"))
+        marker in text for marker in ("Connection reset", "Connection closed", "Broken pipe", "gloo", "NCCL",
+                                      "shared-memory collective"))
