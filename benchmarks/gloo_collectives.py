@@ -4,12 +4,15 @@
 
 On gloo, ``tensorpar.comm`` sends a CPU tensor's reduce-scatter, its all-gather while the
 all-to-all's copies of it come to ``comm.EXCHANGE_MAX_BYTES`` at most, and its all-reduce over 2
-ranks under the same limit, as one all-to-all, combines the blocks in rank order, and waits by
-polling (``gloo_transport.YieldingWait``). Per op and size: ``comm``'s call as it runs, and the
-same call with the exchange and the polling off (gloo's ``all_reduce``, ``all_gather_single``,
-``reduce_scatter_single`` and their waits), in alternating rounds;
-the ratio is tensorpar's time / gloo's (below 1: the exchange is faster), the median over the
-rounds with its interquartile range, the slowest rank's time per round. Sizes are the tensor's
+ranks under the same limit, as one exchange, combines the blocks in rank order, and waits by
+polling. Between the ranks of one host the exchange goes through shared memory
+(``tensorpar.shared_memory``, where what a rank sends fits its slot), elsewhere as gloo's
+all-to-all (``gloo_transport.YieldingWait`` polls it). Per op and size, in alternating rounds:
+``comm``'s call as it runs ("tensorpar"), the same with shared memory off ("all-to-all"), and
+with the exchange and the polling off ("gloo": gloo's ``all_reduce``, ``all_gather_single``,
+``reduce_scatter_single`` and their waits). The ratios are tensorpar's time over gloo's and over
+the all-to-all's (below 1: tensorpar's is faster), the median over the rounds with its
+interquartile range, the slowest rank's time per round. Sizes are the tensor's
 bytes: an all-gather's input, a reduce-scatter's input, an all-reduce's tensor. With
 ``--gemm N`` every rank multiplies two N x N matrices before each call, as a training step
 computes between its collectives (only the calls are timed): where waiting by polling counts.
@@ -38,13 +41,14 @@ def _quartiles(values) -> list[float]:
 
 def run(args) -> dict:
     import tensorpar as tp
-    from tensorpar import comm, gloo_transport
+    from tensorpar import comm, gloo_transport, shared_memory
 
     tp.initialize_model_parallel(args.ranks)
     group = tp.get_tensor_model_parallel_group()
     n = comm.group_size(group)
     gloo_own = [unittest.mock.patch.object(comm, "_exchanged", lambda *a, **k: False),
                 unittest.mock.patch.object(gloo_transport, "POLL_SECONDS", 0.0)]
+    all_to_all = [unittest.mock.patch.object(shared_memory, "channel", lambda group: None)]
     operands = [torch.randn(args.gemm, args.gemm) for _ in range(2)]
     results = {}
     for kib in args.sizes_kib:
@@ -54,9 +58,9 @@ def run(args) -> dict:
                  "reduce_scatter": lambda: comm.reduce_scatter(tensor, group)}
         repeats = max(2, args.repeats * 256 // max(kib, 256))
         for op, call in calls.items():
-            times = {"tensorpar": [], "gloo": []}
+            times = {"tensorpar": [], "all-to-all": [], "gloo": []}
             for _ in range(args.rounds):
-                for side, patches in (("tensorpar", []), ("gloo", gloo_own)):
+                for side, patches in (("tensorpar", []), ("all-to-all", all_to_all), ("gloo", gloo_own)):
                     with contextlib.ExitStack() as stack:
                         for patch in patches:
                             stack.enter_context(patch)
@@ -71,10 +75,11 @@ def run(args) -> dict:
                         took = torch.tensor([spent / repeats], dtype=torch.float64)
                     dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
                     times[side].append(took.item())
-            ratios = [ours / theirs for ours, theirs in zip(times["tensorpar"], times["gloo"])]
-            results[f"{op} {kib} KiB"] = {"tensorpar_ms": round(1e3 * statistics.median(times["tensorpar"]), 3),
-                                          "gloo_ms": round(1e3 * statistics.median(times["gloo"]), 3),
-                                          "ratio_q1_median_q3": _quartiles(ratios)}
+            results[f"{op} {kib} KiB"] = {
+                **{f"{side}_ms": round(1e3 * statistics.median(took), 3) for side, took in times.items()},
+                **{f"over_{side}_q1_median_q3": _quartiles([ours / theirs for ours, theirs
+                                                            in zip(times["tensorpar"], times[side])])
+                   for side in ("gloo", "all-to-all")}}
     return results
 
 

@@ -111,9 +111,10 @@ def _exchange_order_body():
                                            rtol=0, atol=n * torch.finfo(dtype).eps * 8)
             assert torch.equal(comm.all_reduce(per_rank[r].clone(), group, op="min"), torch.stack(per_rank).amin(0))
         small = len(calls)
-        # Where the all-to-all's n copies would pass EXCHANGE_MAX_BYTES an all-gather or all-reduce
-        # is gloo's own; a reduce-scatter is exchanged at any size (its all-to-all sends no copies).
-        big = torch.full((comm.EXCHANGE_MAX_BYTES // (4 * n) + n,), float(r + 1))
+        # Where the all-to-all's n copies (over 2 ranks, a swap's one) would pass EXCHANGE_MAX_BYTES
+        # an all-gather or all-reduce is gloo's own; a reduce-scatter is exchanged at any size (its
+        # all-to-all sends no copies).
+        big = torch.full((comm.EXCHANGE_MAX_BYTES // (4 * (1 if n == 2 else n)) + n,), float(r + 1))
         summed = torch.full_like(big, n * (n + 1) / 2)
         torch.testing.assert_close(comm.all_reduce(big.clone(), group), summed)
         every = torch.cat([torch.full_like(big, j + 1) for j in range(n)])

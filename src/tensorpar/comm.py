@@ -8,10 +8,11 @@ goes on :func:`collective_device` (:func:`scalars` makes one there). ``async_op=
 
 Under ``torch.compile`` the collectives are torch's functional collectives (traceable). On gloo,
 a CPU tensor's reduce-scatter, its all-gather while the all-to-all's copies of it come to at most
-``EXCHANGE_MAX_BYTES``, and its all-reduce over 2 ranks under the same limit go as one
-all-to-all, the blocks that arrive combined in rank order (the same bits on every rank): one
-round trip where gloo's rings take several, and the ring's bytes. gloo's works are waited by
-polling with the core yielded, compiled too (:mod:`tensorpar.gloo_transport`).
+``EXCHANGE_MAX_BYTES``, and its all-reduce over 2 ranks under the same limit (over 2 ranks a
+swap with the peer, which sends one copy) go as one all-to-all, the blocks that arrive combined
+in rank order (the same bits on every rank): one round trip where gloo's rings take several,
+and the ring's bytes; between the ranks of one host, through shared memory. gloo's works are
+waited by polling with the core yielded, compiled too (:mod:`tensorpar.gloo_transport`).
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum
     if n == 1:
         return _done(tensor, async_op)
     _record("all_reduce", tensor, n, async_op, op)
-    if n == 2 and _exchanged(tensor, group, copies=n):
+    if n == 2 and _exchanged(tensor, group, copies=1):
         return _swap(tensor, group, async_op, lambda pair: _fold(pair, op, out=tensor))
     if torch.compiler.is_compiling():
         # Dynamo cannot trace process-group calls; torch's functional collectives it can.
@@ -256,7 +257,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
     shape = list(tensor.shape)
     shape[dim] *= n
     _record("all_gather", tensor, n, async_op, shape=shape)
-    if _exchanged(tensor, group, copies=n):
+    if _exchanged(tensor, group, copies=1 if n == 2 else n):  # a swap sends no copies
         if n == 2:
             return _swap(tensor, group, async_op, lambda pair: torch.cat(pair, dim=dim, out=out))
         return _exchange(tensor.movedim(dim, 0), group, async_op,
