@@ -1,8 +1,9 @@
 """The exchanges between the ranks of one host through shared memory: several in flight at once,
-a group that cannot share memory, no file left behind, a peer that ended or never came."""
+a group that cannot share memory, no file left behind, a peer that ended, never came or stopped."""
 
 import datetime
 import os
+import signal
 import time
 import unittest.mock
 
@@ -75,24 +76,31 @@ def test_the_segment_is_mapped_by_every_rank_and_its_file_removed():
     assert run_on_ranks(_mapped_body, 2) == [(True, True)] * 2
 
 
+_TIMEOUTS = {"ended": datetime.timedelta(minutes=30), "late": datetime.timedelta(0),
+             "stopped": datetime.timedelta(seconds=2)}
+
+
 def _peer_gone_body(how: str):
     tp.initialize_model_parallel(2)
     group = tp.get_tensor_model_parallel_group()
-    never = datetime.timedelta(0)
-    with unittest.mock.patch.object(shared_memory, "_timeout", lambda group: never if how == "late" else
-                                    datetime.timedelta(minutes=30)):
+    with unittest.mock.patch.object(shared_memory, "_timeout", lambda group: _TIMEOUTS[how]):
         comm.all_reduce(torch.ones(3), group)  # the channel is made, and works
     if comm.group_rank(group) == 1:
         if how == "ended":
             os._exit(0)  # without a word to the launcher, which would end rank 0 on a failure
-        time.sleep(3)
+        if how == "stopped":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            time.sleep(3)
     comm.all_reduce(torch.ones(3), group)
-    return None
 
 
-@pytest.mark.parametrize("how, message", [("ended", r"group rank 1 \(process \d+\) has ended"),
-                                          ("late", r"group rank 1 did not arrive within the group's timeout")])
-def test_a_wait_for_a_peer_that_ended_or_never_came_fails_within_seconds(how, message):
+@pytest.mark.parametrize("how, message", [
+    ("ended", r"group rank 1 \(process \d+\) has ended"),
+    ("late", r"timed out after the group's timeout \(0 s\) waiting for group rank 1"),
+    ("stopped", r"^rank 1 \(pid \d+\) stopped responding: its process was stopped \(SIGSTOP\)")],
+    ids=["ended", "late", "stopped"])
+def test_a_wait_for_a_peer_that_ended_never_came_or_stopped_fails_within_seconds(how, message):
     began = time.monotonic()
     with pytest.raises(LaunchError, match=message):
         launch_local(_peer_gone_body, how, nproc=2)

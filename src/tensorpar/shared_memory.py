@@ -126,8 +126,8 @@ class Channel:
                 if not _alive(pid):
                     self._broken = f"shared-memory collective: group rank {peer} (process {pid}) has ended"
                 elif now - began > self._timeout:
-                    self._broken = (f"shared-memory collective: group rank {peer} did not arrive within the "
-                                    f"group's timeout ({self._timeout:.0f} s)")
+                    self._broken = (f"shared-memory collective: timed out after the group's timeout "
+                                    f"({self._timeout:.0f} s) waiting for group rank {peer}")
                 if self._broken:
                     raise RuntimeError(self._broken)
 
