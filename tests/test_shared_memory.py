@@ -2,6 +2,7 @@
 a group that cannot share memory, no file left behind, a peer that ended, never came or stopped."""
 
 import datetime
+import functools
 import os
 import signal
 import time
@@ -44,6 +45,29 @@ def _in_flight_body():
 def test_exchanges_in_flight_together_finish_whatever_order_they_are_waited_in(world_size):
     # The all-reduce goes through shared memory over 2 ranks (a swap), gloo's ring over more.
     assert run_on_ranks(_in_flight_body, world_size) == [3 if world_size == 2 else 2] * world_size
+
+
+def _slot_by_slot_body():
+    n = torch.distributed.get_world_size()
+    r = torch.distributed.get_rank()
+    with unittest.mock.patch.object(shared_memory, "SLOT_BYTES", 96):  # a part spans slots, unaligned
+        group = torch.distributed.new_group(list(range(n)))
+        assert shared_memory.channel(group) is not None
+        for dtype in (torch.float32, torch.bfloat16):
+            per_rank = [torch.randn(4 * n, 7, generator=torch.Generator().manual_seed(j)).to(dtype) for j in range(n)]
+            total = functools.reduce(torch.add, per_rank)
+            assert torch.equal(comm.all_gather(per_rank[r], group), torch.cat(per_rank))
+            assert torch.equal(comm.reduce_scatter(per_rank[r], group), total.chunk(n)[r])
+            assert torch.equal(comm.reduce_scatter(per_rank[r], group, async_op=True).wait(), total.chunk(n)[r])
+            if n == 2:
+                assert torch.equal(comm.all_reduce(per_rank[r].clone(), group), total)
+            assert torch.equal(comm.all_gather(per_rank[r][:0], group), per_rank[r][:0])  # nothing to send
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_what_is_larger_than_a_slot_goes_through_it_a_slot_at_a_time(world_size):
+    assert all(run_on_ranks(_slot_by_slot_body, world_size))
 
 
 def _refused_body():

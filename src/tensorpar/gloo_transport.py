@@ -5,8 +5,8 @@ its all-to-all is one exchange. :mod:`tensorpar.comm` sends a reduce-scatter, an
 or all-reduce within ``EXCHANGE_MAX_BYTES``, as one (:func:`start_exchange`; compiled, the
 ``tensorpar::exchange`` op; over 2 ranks :func:`start_swap`, the ``tensorpar::swap`` op) and
 combines the blocks that arrive in rank order (:func:`fold`: the same bits on every rank). Between
-ranks of one host the exchange goes through shared memory (:mod:`tensorpar.shared_memory`), where
-it fits a slot. Its gloo works are waited by polling (:class:`YieldingWait`).
+ranks of one host the exchange goes through shared memory (:mod:`tensorpar.shared_memory`). Its
+gloo works are waited by polling (:class:`YieldingWait`).
 
 Example::
 
@@ -57,7 +57,7 @@ def start_exchange(source: torch.Tensor, copies: int, group, *, stable: bool = T
     all-to-all, whose work holds the blocks it sends: a copy of ``source`` unless ``stable`` (it
     stays as it is until the wait)."""
     shared = shared_memory.channel(group)
-    if shared is not None and shared.fits(source):
+    if shared is not None:
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         arrived = source.new_empty((source.shape[0] * copies, *source.shape[1:]))
         blocks = arrived.view(n, -1)
@@ -80,7 +80,7 @@ def start_swap(send: torch.Tensor, received: torch.Tensor, group, *, stable: boo
     exchanges), from a copy of ``send`` unless ``stable`` (it stays as it is until the wait)."""
     peer = 1 - dist.get_rank(group)
     shared = shared_memory.channel(group)
-    if shared is not None and shared.fits(send):
+    if shared is not None:
         return shared.start(send, [received if rank == peer else None for rank in range(2)])
     if not stable:
         send = send.clone(memory_format=torch.contiguous_format)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 __all__ = ["ENV", "SLOT_BYTES", "Channel", "channel"]
 
 ENV = "TENSORPAR_SHARED_MEMORY"
-SLOT_BYTES = 4 << 20  # per rank: what a larger all-to-all sends goes over gloo
+SLOT_BYTES = 4 << 20  # per rank; what is larger goes through it a slot at a time
 SPIN_SECONDS = 0.02  # then a wait sleeps between polls
 _NAP_SECONDS = 2e-4
 _LIVENESS_SECONDS = 1.0
@@ -66,40 +66,46 @@ class Channel:
         self._rank, self._peers = rank, [p for p in range(size) if p != rank]
         self._timeout = timeout.total_seconds()
         self._sequence = 0
-        self._pending: tuple[int, list, int] | None = None
+        self._pending: tuple[int, list, int, int] | None = None
         self._broken: str | None = None
-
-    def fits(self, tensor: torch.Tensor) -> bool:
-        return tensor.numel() * tensor.element_size() <= SLOT_BYTES
 
     def start(self, send: torch.Tensor, into: list[torch.Tensor | None], *, block: int = 0) -> dist.Work:
         """``send`` copied into this rank's slot (it may change once this returns); the work's
-        ``wait()`` copies into ``into[p]``, for every peer ``p``, part ``block`` of what ``p`` sent
-        (its parts the size of ``into[p]``). ``into[rank]`` is not written."""
+        ``wait()`` copies into ``into[p]`` (contiguous), for every peer ``p``, part ``block`` of what
+        ``p`` sent (its parts the size of ``into[p]``). ``into[rank]`` is not written. What is
+        larger than a slot goes through it a slot at a time before this returns."""
         self._finish_pending()
-        self._sequence += 1
-        with _profiled("tensorpar::shared_memory_send"):
-            self._await(_RELEASED, self._sequence - 1)  # the peers have read what this slot held
-            nbytes = send.numel() * send.element_size()
-            self._slots[self._rank, :nbytes].view(send.dtype).view(send.shape).copy_(send)
-            self._words[self._rank * _WORDS + _PUBLISHED] = self._sequence
-        self._pending = (self._sequence, into, block)
+        sent = _bytes(send.contiguous())
+        targets = [None if target is None else _bytes(target) for target in into]
+        for offset in range(0, max(len(sent), 1), SLOT_BYTES):
+            self._finish_pending()
+            self._sequence += 1
+            with _profiled("tensorpar::shared_memory_send"):
+                self._await(_RELEASED, self._sequence - 1)  # the peers have read what this slot held
+                chunk = sent[offset:offset + SLOT_BYTES]
+                self._slots[self._rank, :len(chunk)].copy_(chunk)
+                self._words[self._rank * _WORDS + _PUBLISHED] = self._sequence
+            self._pending = (self._sequence, targets, block, offset)
         return _Read(self, self._sequence)
 
     def finished(self, sequence: int) -> bool:
         return self._pending is None or self._pending[0] > sequence
 
     def _finish_pending(self) -> None:
+        """What the peers last published read (their parts of it), and this rank's reading of it
+        announced."""
         if self._pending is None:
             return
-        sequence, into, block = self._pending
+        sequence, targets, block, offset = self._pending
         with _profiled("tensorpar::shared_memory_receive"):
             self._await(_PUBLISHED, sequence)
             for peer in self._peers:
-                target = into[peer]
-                nbytes = target.numel() * target.element_size()
-                sent = self._slots[peer, block * nbytes:(block + 1) * nbytes]
-                target.copy_(sent.view(target.dtype).view(target.shape))
+                target = targets[peer]
+                part = len(target)
+                # Of the bytes of the peer's part, those its slot holds now.
+                low, high = max(block * part, offset), min((block + 1) * part, offset + SLOT_BYTES)
+                if low < high:
+                    target[low - block * part:high - block * part].copy_(self._slots[peer, low - offset:high - offset])
         self._words[self._rank * _WORDS + _RELEASED] = sequence
         self._pending = None
 
@@ -146,6 +152,11 @@ class _Read(dist.Work):
         if not self._owner.finished(self._sequence):
             self._owner._finish_pending()
         return True
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``tensor``'s memory as a flat tensor of bytes."""
+    return tensor.view(-1).view(torch.uint8)
 
 
 def _profiled(name: str):
