@@ -94,11 +94,11 @@ def test_collectives_along_any_dim_sync_and_async(world_size, transport):
     assert all(run_on_ranks(_collectives_body, world_size, transport))
 
 
-def _exchange_order_body():
+def _exchange_order_body(transport: str):
     tp.initialize_model_parallel(torch.distributed.get_world_size())
     group = tp.get_tensor_model_parallel_group()
     n, r = comm.group_size(group), comm.group_rank(group)
-    with _counting_exchanges() as calls:
+    with _counting_exchanges() as calls, _TRANSPORTS[transport]:
         for dtype in (torch.float32, torch.bfloat16):
             per_rank = [torch.randn(4 * n, 3, generator=torch.Generator().manual_seed(j)).to(dtype) for j in range(n)]
             in_rank_order = functools.reduce(torch.add, per_rank)   # ((x0 + x1) + x2) + x3
@@ -110,26 +110,32 @@ def _exchange_order_body():
                 torch.testing.assert_close(summed.float(), sum(p.float() for p in per_rank),
                                            rtol=0, atol=n * torch.finfo(dtype).eps * 8)
             assert torch.equal(comm.all_reduce(per_rank[r].clone(), group, op="min"), torch.stack(per_rank).amin(0))
-        small = len(calls)
+        counts = [len(calls)]
         # Where the all-to-all's n copies (over 2 ranks, a swap's one) would pass EXCHANGE_MAX_BYTES
-        # an all-gather or all-reduce is gloo's own; a reduce-scatter is exchanged at any size (its
-        # all-to-all sends no copies).
-        big = torch.full((comm.EXCHANGE_MAX_BYTES // (4 * (1 if n == 2 else n)) + n,), float(r + 1))
-        summed = torch.full_like(big, n * (n + 1) / 2)
-        torch.testing.assert_close(comm.all_reduce(big.clone(), group), summed)
-        every = torch.cat([torch.full_like(big, j + 1) for j in range(n)])
-        torch.testing.assert_close(comm.all_gather(big, group), every)
-        torch.testing.assert_close(comm.reduce_scatter(big.repeat(n), group), summed)
-    return small, len(calls) - small
+        # an all-gather or all-reduce is gloo's own, unless the group shares memory and the tensor
+        # is within SHARED_MEMORY_MAX_BYTES (4 MiB here); a reduce-scatter is exchanged at any size
+        # (its all-to-all sends no copies).
+        with unittest.mock.patch.object(gloo_transport, "SHARED_MEMORY_MAX_BYTES", 4 << 20):
+            for nbytes in (comm.EXCHANGE_MAX_BYTES // (1 if n == 2 else n), 4 << 20):
+                big = torch.full((nbytes // 4 + n,), float(r + 1))
+                summed = torch.full_like(big, n * (n + 1) / 2)
+                torch.testing.assert_close(comm.all_reduce(big.clone(), group), summed)
+                every = torch.cat([torch.full_like(big, j + 1) for j in range(n)])
+                torch.testing.assert_close(comm.all_gather(big, group), every)
+                torch.testing.assert_close(comm.reduce_scatter(big.repeat(n), group), summed)
+                counts.append(len(calls) - sum(counts))
+    return counts
 
 
+@pytest.mark.parametrize("transport", ["shared memory", "gloo's all-to-all"])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_exchanged_collectives_combine_in_rank_order_and_stop_at_their_size_limit(world_size):
-    """On gloo, CPU collectives go as one all-to-all and combine every rank's block in rank
+def test_exchanged_collectives_combine_in_rank_order_and_stop_at_their_size_limit(world_size, transport):
+    """On gloo, CPU collectives go as one exchange and combine every rank's block in rank
     order: every rank the same bits, those of ``((x0 + x1) + x2) + x3``. All-reduces only over 2
     ranks (over more, an all-to-all would send more than the ring's bytes)."""
-    expected = {1: (0, 0), 2: (6, 1), 4: (2, 1)}[world_size]
-    assert run_on_ranks(_exchange_order_body, world_size) == [expected] * world_size
+    past_the_all_to_all = {1: 0, 2: 3, 4: 2}[world_size] if transport == "shared memory" else min(world_size - 1, 1)
+    expected = [{1: 0, 2: 6, 4: 2}[world_size], past_the_all_to_all, min(world_size - 1, 1)]
+    assert run_on_ranks(_exchange_order_body, world_size, transport) == [expected] * world_size
 
 
 def _polled_collectives(group, n, r):

@@ -11,8 +11,10 @@ a CPU tensor's reduce-scatter, its all-gather while the all-to-all's copies of i
 ``EXCHANGE_MAX_BYTES``, and its all-reduce over 2 ranks under the same limit (over 2 ranks a
 swap with the peer, which sends one copy) go as one all-to-all, the blocks that arrive combined
 in rank order (the same bits on every rank): one round trip where gloo's rings take several,
-and the ring's bytes; between the ranks of one host, through shared memory. gloo's works are
-waited by polling with the core yielded, compiled too (:mod:`tensorpar.gloo_transport`).
+and the ring's bytes. Between the ranks of one host they go through shared memory, and run
+eagerly so do all-gathers and all-reduces over the limit up to
+``gloo_transport.SHARED_MEMORY_MAX_BYTES``. gloo's works are waited by polling with the core
+yielded, compiled too (:mod:`tensorpar.gloo_transport`).
 """
 
 from __future__ import annotations
