@@ -6,8 +6,9 @@ On gloo, ``tensorpar.comm`` sends a CPU tensor's reduce-scatter, its all-gather 
 all-to-all's copies of it come to ``comm.EXCHANGE_MAX_BYTES`` at most, and its all-reduce over 2
 ranks under the same limit, as one exchange, combines the blocks in rank order, and waits by
 polling. Between the ranks of one host the exchange goes through shared memory
-(``tensorpar.shared_memory``, where what a rank sends fits its slot), elsewhere as gloo's
-all-to-all (``gloo_transport.YieldingWait`` polls it). Per op and size, in alternating rounds:
+(``tensorpar.shared_memory``; then all-gathers and all-reduces of any number of ranks up to
+``gloo_transport.SHARED_MEMORY_MAX_BYTES`` too), elsewhere as gloo's all-to-all
+(``gloo_transport.YieldingWait`` polls it). Per op and size, in alternating rounds:
 ``comm``'s call as it runs ("tensorpar"), the same with shared memory off ("all-to-all"), and
 with the exchange and the polling off ("gloo": gloo's ``all_reduce``, ``all_gather_single``,
 ``reduce_scatter_single`` and their waits). The ratios are tensorpar's time over gloo's and over
@@ -47,6 +48,7 @@ def run(args) -> dict:
     group = tp.get_tensor_model_parallel_group()
     n = comm.group_size(group)
     gloo_own = [unittest.mock.patch.object(comm, "_exchanged", lambda *a, **k: False),
+                unittest.mock.patch.object(comm, "_through_shared_memory", lambda *a, **k: False),
                 unittest.mock.patch.object(gloo_transport, "POLL_SECONDS", 0.0)]
     all_to_all = [unittest.mock.patch.object(shared_memory, "channel", lambda group: None)]
     operands = [torch.randn(args.gemm, args.gemm) for _ in range(2)]

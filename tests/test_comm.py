@@ -33,19 +33,30 @@ def _counting_exchanges():
         yield calls
 
 
-_WITHOUT_SHARED_MEMORY = unittest.mock.patch.object(shared_memory, "channel", lambda group: None)
-_GLOO_OWN = unittest.mock.patch.object(comm, "_exchanged", lambda *args, **kwargs: False)
-_TRANSPORTS = {"shared memory": contextlib.nullcontext(), "gloo's all-to-all": _WITHOUT_SHARED_MEMORY,
-               "gloo's own": _GLOO_OWN}
+def _without_shared_memory():
+    return unittest.mock.patch.object(shared_memory, "channel", lambda group: None)
+
+
+@contextlib.contextmanager
+def _gloo_own():
+    never = lambda *args, **kwargs: False  # noqa: E731
+    with (unittest.mock.patch.object(comm, "_exchanged", never),
+          unittest.mock.patch.object(comm, "_through_shared_memory", never)):
+        yield
+
+
+_TRANSPORTS = {"shared memory": contextlib.nullcontext, "gloo's all-to-all": _without_shared_memory,
+               "gloo's own": _gloo_own}
 
 
 def _collectives_body(transport: str):
-    with _counting_exchanges() as calls, _TRANSPORTS[transport]:
+    with _counting_exchanges() as calls, _TRANSPORTS[transport]():
         _collectives()
-    # On gloo each collective of these small CPU tensors is one exchange (comm._exchanged) but
-    # the 3 all-reduces over more than 2 ranks; then comes the body's own all-to-all.
+    # On gloo each collective of these small CPU tensors is one exchange (comm._exchanged), over
+    # more than 2 ranks the 4 all-reduces only through shared memory; then comes the body's own
+    # all-to-all.
     n = torch.distributed.get_world_size()
-    exchanged = (21 if n == 2 else 17) if transport != "gloo's own" else 0
+    exchanged = {"shared memory": 21, "gloo's all-to-all": 21 if n == 2 else 17, "gloo's own": 0}[transport]
     assert len(calls) == (0 if n == 1 else exchanged + 1), calls
     through_memory = [splits == "shared memory" for _, splits in calls[:-1]]
     assert all(through_memory) if transport == "shared memory" else not any(through_memory), calls
@@ -98,13 +109,13 @@ def _exchange_order_body(transport: str):
     tp.initialize_model_parallel(torch.distributed.get_world_size())
     group = tp.get_tensor_model_parallel_group()
     n, r = comm.group_size(group), comm.group_rank(group)
-    with _counting_exchanges() as calls, _TRANSPORTS[transport]:
+    with _counting_exchanges() as calls, _TRANSPORTS[transport]():
         for dtype in (torch.float32, torch.bfloat16):
             per_rank = [torch.randn(4 * n, 3, generator=torch.Generator().manual_seed(j)).to(dtype) for j in range(n)]
             in_rank_order = functools.reduce(torch.add, per_rank)   # ((x0 + x1) + x2) + x3
             assert torch.equal(comm.reduce_scatter(per_rank[r], group), in_rank_order.chunk(n)[r])
             summed = comm.all_reduce(per_rank[r].clone(), group)
-            if n == 2:
+            if n == 2 or transport == "shared memory":
                 assert torch.equal(summed, in_rank_order)
             else:  # gloo's own, in its ring's order: n roundings of sums under 8, an ulp at 8 each
                 torch.testing.assert_close(summed.float(), sum(p.float() for p in per_rank),
@@ -131,10 +142,13 @@ def _exchange_order_body(transport: str):
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_exchanged_collectives_combine_in_rank_order_and_stop_at_their_size_limit(world_size, transport):
     """On gloo, CPU collectives go as one exchange and combine every rank's block in rank
-    order: every rank the same bits, those of ``((x0 + x1) + x2) + x3``. All-reduces only over 2
-    ranks (over more, an all-to-all would send more than the ring's bytes)."""
-    past_the_all_to_all = {1: 0, 2: 3, 4: 2}[world_size] if transport == "shared memory" else min(world_size - 1, 1)
-    expected = [{1: 0, 2: 6, 4: 2}[world_size], past_the_all_to_all, min(world_size - 1, 1)]
+    order: every rank the same bits, those of ``((x0 + x1) + x2) + x3``. All-reduces over more
+    than 2 ranks only through shared memory (as gloo's all-to-all they would send more than the
+    ring's bytes)."""
+    shared = transport == "shared memory"
+    small = {1: 0, 2: 6, 4: 6 if shared else 2}[world_size]
+    past_the_all_to_all = {1: 0, 2: 3, 4: 3}[world_size] if shared else min(world_size - 1, 1)
+    expected = [small, past_the_all_to_all, min(world_size - 1, 1)]
     assert run_on_ranks(_exchange_order_body, world_size, transport) == [expected] * world_size
 
 
@@ -156,10 +170,10 @@ def _polling_body():
     n, r = comm.group_size(group), comm.group_rank(group)
     yields = []
     with (unittest.mock.patch.object(gloo_transport, "_yield_core", lambda: yields.append(1)),
-          unittest.mock.patch.object(gloo_transport, "POLL_SECONDS", 10.0), _WITHOUT_SHARED_MEMORY):
+          unittest.mock.patch.object(gloo_transport, "POLL_SECONDS", 10.0), _without_shared_memory()):
         began = time.perf_counter()
         _polled_collectives(group, n, r)  # exchanged, but the all-reduces over 4 ranks
-        with _GLOO_OWN:
+        with _gloo_own():
             _polled_collectives(group, n, r)  # gloo's own
         torch.testing.assert_close(comm.reduce_scatter(torch.ones(n, 3), group), torch.full((1, 3), float(n)))
         # Each wait ended when its work reported completion, not after POLL_SECONDS.

@@ -12,9 +12,9 @@ a CPU tensor's reduce-scatter, its all-gather while the all-to-all's copies of i
 swap with the peer, which sends one copy) go as one all-to-all, the blocks that arrive combined
 in rank order (the same bits on every rank): one round trip where gloo's rings take several,
 and the ring's bytes. Between the ranks of one host they go through shared memory, and run
-eagerly so do all-gathers and all-reduces over the limit up to
-``gloo_transport.SHARED_MEMORY_MAX_BYTES``. gloo's works are waited by polling with the core
-yielded, compiled too (:mod:`tensorpar.gloo_transport`).
+eagerly so do all-gathers and all-reduces over the limit, and all-reduces over more than 2
+ranks, up to ``gloo_transport.SHARED_MEMORY_MAX_BYTES``. gloo's works are waited by polling with
+the core yielded, compiled too (:mod:`tensorpar.gloo_transport`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch.distributed._functional_collectives as funcol
 
 from .comm_ledger import CommLedger, CommRecord, bytes_sent_per_rank, record as _record, record_p2p
 from .gloo_transport import (EXCHANGE_MAX_BYTES, exchange_op, exchanged as _exchanged, fold as _fold,
-                             launch as _launch, start_exchange, start_swap, swap_op)
+                             launch as _launch, start_exchange, start_swap, swap_op,
+                             through_shared_memory as _through_shared_memory)
 
 __all__ = ["CommLedger", "CommRecord", "Handle", "all_gather", "all_reduce", "all_to_all", "broadcast",
            "bytes_sent_per_rank", "check_divisible", "collective_device", "group_rank", "group_size",
@@ -174,6 +175,9 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum
     _record("all_reduce", tensor, n, async_op, op)
     if n == 2 and _exchanged(tensor, group, copies=1):
         return _swap(tensor, group, async_op, lambda pair: _fold(pair, op, out=tensor))
+    if n > 2 and _through_shared_memory(tensor, group):
+        return _exchange(tensor.reshape(-1), group, async_op,
+                         lambda every: _fold(every.view(n, *tensor.shape), op, out=tensor), copies=n)
     if torch.compiler.is_compiling():
         # Dynamo cannot trace process-group calls; torch's functional collectives it can.
         return _traced(_launched("all_reduce", tensor, op, group.group_name), async_op, tensor.copy_)

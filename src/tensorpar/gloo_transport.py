@@ -27,7 +27,7 @@ import torch.distributed as dist
 from . import shared_memory
 
 __all__ = ["EXCHANGE_MAX_BYTES", "POLL_SECONDS", "SHARED_MEMORY_MAX_BYTES", "YieldingWait", "exchange_op", "exchanged",
-           "fold", "launch", "spans_its_storage", "start_exchange", "start_swap", "swap_op"]
+           "fold", "launch", "spans_its_storage", "start_exchange", "start_swap", "swap_op", "through_shared_memory"]
 
 # Over 2 ranks sharing 2 cores (benchmarks/gloo_collectives.py): a 256 KiB all-reduce took 1.65 ms
 # as gloo's and 0.68 as one exchange, an 8 MiB reduce-scatter 8.8 ms against 4.1. An all-gather by
@@ -49,16 +49,23 @@ def _contiguous_like(tensor: torch.Tensor) -> torch.Tensor:
 
 def exchanged(tensor: torch.Tensor, group, *, copies: int = 0) -> bool:
     """Whether a collective of ``tensor`` goes as one exchange: on gloo, for CPU tensors, if the
-    ``copies`` of the tensor its all-to-all sends come to ``EXCHANGE_MAX_BYTES`` at most, or, run
-    eagerly, if the tensor comes to ``SHARED_MEMORY_MAX_BYTES`` at most and the group shares memory.
-    A compiled graph chooses its collectives when traced, before the group's segment is made
-    (collectively, by its first exchange), and keeps to the first limit."""
+    ``copies`` of the tensor its all-to-all sends come to ``EXCHANGE_MAX_BYTES`` at most, or if it
+    goes :func:`through_shared_memory`."""
     if tensor.device.type != "cpu" or dist.get_backend(group) != "gloo":
         return False
     nbytes = tensor.numel() * tensor.element_size()
-    return copies * nbytes <= EXCHANGE_MAX_BYTES or (
-        nbytes <= SHARED_MEMORY_MAX_BYTES and not torch.compiler.is_compiling()
-        and shared_memory.channel(group) is not None)
+    return copies * nbytes <= EXCHANGE_MAX_BYTES or through_shared_memory(tensor, group)
+
+
+def through_shared_memory(tensor: torch.Tensor, group) -> bool:
+    """Whether, run eagerly, a collective of ``tensor`` goes as one exchange through ``group``'s
+    shared memory whatever its all-to-all would send: a CPU tensor on gloo of
+    ``SHARED_MEMORY_MAX_BYTES`` at most, and a group that shares memory. A compiled graph chooses
+    its collectives when traced, before the group's segment is made (collectively, by its first
+    exchange), and keeps to ``EXCHANGE_MAX_BYTES``."""
+    return (tensor.device.type == "cpu" and dist.get_backend(group) == "gloo" and not torch.compiler.is_compiling()
+            and tensor.numel() * tensor.element_size() <= SHARED_MEMORY_MAX_BYTES
+            and shared_memory.channel(group) is not None)
 
 
 def start_exchange(source: torch.Tensor, copies: int, group, *, stable: bool = True
