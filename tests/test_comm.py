@@ -123,11 +123,11 @@ def _exchange_order_body(transport: str):
             assert torch.equal(comm.all_reduce(per_rank[r].clone(), group, op="min"), torch.stack(per_rank).amin(0))
         counts = [len(calls)]
         # Where the all-to-all's n copies (over 2 ranks, a swap's one) would pass EXCHANGE_MAX_BYTES
-        # an all-gather or all-reduce is gloo's own, unless the group shares memory and the tensor
-        # is within SHARED_MEMORY_MAX_BYTES (4 MiB here); a reduce-scatter is exchanged at any size
+        # an all-gather or all-reduce is gloo's own, unless the group shares memory and the copies
+        # are within SHARED_MEMORY_MAX_BYTES (4 MiB here); a reduce-scatter is exchanged at any size
         # (its all-to-all sends no copies).
         with unittest.mock.patch.object(gloo_transport, "SHARED_MEMORY_MAX_BYTES", 4 << 20):
-            for nbytes in (comm.EXCHANGE_MAX_BYTES // (1 if n == 2 else n), 4 << 20):
+            for nbytes in (comm.EXCHANGE_MAX_BYTES // (1 if n == 2 else n), 2 << 20, 4 << 20):
                 big = torch.full((nbytes // 4 + n,), float(r + 1))
                 summed = torch.full_like(big, n * (n + 1) / 2)
                 torch.testing.assert_close(comm.all_reduce(big.clone(), group), summed)
@@ -148,7 +148,8 @@ def test_exchanged_collectives_combine_in_rank_order_and_stop_at_their_size_limi
     shared = transport == "shared memory"
     small = {1: 0, 2: 6, 4: 6 if shared else 2}[world_size]
     past_the_all_to_all = {1: 0, 2: 3, 4: 3}[world_size] if shared else min(world_size - 1, 1)
-    expected = [small, past_the_all_to_all, min(world_size - 1, 1)]
+    two_mib = 3 if shared and world_size == 2 else min(world_size - 1, 1)  # over 4 ranks, 8 MiB arrive
+    expected = [small, past_the_all_to_all, two_mib, min(world_size - 1, 1)]
     assert run_on_ranks(_exchange_order_body, world_size, transport) == [expected] * world_size
 
 
@@ -241,8 +242,8 @@ def _strict_device_body():
     the CPU suite refuses one made without a device, as NCCL refuses a CPU tensor."""
     from tests.strict_device import strict_collective_device
 
-    tp.initialize_model_parallel(torch.distributed.get_world_size())
-    group = tp.get_tensor_model_parallel_group()
+    # A new group: its first exchange, inside, makes its shared memory.
+    group = torch.distributed.new_group(list(range(torch.distributed.get_world_size())))
     assert comm.collective_device(group) == torch.device("cpu")  # gloo
     with strict_collective_device(group):
         total = comm.all_reduce(comm.scalars([1.0, 2.0], group, dtype=torch.float64), group)

@@ -13,8 +13,8 @@ swap with the peer, which sends one copy) go as one all-to-all, the blocks that 
 in rank order (the same bits on every rank): one round trip where gloo's rings take several,
 and the ring's bytes. Between the ranks of one host they go through shared memory, and run
 eagerly so do all-gathers and all-reduces over the limit, and all-reduces over more than 2
-ranks, up to ``gloo_transport.SHARED_MEMORY_MAX_BYTES``. gloo's works are waited by polling with
-the core yielded, compiled too (:mod:`tensorpar.gloo_transport`).
+ranks, while what arrives comes to ``gloo_transport.SHARED_MEMORY_MAX_BYTES`` at most. gloo's
+works are waited by polling with the core yielded, compiled too (:mod:`tensorpar.gloo_transport`).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum
     _record("all_reduce", tensor, n, async_op, op)
     if n == 2 and _exchanged(tensor, group, copies=1):
         return _swap(tensor, group, async_op, lambda pair: _fold(pair, op, out=tensor))
-    if n > 2 and _through_shared_memory(tensor, group):
+    if n > 2 and _through_shared_memory(tensor, group, copies=n):
         return _exchange(tensor.reshape(-1), group, async_op,
                          lambda every: _fold(every.view(n, *tensor.shape), op, out=tensor), copies=n)
     if torch.compiler.is_compiling():

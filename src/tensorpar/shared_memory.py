@@ -203,13 +203,13 @@ def _open(group) -> Channel | None:
     rank cannot map it."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     nbytes = size * (_WORDS * 8 + SLOT_BYTES)
-    token = torch.tensor([secrets.randbits(62), int(_supported())])
+    token = torch.tensor([secrets.randbits(62), int(_supported())], device="cpu")
     if rank == 0 and token[1]:
         token[1] = int(_create(_path(int(token[0])), nbytes))
     dist.broadcast(token, group_src=0, group=group)
     path = _path(int(token[0]))
     memory = _map(path, nbytes) if token[1] and _supported() else None
-    agreed = torch.tensor([int(memory is not None)])
+    agreed = torch.tensor([int(memory is not None)], device="cpu")
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
     if rank == 0 and token[1]:
         os.unlink(path)  # every rank that could map it has: the memory lives while mapped
