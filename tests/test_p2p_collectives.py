@@ -1,12 +1,17 @@
-"""All-gather and reduce-scatter as rings of point-to-point exchanges, and FSDP using them under gloo."""
+"""All-gather and reduce-scatter as rings of point-to-point exchanges or through shared memory, and
+FSDP using them under gloo."""
+
+import functools
+import unittest.mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import tensorpar as tp
-from tensorpar import fsdp
-from tensorpar.p2p_collectives import ring_all_gather, ring_reduce_scatter, uses_ring
+from tensorpar import fsdp, shared_memory
+from tensorpar.p2p_collectives import (flat_all_gather, flat_reduce_scatter, ring_all_gather, ring_reduce_scatter,
+                                       uses_ring)
 from tests.harness import run_on_ranks
 
 
@@ -47,19 +52,45 @@ def test_ring_all_gather_orders_and_ring_reduce_scatter_sums_every_ranks_chunks(
     assert run_on_ranks(_ring_body, world_size) == [True] * world_size
 
 
-def _fsdp_on_the_ring_body():
+def _flat_body():
+    n, r = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(n)))  # its shared memory made here
+    starts, start = [], shared_memory.Channel.start
+    with unittest.mock.patch.object(shared_memory.Channel, "start",
+                                    lambda *args, **kwargs: starts.append(1) or start(*args, **kwargs)):
+        for dtype in (torch.float32, torch.bfloat16):
+            inputs = [torch.randn(6, generator=torch.Generator().manual_seed(k)).to(dtype) for k in range(n)]
+            gathered = torch.empty(6 * n, dtype=dtype)
+            assert flat_all_gather(gathered, inputs[r], group) is gathered
+            assert torch.equal(gathered, torch.cat(inputs))
+            flats = [torch.randn(6 * n, generator=torch.Generator().manual_seed(10 + k)).to(dtype) for k in range(n)]
+            reduced = torch.empty(6, dtype=dtype)
+            assert flat_reduce_scatter(reduced, flats[r].clone(), group) is reduced
+            assert torch.equal(reduced, functools.reduce(torch.add, [f.view(n, 6)[r] for f in flats]))  # rank order
+    return len(starts)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_fsdps_collectives_go_through_shared_memory_summed_in_rank_order(world_size):
+    assert run_on_ranks(_flat_body, world_size) == [4] * world_size
+
+
+def _fsdp_on_gloo_body(shared: bool):
+    rings = unittest.mock.patch.object(shared_memory, "channel", lambda group: None)
+    if not shared:
+        rings.start()
     tp.initialize_model_parallel(1)
     calls, reduced = [], []
 
     def counted(*args):
         calls.append(args[0].numel())
-        return ring_all_gather(*args)
+        return flat_all_gather(*args)
 
     def counted_reduce_scatter(*args):
         reduced.append(args[1].numel())
-        return ring_reduce_scatter(*args)
+        return flat_reduce_scatter(*args)
 
-    fsdp.ring_all_gather, fsdp.ring_reduce_scatter = counted, counted_reduce_scatter
+    fsdp.flat_all_gather, fsdp.flat_reduce_scatter = counted, counted_reduce_scatter
     try:
         torch.manual_seed(0)
         plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
@@ -70,7 +101,9 @@ def _fsdp_on_the_ring_body():
         sharded(x.chunk(dist.get_world_size())[dist.get_rank()]).square().mean().backward()
         plain(x).square().mean().backward()
     finally:
-        fsdp.ring_all_gather, fsdp.ring_reduce_scatter = ring_all_gather, ring_reduce_scatter
+        fsdp.flat_all_gather, fsdp.flat_reduce_scatter = flat_all_gather, flat_reduce_scatter
+        if not shared:
+            rings.stop()
     for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
         torch.testing.assert_close(fsdp.gather_dp_shards(p.grad), q.grad, rtol=1e-5, atol=1e-6, msg=name)
     # The root, then the unit gathered for forward; the unit again for backward (the root stays gathered).
@@ -81,5 +114,6 @@ def _fsdp_on_the_ring_body():
     return True
 
 
-def test_fsdp_under_gloo_gathers_and_reduces_through_the_rings():
-    assert run_on_ranks(_fsdp_on_the_ring_body, 2) == [True] * 2
+@pytest.mark.parametrize("shared", [True, False], ids=["shared memory", "rings"])
+def test_fsdp_under_gloo_gathers_and_reduces_through_the_flat_collectives(shared):
+    assert run_on_ranks(_fsdp_on_gloo_body, 2, shared) == [True] * 2

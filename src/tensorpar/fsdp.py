@@ -4,8 +4,8 @@ Each rank holds a TP shard of every TP-parallel weight; FSDP2 (``torch.distribut
 fully_shard``) shards that local tensor once more along dim 0 over the DP group, so
 parameters, gradients and optimizer state end up 1/DP per rank. Before a unit's forward and
 backward FSDP all-gathers its parameters over DP; after backward it reduce-scatters (and
-averages) their gradients (on gloo both as rings of point-to-point exchanges,
-:mod:`~tensorpar.p2p_collectives`). The TP layers see ordinary tensors in between.
+averages) their gradients (on gloo both through the DP group's shared memory, or as rings of
+point-to-point exchanges, :mod:`~tensorpar.p2p_collectives`). The TP layers see ordinary tensors in between.
 
 Mixed precision is FSDP's: parameters stay fp32 (the sharded fp32 parameters are the master
 weights), ``mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=
@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from . import comm, comm_ledger
 from .fsdp_mesh import dp_mesh, full_box, hsdp_mesh, replica_group, shard_group, tp_dp_mesh
 from .grads import gather_dim0_shards, is_tp_invariant
-from .p2p_collectives import ring_all_gather, ring_reduce_scatter, uses_ring
+from .p2p_collectives import flat_all_gather, flat_reduce_scatter, uses_ring
 from .parallel_state import get_data_parallel_group
 from .tree_reduce import HalvingTree, all_reduce_tree, reduce_scatter_tree
 from .utils import consecutive_groups
@@ -92,7 +92,7 @@ class _RecordedAllGather(DefaultAllGather):
         comm_ledger.record("all_gather", output_tensor, comm.group_size(group), async_op)
         if async_op or not uses_ring(group):
             return super().__call__(output_tensor, input_tensor, group, async_op)
-        ring_all_gather(output_tensor, input_tensor, group)
+        flat_all_gather(output_tensor, input_tensor, group)
 
 
 class _RecordedReduceScatter(DefaultReduceScatter):
@@ -101,7 +101,7 @@ class _RecordedReduceScatter(DefaultReduceScatter):
                            "avg" if op == dist.ReduceOp.AVG else "sum")
         if async_op or not uses_ring(group) or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
-        ring_reduce_scatter(output_tensor, input_tensor, group)
+        flat_reduce_scatter(output_tensor, input_tensor, group)
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(comm.group_size(group))
 

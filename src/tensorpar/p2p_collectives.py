@@ -5,8 +5,9 @@ of ``n - 1`` exchanges, each rank sending one ``1/n`` chunk to its right neighbo
 one from its left, and allocate what the ring does not (8 MiB fp32 over groups of 2 and of 4, 4
 ranks on a 2-core machine: all-gather 18 ms / 25 ms against 11 ms / 16 ms as a ring,
 reduce-scatter 27 ms / 53 ms against 19 ms / 34 ms; gloo's reduce-scatter copies its input
-twice). FSDP's collectives run through them on gloo (``fsdp.fully_shard``). NCCL's own
-collectives already are rings.
+twice). FSDP's collectives run on gloo through :func:`flat_all_gather` and
+:func:`flat_reduce_scatter`: through the group's shared memory where it has one
+(:mod:`tensorpar.shared_memory`), else as these rings. NCCL's own collectives already are rings.
 
 Example::
 
@@ -20,9 +21,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import comm, shared_memory
+from .gloo_transport import fold
 
-__all__ = ["ring_all_gather", "ring_reduce_scatter", "uses_ring"]
+__all__ = ["flat_all_gather", "flat_reduce_scatter", "ring_all_gather", "ring_reduce_scatter", "uses_ring"]
 
 
 def uses_ring(group: dist.ProcessGroup) -> bool:
@@ -70,3 +72,28 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
         if step < n - 2:
             chunks[(rank - step - 2) % n].add_(received)
     return torch.add(received, chunks[rank], out=output)
+
+
+def flat_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """:func:`ring_all_gather`'s result, through ``group``'s shared memory where it has one."""
+    shared = shared_memory.channel(group)
+    if shared is None:
+        return ring_all_gather(output, input, group)
+    n, rank = comm.group_size(group), comm.group_rank(group)
+    chunks = output.view(n, -1)
+    chunks[rank].copy_(input)
+    shared.start(input, [None if peer == rank else chunks[peer] for peer in range(n)]).wait()
+    return output
+
+
+def flat_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """:func:`ring_reduce_scatter`'s result, through ``group``'s shared memory where it has one:
+    then the chunks are summed in rank order (over 2 ranks the same bits as the ring's)."""
+    shared = shared_memory.channel(group)
+    if shared is None:
+        return ring_reduce_scatter(output, input, group)
+    n, rank = comm.group_size(group), comm.group_rank(group)
+    arrived = input.new_empty(input.shape).view(n, -1)
+    shared.start(input, [None if peer == rank else arrived[peer] for peer in range(n)], block=rank).wait()
+    arrived[rank].copy_(input.view(n, -1)[rank])
+    return fold(arrived, "sum", out=output)
