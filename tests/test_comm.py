@@ -37,11 +37,14 @@ def _without_shared_memory():
     return unittest.mock.patch.object(shared_memory, "channel", lambda group: None)
 
 
+def _never(*args, **kwargs) -> bool:
+    return False
+
+
 @contextlib.contextmanager
 def _gloo_own():
-    never = lambda *args, **kwargs: False  # noqa: E731
-    with (unittest.mock.patch.object(comm, "_exchanged", never),
-          unittest.mock.patch.object(comm, "_through_shared_memory", never)):
+    with (unittest.mock.patch.object(comm, "_exchanged", _never),
+          unittest.mock.patch.object(comm, "_through_shared_memory", _never)):
         yield
 
 
