@@ -1,7 +1,6 @@
 """The chunked pipelines against the plain collective-then-GEMM (or GEMM-then-collective)."""
 
 import dataclasses
-import unittest.mock
 import warnings
 
 import pytest
@@ -158,18 +157,12 @@ def _sent(counter, through_memory: list) -> int:
     return sum(count for op, count in counter.counts.items() if op.namespace == "c10d") + len(through_memory)
 
 
-def _counting_shared_memory(starts: list):
-    start = shared_memory.Channel.start
-    return unittest.mock.patch.object(shared_memory.Channel, "start",
-                                      lambda *args, **kwargs: starts.append(1) or start(*args, **kwargs))
-
-
 def _auto_body():
     """overlap="auto": refused before tp.calibrate_overlap; the calibration's collectives are
     issued through comm (a ledger sees every one), on the backend's device, sized from the
     layers' shapes; afterwards a forward issues only its own collectives, the same decision on
     every rank and the same result as overlap off."""
-    from tests.op_counter import OpCounter
+    from tests.op_counter import OpCounter, shared_memory_starts
     from tests.strict_device import strict_collective_device
 
     tp.initialize_model_parallel(torch.distributed.get_world_size())
@@ -186,14 +179,14 @@ def _auto_body():
         if overlap == "auto" and n > 1:
             with pytest.raises(RuntimeError, match=r"tp.calibrate_overlap\(model, tokens=...\)"):
                 fc1(x)
-            with tp.CommLedger() as ledger, OpCounter() as counter, _counting_shared_memory(starts := []), \
+            with tp.CommLedger() as ledger, OpCounter() as counter, shared_memory_starts() as starts, \
                     strict_collective_device(tp.get_tensor_model_parallel_group()):
                 links = tp.calibrate_overlap(torch.nn.ModuleList([fc1, fc2]), tokens=tokens)
             assert len(links) == 1 and fc1.overlap_link is fc2.overlap_link is links[0]
             assert 0 < ledger.count() == _sent(counter, starts)
             # Sized as fc1's own collective: [tokens, 64].
             assert max(r.bytes for r in ledger.records) == tokens * 64 * 4
-        with tp.CommLedger() as ledger, OpCounter() as counter, _counting_shared_memory(starts := []):
+        with tp.CommLedger() as ledger, OpCounter() as counter, shared_memory_starts() as starts:
             y, _ = fc2(torch.nn.functional.gelu(fc1(x)[0]))
             y.sum().backward()
         assert ledger.count() == _sent(counter, starts)  # nothing issued behind the ledger's back

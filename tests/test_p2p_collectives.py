@@ -13,32 +13,42 @@ from tensorpar import fsdp, shared_memory
 from tensorpar.p2p_collectives import (flat_all_gather, flat_reduce_scatter, ring_all_gather, ring_reduce_scatter,
                                        uses_ring)
 from tests.harness import run_on_ranks
+from tests.op_counter import shared_memory_starts
+
+
+def _gathered_and_reduced(all_gather, reduce_scatter, group, dtype):
+    """``all_gather`` of every rank's 6 elements (checked: in rank order) and ``reduce_scatter``
+    of its ``6 n``: each writes into and returns the output it is given. Returns the reduced
+    chunk, every rank's chunk ``rank`` that went into it, and this rank's flat input."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    inputs = [torch.randn(6, generator=torch.Generator().manual_seed(k)).to(dtype) for k in range(n)]
+    gathered = torch.empty(6 * n, dtype=dtype)
+    assert all_gather(gathered, inputs[r], group) is gathered
+    assert torch.equal(gathered, torch.cat(inputs))
+    flats = [torch.randn(6 * n, generator=torch.Generator().manual_seed(10 + k)).to(dtype) for k in range(n)]
+    reduced = torch.empty(6, dtype=dtype)
+    assert reduce_scatter(reduced, flats[r].clone(), group) is reduced
+    return reduced, [flat.view(n, 6)[r] for flat in flats], flats[r]
 
 
 def _ring_body():
     n, r = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
     for dtype in (torch.float32, torch.bfloat16):
-        inputs = [torch.randn(6, generator=torch.Generator().manual_seed(k)).to(dtype) for k in range(n)]
-        gathered = torch.empty(6 * n, dtype=dtype)
-        assert ring_all_gather(gathered, inputs[r], group) is gathered
-        assert torch.equal(gathered, torch.cat(inputs))
+        reduced, chunks, flat = _gathered_and_reduced(ring_all_gather, ring_reduce_scatter, group, dtype)
         # Chunk c summed round the ring from rank c + 1 to rank c, in the tensors' dtype.
-        flats = [torch.randn(6 * n, generator=torch.Generator().manual_seed(10 + k)).to(dtype) for k in range(n)]
-        expected = flats[(r + 1) % n].view(n, 6)[r].clone()
+        expected = chunks[(r + 1) % n].clone()
         for k in range(2, n + 1):
-            expected += flats[(r + k) % n].view(n, 6)[r]
-        reduced = torch.empty(6, dtype=dtype)
-        assert ring_reduce_scatter(reduced, flats[r].clone(), group) is reduced
+            expected += chunks[(r + k) % n]
         assert torch.equal(reduced, expected)
         if dtype == torch.float32 and n == 2:  # one addition per element: gloo's bits too
             by_gloo = torch.empty(6)
-            dist.reduce_scatter_tensor(by_gloo, flats[r].clone(), group=group)
+            dist.reduce_scatter_tensor(by_gloo, flat.clone(), group=group)
             assert torch.equal(reduced, by_gloo)
     assert uses_ring(group) == (n > 1)
     with pytest.raises(ValueError, match=rf"ring_all_gather: output \[7\] must be 1-D, contiguous and {n} times "
                                          r"the input \[6\]"):
-        ring_all_gather(torch.empty(7), inputs[r].float(), group)
+        ring_all_gather(torch.empty(7), torch.empty(6), group)
     with pytest.raises(ValueError, match=rf"ring_reduce_scatter: input \[7\] and output \[6\] must be 1-D and "
                                          rf"contiguous, the input {n} times the output"):
         ring_reduce_scatter(torch.empty(6), torch.empty(7), group)
@@ -53,20 +63,11 @@ def test_ring_all_gather_orders_and_ring_reduce_scatter_sums_every_ranks_chunks(
 
 
 def _flat_body():
-    n, r = dist.get_world_size(), dist.get_rank()
-    group = dist.new_group(list(range(n)))  # its shared memory made here
-    starts, start = [], shared_memory.Channel.start
-    with unittest.mock.patch.object(shared_memory.Channel, "start",
-                                    lambda *args, **kwargs: starts.append(1) or start(*args, **kwargs)):
+    group = dist.new_group(list(range(dist.get_world_size())))  # its shared memory made here
+    with shared_memory_starts() as starts:
         for dtype in (torch.float32, torch.bfloat16):
-            inputs = [torch.randn(6, generator=torch.Generator().manual_seed(k)).to(dtype) for k in range(n)]
-            gathered = torch.empty(6 * n, dtype=dtype)
-            assert flat_all_gather(gathered, inputs[r], group) is gathered
-            assert torch.equal(gathered, torch.cat(inputs))
-            flats = [torch.randn(6 * n, generator=torch.Generator().manual_seed(10 + k)).to(dtype) for k in range(n)]
-            reduced = torch.empty(6, dtype=dtype)
-            assert flat_reduce_scatter(reduced, flats[r].clone(), group) is reduced
-            assert torch.equal(reduced, functools.reduce(torch.add, [f.view(n, 6)[r] for f in flats]))  # rank order
+            reduced, chunks, _ = _gathered_and_reduced(flat_all_gather, flat_reduce_scatter, group, dtype)
+            assert torch.equal(reduced, functools.reduce(torch.add, chunks))  # in rank order
     return len(starts)
 
 

@@ -15,6 +15,7 @@ import tensorpar as tp
 from tensorpar import comm, shared_memory
 from tensorpar.tools.launch import LaunchError, launch_local
 from tests.harness import run_on_ranks
+from tests.op_counter import shared_memory_starts
 
 
 def _in_flight_body():
@@ -22,9 +23,7 @@ def _in_flight_body():
     group = tp.get_tensor_model_parallel_group()
     n, r = comm.group_size(group), comm.group_rank(group)
     per_rank = [torch.randn(2 * n, 3, generator=torch.Generator().manual_seed(j)) for j in range(n)]
-    starts, start = [], shared_memory.Channel.start
-    with unittest.mock.patch.object(shared_memory.Channel, "start",
-                                    lambda *args, **kwargs: starts.append(1) or start(*args, **kwargs)):
+    with shared_memory_starts() as starts:
         summed = comm.all_reduce(per_rank[r].clone(), group, async_op=True)
         gathered = comm.all_gather(per_rank[r], group, async_op=True)
         scattered = comm.reduce_scatter(per_rank[r].to(torch.bfloat16), group, async_op=True)

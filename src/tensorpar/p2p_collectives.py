@@ -93,7 +93,6 @@ def flat_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
     if shared is None:
         return ring_reduce_scatter(output, input, group)
     n, rank = comm.group_size(group), comm.group_rank(group)
-    arrived = input.new_empty(input.shape).view(n, -1)
-    shared.start(input, [None if peer == rank else arrived[peer] for peer in range(n)], block=rank).wait()
-    arrived[rank].copy_(input.view(n, -1)[rank])
-    return fold(arrived, "sum", out=output)
+    chunks = [input.view(n, -1)[rank] if peer == rank else torch.empty_like(output) for peer in range(n)]
+    shared.start(input, [None if peer == rank else chunk for peer, chunk in enumerate(chunks)], block=rank).wait()
+    return fold(chunks, "sum", out=output)

@@ -74,11 +74,10 @@ class Channel:
         ``wait()`` copies into ``into[p]`` (contiguous), for every peer ``p``, part ``block`` of what
         ``p`` sent (its parts the size of ``into[p]``). ``into[rank]`` is not written. What is
         larger than a slot goes through it a slot at a time before this returns."""
-        self._finish_pending()
         sent = _bytes(send.contiguous())
         targets = [None if target is None else _bytes(target) for target in into]
         for offset in range(0, max(len(sent), 1), SLOT_BYTES):
-            self._finish_pending()
+            self._finish_pending()  # the operation before, or this one's previous slot
             self._sequence += 1
             with _profiled("tensorpar::shared_memory_send"):
                 self._await(_RELEASED, self._sequence - 1)  # the peers have read what this slot held
