@@ -94,6 +94,23 @@ def test_the_segment_is_mapped_by_every_rank_and_its_file_removed():
     assert run_on_ranks(_mapped_body, 2) == [(True, True)] * 2
 
 
+def _failed_while_made_body():
+    group = torch.distributed.new_group([0, 1])
+    paths, path = [], shared_memory._path
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a peer went away")
+
+    with (unittest.mock.patch.object(shared_memory, "_path", lambda token: paths.append(path(token)) or paths[-1]),
+          unittest.mock.patch.object(shared_memory.dist, "all_reduce", failing), pytest.raises(RuntimeError)):
+        shared_memory.channel(group)  # its agreement fails on every rank, after rank 0 made the file
+    return bool(paths) and not any(os.path.exists(p) for p in paths)
+
+
+def test_a_segment_whose_making_fails_leaves_no_file():
+    assert run_on_ranks(_failed_while_made_body, 2) == [True, True]
+
+
 _TIMEOUTS = {"ended": datetime.timedelta(minutes=30), "late": datetime.timedelta(0),
              "stopped": datetime.timedelta(seconds=2)}
 

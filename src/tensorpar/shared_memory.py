@@ -203,15 +203,17 @@ def _open(group) -> Channel | None:
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     nbytes = size * (_WORDS * 8 + SLOT_BYTES)
     token = torch.tensor([secrets.randbits(62), int(_supported())], device="cpu")
-    if rank == 0 and token[1]:
-        token[1] = int(_create(_path(int(token[0])), nbytes))
-    dist.broadcast(token, group_src=0, group=group)
-    path = _path(int(token[0]))
-    memory = _map(path, nbytes) if token[1] and _supported() else None
-    agreed = torch.tensor([int(memory is not None)], device="cpu")
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-    if rank == 0 and token[1]:
-        os.unlink(path)  # every rank that could map it has: the memory lives while mapped
+    created = rank == 0 and bool(token[1]) and _create(_path(int(token[0])), nbytes)
+    try:
+        if rank == 0:
+            token[1] = int(created)
+        dist.broadcast(token, group_src=0, group=group)
+        memory = _map(_path(int(token[0])), nbytes) if token[1] and _supported() else None
+        agreed = torch.tensor([int(memory is not None)], device="cpu")
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    finally:
+        if created:  # every rank that could map it has, or a peer failed: the memory lives while mapped
+            os.unlink(_path(int(token[0])))
     if not agreed[0]:
         if memory is not None:
             memory.close()
