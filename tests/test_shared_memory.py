@@ -104,6 +104,7 @@ def _failed_while_made_body():
     with (unittest.mock.patch.object(shared_memory, "_path", lambda token: paths.append(path(token)) or paths[-1]),
           unittest.mock.patch.object(shared_memory.dist, "all_reduce", failing), pytest.raises(RuntimeError)):
         shared_memory.channel(group)  # its agreement fails on every rank, after rank 0 made the file
+    torch.distributed.barrier(group)  # both ranks are past their failure
     return bool(paths) and not any(os.path.exists(p) for p in paths)
 
 

@@ -208,7 +208,8 @@ def _open(group) -> Channel | None:
         if rank == 0:
             token[1] = int(created)
         dist.broadcast(token, group_src=0, group=group)
-        memory = _map(_path(int(token[0])), nbytes) if token[1] and _supported() else None
+        path = _path(int(token[0]))
+        memory = _map(path, nbytes) if token[1] and _supported() else None
         agreed = torch.tensor([int(memory is not None)], device="cpu")
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
     finally:
