@@ -1,5 +1,4 @@
-"""Count the aten operators a block of code dispatches (host syncs, per-parameter loops), and
-the exchanges it starts through shared memory (which dispatch no c10d operator).
+"""Count the aten operators a block of code dispatches (host syncs, per-parameter loops).
 
 ``aten._local_scalar_dense`` is what every device-to-host read (``float(t)``, ``t.item()``,
 ``if t:``) dispatches: counting it finds host synchronisations on CPU, where none is visible.
@@ -8,13 +7,8 @@ the exchanges it starts through shared memory (which dispatch no c10d operator).
 from __future__ import annotations
 
 import collections
-import contextlib
-import unittest.mock
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from tensorpar import shared_memory
 
 HOST_SYNC = torch.ops.aten._local_scalar_dense.default
 
@@ -54,15 +48,3 @@ def _shares_memory(result: torch.Tensor, args, kwargs) -> bool:
     inputs = [t for t in [*args, *(kwargs or {}).values()] if isinstance(t, torch.Tensor)]
     return any(result.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in inputs)
 
-
-@contextlib.contextmanager
-def shared_memory_starts():
-    """Lists the shape of what each exchange through shared memory sends, into the list it yields."""
-    starts, start = [], shared_memory.Channel.start
-
-    def counting(channel, send, *args, **kwargs):
-        starts.append(send.shape)
-        return start(channel, send, *args, **kwargs)
-
-    with unittest.mock.patch.object(shared_memory.Channel, "start", counting):
-        yield starts

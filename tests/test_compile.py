@@ -10,8 +10,6 @@ without a C++ build per test on 2 cores. Two tests build inductor's kernels: ``t
 matters).
 """
 
-import contextlib
-import time
 import unittest.mock
 from collections import Counter
 
@@ -26,7 +24,7 @@ from torch._inductor.fx_passes.post_grad import post_grad_passes
 from torch._inductor.virtualized import V
 
 import tensorpar as tp
-from tensorpar import comm, gloo_transport, keep_masks, linear_function, shared_memory
+from tensorpar import keep_masks, linear_function
 from tensorpar.models import GPT, GPTConfig
 from tests.harness import run_on_ranks
 from tests.test_gpt import _data, _full_grads, _single_rank_group
@@ -42,12 +40,11 @@ GEMMS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
 
 
 # The collectives launched in the graphs: torch's functional ones (inductor's post-grad passes make
-# all_reduce in place) and gloo's all-to-alls (gloo_transport's exchange_op and swap_op).
+# all_reduce in place).
 _OP_NAMES = {"_c10d_functional.all_reduce": "all_reduce", "_c10d_functional.all_reduce_": "all_reduce",
              "_c10d_functional.all_gather_into_tensor": "all_gather",
              "_c10d_functional.reduce_scatter_tensor": "reduce_scatter",
-             "_c10d_functional.all_to_all_single": "all_to_all", "tensorpar.exchange": "all_to_all",
-             "tensorpar.swap": "all_to_all"}
+             "_c10d_functional.all_to_all_single": "all_to_all"}
 
 
 def _launched_collective(node) -> str | None:
@@ -58,42 +55,14 @@ def _is_view(node) -> bool:
     return getattr(node.target, "is_view", False) or node.target is torch.ops.aten._unsafe_view.default
 
 
-def _unread_swap_sources(nodes) -> list[str]:
-    """The ``tensorpar::swap`` nodes sending from their source's memory that no node reads after
-    the swap's wait.
-
-    A swap sends from its source's memory where the source spans it (a slice of a larger buffer
-    travels as a copy): inductor keeps a buffer's memory as it is until the buffer's last reader,
-    so one of those readers must come after the wait.
-    """
-    def readers(node):  # a ledger's record reads the tensor too, but only its shape
-        for user in node.users:
-            if "record_collective" not in str(user.args):
-                yield from readers(user) if _is_view(user) else [user]
-
-    unread = []
-    for node in nodes:
-        if (_launched_collective(node) and "swap" in str(node.target)
-                and gloo_transport.spans_its_storage(node.args[0].meta["val"])):
-            wait = min(nodes.index(u) for u in node.users if "wait_tensor" in str(u.target))
-            base = node.args[0]
-            while _is_view(base):
-                base = base.args[0]
-            if not any(nodes.index(r) > wait for r in readers(base)):
-                unread.append(node.name)
-    return unread
-
-
 def _counting_backend():
     """``aot_eager`` that keeps the dynamo graphs and the collectives in the AOT graphs it runs;
-    ``overlapped`` ends with one ``"waits"`` entry per wait beyond one per collective; ``unread``
-    names the swaps whose source memory the graph could reuse while it is sent
-    (:func:`_unread_swap_sources`).
+    ``overlapped`` ends with one ``"waits"`` entry per wait beyond one per collective.
 
     The AOT graphs run after inductor's post-grad passes (its pattern rewrites, such as folding
     ``mm + add`` into ``addmm``): the order of GEMMs and collectives its scheduler starts from.
     """
-    graphs, collectives, overlapped, unread = [], [], [], []
+    graphs, collectives, overlapped = [], [], []
 
     def run_eagerly(gm, example_inputs):
         with V.set_fake_mode(detect_fake_mode(example_inputs)):
@@ -106,7 +75,6 @@ def _counting_backend():
             if waits and any(str(n.target) in GEMMS for n in nodes[i:min(waits)]):
                 overlapped.append(str(node.target))
         collectives.extend(launched)
-        unread.extend(_unread_swap_sources(nodes))
         return make_boxed_func(gm)
 
     # Inductor's partitioner, which decides what backward recomputes.
@@ -117,7 +85,7 @@ def _counting_backend():
         graphs.append(gm)
         return aot(gm, example_inputs)
 
-    return backend, graphs, collectives, overlapped, unread
+    return backend, graphs, collectives, overlapped
 
 
 def _column_layers(model):
@@ -189,14 +157,7 @@ def _assert_same_losses_and_grads(got, expected, overrides):
                                        msg=lambda m, name=name: f"{overrides} step {s} grad {name}: {m}")
 
 
-def _compiled_matches_eager_body(cases, tp1, exchange=True):
-    if exchange:
-        return _compiled_matches_eager(cases, tp1, exchange)
-    with unittest.mock.patch.object(comm, "_exchanged", lambda *args, **kwargs: False):
-        return _compiled_matches_eager(cases, tp1, exchange)
-
-
-def _compiled_matches_eager(cases, tp1, exchange):
+def _compiled_matches_eager_body(cases, tp1):
     torch._dynamo.reset()
     group = _single_rank_group() if tp1 else None
     if not tp1:
@@ -207,22 +168,18 @@ def _compiled_matches_eager(cases, tp1, exchange):
         bf16 = case.get("bf16", False)
         eager = _build(overrides, group)
         compiled = _build(overrides, group)
-        backend, graphs, collectives, overlapped, unread = _counting_backend()
+        backend, graphs, collectives, overlapped = _counting_backend()
         step = torch.compile(compiled, backend=backend, fullgraph=True)
         # Compiled first: its trace meets the fused wgrad's one-time kernel probe, as train --compile's does.
         linear_function._FUSED_ADDMM_SUPPORTED.clear()
         got = _steps(compiled, step, tokens, labels, bf16=bf16)
         expected = _steps(eager, eager, tokens, labels, bf16=bf16)
         assert len(graphs) == 1, (overrides, len(graphs))  # and no recompile on the second step
-        assert not unread, (overrides, unread)
         _assert_same_losses_and_grads(got, expected, overrides)
         for s in range(STEPS):
-            # The ledger sees every collective of the compiled graphs, forward and backward, each
-            # step (counted, where gloo's exchanged ones are all-to-alls in the graph: comm._exchanged).
+            # The ledger sees every collective of the compiled graphs, forward and backward, each step.
             ledger, graph = Counter(op for op, _, _ in got[2][s]), Counter(collectives)
             regathers = Counter(all_gather=_column_layers(compiled))
-            if exchange:
-                ledger, graph, regathers = ledger.total(), graph.total(), regathers.total()
             if overrides.get("sequence_parallel"):
                 # Except the backward re-gathers of the column inputs: the compiler merges each with
                 # its forward twin (it keeps the gathered input), the ledger still counts it.
@@ -242,16 +199,14 @@ def _compiled_matches_eager(cases, tp1, exchange):
     return True
 
 
-@pytest.mark.parametrize("world_size,cases,exchange", [
-    (2, [{}, {"sequence_parallel": True}, {"recompute": True}], True),
-    (4, [{"sequence_parallel": True, "recompute": True}], True),
-    (2, [{"overlap": 2, "interleave": 2}], True),
-    # gloo's own collectives, as NCCL's run: each its own functional collective in the graph.
-    (2, [{}, {"sequence_parallel": True}], False),
+@pytest.mark.parametrize("world_size,cases", [
+    (2, [{}, {"sequence_parallel": True}, {"recompute": True}]),
+    (4, [{"sequence_parallel": True, "recompute": True}]),
+    (2, [{"overlap": 2, "interleave": 2}]),
 ])
 @pytest.mark.slow
-def test_compiled_gpt_has_no_graph_break_and_matches_eager(world_size, cases, exchange):
-    assert all(run_on_ranks(_compiled_matches_eager_body, world_size, cases, False, exchange, timeout=900))
+def test_compiled_gpt_has_no_graph_break_and_matches_eager(world_size, cases):
+    assert all(run_on_ranks(_compiled_matches_eager_body, world_size, cases, False, timeout=900))
 
 
 @pytest.mark.slow
@@ -293,35 +248,6 @@ def test_compiled_mappings_match_eager():
     assert all(run_on_ranks(_mappings_body, 2, timeout=900))
 
 
-def _swap_sources_body():
-    tp.initialize_model_parallel(2)
-    group = tp.get_tensor_model_parallel_group()
-    x = torch.arange(32.0).reshape(8, 4) + 32 * dist.get_rank()
-    w = torch.linspace(-1, 1, 16).reshape(4, 4)
-
-    def in_flight(x):
-        """Each collective of a GEMM's result in flight while a GEMM of the same size computes."""
-        results = []
-        for start in (comm.all_reduce, comm.all_gather, comm.reduce_scatter):
-            handle = start(x @ w, group, async_op=True)
-            other = (x + 1) @ w
-            results += [handle.wait(), other]
-        return results
-
-    backend, _, collectives, _, unread = _counting_backend()
-    compiled = torch.compile(in_flight, backend=backend, fullgraph=True)(x)
-    assert collectives == ["all_to_all"] * 3 and not unread, (collectives, unread)
-    for got, expected in zip(compiled, in_flight(x)):
-        assert torch.equal(got, expected)
-    return True
-
-
-def test_compiled_swaps_send_from_memory_read_after_their_wait():
-    """Over 2 ranks a compiled all-reduce, all-gather or reduce-scatter sends from its source's
-    memory, not a copy: the graph reads that memory after the wait, so inductor keeps it intact."""
-    assert all(run_on_ranks(_swap_sources_body, 2, timeout=900))
-
-
 def _inductor_under_a_ledger_body():
     torch._dynamo.reset()
     tp.initialize_model_parallel(2)
@@ -341,33 +267,6 @@ def test_inductor_compiled_gpt_under_a_ledger_matches_eager():
     kernel read, which inductor freed first (the backward read a deleted input); the eager losses,
     grads and records."""
     assert all(run_on_ranks(_inductor_under_a_ledger_body, 2, timeout=900))
-
-
-def _compiled_exchange_polls_body(transport: str):
-    tp.initialize_model_parallel(dist.get_world_size())
-    group = tp.get_tensor_model_parallel_group()
-    n = dist.get_world_size()
-    polling = shared_memory if transport == "shared memory" else gloo_transport
-    through_gloo = unittest.mock.patch.object(shared_memory, "channel", lambda group: None)
-    with contextlib.nullcontext() if polling is shared_memory else through_gloo:
-        # Compiled, a tensorpar::swap over 2 ranks, a tensorpar::exchange over more.
-        gathered = torch.compile(lambda x: comm.all_gather(x * 1, group), backend="aot_eager", fullgraph=True)
-        expected = torch.arange(n, dtype=torch.float32).repeat_interleave(4)
-        assert torch.equal(gathered(torch.full((4,), float(dist.get_rank()))), expected)
-        yields = []
-        with unittest.mock.patch.object(polling, "_yield_core", lambda: yields.append(1)):
-            if dist.get_rank() != 0:
-                time.sleep(0.2)  # rank 0 waits meanwhile
-            assert torch.equal(gathered(torch.full((4,), float(dist.get_rank()))), expected)
-    return bool(yields) or dist.get_rank() != 0
-
-
-@pytest.mark.parametrize("transport", ["shared memory", "gloo's all-to-all"])
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_compiled_exchange_is_waited_by_polling(world_size, transport):
-    """The graph's wait_tensor of an exchange (tensorpar::swap, tensorpar::exchange) waits as eager
-    code does: polling, through shared memory and over gloo."""
-    assert all(run_on_ranks(_compiled_exchange_polls_body, world_size, transport, timeout=900))
 
 
 def _train_body(argv):
@@ -488,7 +387,7 @@ def _assert_saved_masks_are_this_ranks_only(tokens, labels):
     dropout_shapes = {(b, heads, s, s), (s // 2, b, BASE["hidden_size"])}  # attention's, and the hidden rows'
     saved = [mask for mask in masks if tuple(mask.shape) in dropout_shapes]
     assert {tuple(mask.shape) for mask in saved} == dropout_shapes
-    assert all(gloo_transport.spans_its_storage(mask) for mask in saved)
+    assert all(mask.untyped_storage().nbytes() == mask.numel() * mask.element_size() for mask in saved)
 
 
 def _drawn_mask_elements(overrides, group, tokens, labels) -> int:

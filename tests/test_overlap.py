@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar import comm, shared_memory
+from tensorpar import comm
 from tensorpar.comm_model import LinkModel
 from tensorpar.overlap import all_gather_matmul, chunk_sizes, matmul_reduce
 from tests.harness import run_on_ranks
@@ -152,9 +152,9 @@ def test_link_model_chunks_only_where_overlap_pays():
     assert gpu_like.best_chunks(1e6, 1e3, rows=64) == 1
 
 
-def _sent(counter, through_memory: list) -> int:
-    """Collectives sent: the c10d ops ``counter`` saw, and the exchanges started through shared memory."""
-    return sum(count for op, count in counter.counts.items() if op.namespace == "c10d") + len(through_memory)
+def _sent(counter) -> int:
+    """Collectives sent: the c10d ops ``counter`` saw."""
+    return sum(count for op, count in counter.counts.items() if op.namespace == "c10d")
 
 
 def _auto_body():
@@ -162,14 +162,13 @@ def _auto_body():
     issued through comm (a ledger sees every one), on the backend's device, sized from the
     layers' shapes; afterwards a forward issues only its own collectives, the same decision on
     every rank and the same result as overlap off."""
-    from tests.op_counter import OpCounter, shared_memory_starts
+    from tests.op_counter import OpCounter
     from tests.strict_device import strict_collective_device
 
     tp.initialize_model_parallel(torch.distributed.get_world_size())
     n = tp.get_tensor_model_parallel_world_size()
     records, outputs = [], []
     tokens = 64 * 4
-    shared_memory.channel(tp.get_tensor_model_parallel_group())  # made now, not behind a ledger's back
     for overlap in ("off", "auto"):
         tp.model_parallel_manual_seed(0)
         fc1 = tp.ColumnParallelLinear(64, 256, sequence_parallel=n > 1, overlap=overlap)
@@ -179,17 +178,17 @@ def _auto_body():
         if overlap == "auto" and n > 1:
             with pytest.raises(RuntimeError, match=r"tp.calibrate_overlap\(model, tokens=...\)"):
                 fc1(x)
-            with tp.CommLedger() as ledger, OpCounter() as counter, shared_memory_starts() as starts, \
+            with tp.CommLedger() as ledger, OpCounter() as counter, \
                     strict_collective_device(tp.get_tensor_model_parallel_group()):
                 links = tp.calibrate_overlap(torch.nn.ModuleList([fc1, fc2]), tokens=tokens)
             assert len(links) == 1 and fc1.overlap_link is fc2.overlap_link is links[0]
-            assert 0 < ledger.count() == _sent(counter, starts)
+            assert 0 < ledger.count() == _sent(counter)
             # Sized as fc1's own collective: [tokens, 64].
             assert max(r.bytes for r in ledger.records) == tokens * 64 * 4
-        with tp.CommLedger() as ledger, OpCounter() as counter, shared_memory_starts() as starts:
+        with tp.CommLedger() as ledger, OpCounter() as counter:
             y, _ = fc2(torch.nn.functional.gelu(fc1(x)[0]))
             y.sum().backward()
-        assert ledger.count() == _sent(counter, starts)  # nothing issued behind the ledger's back
+        assert ledger.count() == _sent(counter)  # nothing issued behind the ledger's back
         records.append([(r.op, r.shape) for r in ledger.records])
         outputs.append([y.detach(), x.grad, fc1.weight.grad, fc2.weight.grad])
     for got, expected in zip(*outputs):

@@ -228,10 +228,21 @@ def test_ctrl_c_on_a_2_process_run_prints_exactly_one_line(tmp_path, moment, fla
     assert "Traceback" not in before.decode()
 
 
+def _children(pid) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
 def _workers(pid):
-    """The rank processes a ``--nproc`` launcher started (not multiprocessing's resource tracker)."""
-    children = [c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-    return [int(c) for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+    """The rank processes a ``--nproc`` launcher started: the children of the server they fork from
+    (not multiprocessing's resource tracker)."""
+    workers = []
+    for child in _children(pid):
+        command = Path(f"/proc/{child}/cmdline").read_bytes()
+        if b"forkserver" in command:
+            workers += _children(child)
+        elif b"resource_tracker" not in command:
+            workers.append(child)
+    return workers
 
 
 @pytest.mark.slow

@@ -6,15 +6,8 @@ goes on :func:`collective_device` (:func:`scalars` makes one there). ``async_op=
 ``wait()`` on it before reading the result. Every collective is recorded by the active
 :class:`~tensorpar.comm_ledger.CommLedger` (re-exported here).
 
-Under ``torch.compile`` the collectives are torch's functional collectives (traceable). On gloo,
-a CPU tensor's reduce-scatter, its all-gather while the all-to-all's copies of it come to at most
-``EXCHANGE_MAX_BYTES``, and its all-reduce over 2 ranks under the same limit (over 2 ranks a
-swap with the peer, which sends one copy) go as one all-to-all, the blocks that arrive combined
-in rank order (the same bits on every rank): one round trip where gloo's rings take several,
-and the ring's bytes. Between the ranks of one host they go through shared memory, and run
-eagerly so do all-gathers and all-reduces over the limit, and all-reduces over more than 2
-ranks, while what arrives comes to ``gloo_transport.SHARED_MEMORY_MAX_BYTES`` at most. gloo's
-works are waited by polling with the core yielded, compiled too (:mod:`tensorpar.gloo_transport`).
+Every one is torch's own: ``torch.distributed`` run eagerly, its functional collectives under
+``torch.compile`` (traceable), so a CPU run on gloo takes the code path a GPU run on NCCL takes.
 """
 
 from __future__ import annotations
@@ -26,17 +19,21 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .comm_ledger import CommLedger, CommRecord, bytes_sent_per_rank, record as _record, record_p2p
-from .gloo_transport import (EXCHANGE_MAX_BYTES, exchange_op, exchanged as _exchanged, fold as _fold,
-                             launch as _launch, start_exchange, start_swap, swap_op,
-                             through_shared_memory as _through_shared_memory)
 
 __all__ = ["CommLedger", "CommRecord", "Handle", "all_gather", "all_reduce", "all_to_all", "broadcast",
            "bytes_sent_per_rank", "check_divisible", "collective_device", "group_rank", "group_size",
-           "record_p2p", "reduce_scatter", "scalars", "send_recv", "EXCHANGE_MAX_BYTES"]
+           "record_p2p", "reduce_scatter", "scalars", "send_recv"]
+
+
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def _all_gather_single(output: torch.Tensor, input: torch.Tensor, **kwargs):
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, input, **kwargs)
+
+
+def _reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, **kwargs):
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(output, input, **kwargs)
+
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -128,44 +125,6 @@ def check_divisible(size: int, parts: int, what: str) -> None:
         raise ValueError(f"{what} ({size}) is not divisible by the tensor-parallel size ({parts})")
 
 
-def _exchange(source: torch.Tensor, group, async_op: bool, finish: Callable[[torch.Tensor], torch.Tensor],
-              *, copies: int = 1):
-    """All-to-all of ``copies`` copies of ``source`` stacked on dim 0 (block ``i`` to rank ``i``;
-    with one copy, ``source`` holds the blocks); ``finish`` gets the blocks that arrived, in rank
-    order. Waited by polling (``gloo_transport.YieldingWait``), compiled too (its ``tensorpar::exchange``
-    op)."""
-    if torch.compiler.is_compiling():
-        return _traced(exchange_op(source, copies, group.group_name), async_op, finish)
-    arrived, work = start_exchange(source, copies, group)
-    if async_op:
-        return Handle(work, arrived, finish)
-    work.wait()
-    return finish(arrived)
-
-
-def _swap(source: torch.Tensor, group, async_op: bool, finish: Callable[[list[torch.Tensor]], torch.Tensor],
-          *, halves: bool = False):
-    """Over 2 ranks: ``source`` to the peer (``halves``: only the peer's half of it, on dim 0), the
-    peer's received; ``finish`` gets the rank's own (``source``, or its half) and what was received,
-    in rank order. Compiled, the ``tensorpar::swap`` op: ``finish`` reads ``source`` after the wait,
-    which keeps the memory the op sends from as it is until then."""
-    rank = group_rank(group)
-
-    def in_rank_order(received: torch.Tensor) -> torch.Tensor:
-        kept = source[rank] if halves else source
-        return finish([received, kept] if rank else [kept, received])
-
-    if torch.compiler.is_compiling():
-        return _traced(swap_op(source, group.group_name, halves), async_op, in_rank_order)
-    send = source[1 - rank] if halves else source.contiguous()
-    received = torch.empty_like(send)
-    work = start_swap(send, received, group)
-    if async_op:
-        return Handle(work, received, in_rank_order)
-    work.wait()
-    return in_rank_order(received)
-
-
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum",
                async_op: bool = False):
     """In-place all-reduce of ``tensor`` over ``group``; returns it (or a Handle)."""
@@ -173,15 +132,10 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: str = "sum
     if n == 1:
         return _done(tensor, async_op)
     _record("all_reduce", tensor, n, async_op, op)
-    if n == 2 and _exchanged(tensor, group, copies=1):
-        return _swap(tensor, group, async_op, lambda pair: _fold(pair, op, out=tensor))
-    if n > 2 and _through_shared_memory(tensor, group, copies=n):
-        return _exchange(tensor.reshape(-1), group, async_op,
-                         lambda every: _fold(every.view(n, *tensor.shape), op, out=tensor), copies=n)
     if torch.compiler.is_compiling():
         # Dynamo cannot trace process-group calls; torch's functional collectives it can.
         return _traced(_launched("all_reduce", tensor, op, group.group_name), async_op, tensor.copy_)
-    work = _launch(lambda a: dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=a), group, async_op)
+    work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
     return Handle(work, tensor) if async_op else tensor
 
 
@@ -263,11 +217,6 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
     shape = list(tensor.shape)
     shape[dim] *= n
     _record("all_gather", tensor, n, async_op, shape=shape)
-    if _exchanged(tensor, group, copies=1 if n == 2 else n):  # a swap sends no copies
-        if n == 2:
-            return _swap(tensor, group, async_op, lambda pair: torch.cat(pair, dim=dim, out=out))
-        return _exchange(tensor.movedim(dim, 0), group, async_op,
-                         lambda gathered: _place(gathered.movedim(0, dim), out), copies=n)
     if torch.compiler.is_compiling():
         return _traced(_launched("all_gather_into_tensor", tensor.movedim(dim, 0).contiguous(), n, group.group_name),
                        async_op, lambda t: _place(t.movedim(0, dim) if dim else t, out))
@@ -286,8 +235,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int = 0,
         def finish(t: torch.Tensor) -> torch.Tensor:
             return t.movedim(0, dim).contiguous()
 
-    work = _launch(lambda a: _all_gather_single(result, tensor.contiguous(), group=group, async_op=a), group,
-                   async_op)
+    work = _all_gather_single(result, tensor.contiguous(), group=group, async_op=async_op)
     if async_op:
         return Handle(work, result, finish)
     return finish(result) if finish else result
@@ -325,16 +273,6 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup, *, dim: int =
     _record("reduce_scatter", tensor, n, async_op, op)
     if out is not None and dim != 0:
         raise ValueError("reduce_scatter: `out` is supported for dim 0 only")
-    if _exchanged(tensor, group):
-        source = tensor.movedim(dim, 0).contiguous()
-        blocks = source.view(n, -1, *source.shape[1:])
-
-        def scattered(mine) -> torch.Tensor:
-            return _fold(mine, op, out=out) if dim == 0 else _fold(mine, op).movedim(0, dim).contiguous()
-
-        if n == 2:
-            return _swap(blocks, group, async_op, scattered, halves=True)
-        return _exchange(source, group, async_op, lambda arrived: scattered(arrived.view_as(blocks)))
     if torch.compiler.is_compiling():
         return _traced(_launched("reduce_scatter_tensor", tensor.movedim(dim, 0).contiguous(), op, n, group.group_name),
                        async_op, lambda t: _place(t.movedim(0, dim) if dim else t, out))
@@ -367,9 +305,8 @@ def all_to_all(tensor: torch.Tensor, group: dist.ProcessGroup, *,
         out = torch.empty_like(tensor)
     else:
         out = tensor.new_empty([sum(output_split_sizes)] + list(tensor.shape[1:]))
-    _launch(lambda a: dist.all_to_all_single(out, tensor, output_split_sizes=output_split_sizes,
-                                             input_split_sizes=input_split_sizes, group=group, async_op=a),
-            group, False)
+    dist.all_to_all_single(out, tensor, output_split_sizes=output_split_sizes,
+                           input_split_sizes=input_split_sizes, group=group)
     return out
 
 
@@ -379,7 +316,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
     if n == 1:
         return tensor
     _record("broadcast", tensor, n, False)
-    _launch(lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a), group, False)
+    dist.broadcast(tensor, src=src, group=group)
     return tensor
 
 

@@ -4,8 +4,7 @@ Each rank holds a TP shard of every TP-parallel weight; FSDP2 (``torch.distribut
 fully_shard``) shards that local tensor once more along dim 0 over the DP group, so
 parameters, gradients and optimizer state end up 1/DP per rank. Before a unit's forward and
 backward FSDP all-gathers its parameters over DP; after backward it reduce-scatters (and
-averages) their gradients (on gloo both through the DP group's shared memory, or as rings of
-point-to-point exchanges, :mod:`~tensorpar.p2p_collectives`). The TP layers see ordinary tensors in between.
+averages) their gradients, with torch's own collectives. The TP layers see ordinary tensors in between.
 
 Mixed precision is FSDP's: parameters stay fp32 (the sharded fp32 parameters are the master
 weights), ``mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=
@@ -25,14 +24,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 # FSDP2's hook for custom collectives (FSDPModule.set_custom_all_gather/_reduce_scatter): the
-# defaults, subclassed, keep FSDP's own paths (but gloo's collectives) and let CommLedger see each call.
+# defaults, subclassed, keep FSDP's own paths and let CommLedger see each call.
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.tensor import DTensor
 
 from . import comm, comm_ledger
 from .fsdp_mesh import dp_mesh, full_box, hsdp_mesh, replica_group, shard_group, tp_dp_mesh
 from .grads import gather_dim0_shards, is_tp_invariant
-from .p2p_collectives import flat_all_gather, flat_reduce_scatter, uses_ring
 from .parallel_state import get_data_parallel_group
 from .tree_reduce import HalvingTree, all_reduce_tree, reduce_scatter_tree
 from .utils import consecutive_groups
@@ -90,20 +88,14 @@ def scatter_dp_shard(shard: DTensor, whole: torch.Tensor, *, dp_group=None) -> N
 class _RecordedAllGather(DefaultAllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         comm_ledger.record("all_gather", output_tensor, comm.group_size(group), async_op)
-        if async_op or not uses_ring(group):
-            return super().__call__(output_tensor, input_tensor, group, async_op)
-        flat_all_gather(output_tensor, input_tensor, group)
+        return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
 class _RecordedReduceScatter(DefaultReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         comm_ledger.record("reduce_scatter", input_tensor, comm.group_size(group), async_op,
                            "avg" if op == dist.ReduceOp.AVG else "sum")
-        if async_op or not uses_ring(group) or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return super().__call__(output_tensor, input_tensor, group, op, async_op)
-        flat_reduce_scatter(output_tensor, input_tensor, group)
-        if op == dist.ReduceOp.AVG:
-            output_tensor.div_(comm.group_size(group))
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
 class _TreeReduceScatter(DefaultReduceScatter):

@@ -401,8 +401,7 @@ def _keep_collective_results():
 
     functional = torch.ops._c10d_functional
     collectives = {functional.all_reduce.default, functional.all_gather_into_tensor.default,
-                   functional.reduce_scatter_tensor.default, functional.all_to_all_single.default,
-                   torch.ops.tensorpar.exchange.default, torch.ops.tensorpar.swap.default}  # gloo's (gloo_transport)
+                   functional.reduce_scatter_tensor.default, functional.all_to_all_single.default}
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in collectives else CheckpointPolicy.PREFER_RECOMPUTE

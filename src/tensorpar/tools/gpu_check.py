@@ -232,11 +232,8 @@ def profile_overlap(device, out: Path | None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(out / f"trace_rank{dist.get_rank()}.json"))
     events = prof.events()
-    # Launch order, from the host's events (on CPU also where gloo's thread works). On CPU gloo
-    # the all-reduce goes as an all-to-all (tensorpar.comm's exchange), through shared memory
-    # between the ranks of one host.
-    reduce = [e.time_range for e in events
-              if any(op in e.name.lower().replace("_", "") for op in ("allreduce", "alltoall", "sharedmemorysend"))]
+    # Launch order, from the host's events (on CPU also where gloo's thread works).
+    reduce = [e.time_range for e in events if "allreduce" in e.name.lower().replace("_", "")]
     launched = min((t.start for t in reduce), default=None)
     mms = [e.time_range for e in events if e.name == "aten::mm"]
     order = {"dgrad_reduce_events": len(reduce),

@@ -17,6 +17,8 @@ import faulthandler
 import gc
 import json
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -40,8 +42,11 @@ PEER_FAILURE_GRACE_S = 2.0
 # before leaving by itself (a launcher stopping on a signal never does: :func:`_elastic_entry`).
 RELEASE_GRACE_S = 10.0
 START_METHOD_ENV = "TENSORPAR_START_METHOD"
-PIN_CORES_ENV = "TENSORPAR_PIN_CORES"
 START_METHODS = ("fork", "forkserver", "spawn")
+# What torch elastic sets in each rank (besides its TORCHELASTIC_* variables).
+_ELASTIC_VARIABLES = {"LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+                      "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
 
 
 class LaunchError(RuntimeError):
@@ -94,80 +99,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def set_threads(*, pin: bool = False) -> None:
+def set_threads() -> None:
     """This process's intra-op threads: ``OMP_NUM_THREADS`` if set, else its share of the CPUs it
     may run on (its affinity mask, not the machine's count), shared evenly among this node's
-    processes (``LOCAL_WORLD_SIZE``) by whole physical cores.
-
-    With ``pin`` (a rank of a multi-process launch) and where :func:`binds_cores`, the rank and
-    every thread it has or starts (gloo's, the intra-op pool's) are also bound to that share, where
-    each process gets a whole core at least.
-    Over 2 ranks on 2 cores a 512 KiB swap between GEMMs took 0.47-0.73 ms at its 90th percentile
-    bound against 0.80-1.91 unbound, and a TP=2 GPT step about 2% less time
-    (benchmarks/bound_cores.py).
-    """
+    processes (``LOCAL_WORLD_SIZE``)."""
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
         return
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    share = core_share(physical_cores(allowed), int(os.environ.get("LOCAL_RANK", "0")), local)
-    torch.set_num_threads(max(1, len(allowed) // local) if share is None else len(share))
-    if pin and share is not None and binds_cores():
-        bind_threads(share)
-
-
-def binds_cores() -> bool:
-    """Whether :func:`set_threads` binds a rank that has a share of whole cores: on Linux, without
-    a GPU, with ``OMP_NUM_THREADS`` unset and ``TENSORPAR_PIN_CORES`` not ``0``."""
-    return (hasattr(os, "sched_setaffinity") and "OMP_NUM_THREADS" not in os.environ
-            and os.environ.get(PIN_CORES_ENV, "1") != "0" and not torch.cuda.is_available())
-
-
-def physical_cores(cpus) -> list[list[int]]:
-    """The logical CPUs ``cpus`` grouped by physical core (a core's hyperthreads together), in
-    order of each core's first CPU. A CPU whose topology Linux does not show is a core of its own."""
-    cores: dict[tuple, list[int]] = {}
-    for cpu in cpus:
-        try:
-            topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-            key = (topology.joinpath("physical_package_id").read_text().strip(),
-                   topology.joinpath("core_id").read_text().strip())
-        except OSError:
-            key = ("cpu", cpu)
-        cores.setdefault(key, []).append(cpu)
-    return list(cores.values())
-
-
-def core_share(cores: list[list[int]], local_rank: int, local_size: int) -> list[int] | None:
-    """The logical CPUs of local rank ``local_rank``'s share of ``cores`` (each a list of CPUs):
-    ``len(cores) // local_size`` whole cores, in order (rank 0 the first ones); None where there
-    are fewer cores than processes."""
-    per_rank = len(cores) // local_size
-    if per_rank == 0:
-        return None
-    return [cpu for core in cores[local_rank * per_rank:(local_rank + 1) * per_rank] for cpu in core]
-
-
-def bind_threads(cpus) -> None:
-    """Bind every thread of this process to the CPUs ``cpus`` (Linux); threads it starts later inherit them."""
-    for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # a thread that has just ended
-            os.sched_setaffinity(int(task), cpus)
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, allowed // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def start_method() -> str:
-    """How :func:`launch_local` starts its ranks: ``TENSORPAR_START_METHOD`` if set, else ``fork``
-    on Linux without CUDA (a forked rank inherits the imports instead of repeating them: a tiny
-    2-rank CPU run takes about half the time) and ``spawn`` elsewhere, since a CUDA driver that
-    this process touched is unusable in a forked child and macOS does not fork safely.
+    """How :func:`launch_local` starts its ranks: ``TENSORPAR_START_METHOD`` if set, else
+    ``forkserver`` where the platform has it (a fresh single-threaded server imports torch and the
+    entry's module once, and each rank is forked from it: no rank inherits a launcher's threads
+    or a CUDA context) and ``spawn`` elsewhere. ``fork`` is an explicit opt-in only.
     """
     chosen = os.environ.get(START_METHOD_ENV)
     if chosen is not None:
         if chosen not in START_METHODS:
             raise UsageError(f"{START_METHOD_ENV} must be one of {', '.join(START_METHODS)}, got {chosen!r}")
         return chosen
-    return "fork" if sys.platform == "linux" and not torch.cuda.is_available() else "spawn"
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 def launch_local(entry, *args, nproc: int) -> dict[int, object]:
@@ -192,6 +146,11 @@ def launch_local(entry, *args, nproc: int) -> dict[int, object]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     method = start_method()
+    if method == "forkserver":
+        # The server imports these once, every rank it forks has them already; started before the
+        # launch's own temporary folder, which would otherwise hold its socket until removed.
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", entry.__module__])
+        _start_forkserver_deaf_to_sigterm()
     user_tempdir = tempfile.gettempdir()
     with _launch_files() as files, _quiet_launcher(), _frozen_heap(method == "fork"):
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
@@ -199,9 +158,21 @@ def launch_local(entry, *args, nproc: int) -> dict[int, object]:
                               monitor_interval=0.2, start_method=method,
                               logs_specs=DefaultLogsSpecs(log_dir=files))
         try:
-            return elastic_launch(config, _elastic_entry)(user_tempdir, entry, *args)
+            return elastic_launch(config, _elastic_entry)(user_tempdir, dict(os.environ), entry, *args)
         except ChildFailedError as exc:
             raise _first_failure(exc) from None
+
+
+def _start_forkserver_deaf_to_sigterm() -> None:
+    """Start the server the ranks fork from, ignoring SIGTERM (inherited across its exec). A job
+    stopped as a whole (``kill -- -PGID``, Slurm) sends SIGTERM to the server too; dead, it could
+    no longer report its ranks' exits, so the launcher would take saving ranks for gone. The
+    server ends with the launcher; each rank takes SIGTERM again (:func:`_elastic_entry`)."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -371,13 +342,20 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
-def _elastic_entry(user_tempdir: str, entry, *args):
+def _elastic_entry(user_tempdir: str, environment: dict[str, str], entry, *args):
     """One rank of :func:`launch_local`. A Ctrl-C (SIGINT reaches every process of the terminal's
     group) exits 130 without a word: the launcher, which got it too, says it once.
 
     ``user_tempdir`` is the temporary directory the rank's code sees: a forked rank would inherit
-    the launch's own folder, removed at its end (with, say, inductor's compile cache in it)."""
+    the launch's own folder, removed at its end (with, say, inductor's compile cache in it).
+    ``environment`` is the launcher's at the launch: a rank forked from a server started earlier
+    has the server's, to which torch elastic adds only its own variables."""
+    own = {name: value for name, value in os.environ.items()
+           if name in _ELASTIC_VARIABLES or name.startswith("TORCHELASTIC_")}
+    os.environ.clear()
+    os.environ.update({**environment, **own})
     tempfile.tempdir = user_tempdir
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the forkserver's SIG_IGN, inherited
     signal.signal(signal.SIGINT, _interrupt_once)
     try:
         result = _recorded_entry(entry, *args)
@@ -397,7 +375,7 @@ def _elastic_entry(user_tempdir: str, entry, *args):
 def _recorded_entry(entry, *args):
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    set_threads(pin=True)
+    set_threads()
     note = _pid_file()
     if note is not None:
         with contextlib.suppress(OSError):

@@ -430,8 +430,7 @@ def _train(args, signals: Signals) -> RunResult:
                          + (f" (continue with --resume {out})" if result.checkpoint else ""))
                 break
         progress.plot()
-        if control is not None:
-            dist.destroy_process_group(control)
+        dist.destroy_process_group(control)
     finally:
         progress.close()
         reducer.remove_hooks()

@@ -17,7 +17,6 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .. import comm
 
 
 class Signals:
@@ -55,12 +54,13 @@ class Signals:
 
 
 def control_group():
-    """The world as a CPU (gloo) group, so agreeing on a flag never waits for the device."""
-    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    """The world as a CPU (gloo) group of its own, so agreeing on a flag never waits for the device
+    and never queues behind the training's collectives."""
+    return dist.new_group(backend="gloo")
 
 
 def stop_requested(signals: Signals, group) -> bool:
     """Whether any rank got SIGTERM (agreed over ``group``): all ranks then stop after the same step."""
     flag = torch.tensor([1 if signals.term else 0], dtype=torch.int32)
-    comm.all_reduce(flag, group, op="max")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
