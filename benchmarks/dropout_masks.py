@@ -33,8 +33,8 @@ def _ms(draw, iters: int) -> float:
 
 def _masks(args, tp: int) -> dict:
     """The two ways of drawing each mask of one rank (rank 0; every rank draws as much)."""
-    from tensorpar.context import attention_dropout
-    from tensorpar.keep_masks import graph_seed, traced_block_keep_mask, traced_keep_mask
+    from tensorpar.context_parallel import attention_dropout
+    from tensorpar.tensor_parallel.keep_masks import graph_seed, traced_block_keep_mask, traced_keep_mask
 
     heads, rows, keep = args.heads // tp, args.seq // tp, 1.0 - args.p
     attention = [args.batch, heads, args.seq, args.seq]

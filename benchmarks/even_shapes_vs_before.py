@@ -88,7 +88,7 @@ def _rank(args) -> None:
 
 def _worker(args) -> None:
     try:
-        from tensorpar.tools.launch import launch_local
+        from tensorpar.cli.launch import launch_local
     except ImportError:  # trees before 0.4 keep the launcher at the package root
         from tensorpar.launch import launch_local
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 
-from tensorpar.comm import bytes_sent_per_rank
-from tensorpar.comm_model import CommConfig, collectives
-from tensorpar.fsdp_model import DataParallelOp, FSDPConfig, state_bytes_per_rank, step_collectives, units
+from tensorpar.distributed.comm import bytes_sent_per_rank
+from tensorpar.planning.communication import CommConfig, collectives
+from tensorpar.planning.fsdp import DataParallelOp, FSDPConfig, state_bytes_per_rank, step_collectives, units
 from tensorpar.models import GPTConfig
 
 GB = 1e9

@@ -1,6 +1,6 @@
 """The largest GPT each of plain DP, FSDP (ZeRO-3) and FSDP with ``reshard_after_forward=False``
 (ZeRO-2-like) fits on the ranks of this machine, from the pre-launch memory estimate
-(:func:`tensorpar.memory_model.gpt_training_memory`) calibrated on small measured runs.
+(:func:`tensorpar.planning.memory.gpt_training_memory`) calibrated on small measured runs.
 
     python benchmarks/fsdp_largest.py [--nproc 4] [--tp 2] [--calibrate-layers 2 8]
 
@@ -57,7 +57,7 @@ def _config(shape: dict):
 
 
 def estimate(name: str, shape: dict, *, nproc: int) -> float:
-    from tensorpar.memory_model import gpt_training_memory
+    from tensorpar.planning.memory import gpt_training_memory
 
     return gpt_training_memory(_config(shape), tp=shape["tp"], dp=nproc // shape["tp"], seq_len=shape["seq"],
                                micro_batch=shape["batch"], fsdp=name != "plain DP",
@@ -91,8 +91,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--json", help="also write the calibration points and fits to this file")
     args = parser.parse_args()
-    from tensorpar.tools.launch import launch_local
-    from tensorpar.memory_model import gpt_parameters_per_rank
+    from tensorpar.cli.launch import launch_local
+    from tensorpar.planning.memory import gpt_parameters_per_rank
 
     points = []
     for name in VARIANTS:

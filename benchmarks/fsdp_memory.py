@@ -42,7 +42,7 @@ def _nbytes(tensors) -> int:
 
 def _variant(name: str, config, tokens, min_unit_mib: float):
     import tensorpar as tp
-    from tensorpar.fsdp import ShardedGradSync
+    from tensorpar.data_parallel.fsdp import ShardedGradSync
     from tensorpar.models import GPT
     from tensorpar.training.loop import adamw
 
@@ -116,7 +116,7 @@ def run(args) -> dict:
 
 
 def main() -> None:
-    from tensorpar.fsdp import MIN_UNIT_MIB
+    from tensorpar.data_parallel.fsdp import MIN_UNIT_MIB
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=4)
@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    from tensorpar.tools.launch import launch_local
+    from tensorpar.cli.launch import launch_local
 
     results = launch_local(run, args, nproc=args.nproc)
     if args.json:

@@ -106,7 +106,7 @@ def main(argv=None) -> None:
     import torch
     import transformers
 
-    from tensorpar.tools.launch import launch_local
+    from tensorpar.cli.launch import launch_local
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.manual_seed(0)

@@ -87,9 +87,9 @@ def build_step(args, **config):
     import tensorpar as tp
     from tensorpar.models import GPT, GPTConfig
 
-    if config.get("tp_invariant"):
-        from tensorpar import invariant as grads
-    else:  # (a tree from before the invariant mode has no tensorpar.invariant: even_shapes_vs_before.py)
+    try:
+        from tensorpar.data_parallel import grads
+    except ImportError:  # a tree from before the house's folders (even_shapes_vs_before.py --baseline)
         from tensorpar import grads
 
     device = tp.parallel_state.default_device()
@@ -163,7 +163,7 @@ def add_step_counts(parser: argparse.ArgumentParser) -> None:
 def launch_and_print(run, args) -> None:
     """``run(args)`` on ``args.tp`` local ranks; prints rank 0's result as JSON with the arguments
     and the 1-minute load average before and after (the cores are shared)."""
-    from tensorpar.tools.launch import launch_local
+    from tensorpar.cli.launch import launch_local
 
     load_before = os.getloadavg()[0]
     results = launch_local(run, args, nproc=args.tp)
@@ -192,7 +192,7 @@ def main() -> None:
     add_arguments(parser, dtype="bf16")
     add_step_counts(parser)
     args = parser.parse_args()
-    from tensorpar.tools.launch import launch_local
+    from tensorpar.cli.launch import launch_local
 
     results = launch_local(run, args, nproc=args.tp)
     print(json.dumps({"args": vars(args), "tokens_per_s": results[0]["tokens_per_s"],

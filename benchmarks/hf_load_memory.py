@@ -94,7 +94,7 @@ def _load_whole_with_transformers(directory: str) -> dict:
 
 def _measure(kind: str, directory: str, tp_size: int) -> list[dict]:
     """One measurement, in this (fresh) process and the ones it starts."""
-    from tensorpar.tools.launch import launch_local
+    from tensorpar.cli.launch import launch_local
 
     if kind == "transformers":
         return [_load_whole_with_transformers(directory)]

@@ -5,7 +5,7 @@
 
 import sys
 
-from tensorpar.tools.bench import main
+from tensorpar.cli.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,7 +14,7 @@ Each round runs every variant in turn after ``--warmup`` untimed steps; reported
 over ``--rounds`` of per-round ratios (the slow drift of shared cores cancels out):
 **speed-up** = ``T1 / TP_``; **measured bubble** = ``1 - T1 / (P x TP_)``, the share of the P
 ranks' time not spent on the PP=1 work (bubble, P2P sends and stage imbalance together);
-**predicted** = ``tensorpar.pipeline.bubble_fraction`` (bubble only). Before timing, each
+**predicted** = ``tensorpar.pipeline_parallel.bubble_fraction`` (bubble only). Before timing, each
 schedule's first step's loss is checked against PP=1's.
 """
 
@@ -80,7 +80,7 @@ def _timed(step, iters: int) -> float:
 def run(args) -> dict:
     import tensorpar as tp
     from tensorpar.models import GPT, GPTConfig
-    from tensorpar.pipeline import bubble_fraction
+    from tensorpar.planning.pipeline import bubble_fraction
     from tensorpar.training.pipeline_step import PipelinedGPT
 
     tp.initialize_model_parallel(1, args.pp)
@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
     args = parser.parse_args()
-    from tensorpar.tools.launch import launch_local
+    from tensorpar.cli.launch import launch_local
 
     load_before = os.getloadavg()[0]
     results = launch_local(run, args, nproc=args.pp)

@@ -9,9 +9,9 @@ head-dim]`` (fp32). Three variants, each timed per iteration as forward (``ring_
 and backward (``torch.autograd.grad`` of the output, timed on its own right after the forward
 of the same iteration: every iteration builds a fresh graph):
 
-- **ring**: :func:`tensorpar.context.ring_attention` as it is;
+- **ring**: :func:`tensorpar.context_parallel.ring_attention` as it is;
 - **compute only**: the same call with the ring's ``_pass_on`` replaced, in this script only,
-  by a finished :class:`tensorpar.comm.Handle` holding a copy of what it would have sent: each
+  by a finished :class:`tensorpar.distributed.comm.Handle` holding a copy of what it would have sent: each
   rank attends to its own K/V in every step, the same blocks as the ring (which chunk pairs are
   visible depends on the rank and step alone), with nothing travelling;
 - **communication only**: the ring's transfers with no attention, each waited before the next
@@ -25,7 +25,7 @@ the median over rounds. Measured per phase: **exposed** = ring - compute only (t
 the per-round differences, so the machine's slow drift cancels), **hidden** = 1 - exposed /
 communication only, clamped to 0-100%.
 
-Predicted: :func:`tensorpar.context_model.ring_overlap` for a ``CommConfig`` of the same shapes
+Predicted: :func:`tensorpar.planning.context.ring_overlap` for a ``CommConfig`` of the same shapes
 (TP 1, fp32) on a ``LinkModel`` measured in the same run: latency from a one-element
 ``send_recv``, bytes per second from the K/V-sized one (each the slowest rank's median, every
 call after a barrier as in the variants), and the FLOP rate fitted so that the
@@ -33,7 +33,7 @@ model's forward compute equals the measured compute-only forward. So what is com
 model's structure (which transfers hide behind which steps, backward's compute as a multiple of
 forward's), not a FLOP-rate guess. It is printed twice: with ``overlap`` 1 (every transfer as
 long as the attention beside it hidden) and with ``overlap`` from
-:func:`tensorpar.overlap.measure_link` on the CP group (an all-reduce beside a GEMM of one
+:func:`tensorpar.tensor_parallel.overlap.measure_link` on the CP group (an all-reduce beside a GEMM of one
 chunk pair's scores). The 1-minute load average before and after is printed with the figures.
 """
 
@@ -56,8 +56,8 @@ QUANTITIES = ("ring", "communication", "compute", "exposed", "hidden")
 @contextlib.contextmanager
 def _no_travel():
     """Every pass of the ring (K/V, dK/dV) a finished handle holding a copy of the tensor."""
-    from tensorpar import comm
-    from tensorpar.context import ring
+    from tensorpar.distributed import comm
+    from tensorpar.context_parallel import ring
 
     travelling = ring._pass_on
     ring._pass_on = lambda tensor, group, tag: comm.Handle(None, tensor.clone())
@@ -70,7 +70,7 @@ def _no_travel():
 def _variants(args, group) -> tuple[dict, torch.Tensor]:
     """``({variant: one iteration}, this rank's K/V)``; an iteration returns its (forward,
     backward) seconds."""
-    from tensorpar.context import ring, ring_attention
+    from tensorpar.context_parallel import ring, ring_attention
 
     local = args.seq_len // args.cp
     generator = torch.Generator().manual_seed(torch.distributed.get_rank())
@@ -124,9 +124,9 @@ def _seconds(fn, group, reps: int) -> float:
 def _link(args, group, kv: torch.Tensor) -> dict:
     """The link this machine gives the ring: worst-rank seconds of a one-element and of a K/V
     ``send_recv``, and ``measure_link``'s overlap on the CP group."""
-    from tensorpar import comm
-    from tensorpar.context import ring
-    from tensorpar.overlap import measure_link
+    from tensorpar.distributed import comm
+    from tensorpar.context_parallel import ring
+    from tensorpar.tensor_parallel.overlap import measure_link
 
     tiny = torch.zeros(1)
     latency_s = _seconds(lambda: ring._pass_on(tiny, group, ring._KV_TAG).wait(), group, 4 * args.iters)
@@ -145,7 +145,7 @@ def _link(args, group, kv: torch.Tensor) -> dict:
 def _rank(args) -> dict:
     """One CP rank: the link, then ``--rounds`` rounds of every variant (worst-rank seconds)."""
     import tensorpar as tp
-    from tensorpar import comm
+    from tensorpar.distributed import comm
 
     torch.set_num_threads(1)
     tp.initialize_model_parallel(1, context_parallel_size=args.cp)
@@ -194,8 +194,8 @@ def _measured(rounds: list[dict]) -> dict:
 def _predicted(args, link: dict, compute_forward_s: float) -> tuple[float, dict]:
     """``(flops_per_s, {"overlap 1" | "overlap measured": {phase: figures}})``: the model at
     overlap 1 and at ``link``'s."""
-    from tensorpar.comm_model import CommConfig, LinkModel
-    from tensorpar.context_model import ContextConfig, ring_overlap
+    from tensorpar.planning.communication import CommConfig, LinkModel
+    from tensorpar.planning.context import ContextConfig, ring_overlap
 
     cfg = CommConfig(layer="gpt-step", hidden=args.heads * args.head_dim, heads=args.heads, kv_heads=args.kv_heads,
                      seq_len=args.seq_len, batch=args.batch, layers=1, tp=1, dtype="fp32")
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cp < 2 or args.seq_len % (2 * args.cp) or args.heads % args.kv_heads or min(
             args.batch, args.kv_heads, args.head_dim, args.rounds, args.iters) < 1 or args.warmup < 0:
         parser.error("need --cp >= 2, --seq-len a multiple of 2 x CP, --kv-heads dividing --heads, and positive sizes")
-    from tensorpar.tools.launch import launch_local
+    from tensorpar.cli.launch import launch_local
 
     load_before = os.getloadavg()[0]
     result = launch_local(_rank, args, nproc=args.cp)[0]

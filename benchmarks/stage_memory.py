@@ -10,11 +10,11 @@ AdamW) on local gloo ranks, one thread each, measured after ``--warmup`` steps:
   counted from the tensors (parameters, the reducer's gradient buckets, AdamW's state, torch's
   receive buffers), and the peak one step allocates above them (``gpt_step.py``'s
   ``_step_peak``: the profiler's memory events), against
-  :func:`tensorpar.pipeline.pipeline_memory` (held: parameters + gradients + optimizer +
+  :func:`tensorpar.pipeline_parallel.pipeline_memory` (held: parameters + gradients + optimizer +
   buffers; step: activations).
 - **CP**: one sequence of ``--cp-seq`` tokens at each ``--cp`` size (CP = 1: one rank, the
   plain GPT; above: ``--cp-comm`` a2a and p2p), the step's peak on each rank against the
-  estimate's activations (:func:`tensorpar.memory_model.gpt_training_memory` with ``cp``), and
+  estimate's activations (:func:`tensorpar.planning.memory.gpt_training_memory` with ``cp``), and
   the ratio of each layout's largest rank to CP = 1's.
 
 Printed: measured and estimated MiB, their ratio (the issues' target: within 10%), and the
@@ -63,7 +63,7 @@ def _training(model, params, *, grads_group):
 
 def _pp_rank(args, pp: int, schedule: str) -> dict:
     import tensorpar as tp
-    from tensorpar.pipeline import pipeline_memory
+    from tensorpar.planning.pipeline import pipeline_memory
     from tensorpar.training.pipeline_step import PipelinedGPT
 
     tp.initialize_model_parallel(1, pp)
@@ -101,7 +101,7 @@ def _pp_rank(args, pp: int, schedule: str) -> dict:
 
 def _cp_rank(args, cp: int, comm_type: str) -> dict:
     import tensorpar as tp
-    from tensorpar.memory_model import gpt_training_memory
+    from tensorpar.planning.memory import gpt_training_memory
     from tensorpar.models import GPT
 
     tp.initialize_model_parallel(1, context_parallel_size=cp)
@@ -127,7 +127,7 @@ def _cp_rank(args, cp: int, comm_type: str) -> dict:
 
 def _run(part: str, args, size: int, variant: str) -> dict:
     """One layout on ``size`` local ranks: ``{rank: result}``."""
-    from tensorpar.tools.launch import launch_local
+    from tensorpar.cli.launch import launch_local
 
     entry = _pp_rank if part == "pp" else _cp_rank
     return launch_local(entry, args, size, variant, nproc=size)

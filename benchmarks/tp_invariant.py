@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--invariant-blocks", type=int, default=8,
                         help="the invariant mode's fixed blocks (default 8; 24 for --tp 3 or 6)")
     args = parser.parse_args()
-    from tensorpar.tools.launch import launch_local
+    from tensorpar.cli.launch import launch_local
 
     load_before = os.getloadavg()[0]
     out = launch_local(run, args, nproc=args.tp * args.dp)[0]

@@ -60,7 +60,7 @@ def _in_process(run, cwd: str, env: dict, out_path: str, err_path: str) -> None:
 
 def _tensorpar(argv: list[str]) -> int:
     sys.argv = ["tensorpar", *argv]
-    from tensorpar.tools.cli import main
+    from tensorpar.cli.main import main
 
     return main(argv)
 

@@ -47,7 +47,7 @@ MAX_TRANSPORT_THREADS = 4
 # with the first test module whose body it runs (0.2 s of CPU per rank otherwise), transformers, the
 # compiler modules a rank that compiles a graph loads (1.9 s of CPU in each otherwise), and last
 # what freezes all of it out of the ranks' garbage collections.
-PRELOAD = ["tests.harness", "tensorpar.tools.cli", "tensorpar.tools.training_cli", "tensorpar.training.loop",
+PRELOAD = ["tests.harness", "tensorpar.cli.main", "tensorpar.cli.training_cli", "tensorpar.training.loop",
            "tensorpar.models.hf", "matplotlib.figure", "matplotlib.backends.backend_agg", "PIL.PngImagePlugin",
            "pytest", "tests.hf_preload", "torch._functorch.aot_autograd", "torch._inductor.compile_fx",
            "torch._inductor.pattern_matcher", "torch.distributed.tensor.experimental",
@@ -127,7 +127,7 @@ class World:
         self.stale = False
         self.results = ctx.Queue()
         self.task_queues = [ctx.Queue() for _ in range(world_size)]
-        from tensorpar.tools.launch import free_port  # here: a process that starts no world never imports torch
+        from tensorpar.cli.launch import free_port  # here: a process that starts no world never imports torch
 
         port = free_port()
         self.procs = [ctx.Process(target=_worker, daemon=True,

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tensorpar import comm
+from tensorpar.distributed import comm
 
 
 class _RequireDevice(TorchDispatchMode):

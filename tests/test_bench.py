@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar.tools import bench, bench_variants
-from tensorpar.tools.cli import main
+from tensorpar.cli import bench, bench_variants
+from tensorpar.cli.main import main
 from tests.harness import run_on_ranks
 
 TINY = dict(tp=2, seq=4, batch=2, hidden=8, ffn_mult=2, rounds=1, warmup=1, iters=1, gpt_layers=1, gpt_heads=2,

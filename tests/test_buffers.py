@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar.buffers import GlobalMemoryBuffer
+from tensorpar.tensor_parallel.buffers import GlobalMemoryBuffer
 
 
 def test_buffer_is_reused_and_grows_on_demand():

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from tensorpar import __version__
-from tensorpar.tools.cli import main
+from tensorpar.cli.main import main
 from tests.cli_runner import run_tensorpar
 
 
@@ -45,7 +45,7 @@ def test_an_error_is_one_line_and_debug_adds_the_traceback(capsys, monkeypatch):
 
 
 def test_unexpected_exceptions_are_one_line_with_their_type(capsys, monkeypatch):
-    import tensorpar.tools.training_cli as training_cli
+    import tensorpar.cli.training_cli as training_cli
 
     monkeypatch.setenv("TENSORPAR_DEBUG", "0")
 
@@ -60,7 +60,7 @@ def test_unexpected_exceptions_are_one_line_with_their_type(capsys, monkeypatch)
 def _subcommands():
     import argparse
 
-    from tensorpar.tools.cli import build_parser
+    from tensorpar.cli.main import build_parser
 
     parser = build_parser()
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -110,7 +110,7 @@ def test_comm_and_bench_sizes_that_do_not_divide(capsys, argv, message):
 def test_a_signal_to_the_launcher_is_one_line_and_128_plus_the_signal(capsys, monkeypatch):
     import signal
 
-    import tensorpar.tools.training_cli as training_cli
+    import tensorpar.cli.training_cli as training_cli
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     def interrupted(args):
@@ -128,13 +128,13 @@ def test_help_and_flag_errors_do_not_import_torch(argv):
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "tensorpar", *argv],
                           capture_output=True, text=True, timeout=120)
     imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
-    assert "tensorpar.tools.cli" in imported, done.stderr[-2000:]
+    assert "tensorpar.cli.main" in imported, done.stderr[-2000:]
     assert done.returncode == (0 if "--help" in argv else 2), done.stderr[-2000:]
     assert not [m for m in imported if m == "torch" or m.startswith("torch.")], argv
 
 
 def test_the_torch_commands_are_listed_and_load_when_named():
-    from tensorpar.tools.cli import TORCH_COMMANDS
+    from tensorpar.cli.main import TORCH_COMMANDS
 
     done = subprocess.run([sys.executable, "-m", "tensorpar", "--help"], capture_output=True, text=True, timeout=120)
     for name, (_, summary) in TORCH_COMMANDS.items():
@@ -168,7 +168,7 @@ def _tensorpar_help(command):
 
 
 def test_no_parser_takes_an_abbreviation(capsys):
-    from tensorpar.tools.training_cli import parse_train_args
+    from tensorpar.cli.training_cli import parse_train_args
 
     parser, commands = _subcommands()
     assert not parser.allow_abbrev and not [name for name, sub in commands.items() if sub.allow_abbrev]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar import comm
+from tensorpar.distributed import comm
 from tests.harness import run_on_ranks
 
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar.tools import cli
-from tensorpar.comm_model import CommConfig, collectives, forward_flops_per_rank, overlap_plan, summarize
-from tensorpar.comm_model import LinkModel
-from tensorpar.fsdp import MIN_UNIT_MIB
-from tensorpar.fsdp_model import FSDPConfig, state_bytes_per_rank, step_collectives, units
-from tensorpar.tools.comm_measure import gpt_config, measure_on_this_rank, record_key, scaled
-from tensorpar.tools.comm_report import format_measured
-from tensorpar.memory_model import activation_memory
+from tensorpar.cli import main as cli
+from tensorpar.planning.communication import CommConfig, collectives, forward_flops_per_rank, overlap_plan, summarize
+from tensorpar.planning.communication import LinkModel
+from tensorpar.data_parallel.fsdp import MIN_UNIT_MIB
+from tensorpar.planning.fsdp import FSDPConfig, state_bytes_per_rank, step_collectives, units
+from tensorpar.cli.comm_measure import gpt_config, measure_on_this_rank, record_key, scaled
+from tensorpar.cli.comm_report import format_measured
+from tensorpar.planning.memory import activation_memory
 from tests.harness import run_on_ranks
 
 MiB = 1 << 20
@@ -113,7 +113,7 @@ def _parameters_body(configs):
 
 def test_training_memory_counts_the_parameters_a_rank_builds():
     from tensorpar import models
-    from tensorpar.memory_model import gpt_parameters_per_rank, gpt_training_memory
+    from tensorpar.planning.memory import gpt_parameters_per_rank, gpt_training_memory
 
     configs = [models.GPTConfig.preset("tiny", vocab_size=300, num_layers=2),
                models.GPTConfig.preset("llama-tiny", vocab_size=300, num_layers=2, num_query_groups=2,
@@ -437,7 +437,7 @@ def test_fsdp_model_equals_commledger_record_at_tp2_dp2(case):
 
 def test_training_memory_counts_what_fsdp_gathers_within_a_step():
     from tensorpar import models
-    from tensorpar.memory_model import gpt_parameters_per_rank, gpt_training_memory
+    from tensorpar.planning.memory import gpt_parameters_per_rank, gpt_training_memory
 
     config = models.GPTConfig.preset("tiny", vocab_size=300, num_layers=6)
     block = gpt_parameters_per_rank(config, tp=2) - gpt_parameters_per_rank(

@@ -24,7 +24,8 @@ from torch._inductor.fx_passes.post_grad import post_grad_passes
 from torch._inductor.virtualized import V
 
 import tensorpar as tp
-from tensorpar import keep_masks, linear_function
+from tensorpar.distributed import comm
+from tensorpar.tensor_parallel import keep_masks, linear_function, mappings
 from tensorpar.models import GPT, GPTConfig
 from tests.harness import run_on_ranks
 from tests.test_gpt import _data, _full_grads, _single_rank_group
@@ -233,10 +234,10 @@ def _mappings_body():
 
     def regions(x):
         return (tp.gather_from_tensor_model_parallel_region(x),
-                tp.mappings.reduce_scatter_last_dim_to_tensor_parallel_region(x),
+                mappings.reduce_scatter_last_dim_to_tensor_parallel_region(x),
                 tp.gather_from_sequence_parallel_region(x),
                 tp.reduce_scatter_to_sequence_parallel_region(x),
-                tp.mappings.all_to_all(None, x))
+                mappings.all_to_all(None, x))
 
     compiled = torch.compile(regions, backend="aot_eager", fullgraph=True)(x)
     for got, expected in zip(compiled, regions(x)):
@@ -270,7 +271,7 @@ def test_inductor_compiled_gpt_under_a_ledger_matches_eager():
 
 
 def _train_body(argv):
-    from tensorpar.tools.training_cli import parse_train_args
+    from tensorpar.cli.training_cli import parse_train_args
     from tensorpar.training.loop import train
 
     torch._dynamo.reset()
@@ -298,7 +299,7 @@ def test_train_compile_gives_the_eager_losses(tmp_path):
 
 def _compiled_masks(group, sequence_parallel):
     """Keep masks of compiled hidden dropout and compiled head-sharded dropout, from seed 3."""
-    rank, n = tp.comm.group_rank(group), tp.comm.group_size(group)
+    rank, n = comm.group_rank(group), comm.group_size(group)
     heads, rows = 4 // n, 8 // n if sequence_parallel else 8  # of 4 heads, 8 rows in all
 
     def masks(hidden, probs):

@@ -9,9 +9,9 @@ import tomllib
 
 import pytest
 
-from tensorpar.tools import config_file
-from tensorpar.tools.cli import main
-from tensorpar.tools.training_cli import add_train_flags, train_parser
+from tensorpar.cli import config_file
+from tensorpar.cli.main import main
+from tensorpar.cli.training_cli import add_train_flags, train_parser
 from tests.cli_runner import run_tensorpar
 from tests.harness import run_on_ranks
 

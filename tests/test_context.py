@@ -1,4 +1,4 @@
-"""Context parallelism (tensorpar.context): the sequence chunks, and Ulysses (a2a) and ring (p2p)
+"""Context parallelism (tensorpar.context_parallel): the sequence chunks, and Ulysses (a2a) and ring (p2p)
 attention against unsharded causal SDPA at CP 1, 2, 4: outputs and q/k/v gradients, GQA, K/V
 heads fewer than CP, heads CP does not divide, lengths 2 x CP does not divide (padding), and
 the collectives CommLedger records."""
@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tensorpar import CommLedger
-from tensorpar.context import SequenceChunks, context_attention, head_split, natural_order
-from tensorpar.context_model import attention_comm
+from tensorpar.context_parallel import SequenceChunks, context_attention, head_split, natural_order
+from tensorpar.planning.context import attention_comm
 from tests.harness import run_on_ranks
 
 _GROUPS: dict = {}
@@ -49,7 +49,7 @@ def test_chunks_pair_chunk_i_with_2cp_minus_1_minus_i_and_pad_any_length():
 def test_a_long_block_pair_is_computed_in_query_tiles_with_the_untiled_results(monkeypatch, causal):
     """The ring's block attention takes a long pair's queries a few rows at a time (bounded fp32
     scores): outputs, log-sum-exps and q/k/v gradients are the whole softmax's."""
-    from tensorpar.context import blockwise
+    from tensorpar.context_parallel import blockwise
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 2, 12, 4, generator=g, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""The context-parallel communication model (tensorpar.context_model) against hand values and
+"""The context-parallel communication model (tensorpar.planning.context) against hand values and
 against CommLedger measurements of a CP x TP GPT step (a2a and p2p, SP, recompute, uneven heads,
 padding, bf16), and ``tensorpar comm --cp`` with what it refuses."""
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar import context_model
-from tensorpar.comm_model import CommConfig, LinkModel
-from tensorpar.context_model import ContextConfig, attention_comm, buckets, parameter_numels, ring_overlap
-from tensorpar.grads import DataParallelGradReducer
-from tensorpar.tools import cli
-from tensorpar.tools.comm_measure import gpt_config, measure_on_this_rank, record_key
+from tensorpar.planning import context as context_model
+from tensorpar.planning.communication import CommConfig, LinkModel
+from tensorpar.planning.context import ContextConfig, attention_comm, buckets, parameter_numels, ring_overlap
+from tensorpar.data_parallel.grads import DataParallelGradReducer
+from tensorpar.cli import main as cli
+from tensorpar.cli.comm_measure import gpt_config, measure_on_this_rank, record_key
 from tests.harness import run_on_ranks
 
 # 13 tokens: 2 x CP (x TP under SP) divides it at no size, so every case pads.

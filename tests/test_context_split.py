@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 import tensorpar as tp
-from tensorpar import CommLedger, comm
+from tensorpar import CommLedger
+from tensorpar.distributed import comm
 from tensorpar.models import GPT, GPTConfig
 from tests.harness import run_on_ranks
 

@@ -38,7 +38,7 @@ NOT_RUN = {
     "tensorboard --logdir": "starts a server; the fine-tune run's --tensorboard files are checked instead",
     "torchrun": "two nodes; test_training_cli.py::test_two_torchrun_nodes_on_localhost_train_together runs two "
                 "torchrun launchers on one machine",
-    "python -m tensorpar.tools.gpu_check": "needs CUDA; test_gpu_check.py runs the same checks with --cpu",
+    "python -m tensorpar.cli.gpu_check": "needs CUDA; test_gpu_check.py runs the same checks with --cpu",
     "tensorpar train --nproc 4 --tp 1 --pp 2 --cp 2": "4 ranks, seconds of the suite's budget; "
                                                       "test_training_pipeline_context.py trains PP 2 x CP 2",
 }
@@ -157,11 +157,11 @@ def test_every_docs_page_is_listed_linked_from_the_readme_and_its_links_resolve(
 
 
 def test_api_reference_is_current():
-    done = subprocess.run([sys.executable, "-m", "tensorpar.tools.api_reference"], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "tensorpar.cli.api_reference"], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert done.returncode == 0, done.stderr
     assert done.stdout == (ROOT / "docs/api.md").read_text(), \
-        "docs/api.md is stale: python -m tensorpar.tools.api_reference > docs/api.md"
+        "docs/api.md is stale: python -m tensorpar.cli.api_reference > docs/api.md"
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import tensorpar as tp
-from tensorpar import embedding as embedding_module
-from tensorpar.initialization import init_method_normal, init_weight_shard
+from tensorpar.tensor_parallel import embedding as embedding_module
+from tensorpar.tensor_parallel.initialization import init_method_normal, init_weight_shard
 from tests.harness import run_on_ranks
 
 WORLD_SIZES = [1, 2, 4]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorpar.tools.launch import free_port
+from tensorpar.cli.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "gpt_step.py"

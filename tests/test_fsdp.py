@@ -9,11 +9,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import tensorpar as tp
-from tensorpar.fsdp import MIN_UNIT_MIB, bytes_per_rank, describe, gather_dp_shards
-from tensorpar.grads import DataParallelGradReducer, allreduce_sequence_parallel_grads, clip_grad_norm_
+from tensorpar.distributed import comm
+from tensorpar.data_parallel.fsdp import MIN_UNIT_MIB, bytes_per_rank, consecutive_groups, describe, gather_dp_shards
+from tensorpar.data_parallel.grads import DataParallelGradReducer, allreduce_sequence_parallel_grads, clip_grad_norm_
 from tensorpar.models import GPT, GPTConfig
 from tensorpar.models.layout import gather_full_tensor
-from tensorpar.utils import consecutive_groups
 from tests.harness import run_on_ranks
 from tests.test_training_checkpoint import checkpoint_meta
 
@@ -132,7 +132,7 @@ def test_fsdp_matches_plain_data_parallel(overrides, accumulate, reshard, units)
 
 def _hsdp_body():
     """HSDP 2 x 2 at TP 1, a unit of two blocks and the root: plain DP's losses, grads, norms and weights."""
-    from tensorpar.fsdp import shard_group
+    from tensorpar.data_parallel.fsdp import shard_group
 
     tp.initialize_model_parallel(1)
     dp_rank, dp_group = tp.get_data_parallel_rank(), tp.get_data_parallel_group()
@@ -144,7 +144,7 @@ def _hsdp_body():
     assert word.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
     assert word.device_mesh.mesh.tolist() == [[0, 1], [2, 3]] and word.placements[0].is_replicate()
     group = shard_group(word)
-    assert tp.comm.group_size(group) == 2 and word.to_local().shape[0] == -(-word.shape[0] // 2)
+    assert comm.group_size(group) == 2 and word.to_local().shape[0] == -(-word.shape[0] // 2)
     me = dist.get_rank()
     assert describe(hybrid) == (f"HSDP on a 2 x 2 mesh: dim 0 (dp_replicate) replicates over ranks {[me % 2, me % 2 + 2]}, "
                                 f"dim 1 (dp_shard) shards each TP shard 1/2 over ranks {[me - me % 2, me - me % 2 + 1]}, "
@@ -277,7 +277,7 @@ TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "-
 
 
 def _train_body(argv):
-    from tensorpar.tools.training_cli import parse_train_args
+    from tensorpar.cli.training_cli import parse_train_args
     from tensorpar.training.loop import train
 
     return train(parse_train_args(argv)).losses
@@ -323,8 +323,8 @@ def test_checkpoints_resume_with_or_without_fsdp_at_other_sizes(runs, name):
 
 
 def test_fsdp_with_grad_fusion_and_a_unit_size_without_fsdp_are_usage_errors(capsys):
-    from tensorpar.tools import fsdp_flags
-    from tensorpar.tools.cli import main
+    from tensorpar.cli import fsdp_flags
+    from tensorpar.cli.main import main
 
     assert main(["train", "--fsdp", "--grad-fusion", "--nproc", "1", "--steps", "1"]) == 2
     err = capsys.readouterr().err

@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tensorpar as tp
-from tensorpar import keep_masks
-from tensorpar.context import attention_dropout
+from tensorpar.tensor_parallel import keep_masks
+from tensorpar.context_parallel import attention_dropout
 from tensorpar.models import GPT, GPTConfig, gather_full_tensor
 from tests.harness import run_on_ranks
 

@@ -1,6 +1,6 @@
 """The GPU check's parts on CPU (every CI run), and on CUDA where there is one (marked ``gpu``).
 
-``python -m tensorpar.tools.gpu_check`` runs the same functions on a GPU machine; here they run on
+``python -m tensorpar.cli.gpu_check`` runs the same functions on a GPU machine; here they run on
 the harness's gloo worlds with CPU tensors, so everything in it that can run on CPU does.
 """
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar import comm
-from tensorpar.tools import gpu_check, train_check
+from tensorpar.distributed import comm
+from tensorpar.cli import gpu_check, train_check
 from tests.harness import run_on_ranks
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -177,7 +177,7 @@ def test_decode_stage_says_it_is_skipped_without_transformers(monkeypatch):
 
 
 def test_decode_tokens_may_differ_from_the_reference_only_at_a_near_tie():
-    from tensorpar.tools.decode_check import agreement
+    from tensorpar.cli.decode_check import agreement
 
     reference = torch.tensor([[9, 1, 2, 3], [9, 1, 2, 3], [9, 1, 2, 3]])
     logits = [torch.tensor([[5.0, 10.0, 0.0, 0.0]] * 3), torch.tensor([[0.0, 0.0, 10.0, 9.9]] * 3),
@@ -236,7 +236,7 @@ def test_gpu_check_command_on_this_gpu(tmp_path):
 @cuda
 def test_fused_wgrad_accumulation_on_this_gpu_matches_the_upcast_path(monkeypatch):
     """Whatever the probe finds on this GPU and torch, main_grad is the exact fp32 sum."""
-    from tensorpar import linear_function as linear
+    from tensorpar.tensor_parallel import linear_function as linear
 
     for dtype in (torch.bfloat16, torch.float16):
         torch.manual_seed(0)

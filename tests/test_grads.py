@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar.grads import DataParallelGradReducer, clip_grad_norm_, get_grad_norm
+from tensorpar.tensor_parallel import initialization
+from tensorpar.data_parallel.grads import DataParallelGradReducer, clip_grad_norm_, get_grad_norm
 from tests.harness import run_on_ranks
 
 
@@ -110,7 +111,7 @@ def _grad_norm_body():
     torch.manual_seed(0)
     full_grad, replicated_grad = torch.randn(4 * n, 3), torch.randn(5)
     sharded = torch.nn.Parameter(torch.zeros(4, 3))
-    tp.initialization.set_tensor_model_parallel_attributes(sharded, is_parallel=True, dim=0)
+    initialization.set_tensor_model_parallel_attributes(sharded, is_parallel=True, dim=0)
     replicated = torch.nn.Parameter(torch.zeros(5))
     sharded.grad = full_grad.chunk(n, 0)[r].clone()
     replicated.grad = replicated_grad.clone()

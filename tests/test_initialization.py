@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar import initialization
+from tensorpar.tensor_parallel import initialization
 from tests.harness import run_on_ranks
 
 

@@ -15,7 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tensorpar as tp
-from tensorpar import invariant, invariant_dropout
+from tensorpar.data_parallel import grads
+from tensorpar import invariant
+from tensorpar.invariant import dropout as invariant_dropout
 from tensorpar.models import GPT, GPTConfig
 from tensorpar.training.loop import adamw
 from tests.harness import run_on_ranks
@@ -62,7 +64,7 @@ def _train(config: GPTConfig, group, steps, *, model=None, optimizer=None, first
         model = GPT(config, tp_group=group, device="cpu")
         optimizer = adamw(model.parameters(), device=torch.device("cpu"), tp_invariant=True, lr=1e-2,
                           betas=(0.9, 0.95), weight_decay=0.1)
-    reducer = invariant.DataParallelGradReducer(model.parameters(), dp_group=_GROUPS["dp", dist.get_rank()])
+    reducer = grads.DataParallelGradReducer(model.parameters(), dp_group=_GROUPS["dp", dist.get_rank()])
     losses = []
     for step in range(first_step, first_step + steps):
         reducer.zero_grad()
@@ -70,8 +72,8 @@ def _train(config: GPTConfig, group, steps, *, model=None, optimizer=None, first
         loss = model(tokens, labels)
         loss.backward()
         reducer.finish()
-        invariant.allreduce_sequence_parallel_grads(model, tp_group=group)
-        invariant.clip_grad_norm_(list(model.parameters()), 0.5, tp_group=group)
+        grads.allreduce_sequence_parallel_grads(model, tp_group=group)
+        grads.clip_grad_norm_(list(model.parameters()), 0.5, tp_group=group)
         optimizer.step()
         losses.append(loss.item())
     reducer.remove_hooks()
@@ -177,7 +179,7 @@ def test_sizes_the_fixed_blocks_do_not_divide_are_named():
     (["--seq-len", "12"], "--tp-invariant: the sequence length 12 not divisible by the 8 fixed sequence blocks"),
     (["--fsdp"], "--fsdp with --tp-invariant shards over DP / --dp-replicate = 1 / 1 = 1 rank")])
 def test_train_refuses_an_unsupported_tp_invariant_run_before_launch(capsys, flags, message):
-    from tensorpar.tools.cli import main
+    from tensorpar.cli.main import main
 
     assert main(["train", "--tp", "2", "--tp-invariant", "--layers", "1", "--hidden", "32", "--heads", "4",
                  "--steps", "1", *flags]) == 2
@@ -193,7 +195,7 @@ TRAIN = ["--layers", "2", "--hidden", "32", "--ffn-hidden", "200", "--heads", "4
 
 
 def _train_body(argv):
-    from tensorpar.tools.training_cli import parse_train_args
+    from tensorpar.cli.training_cli import parse_train_args
     from tensorpar.training.loop import train
 
     result = train(parse_train_args(argv))
@@ -398,7 +400,7 @@ def test_generate_continues_a_tp_invariant_checkpoint(tmp_path, capsys):
     """`tensorpar generate` from a `--tp-invariant` run: the prompt's length is not a training
     sequence, so no fixed sequence blocks are asked of it (it said "the sequence length 1 not
     divisible by the 8 fixed blocks" before)."""
-    from tensorpar.tools.cli import main
+    from tensorpar.cli.main import main
 
     assert main(["train", "--nproc", "1", "--tp", "1", "--tp-invariant", "--layers", "1", "--hidden", "32",
                  "--heads", "4", "--seq-len", "16", "--steps", "1", "--eval-iters", "1", "--no-progress",

@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tensorpar import invariant
-from tensorpar.lanewise import lanewise
+from tensorpar.invariant.lanewise import lanewise
 from tensorpar.models import GPTConfig, context_split
-from tensorpar.tree_reduce import HalvingTree, subtree_sums, subtrees, tree_sum
+from tensorpar.distributed.tree_reduce import HalvingTree, subtree_sums, subtrees, tree_sum
 from tests.harness import run_on_ranks
 from tests.test_invariant import _reports
 
@@ -59,7 +59,7 @@ def _layers_body(sp: bool, dtype: str):
     output, input grad and weight/bias grads, and the invariant grad norm; plus TP 1's errors
     against F.linear. 72 features: at every TP size (72 to 12 per rank) a row is no whole number
     of SIMD steps, so without ``lanewise`` its last columns would take the scalar tail loop."""
-    from tensorpar import grads
+    from tensorpar.data_parallel import grads
 
     rank, results = dist.get_rank(), {}
     groups = {n: dist.new_group(list(range(n))) for n in SIZES[1:]}
@@ -126,7 +126,7 @@ def _shared_rows_body(sp: bool):
     (shared_rows, as grouped-query attention's QKV layer), over 24 blocks at each TP size: the
     output's query part and the whole K/V part, the input grad, the weight and bias grads and the
     grad norm; plus TP 1's errors against F.linear."""
-    from tensorpar import grads
+    from tensorpar.data_parallel import grads
 
     rank, results = dist.get_rank(), {}
     groups = {n: dist.new_group(list(range(n))) for n in SIZES[1:]}
@@ -258,7 +258,7 @@ def test_what_24_blocks_cannot_keep_bit_identical_is_refused_naming_it():
 
 
 def test_train_at_tp3_names_the_blocks_it_needs(capsys):
-    from tensorpar.tools.cli import main
+    from tensorpar.cli.main import main
 
     assert main(["train", "--nproc", "3", "--tp", "3", "--tp-invariant", "--layers", "1", "--hidden", "96",
                  "--heads", "6", "--seq-len", "24", "--steps", "1"]) == 2

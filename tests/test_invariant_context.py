@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from tensorpar.tree_reduce import balanced_order, sequence_sum, tree_sum
+from tensorpar.distributed.tree_reduce import balanced_order, sequence_sum, tree_sum
 from tests.harness import run_on_ranks
 from tests.test_invariant import _weights_body
 from tests.test_invariant_dp import _differing_weights, _run_body
@@ -72,7 +72,7 @@ def test_training_is_bit_identical_at_any_cp_size(tmp_path, model, layouts):
                               "only)"),
 ], ids=["p2p", "cp3"])
 def test_train_refuses_what_cp_cannot_keep_bit_identical(capsys, cp, flags, named):
-    from tensorpar.tools.cli import main
+    from tensorpar.cli.main import main
 
     assert main(["train", "--nproc", str(cp), "--cp", str(cp), "--tp-invariant", "--layers", "1", "--hidden", "32",
                  "--heads", "4", "--seq-len", "16", "--steps", "1", *flags]) == 2
@@ -84,7 +84,7 @@ def test_train_refuses_what_cp_cannot_keep_bit_identical(capsys, cp, flags, name
 def test_train_takes_fsdp_over_dp_x_cp_and_refuses_one_shard(capsys):
     """``--fsdp --tp-invariant --cp 2`` is a run (``--print-config``: checked, nothing launched);
     HSDP with every replica one rank of DP x CP is refused, naming DP x CP."""
-    from tensorpar.tools.cli import main
+    from tensorpar.cli.main import main
 
     run = ["train", "--nproc", "2", "--cp", "2", "--cp-comm", "a2a", "--tp-invariant", "--fsdp", "--layers", "1",
            "--hidden", "32", "--heads", "4", "--seq-len", "16", "--steps", "1"]
@@ -99,7 +99,7 @@ def test_train_takes_fsdp_over_dp_x_cp_and_refuses_one_shard(capsys):
 def test_sharded_grad_sync_takes_a_cp_group_that_is_an_aligned_run_of_the_mesh():
     """CP rank 0's sums are the DP tree's leaves only if the CP ranks are consecutive in the FSDP
     mesh (in its order, the tree's), starting at a multiple of CP; and only in the mode's tree."""
-    from tensorpar.fsdp import ShardedGradSync, _check_cp_inner
+    from tensorpar.data_parallel.fsdp import ShardedGradSync, _check_cp_inner
 
     _check_cp_inner([0, 1, 2, 3], [2, 3])
     for cp_ranks in ([0, 2], [1, 2], [4, 5]):

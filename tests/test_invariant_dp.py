@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorpar.tree_reduce import HalvingTree, subtree_sizes, tree_sum
+from tensorpar.distributed.tree_reduce import HalvingTree, subtree_sizes, tree_sum
 from tests.harness import run_on_ranks
 from tests.test_invariant import _weights_body
 
@@ -20,7 +20,7 @@ LLAMA = ["--norm", "rmsnorm", "--activation", "swiglu", "--position-embedding", 
 
 
 def _run_body(argv):
-    from tensorpar.tools.training_cli import parse_train_args
+    from tensorpar.cli.training_cli import parse_train_args
     from tensorpar.training.loop import train
 
     result = train(parse_train_args(argv))
@@ -109,7 +109,7 @@ def test_a_resume_at_another_dp_size_is_bit_identical(tmp_path):
 
 
 def test_train_refuses_a_dp_size_whose_ranks_cannot_sum_subtrees(capsys):
-    from tensorpar.tools.cli import main
+    from tensorpar.cli.main import main
 
     assert main(["train", "--nproc", "3", "--global-batch", "6", "--micro-batch", "1", "--tp-invariant",
                  "--layers", "1", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--steps", "1"]) == 2
@@ -121,7 +121,7 @@ def test_train_refuses_a_dp_size_whose_ranks_cannot_sum_subtrees(capsys):
 
 
 def _reducer_refusals_body():
-    from tensorpar.grads import DataParallelGradReducer, mark_tp_invariant
+    from tensorpar.data_parallel.grads import DataParallelGradReducer, mark_tp_invariant
 
     plain, weight = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8))
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorpar.tools.cli import main
+from tensorpar.cli.main import main
 from tests.harness import run_on_ranks
 from tests.test_invariant import _weights_body
 from tests.test_invariant_dp import _run_body
@@ -100,7 +100,7 @@ def test_a_pipeline_checkpoint_resumes_bit_identically_at_another_layout(referen
 def _api_body(schedule: str, microbatches: int):
     """``PipelineSchedule.step`` without a reducer against PP=1's plain ``(loss / M).backward()``
     accumulation: the names of the gradients that differ (torch.equal), and the two losses."""
-    from tensorpar import pipeline
+    from tensorpar import pipeline_parallel as pipeline
     from tensorpar.models import GPTConfig
     from tests.test_pipeline import GPT2, TINY, _batch, _groups, _pp1
 

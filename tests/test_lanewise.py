@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tensorpar.lanewise import VECTOR_STEP, lanewise
+from tensorpar.invariant.lanewise import VECTOR_STEP, lanewise
 
 FUNCTIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
              "exp": torch.exp}

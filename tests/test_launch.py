@@ -10,8 +10,8 @@ import time
 import pytest
 
 from tensorpar.errors import UsageError
-from tensorpar.tools.errors import one_line
-from tensorpar.tools.launch import LaunchError, launch_local
+from tensorpar.cli.errors import one_line
+from tensorpar.cli.launch import LaunchError, launch_local
 
 PG_TIMEOUT_S = 300
 
@@ -77,7 +77,7 @@ def test_a_stopped_rank_is_named_not_the_timeout_of_the_rank_waiting_for_it():
 def test_a_stopped_peer_is_dated_before_it_is_continued(monkeypatch, tmp_path):
     # Continued, the peer fails at once and may write its error first: the launcher must still
     # report this rank's, so its time is taken before the peer runs again.
-    from tensorpar.tools import launch
+    from tensorpar.cli import launch
 
     continued_at = []
     monkeypatch.setattr(launch, "_stopped_peers", lambda: {1: 12345})
@@ -170,7 +170,7 @@ def test_the_start_method_is_forkserver_where_there_is_one_and_fork_only_when_as
                                                                                       chosen, expected):
     import multiprocessing
 
-    from tensorpar.tools.launch import start_method
+    from tensorpar.cli.launch import start_method
 
     monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: available)
     if chosen is None:
@@ -220,7 +220,7 @@ def test_each_cpu_rank_gets_its_share_of_the_threads_and_no_binding(monkeypatch)
 def _threads_on_one_cpu():
     import torch
 
-    from tensorpar.tools.launch import set_threads
+    from tensorpar.cli.launch import set_threads
 
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # alone on the node: its share is every CPU it may use
@@ -241,7 +241,7 @@ def _shared_memory_after_collectives():
     import torch
     import torch.distributed as dist
 
-    from tensorpar import comm
+    from tensorpar.distributed import comm
 
     dist.init_process_group("gloo")
     try:

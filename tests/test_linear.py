@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tensorpar as tp
-from tensorpar.initialization import init_method_normal, init_weight_shard, shard_rows
+from tensorpar.tensor_parallel.initialization import init_method_normal, init_weight_shard, shard_rows
 from tensorpar.models import gather_full_tensor
 from tests.harness import run_on_ranks
 
@@ -498,7 +498,7 @@ def _addmm_variant(name, calls):
 def test_fused_wgrad_accumulation_probes_addmm_and_stays_exact(monkeypatch, variant, fused):
     """Item 1: addmm's out_dtype overload is used only where a probe finds it correct; every
     branch sums bf16 products into the fp32 main_grad exactly."""
-    from tensorpar import linear_function as linear
+    from tensorpar.tensor_parallel import linear_function as linear
 
     monkeypatch.setattr(linear, "_FUSED_ADDMM_SUPPORTED", {})
     calls = []
@@ -551,7 +551,7 @@ def test_fused_wgrad_fallback_is_exact_and_leaves_the_precision_flags_alone(monk
     at the program's own fp32 precision: exact, as bf16 and fp16 values are TF32 numbers. After a
     program set TF32 through the new API, a fused layer's wgrad runs (the legacy flag is never read)
     and no global flag changes, during backward or after. The probe is asked per device type and dtype."""
-    from tensorpar import linear_function as linear
+    from tensorpar.tensor_parallel import linear_function as linear
 
     probed = []
     monkeypatch.setattr(linear, "_FUSED_ADDMM_SUPPORTED", {})
@@ -572,7 +572,7 @@ def test_fused_wgrad_fallback_is_exact_and_leaves_the_precision_flags_alone(monk
 def test_fused_weight_placeholder_grad_has_the_parameter_dtype():
     """Item 10: the dummy wgrad autograd gets for a fused weight is in the weight's dtype
     (nothing for autograd to cast), zeros when the weight is used elsewhere too."""
-    from tensorpar import linear
+    from tensorpar.tensor_parallel import layers as linear
 
     weight = torch.nn.Parameter(torch.randn(OUT, IN))
     weight.main_grad = torch.zeros(OUT, IN)

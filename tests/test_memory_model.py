@@ -1,4 +1,4 @@
-"""The training-memory estimate (:mod:`tensorpar.memory_model`, :mod:`tensorpar.training.memory`)
+"""The training-memory estimate (:mod:`tensorpar.planning.memory`, :mod:`tensorpar.training.memory`)
 under context and pipeline parallelism: the arithmetic, the refusal naming the largest stage,
 and one PP and one CP layout against a measured step (``benchmarks/stage_memory.py``'s
 measurement, at a tiny size; the benchmark measures the larger ones)."""
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from tensorpar.errors import UsageError
-from tensorpar.memory_model import gpt_layer_activations, gpt_training_memory, local_tokens
+from tensorpar.planning.memory import gpt_layer_activations, gpt_training_memory, local_tokens
 from tensorpar.models import GPTConfig
 from tests.harness import run_in_fresh_world
 

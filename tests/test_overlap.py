@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar import comm
-from tensorpar.comm_model import LinkModel
-from tensorpar.overlap import all_gather_matmul, chunk_sizes, matmul_reduce
+from tensorpar.distributed import comm
+from tensorpar.planning.communication import LinkModel
+from tensorpar.tensor_parallel.overlap import all_gather_matmul, chunk_sizes, matmul_reduce
 from tests.harness import run_on_ranks
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-LAUNCHER_SIDE = ("torch.distributed.elastic", "tensorpar.tools", "tensorpar.cli", "tensorpar.training")
+LAUNCHER_SIDE = ("torch.distributed.elastic", "tensorpar.cli", "tensorpar.training")
 
 
 @pytest.mark.slow
@@ -21,48 +21,26 @@ def test_import_tensorpar_loads_no_launcher_elastic_or_cli_module():
 
 def test_errors_keeps_the_names_the_library_and_commands_use():
     from tensorpar.errors import UsageError, check_index_range  # noqa: F401
-    from tensorpar.tools.errors import exit_code, one_line, report  # noqa: F401
-    from tensorpar.tools.launch import OneLineErrorHandler  # noqa: F401
+    from tensorpar.cli.errors import exit_code, one_line, report  # noqa: F401
+    from tensorpar.cli.launch import OneLineErrorHandler  # noqa: F401
 
     assert exit_code(UsageError("--tp 3")) == 2 and one_line(UsageError("a\nb")) == "a b"
 
 
-@pytest.mark.slow
-def test_the_moved_entry_points_still_work_and_say_they_moved():
-    code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
-            "try:\n    import tensorpar.cli\nexcept DeprecationWarning as w:\n    print(w)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert "tensorpar.tools.cli" in done.stdout, done.stdout + done.stderr
-    for old in ("tensorpar.cli", "tensorpar.gpu_check"):
-        done = subprocess.run([sys.executable, "-m", old, "--help"], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0 and "usage:" in done.stdout, (old, done.stderr)
-        assert "deprecated" in done.stderr, (old, done.stderr)
-
-
-# The layers of DESIGN.md (and of docs/architecture.md's table), lowest first: a module imports
-# only from its own layer or the ones before it. `tensorpar.pipeline` cuts the GPT into stages:
-# above the models. `tensorpar` itself (the public names, GPT included) sits above them.
+# The floors of DESIGN.md (and of docs/architecture.md's picture), lowest first: a module imports
+# only from its own floor or the ones below it. A module is placed by its longest prefix here.
 LAYERS = (
-    ("tensorpar.errors", "tensorpar.porting", "tensorpar.rank_generator", "tensorpar.process_groups",
-     "tensorpar.parallel_registry", "tensorpar.parallel_init", "tensorpar.parallel_state"),
-    ("tensorpar.comm_ledger",),
-    ("tensorpar.comm",),
-    ("tensorpar.buffers",),
-    ("tensorpar.overlap",),
-    ("tensorpar.mappings", "tensorpar.tree_reduce", "tensorpar.lanewise", "tensorpar.utils"),
-    ("tensorpar.initialization",),
-    ("tensorpar.linear_function", "tensorpar.linear"),
-    ("tensorpar.embedding", "tensorpar.cross_entropy", "tensorpar.keep_masks", "tensorpar.random",
-     "tensorpar.checkpoint_without_output"),
-    ("tensorpar.grads",),
-    ("tensorpar.fsdp_mesh", "tensorpar.fsdp", "tensorpar.invariant", "tensorpar.invariant_dropout"),
-    ("tensorpar.context",),
-    ("tensorpar.comm_model", "tensorpar.memory_model", "tensorpar.fsdp_model"),
+    ("tensorpar.errors", "tensorpar.porting"),
+    ("tensorpar.distributed",),
+    ("tensorpar.parallel_state",),
+    ("tensorpar.tensor_parallel",),
+    ("tensorpar.data_parallel", "tensorpar.context_parallel"),
+    ("tensorpar.invariant",),
     ("tensorpar.models",),
-    ("tensorpar.pipeline",),
-    ("tensorpar", "tensorpar._public"),
-    ("tensorpar.training",),
-    ("tensorpar.tools", "tensorpar.cli", "tensorpar.gpu_check", "tensorpar.__main__"),
+    ("tensorpar.pipeline_parallel",),
+    ("tensorpar.planning",),
+    ("tensorpar", "tensorpar._public", "tensorpar.training"),
+    ("tensorpar.cli", "tensorpar.__main__"),
 )
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -114,8 +92,3 @@ def test_modules_import_only_from_their_own_layer_or_below_and_never_in_a_cycle(
 
     for module in sorted(graph):
         visit(module)
-
-
-def test_no_module_of_the_package_is_over_500_lines():
-    long = {_module_name(p): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
-    assert not long, long

@@ -124,7 +124,7 @@ def test_a_process_that_sees_one_gpu_uses_it_whatever_its_local_rank():
 
 def test_an_nccl_group_started_by_tensorpar_is_bound_to_the_rank_s_gpu():
     """Found on the H200: without ``device_id`` every ``barrier()`` warned that it guessed the device."""
-    from tensorpar import process_groups
+    from tensorpar.distributed import process_groups
 
     patches, calls = _fake_cuda(4)
     started = []
@@ -230,7 +230,7 @@ def test_rank_generator_rejects_what_cannot_lay_out():
 
 
 def test_hierarchical_groups_split_innermost_first():
-    from tensorpar.rank_generator import hierarchical_rank_groups
+    from tensorpar.distributed.rank_generator import hierarchical_rank_groups
 
     assert hierarchical_rank_groups(list(range(8)), [2, 4]) == [[[0, 1], [2, 3], [4, 5], [6, 7]],
                                                                  [[0, 2, 4, 6], [1, 3, 5, 7]]]

@@ -7,10 +7,11 @@ import torch
 import torch.distributed as dist
 
 import tensorpar as tp
-from tensorpar import pipeline
-from tensorpar.comm_model import CommConfig
+from tensorpar import pipeline_parallel as pipeline
+from tensorpar.planning import pipeline as pipeline_model
+from tensorpar.planning.communication import CommConfig
 from tensorpar.errors import UsageError
-from tensorpar.fsdp import gather_dp_shards
+from tensorpar.data_parallel.fsdp import gather_dp_shards
 from tensorpar.models import GPT, GPTConfig
 from tests.harness import run_on_ranks
 from tests.test_fsdp import _min_unit_mib
@@ -250,7 +251,7 @@ def test_the_ledger_records_every_activation_and_gradient_between_stages():
     # The cost model (tensorpar comm --pp) predicts these sends: shape, dtype, bytes and counts.
     cfg = CommConfig(layer="gpt-step", hidden=TINY["hidden_size"], heads=2, seq_len=SEQ, batch=ROWS_PER_MICROBATCH,
                      layers=TINY["num_layers"], tp=1, dtype="fp32")
-    cost = pipeline.pipeline_cost(cfg, pp_size=2, schedule="1f1b", microbatches=3)
+    cost = pipeline_model.pipeline_cost(cfg, pp_size=2, schedule="1f1b", microbatches=3)
     assert (cost.send_shape, cost.dtype, cost.bytes_per_send) == activation
     for records, rank in zip((first, last), cost.ranks):
         assert [op for op, *_ in records].count("send") == rank.sends == 3

@@ -1,4 +1,4 @@
-"""The pipeline's cost model (:mod:`tensorpar.pipeline.cost`): the bubble against hand values,
+"""The pipeline's cost model (:mod:`tensorpar.planning.pipeline`): the bubble against hand values,
 the sends of each rank per step, every rank's collectives against CommLedger for every schedule
 (``tensorpar comm --pp --measure``), what ``tensorpar comm --pp`` refuses, and the bubble in the
 ``tensorpar train --pp`` header. The bytes per send against a measured step are also checked in
@@ -13,12 +13,13 @@ import pytest
 import torch
 
 import tensorpar as tp
-from tensorpar import pipeline
-from tensorpar.comm_model import CommConfig, collectives
-from tensorpar.pipeline import SCHEDULES
-from tensorpar.tools import cli
-from tensorpar.tools.comm_axes import compared, unpredicted
-from tensorpar.tools.comm_measure import measure_pipeline_on_this_rank, record_key
+from tensorpar import pipeline_parallel as pipeline
+from tensorpar.planning import pipeline as pipeline_model
+from tensorpar.planning.communication import CommConfig, collectives
+from tensorpar.pipeline_parallel import SCHEDULES
+from tensorpar.cli import main as cli
+from tensorpar.cli.comm_axes import compared, unpredicted
+from tensorpar.cli.comm_measure import measure_pipeline_on_this_rank, record_key
 from tests.harness import run_on_ranks
 from tensorpar.training.pipeline_step import pipeline_header
 
@@ -37,7 +38,7 @@ TINY = CommConfig(layer="gpt-step", hidden=64, heads=2, seq_len=16, batch=2, voc
     ("dualpipev", 2, 4, None, None),
 ])
 def test_bubble_fraction_against_hand_values(schedule, pp, m, v, expected):
-    bubble, formula = pipeline.bubble_fraction(schedule, pp_size=pp, microbatches=m, virtual_stages=v)
+    bubble, formula = pipeline_model.bubble_fraction(schedule, pp_size=pp, microbatches=m, virtual_stages=v)
     if expected is None:
         assert bubble is None and formula.startswith("not modelled")
     else:
@@ -46,7 +47,7 @@ def test_bubble_fraction_against_hand_values(schedule, pp, m, v, expected):
 
 def test_sends_per_rank_per_step_for_single_interleaved_and_v_placements():
     def traffic(schedule, pp, **kw):
-        cost = pipeline.pipeline_cost(TINY, pp_size=pp, schedule=schedule, microbatches=4, **kw)
+        cost = pipeline_model.pipeline_cost(TINY, pp_size=pp, schedule=schedule, microbatches=4, **kw)
         return [(r.stages, r.activation_sends, r.gradient_sends, r.activation_recvs, r.gradient_recvs)
                 for r in cost.ranks]
 
@@ -58,10 +59,10 @@ def test_sends_per_rank_per_step_for_single_interleaved_and_v_placements():
 
 
 def test_bytes_per_send_with_tp_and_a_padded_sequence_parallel_shard():
-    cost = pipeline.pipeline_cost(TINY, pp_size=2, microbatches=2)
+    cost = pipeline_model.pipeline_cost(TINY, pp_size=2, microbatches=2)
     assert (cost.send_shape, cost.dtype, cost.bytes_per_send) == ((16, 2, 64), torch.float32, 16 * 2 * 64 * 4)
     sp = CommConfig(**{**vars(TINY), "seq_len": 15, "tp": 2, "sp": True, "dtype": "bf16"})
-    cost = pipeline.pipeline_cost(sp, pp_size=2, microbatches=2)
+    cost = pipeline_model.pipeline_cost(sp, pp_size=2, microbatches=2)
     assert (cost.send_shape, cost.bytes_per_send) == ((8, 2, 64), 8 * 2 * 64 * 2)
 
 
@@ -101,8 +102,8 @@ def test_comm_pp_refuses_in_one_line(extra, message, capsys):
 
 def test_each_rank_issues_its_stages_collectives_per_micro_batch_and_the_sums_after():
     cfg = CommConfig(**{**vars(TINY), "tp": 2, "sp": True, "layers": 4})
-    cost = pipeline.pipeline_cost(cfg, pp_size=2, schedule="1f1b", microbatches=3)
-    first, last = (pipeline.rank_collectives(cfg, cost, rank) for rank in (0, 1))
+    cost = pipeline_model.pipeline_cost(cfg, pp_size=2, schedule="1f1b", microbatches=3)
+    first, last = (pipeline_model.rank_collectives(cfg, cost, rank) for rank in (0, 1))
     # One micro-batch's TP collectives through the whole model, each on the stage holding its layer.
     whole = [op for op in collectives(cfg) if op.phase != "grads"]
     assert len([op for op in first + last if op.op not in ("send", "recv") and op.phase != "grads"]) == 3 * len(whole)
@@ -137,10 +138,10 @@ SMALL = dict(layer="gpt-step", hidden=16, heads=2, seq_len=8, batch=1, vocab=32,
 
 def _cases(world_size):
     if world_size == 2:  # TP 1: every schedule's sends, receives and the rest, exactly
-        return [(CommConfig(**SMALL, tp=1), pipeline.pipeline_cost(CommConfig(**SMALL, tp=1), pp_size=2,
+        return [(CommConfig(**SMALL, tp=1), pipeline_model.pipeline_cost(CommConfig(**SMALL, tp=1), pp_size=2,
                                                                   schedule=s, microbatches=4)) for s in SCHEDULES]
     cfg = CommConfig(**SMALL, tp=2, sp=True, recompute=True)
-    return [(cfg, pipeline.pipeline_cost(cfg, pp_size=2, schedule=s, microbatches=4))
+    return [(cfg, pipeline_model.pipeline_cost(cfg, pp_size=2, schedule=s, microbatches=4))
             for s in ("1f1b", "gpipe", "interleaved-1f1b", "zbv")]
 
 
@@ -159,7 +160,7 @@ def test_model_counts_what_commledger_records_on_every_rank(world_size, case):
     for rank, results in enumerate(_measured(world_size)):
         got = results[case]
         assert not isinstance(got, str), got
-        predicted = [record_key(op) for op in pipeline.rank_collectives(cfg, cost, rank // cfg.tp)]
+        predicted = [record_key(op) for op in pipeline_model.rank_collectives(cfg, cost, rank // cfg.tp)]
         if unpredicted(cfg, cost):  # the split backward's TP collectives: more than predicted, left out
             extra += collections.Counter(got) - collections.Counter(predicted)
             got, predicted = ([k for k in keys if compared(cfg, cost, k)] for keys in (got, predicted))
@@ -204,7 +205,7 @@ def test_the_train_header_names_the_predicted_bubble():
     ("dualpipev", 2, 4, None, ({0: 4, 3: 1}, {1: 3, 2: 2})),                  # 2P + 1
 ])
 def test_micro_batches_in_flight_per_stage_follow_the_schedules_order(schedule, pp, m, v, expected):
-    assert pipeline.in_flight(schedule, pp_size=pp, microbatches=m, virtual_stages=v) == expected
+    assert pipeline_model.in_flight(schedule, pp_size=pp, microbatches=m, virtual_stages=v) == expected
 
 
 def _tiny_gpt(**fields):
@@ -214,12 +215,12 @@ def _tiny_gpt(**fields):
 
 
 def test_pipeline_memory_counts_each_stage_and_its_micro_batches_in_flight():
-    from tensorpar.memory_model import gpt_training_memory
+    from tensorpar.planning.memory import gpt_training_memory
 
     sizes = dict(tp=1, seq_len=32, micro_batch=2)
 
     def ranks(schedule, m, config=None):
-        return pipeline.pipeline_memory(config or _tiny_gpt(), pp_size=2, schedule=schedule, microbatches=m, **sizes)
+        return pipeline_model.pipeline_memory(config or _tiny_gpt(), pp_size=2, schedule=schedule, microbatches=m, **sizes)
 
     # 1F1B's stage 0 holds PP micro-batches at any M: as many as GPipe's at M = PP; the last stage one.
     first = [ranks(s, m)[0]["activations"] for s, m in (("1f1b", 4), ("1f1b", 8), ("gpipe", 2))]

@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import tensorpar as tp
-from tensorpar import keep_masks
-from tensorpar.random import dropout
+from tensorpar.tensor_parallel import keep_masks
+from tensorpar.tensor_parallel.random import dropout
 from tests.harness import run_on_ranks
 
 WORLD_SIZES = [1, 2, 4]
@@ -146,7 +146,7 @@ def test_sequence_parallel_dropout_draws_and_keeps_only_this_ranks_rows():
 def test_dropout_by_row_starts_gives_each_cp_rank_the_masks_of_its_global_rows():
     """A CP rank's rows are two chunks of the sequence: each row gets the mask CP=1 gives its
     position, in blocks of 2 rows that cross the chunks' edges, and the padding rows are dropped."""
-    from tensorpar.context import SequenceChunks
+    from tensorpar.context_parallel import SequenceChunks
 
     x = torch.randn(13, 2, 3)
     with unittest.mock.patch.object(keep_masks, "DROPOUT_BLOCK_ELEMENTS", 2 * 6):

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from tensorpar.training import checkpoint, checkpoint_files
 from tensorpar.training.checkpoint_format import CheckpointError, sha256
-from tensorpar.tools.training_cli import parse_train_args
+from tensorpar.cli.training_cli import parse_train_args
 from tensorpar.training.dcp_metadata import read_metadata
 from tests.cli_runner import run_tensorpar
 from tests.harness import run_on_ranks
@@ -390,7 +390,7 @@ def _set(name, field, value):
 ])
 def test_config_and_meta_are_checked_before_launch_naming_file_and_field(ckpt_run, tmp_path, capsys, name,
                                                                        edit, message):
-    from tensorpar.tools.cli import main
+    from tensorpar.cli.main import main
 
     run = tmp_path / "run"
     shutil.copytree(ckpt_run, run)
@@ -461,7 +461,7 @@ def save_then_die(state, storage_writer):
     if "step_4" in str(storage_writer.path):
         os.kill(os.getpid(), signal.SIGKILL)   # after the data, before the rename and `latest`
 checkpoint.dcp.save = save_then_die
-from tensorpar.tools.cli import main
+from tensorpar.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from tensorpar.tools.cli import main
-from tensorpar.tools.launch import free_port
-from tensorpar.tools.training_cli import parse_train_args
+from tensorpar.cli.main import main
+from tensorpar.cli.launch import free_port
+from tensorpar.cli.training_cli import parse_train_args
 from tensorpar.training.data import DataError, load_corpus, write_token_file
 from tests.cli_runner import run_tensorpar
 from tests.harness import run_on_ranks
@@ -221,7 +221,7 @@ def test_a_missing_path_is_refused_before_the_slow_imports(tmp_path):
     nope = str(tmp_path / "nope")
     code = f"""if True:
         import sys
-        from tensorpar.tools.cli import main
+        from tensorpar.cli.main import main
         for argv in (["train", "--data", {nope!r}], ["train", "--resume", {nope!r}],
                      ["train", "--tokenizer", {nope!r}], ["generate", "--checkpoint", {nope!r}],
                      ["export", "--checkpoint", {nope!r}, "--to-hf", {nope!r}], ["prepare", {nope!r}, "--out", "x"]):
@@ -279,7 +279,7 @@ def test_generate_checks(capsys, files, tmp_path):
 @pytest.mark.parametrize("argv, fits, world", [([], True, (1, 1)), ([], False, (2, 2)),
                                                 ([], None, (1, 1)), (["--nproc", "2"], True, (2, 2))])
 def test_generate_of_a_small_checkpoint_runs_in_this_process(files, monkeypatch, capsys, argv, fits, world):
-    import tensorpar.tools.training_cli as training_cli
+    import tensorpar.cli.training_cli as training_cli
 
     started = []
     monkeypatch.setattr(training_cli, "_run_in_world", lambda entry, args, nproc: started.append(

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from tensorpar.tools.cli import main
-from tensorpar.tools.training_cli import parse_train_args
+from tensorpar.cli.main import main
+from tensorpar.cli.training_cli import parse_train_args
 from tests.harness import run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "10", "--steps", "4", "--warmup", "1",

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tensorpar.tools.cli import main
+from tensorpar.cli.main import main
 from tensorpar.training import data
 from tensorpar.training.data import EOT, load_corpus, write_token_file
 

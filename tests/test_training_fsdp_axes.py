@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tensorpar.tools.cli import main
+from tensorpar.cli.main import main
 from tests.harness import run_on_ranks
 from tests.test_training_pipeline import _train_body
 

@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from tensorpar.tools.cli import main
-from tensorpar.tools.training_cli import parse_train_args
+from tensorpar.cli.main import main
+from tensorpar.cli.training_cli import parse_train_args
 from tensorpar.training.checkpoint_format import sha256
 from tensorpar.training.dcp_metadata import read_metadata
 from tensorpar.training.data import write_token_file

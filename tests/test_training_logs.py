@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from tensorpar.models.config import GPTConfig
-from tensorpar.tools.cli import main
-from tensorpar.tools import config_file
-from tensorpar.tools.training_cli import parse_train_args, train_parser
+from tensorpar.cli.main import main
+from tensorpar.cli import config_file
+from tensorpar.cli.training_cli import parse_train_args, train_parser
 from tensorpar.training.flops import flops_per_token, peak_flops_per_s
 from tensorpar.training.metrics import Rates
 from tensorpar.training.progress import METRICS, read_rows

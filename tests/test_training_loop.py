@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tensorpar.tools.training_cli import parse_train_args
+from tensorpar.cli.training_cli import parse_train_args
 from tests.harness import run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--steps", "6",
@@ -145,7 +145,7 @@ def _host_sync_body(argv):
     device sync on a GPU either)."""
     import unittest.mock
 
-    from tensorpar import grads
+    from tensorpar.data_parallel import grads
     from tensorpar.training import loop
     from tests.op_counter import HOST_SYNC, OpCounter
 
@@ -262,7 +262,7 @@ def test_a_resume_continues_every_setting_of_the_run_and_names_what_changed(tmp_
 def _generate_body(argv):
     import argparse
 
-    from tensorpar.tools.training_cli import register
+    from tensorpar.cli.training_cli import register
     from tensorpar.training.inference import generate
 
     parser = argparse.ArgumentParser()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tensorpar.training import checkpoint_files
-from tensorpar.tools.training_cli import parse_train_args
+from tensorpar.cli.training_cli import parse_train_args
 from tests.cli_runner import fault_env
 from tests.harness import run_on_ranks
 
@@ -147,7 +147,7 @@ def test_sigint_stops_at_once_naming_the_last_checkpoint_and_resume_is_bit_ident
     out = tmp_path / "run"
     argv = TINY + ["--steps", "8", "--save-every", "2", "--out", str(out)]
     results = run_on_ranks(_signal_body, 2, argv, signal.SIGINT, 5, (0, 1))
-    # Every rank stops at once and says nothing beyond its step logs: the command says it, once (tools/errors.py).
+    # Every rank stops at once and says nothing beyond its step logs: the command says it, once (cli/errors.py).
     assert [r[3] for r in results] == ["KeyboardInterrupt"] * 2
     assert [[line for line in r[4].splitlines() if not line.startswith("tensorpar: step ")] for r in results] == [[]] * 2
     assert checkpoint_files.resume_hint(out) == f"the last checkpoint is {out}/step_4 (continue with --resume {out})"

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tensorpar.tools.cli import main
+from tensorpar.cli.main import main
 from tests.harness import run_on_ranks
 
 # 4 layers: interleaved 1F1B at PP 2 holds 2 stages per rank. Gradient clipping at 0.5 clips.
@@ -19,7 +19,7 @@ RTOL = 1e-6
 
 
 def _train_body(argv):
-    from tensorpar.tools.training_cli import parse_train_args
+    from tensorpar.cli.training_cli import parse_train_args
     from tensorpar.training.loop import train
 
     result = train(parse_train_args(argv))
@@ -148,8 +148,8 @@ def test_what_a_pipeline_run_cannot_do_is_refused_before_launch_in_one_line(argv
 
 
 def test_the_schedule_flag_names_every_pipeline_schedule():
-    from tensorpar import pipeline
-    from tensorpar.tools.pipeline_flags import SCHEDULE_NAMES
+    from tensorpar import pipeline_parallel as pipeline
+    from tensorpar.cli.pipeline_flags import SCHEDULE_NAMES
 
     assert SCHEDULE_NAMES == tuple(pipeline.SCHEDULES)
 
@@ -158,7 +158,7 @@ _OLDER_TORCH = """
 import sys
 from torch.distributed.pipelining import PipelineStage
 del PipelineStage._backward_metadata_inference  # torch 2.11's stage: no backward shape inference
-from tensorpar.tools.cli import main
+from tensorpar.cli.main import main
 tiny = ["--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--micro-batch", "2", "--steps", "1",
         "--eval-every", "0", "--no-progress", "--tp", "1"]
 print("pp1", main(["train", *tiny, "--nproc", "1", "--out", sys.argv[1]]), flush=True)

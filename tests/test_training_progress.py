@@ -123,7 +123,7 @@ def test_without_matplotlib_the_run_says_so_once_and_names_only_the_metrics(tmp_
     # One process (--nproc 1 trains in it), where matplotlib cannot be imported.
     done = run_python_code("import sys\n"
                            "sys.modules['matplotlib'] = sys.modules['matplotlib.figure'] = None\n"
-                           "from tensorpar.tools.cli import main\n"
+                           "from tensorpar.cli.main import main\n"
                            f"sys.exit(main({argv!r}))")
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("matplotlib is not installed: no loss.png") == 1, done.stderr

@@ -1,7 +1,7 @@
 """What a resume keeps: every setting left out is the checkpoint's (also a tensorpar 0.2 one's),
 and each value given that differs is named."""
 
-from tensorpar.tools.training_cli import parse_train_args
+from tensorpar.cli.training_cli import parse_train_args
 from tensorpar.training.resume import continue_settings, resume_header, setting_changes
 
 META_0_2 = {"step": 600, "steps": 600, "global_batch": 32, "micro_batch": 16, "dtype": "bf16",

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tensorpar.training import rundir
-from tensorpar.tools.training_cli import parse_train_args
+from tensorpar.cli.training_cli import parse_train_args
 from tests.cli_runner import fault_env
 from tests.harness import run_on_ranks
 
@@ -68,7 +68,7 @@ def test_every_rank_refuses_a_locked_directory(holder):
 def test_torchrun_ranks_leave_the_directory_check_to_rank_0s_lock(tmp_path, monkeypatch):
     """Under torchrun (two nodes sharing --out) every rank checks its flags while rank 0 already
     holds the lock and writes the run: that must not refuse the run on the other ranks."""
-    from tensorpar.tools.training_cli import _check_train_args
+    from tensorpar.cli.training_cli import _check_train_args
 
     out = tmp_path / "run"
     lock = rundir.RunLock(out).acquire()          # rank 0, already training
@@ -260,7 +260,7 @@ def test_resuming_an_older_checkpoint_never_silently_replaces_newer_ones(tmp_pat
     with pytest.raises(rundir.RunDirError) as refused:
         rundir.check(out, resume=True, overwrite=False, resume_from=out / "step_2")
     assert str(refused.value) == message
-    from tensorpar.tools.cli import main
+    from tensorpar.cli.main import main
 
     assert main(["train", *TINY, "--steps", "3", "--nproc", "1", "--resume", str(out / "step_2")]) == 2  # out: RUN
     assert capsys.readouterr().err == f"tensorpar train: error: {message}\n"  # before any rank starts

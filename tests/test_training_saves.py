@@ -9,7 +9,7 @@ import pytest
 
 from tensorpar.training import checkpoint, checkpoint_files
 from tensorpar.training.checkpoint_format import MANIFEST
-from tensorpar.tools.training_cli import parse_train_args
+from tensorpar.cli.training_cli import parse_train_args
 from tests.cli_runner import run_tensorpar
 from tests.harness import run_on_ranks
 

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from tensorpar.tools.cli import main
+from tensorpar.cli.main import main
 from tests.cli_runner import run_tensorpar
 
 transformers = pytest.importorskip("transformers")

@@ -11,7 +11,7 @@ import importlib.util
 import re
 import sys
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 
 def _torch_version() -> str:
@@ -43,7 +43,7 @@ def _load_public_names() -> None:
 def __getattr__(name: str):
     if name.startswith("__"):
         raise AttributeError(f"module 'tensorpar' has no attribute {name!r}")
-    # A submodule alone (`from .. import comm` inside the library, `tensorpar.comm`): loading
+    # A submodule alone (`from .. import comm` inside the library, `tensorpar.distributed.comm`): loading
     # every public name here would import the module that is asking, half initialized.
     if importlib.util.find_spec(f"{__name__}.{name}") is not None:
         return importlib.import_module(f"{__name__}.{name}")

@@ -2,7 +2,7 @@
 
 import sys
 
-from .tools.cli import main
+from .cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
 """The errors the library raises: :class:`UsageError` for input that cannot work, and
 :func:`check_index_range` for out-of-range token ids and labels, both naming the offending value.
 
-How they reach the user (one line, exit codes, ``--debug``) is :mod:`tensorpar.tools.errors`.
+How they reach the user (one line, exit codes, ``--debug``) is :mod:`tensorpar.cli.errors`.
 
 Example::
 

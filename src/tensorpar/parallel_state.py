@@ -1,7 +1,7 @@
 """Megatron-core's ``parallel_state``: tensor, pipeline, context, data and expert groups.
 
 ``initialize_model_parallel`` takes megatron-core 0.16.1's arguments and lays the ranks out as
-Megatron does (:class:`~tensorpar.rank_generator.RankGenerator`, ``order="tp-cp-ep-dp-pp"`` by
+Megatron does (:class:`~tensorpar.distributed.rank_generator.RankGenerator`, ``order="tp-cp-ep-dp-pp"`` by
 default: TP groups are blocks of consecutive ranks, so a TP group stays inside one node when
 ``torchrun`` places consecutive ranks on a node). With world size 8, TP=2 and PP=2: TP groups
 {0,1} {2,3} {4,5} {6,7}, DP groups {0,2} {1,3} {4,6} {5,7}, PP groups {0,4} {1,5} {2,6} {3,7}.
@@ -21,39 +21,16 @@ import warnings
 
 import torch.distributed as dist
 
-from .parallel_init import (  # noqa: F401 - Megatron's parallel_state names
-    create_hierarchical_groups,
-    create_hybrid_dp_cp_groups,
-    created_groups,
-    destroy_model_parallel,
-    initialize_model_parallel,
-    is_initialized,
-    is_unitialized,
-    model_parallel_is_initialized,
-    update_pg_timeout,
-)
-from .parallel_registry import (  # noqa: F401
-    GROUPS,
-    HYBRID_DP_CP_GROUPS,
-    OVERRIDES,
-    RANKS,
-    STATE,
-    VIRTUAL_PP,
-    default_device,
-    distributed,
-    group,
-    ranks,
-    require_initialized,
-    resolve_tp_group,
-)
-from .process_groups import create_group, get_nccl_options, overwrite_nccl_comm_cfgs, select_cuda_device  # noqa: F401
-from .rank_generator import (  # noqa: F401
-    ParallelLayoutError,
-    RankGenerator,
-    default_embedding_ranks,
-    default_position_embedding_ranks,
-    generate_masked_orthogonal_rank_groups,
-)
+from .distributed.parallel_init import (
+    create_hierarchical_groups, create_hybrid_dp_cp_groups, created_groups, destroy_model_parallel,
+    initialize_model_parallel, is_initialized, is_unitialized, model_parallel_is_initialized, update_pg_timeout)
+from .distributed.parallel_registry import (
+    GROUPS, HYBRID_DP_CP_GROUPS, OVERRIDES, RANKS, STATE, VIRTUAL_PP, default_device, distributed, group, ranks,
+    require_initialized, resolve_tp_group)
+from .distributed.process_groups import create_group, get_nccl_options, overwrite_nccl_comm_cfgs, select_cuda_device  # noqa: F401
+from .distributed.rank_generator import (
+    ParallelLayoutError, RankGenerator, default_embedding_ranks, default_position_embedding_ranks,
+    generate_masked_orthogonal_rank_groups)
 
 
 def _overridden(kind: str, read):

@@ -34,7 +34,7 @@ class GPTConfig:
     ``make_vocab_size_divisible_by``: see :meth:`padded_vocab_size`. ``gelu_tanh`` is GPT-2's
     ``gelu_new``. ``distribute_saved_activations`` (recompute without SP only) keeps 1/TP of
     each block's saved input. ``overlap`` (``"off"`` or a number of chunks) is every TP
-    linear's: its collectives chunked against its GEMMs (:mod:`tensorpar.overlap`).
+    linear's: its collectives chunked against its GEMMs (:mod:`tensorpar.tensor_parallel.overlap`).
     ``interleave`` > 1 splits each block's micro-batch into that many parts and interleaves
     them (Domino), so one part's row-layer reductions travel while another part computes.
 
@@ -53,7 +53,7 @@ class GPTConfig:
 
     ``context_parallel_comm`` is how attention reaches the other context-parallel ranks' tokens
     when the GPT is built with a ``cp_group``: ``"p2p"`` (ring) or ``"a2a"`` (Ulysses); see
-    :mod:`tensorpar.context`.
+    :mod:`tensorpar.context_parallel`.
 
     Example::
 

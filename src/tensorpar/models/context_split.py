@@ -1,5 +1,5 @@
 """A GPT over a context-parallel group: each CP rank runs the model on its chunks of every
-sequence (:mod:`tensorpar.context`), attention reaches the other ranks' tokens, and the loss is
+sequence (:mod:`tensorpar.context_parallel`), attention reaches the other ranks' tokens, and the loss is
 the mean over every token of the whole batch.
 
 The GPT calls five things: :func:`shard` (tokens, labels and positions of this rank's chunks,
@@ -30,14 +30,13 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .. import comm, context
-from ..context import attention_dropout
-from ..mappings import (
-    gather_from_sequence_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
-from ..tree_reduce import sequence_sum, subtree_sizes, tree_sum
+from ..distributed import comm
+from .. import context_parallel
+from ..context_parallel import attention_dropout
+from ..tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region, reduce_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region)
+from ..distributed.tree_reduce import sequence_sum, subtree_sizes, tree_sum
 from .config import GPTConfig
 from .traced_attention import written_out_attention
 
@@ -76,7 +75,7 @@ class ContextSplit:
         if refused:
             raise ValueError(f"tp_invariant under context parallelism does not support {'; '.join(refused)}")
         if config.context_parallel_comm == "a2a":  # the fewest heads a TP rank has (uneven splits: floor)
-            context.head_split(config.num_heads // tp_size, 1, comm.group_size(cp_group))
+            context_parallel.head_split(config.num_heads // tp_size, 1, comm.group_size(cp_group))
         self.config, self.group = config, cp_group
         self.multiple = tp_size if sequence_parallel else 1
 
@@ -86,24 +85,24 @@ class ContextSplit:
         this rank's tokens of a ``seq_len`` sequence. Its query heads ``first_head..`` read K/V
         heads ``h // p`` of the ones this TP rank holds, unevenly under an uneven TP split (a KV
         head replicated over TP). Attention dropout: for each (head, query, key) this rank
-        computes, the mask CP=1 draws there (:mod:`tensorpar.context.attention_dropout`)."""
+        computes, the mask CP=1 draws there (:mod:`tensorpar.context_parallel.attention_dropout`)."""
         p, first = self.config.queries_per_group, layer.first_head
         kv_of_head = [h // p - first // p for h in range(first, first + layer.local_heads)]
         dropout_p = self.config.attention_dropout if layer.training else 0.0
         if self.config.tp_invariant:  # the kernel of CP = 1 (Attention.attend), a K/V head per query head
-            out = context.ulysses_attention(q, k, v, cp_group=self.group, attention=_causal)
+            out = context_parallel.ulysses_attention(q, k, v, cp_group=self.group, attention=_causal)
         elif dropout_p > 0:
             out = self._dropped(q, k, v, dropout_p, kv_of_head, heads=range(first, first + layer.local_heads),
                                 seq_len=seq_len)
         else:
-            out = context.context_attention(q, k, v, comm_type=self.config.context_parallel_comm, cp_group=self.group,
-                                            kv_of_head=kv_of_head)
+            out = context_parallel.context_attention(q, k, v, comm_type=self.config.context_parallel_comm,
+                                                     cp_group=self.group, kv_of_head=kv_of_head)
         b, _, s, _ = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def chunks(self, seq_len: int) -> context.SequenceChunks:
+    def chunks(self, seq_len: int) -> context_parallel.SequenceChunks:
         """This rank's chunks of a ``seq_len`` sequence."""
-        return context.SequenceChunks.of(seq_len, cp_group=self.group, multiple=self.multiple)
+        return context_parallel.SequenceChunks.of(seq_len, cp_group=self.group, multiple=self.multiple)
 
     def _dropped(self, q, k, v, p: float, kv_of_head: list[int], *, heads: range, seq_len: int) -> torch.Tensor:
         """Attention with dropout over the CP group, ``heads`` this TP rank's global query heads."""
@@ -113,14 +112,17 @@ class ContextSplit:
                                  device=q.device)
         if self.config.context_parallel_comm == "p2p":  # this rank's query chunks over every key
             keep = mask(heads=heads, rows=[(c * chunks.chunk_len, chunks.chunk_len) for c in chunks.chunks()])
-            return context.ring_attention(q, k, v, cp_group=self.group, kv_of_head=kv_of_head, keep=keep, dropout_p=p)
+            return context_parallel.ring_attention(q, k, v, cp_group=self.group, kv_of_head=kv_of_head, keep=keep,
+                                                   dropout_p=p)
         # a2a: this CP rank's heads over the whole sequence
-        h0, h1, _, _ = context.head_split(len(heads), k.shape[1], chunks.cp_size, kv_of_head=kv_of_head)[chunks.cp_rank]
+        h0, h1, _, _ = context_parallel.head_split(len(heads), k.shape[1], chunks.cp_size,
+                                                   kv_of_head=kv_of_head)[chunks.cp_rank]
         drop = functools.partial(attention_dropout.apply, keep=mask(heads=heads[h0:h1], rows=[(0, padded)]), p=p)
 
         def attention(q, k, v):
             return written_out_attention(q, k, v, mask=None, causal=True, gqa=q.shape[1] != k.shape[1], drop=drop)
-        return context.ulysses_attention(q, k, v, cp_group=self.group, attention=attention, kv_of_head=kv_of_head)
+        return context_parallel.ulysses_attention(q, k, v, cp_group=self.group, attention=attention,
+                                                  kv_of_head=kv_of_head)
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -173,14 +175,14 @@ def stage_rows(split: ContextSplit, x: torch.Tensor, seq_len: int | None) -> tup
     return dropout_rows(split, seq_len), _positions(split, chunks, x.device)
 
 
-def _positions(split: ContextSplit, chunks: context.SequenceChunks, device) -> torch.Tensor:
+def _positions(split: ContextSplit, chunks: context_parallel.SequenceChunks, device) -> torch.Tensor:
     # The padding's positions are past the sequence: any the tables hold will do.
     return chunks.positions(device).clamp(max=split.config.max_seq_len - 1)
 
 
 def dropout_rows(split: ContextSplit | None, seq_len: int) -> dict:
     """The hidden dropout's placement of this CP rank's rows of a ``seq_len`` sequence
-    (:func:`tensorpar.random.dropout` ``valid_rows``, ``row_starts``): each token's mask is its
+    (:func:`tensorpar.tensor_parallel.random.dropout` ``valid_rows``, ``row_starts``): each token's mask is its
     global position's, as at CP=1; empty without CP."""
     if split is None:
         return {}

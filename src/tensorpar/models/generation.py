@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import comm
-from ..mappings import gather_from_tensor_model_parallel_region
+from ..distributed import comm
+from ..tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from .cuda_graph import CUDAGraphed
 
 # New tokens from which the decode step copies the weights on CPU: the copy costs about 5
@@ -142,7 +142,7 @@ class Decoder:
     tensor: it writes the cache at that position and attends over the whole cache with a mask
     (the slots past the prefill zeroed once, so the masked ones are finite). That is what a CUDA
     graph needs; ``cuda_graph`` (CUDA, TP=1) then captures :meth:`forward` at the first step
-    and replays it. At TP > 1 the collectives go through :mod:`tensorpar.comm`, whose ledger
+    and replays it. At TP > 1 the collectives go through :mod:`tensorpar.distributed.comm`, whose ledger
     records each call on the host: a replay would not.
     """
 

@@ -44,20 +44,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import invariant, invariant_dropout
-from ..context import attention_dropout
-from ..cross_entropy import vocab_parallel_cross_entropy
-from ..embedding import VocabParallelEmbedding
-from ..initialization import (
-    PartSeeds,
-    init_method_normal,
-    init_weight_shard,
-    scaled_init_method_normal,
-    set_defaults_if_not_set_tensor_model_parallel_attributes,
-)
-from ..overlap import interleave
+from .. import invariant
+from ..invariant import dropout as invariant_dropout
+from ..context_parallel import attention_dropout
+from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..tensor_parallel.embedding import VocabParallelEmbedding
+from ..tensor_parallel.initialization import (
+    PartSeeds, init_method_normal, init_weight_shard, scaled_init_method_normal,
+    set_defaults_if_not_set_tensor_model_parallel_attributes)
+from ..tensor_parallel.overlap import interleave
 from ..parallel_state import resolve_tp_group
-from ..random import checkpoint, sharded_dropout
+from ..tensor_parallel.random import checkpoint, sharded_dropout
 from . import context_split, generation, layout
 from .config import GPTConfig
 from .inputs import check_input, pad_sequence
@@ -215,9 +212,9 @@ class Attention(nn.Module):
                causal: bool, key=None, seq_len: int | None = None) -> torch.Tensor:
         """Attention of this rank's heads over ``k``, ``v`` (``mask``: True = attend; ``causal``:
         top-left aligned), ``[s, b, heads/TP d]``: SDPA, or with attention dropout written out,
-        its masks by global head and position (:mod:`tensorpar.context.attention_dropout`, the
+        its masks by global head and position (:mod:`tensorpar.context_parallel.attention_dropout`, the
         masks a CP rank draws again; ``seq_len``: the real length of a padded sequence), with a
-        ``key`` per global head (TP-invariant training, :func:`tensorpar.invariant_dropout.drop_heads`),
+        ``key`` per global head (TP-invariant training, :func:`tensorpar.invariant.dropout.drop_heads`),
         and under ``torch.compile`` off CPU this rank's slice of one mask (:func:`sharded_dropout`)."""
         if self.config.tp_invariant:  # strides that vary with the heads per rank can change a batched
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # GEMM's sums (head_dim 8, AMD EPYC)
@@ -325,7 +322,7 @@ class GPT(nn.Module):
     vocab slice of the logits, ``[b, s, padded_vocab / TP]`` (columns ``>= vocab_size`` are
     padding). Call ``tp.allreduce_sequence_parallel_grads(model)`` after backward under SP.
 
-    A pipeline stage (:mod:`tensorpar.pipeline`) holds the blocks ``layers`` only, the embedding
+    A pipeline stage (:mod:`tensorpar.pipeline_parallel`) holds the blocks ``layers`` only, the embedding
     if ``pre_process`` (else its input is the previous stage's output) and the final norm and
     head if ``post_process`` (else it returns its blocks' output), with the whole model's weights.
     Over ``cp_group`` too, a stage's input and output are this CP rank's chunks of the sequence.

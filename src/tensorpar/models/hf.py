@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .. import comm
+from ..distributed import comm
 from .gpt import GPT, GPTConfig
 from .hf_files import (INDEX, SafetensorsReader, check_weights, config_from_hf, config_from_hf_dir, family_of,
                        model_dir, tensor_key)

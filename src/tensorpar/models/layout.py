@@ -21,8 +21,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from .. import comm
-from ..initialization import balanced_sizes, shard_rows
+from ..distributed import comm
+from ..tensor_parallel.initialization import balanced_sizes, shard_rows
 from ..parallel_state import resolve_tp_group
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import comm, invariant
-from ..lanewise import lanewise
-from ..linear import ColumnParallelLinear, RowParallelLinear
+from ..distributed import comm
+from .. import invariant
+from ..invariant.lanewise import lanewise
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel_state import default_device
 from . import context_split
 from .config import GPTConfig

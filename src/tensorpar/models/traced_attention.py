@@ -2,10 +2,10 @@
 
 SDPA draws its dropout mask inside the kernel, in an order no other split of the work (TP
 ranks' heads, CP ranks' blocks) can replay. So attention with dropout is written out: eager,
-with each global head's mask by position (:mod:`tensorpar.context.attention_dropout`, the mask
+with each global head's mask by position (:mod:`tensorpar.context_parallel.attention_dropout`, the mask
 a CP rank draws again for its part); traced by ``torch.compile``, which cannot seed
-generators, with this rank's heads' slice of one mask (:func:`tensorpar.random.sharded_dropout`);
-in the TP-invariant mode with its per-head keyed masks (:func:`tensorpar.invariant_dropout.drop_heads`).
+generators, with this rank's heads' slice of one mask (:func:`tensorpar.tensor_parallel.random.sharded_dropout`);
+in the TP-invariant mode with its per-head keyed masks (:func:`tensorpar.invariant.dropout.drop_heads`).
 """
 
 from __future__ import annotations

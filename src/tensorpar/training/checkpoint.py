@@ -55,8 +55,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from .. import comm
-from ..fsdp import scatter_dp_shard
+from ..distributed import comm
+from ..data_parallel.fsdp import scatter_dp_shard
 from .checkpoint_files import latest_step_dir, read_json, read_manifest
 from .checkpoint_format import (CONFIG, LATEST, MANIFEST, META, CheckpointError, agree, config_fingerprint,
                                 describe, on_rank0, sha256)

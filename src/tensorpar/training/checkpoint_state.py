@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .. import comm
-from ..fsdp import full_box, gather_dp_shards, reshard, shard_group, tp_dp_mesh
+from ..distributed import comm
+from ..data_parallel.fsdp import full_box, gather_dp_shards, reshard, shard_group, tp_dp_mesh
 from ..models.layout import gather_full_tensor, shard_full_tensor
-from ..random import get_rng_tracker
+from ..tensor_parallel.random import get_rng_tracker
 from .checkpoint_format import ADAM_MOMENTS
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from .. import parallel_state as ps
-from ..context import SequenceChunks
+from ..context_parallel import SequenceChunks
 
 
 @dataclasses.dataclass(frozen=True)

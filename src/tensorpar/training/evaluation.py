@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from .. import comm
+from ..distributed import comm
 from .data import BatchSampler
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state as ps
-from ..comm_model import calibrate_overlap
+from ..planning.communication import calibrate_overlap
 from ..errors import UsageError
 from ..models.gpt import GPT
 from . import checkpoint

@@ -22,8 +22,8 @@ import dataclasses
 
 import torch
 
-from .. import comm
-from ..fsdp import is_fully_sharded
+from ..distributed import comm
+from ..data_parallel.fsdp import is_fully_sharded
 from .data import BatchSampler
 from .evaluation import autocast
 

@@ -6,7 +6,7 @@ every TP and CP rank of the group; CP ranks run their chunks of each, :mod:`.con
 stages run them through the schedule, :mod:`.pipeline_step`), forward under autocast when
 ``--dtype bf16`` (the weights stay fp32 and are the optimizer's master copy), backward with
 the DP all-reduces launched bucket by bucket as gradients appear (with ``--fsdp``: FSDP2's
-reduce-scatters, see :mod:`tensorpar.fsdp`), SP grads summed over TP, TP-aware clipping, AdamW, then metrics,
+reduce-scatters, see :mod:`tensorpar.data_parallel.fsdp`), SP grads summed over TP, TP-aware clipping, AdamW, then metrics,
 evaluation and checkpoints as asked.
 """
 
@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import comm, invariant, parallel_state as ps
-from .. import grads as tp_grads
-from ..comm_model import calibrate_overlap
+from ..distributed import comm
+from .. import parallel_state as ps
+from ..data_parallel import grads
+from ..planning.communication import calibrate_overlap
 from ..errors import UsageError
-from ..fsdp import ShardedGradSync, bytes_per_rank, describe as describe_fsdp, fully_shard, shard_group
+from ..data_parallel.fsdp import ShardedGradSync, bytes_per_rank, describe as describe_fsdp, fully_shard, shard_group
 from ..models.gpt import GPT
-from ..random import model_parallel_manual_seed
+from ..tensor_parallel.random import model_parallel_manual_seed
 from . import checkpoint, invariant_batches, pipeline_step, rundir
 from .checkpoint_files import open_checkpoint, resolve
 from .checkpoint_format import TOKENIZER, CheckpointError
@@ -264,9 +265,8 @@ def _train(args, signals: Signals) -> RunResult:
         fully_shard(model, dp_group=cp.grad_group, dp_replicate=args.dp_replicate, min_unit_mib=args.fsdp_min_unit_mib)
     optimizer = adamw(_param_groups(model, args.weight_decay), device=device, tp_invariant=config.tp_invariant,
                       lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    # TP-invariant mode: the same reductions, in orders that do not depend on the TP size.
-    grads = invariant if config.tp_invariant else tp_grads
-    # And at any DP size: the step's micro-batches summed in one tree over the global index. Its
+    # The gradient helpers read the invariant mode from the parameters (marked by its layers). At
+    # any DP size the step's micro-batches are summed in one tree over the global index. Its
     # layers sum each micro-batch's grads over CP in backward: only DP is left to the reducer (FSDP's
     # tree over DP x CP takes CP rank 0's).
     reducer = ShardedGradSync(model, micro_batches=args.grad_accum if config.tp_invariant else None,

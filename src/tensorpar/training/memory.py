@@ -1,6 +1,6 @@
 """Before launch: whether a run fits the memory of this machine.
 
-:func:`check_memory` compares :func:`tensorpar.memory_model.gpt_training_memory` (parameters,
+:func:`check_memory` compares :func:`tensorpar.planning.memory.gpt_training_memory` (parameters,
 gradients, AdamW state and activations per rank, estimated from the config alone) with the
 memory each rank has: a CUDA device's, or on CPU the host's available memory shared by its
 local ranks (``MemAvailable`` of ``/proc/meminfo``, else ``os.sysconf``).
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import os
 
-from ..fsdp import MIN_UNIT_MIB
-from ..memory_model import gpt_parameters_per_rank, gpt_training_memory
+from ..data_parallel.fsdp import MIN_UNIT_MIB
+from ..planning.memory import gpt_parameters_per_rank, gpt_training_memory
 from ..errors import UsageError
 
 
@@ -94,13 +94,13 @@ def check_memory(config, *, tp: int, dp: int, seq_len: int, micro_batch: int, dt
 
     ``cp``: context parallelism divides the activations, FSDP shards over ``dp x cp``. With
     ``pp > 1`` the estimate is each PP rank's (its stages, and the ``microbatches`` the
-    ``schedule`` holds in flight on them: :func:`tensorpar.pipeline.pipeline_memory`), and the
+    ``schedule`` holds in flight on them: :func:`tensorpar.pipeline_parallel.pipeline_memory`), and the
     largest is checked and named (each stage's FSDP units gathered for the step, whatever
     ``min_unit_mib``, :func:`tensorpar.fully_shard`'s)."""
     sizes = dict(tp=tp, dp=dp, cp=cp, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, fsdp=fsdp)
     where = ""
     if pp > 1:
-        from ..pipeline import pipeline_memory
+        from ..planning.pipeline import pipeline_memory
 
         ranks = pipeline_memory(config, pp_size=pp, schedule=schedule, microbatches=microbatches,
                                 virtual_stages=virtual_stages, **sizes)

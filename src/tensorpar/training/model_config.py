@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .. import comm, invariant
+from ..distributed import comm
+from .. import invariant
 from ..errors import UsageError
 from ..models import GPT, GPTConfig
 from .checkpoint_format import LATEST, MANIFEST

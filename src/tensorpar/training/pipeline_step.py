@@ -1,7 +1,7 @@
 """``tensorpar train --pp N``: this rank's pipeline stages as one module the training loop steps,
 evaluates and checkpoints as it does a GPT.
 
-The stages (:func:`tensorpar.pipeline.build_stages`) carry the PP=1 model's weights; their
+The stages (:func:`tensorpar.pipeline_parallel.build_stages`) carry the PP=1 model's weights; their
 parameters are named as the PP=1 model names them (a stage's ``blocks.0`` is ``blocks.3`` when
 the stage starts at layer 3; the last stage's copy of a tied embedding is ``embedding.word.weight``),
 so checkpoints are the same files at every PP size. A step runs the step's micro-batches (the
@@ -28,12 +28,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import comm, parallel_state as ps
-from ..fsdp import MIN_UNIT_MIB, ShardedGradSync
-from ..invariant_dropout import MaskCounter
+from ..distributed import comm
+from .. import parallel_state as ps
+from ..data_parallel.fsdp import MIN_UNIT_MIB, ShardedGradSync
+from ..invariant.dropout import MaskCounter
 from ..models import GPTConfig
-from ..pipeline import (PipelineSchedule, StageLayout, bubble_fraction, build_stages, full_model_name,
-                        fully_shard_stages, stage_layout)
+from ..pipeline_parallel import PipelineSchedule, StageLayout, build_stages, full_model_name, fully_shard_stages, stage_layout
+from ..planning.pipeline import bubble_fraction
 from .context_run import ContextLayout
 from .data import BatchSampler
 from .evaluation import autocast
@@ -60,7 +61,7 @@ class PipelinedGPT(nn.Module):
     ``named_parameters`` gives the PP=1 names (each parameter once); ``num_parameters`` is the
     whole model's count (the unpadded TP=1 model's, as ``count_parameters`` gives at PP=1).
     Given ``fsdp_group`` (the DP group, or DP x CP), each stage is sharded over it
-    (:func:`tensorpar.pipeline.fully_shard_stages`, in units of ``min_unit_mib``); given a
+    (:func:`tensorpar.pipeline_parallel.fully_shard_stages`, in units of ``min_unit_mib``); given a
     ``context`` of CP > 1, every stage runs its CP rank's chunks of each sequence.
     """
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from ..errors import UsageError
-from ..tree_reduce import subtree_sizes
+from ..distributed.tree_reduce import subtree_sizes
 
 DEFAULT_SCHEDULE = {"lr": 3e-3, "warmup": 30}
 MIN_LR_FRACTION = 0.1  # --min-lr, unless given, is this fraction of --lr
