@@ -214,6 +214,36 @@ def _weights_body(ckpt):
     return model.full_state_dict()
 
 
+
+def _train_on_threads_body(argv, threads):
+    import os
+    import unittest.mock
+
+    with unittest.mock.patch.dict(os.environ, {"OMP_NUM_THREADS": str(threads)}):
+        result = _train_body(argv)
+    assert torch.get_num_threads() == threads
+    torch.set_num_threads(1)
+    return result
+
+
+def test_train_at_tp_1_2_and_4_on_3_threads_a_rank_gives_the_same_bits(tmp_path):
+    """The promise holds at any intra-op thread count, the same on every rank (OMP_NUM_THREADS=3,
+    which the invariant mode keeps at every layout): a SwiGLU FFN whose activation is past ATen's
+    grain at every TP size, so 3 threads cut it into pieces (where, depends on the TP size)."""
+    argv = TRAIN + ["--ffn-hidden", "4096", "--activation", "swiglu", "--steps", "3", "--dropout", "0"]
+
+    def train(world):
+        out = tmp_path / f"tp{world}"
+        losses, ckpt = run_on_ranks(_train_on_threads_body, world, argv + ["--tp", str(world), "--out", str(out)],
+                                    3, timeout=300)[0]
+        return losses, run_on_ranks(_weights_body, 1, str(ckpt))[0]
+
+    reference, reference_weights = train(1)
+    for world in (2, 4):
+        losses, weights = train(world)
+        assert losses == reference, (world, losses, reference)
+        assert [name for name in weights if not torch.equal(weights[name], reference_weights[name])] == [], world
+
 @pytest.mark.slow
 def test_train_and_a_resume_at_another_tp_size_are_bit_identical(tmp_path):
     """--tp-invariant with hidden and attention dropout: TP=1 for 6 steps; TP=2 +SP saved at step 3
@@ -410,3 +440,19 @@ def test_generate_continues_a_tp_invariant_checkpoint(tmp_path, capsys):
                  "--max-new-tokens", "4"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("def ") and "error" not in err
+
+
+def test_train_runs_every_layout_of_an_invariant_run_on_one_thread_count_and_says_so(tmp_path):
+    """The launcher shares the cores among a node's ranks (a TP=1 run would get twice a TP=2
+    run's threads here), and a CPU GEMM's bits depend on its threads: the invariant mode keeps
+    OMP_NUM_THREADS, else 1, at every layout, and the header names it."""
+    import os
+
+    from tests.cli_runner import run_tensorpar
+
+    env = {name: value for name, value in os.environ.items() if name != "OMP_NUM_THREADS"}
+    for world in (1, 2):
+        done = run_tensorpar(["train", *TRAIN, "--steps", "1", "--nproc", world, "--tp", world,
+                              "--out", tmp_path / str(world)], env=env)
+        assert done.returncode == 0, done.stderr
+        assert "--tp-invariant on CPU: 1 intra-op thread a rank at every layout" in done.stdout, done.stdout

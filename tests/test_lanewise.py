@@ -58,3 +58,28 @@ def test_whole_steps_of_a_contiguous_tensor_are_computed_in_place_without_a_copy
     narrow = torch.randn(3, VECTOR_STEP + 1)
     out = lanewise(torch.Tensor.exp_, narrow)
     assert out.shape == narrow.shape and out.data_ptr() != narrow.data_ptr()
+
+
+@pytest.mark.parametrize("threads", [3, 7])
+@pytest.mark.parametrize("name", ["silu", "gelu", "gelu_tanh"])
+def test_tp_shards_get_tp1s_bits_at_any_thread_count(name, threads):
+    """Past ATen's grain, with several intra-op threads every thread's piece of a tensor ended in a
+    tail loop of its own, cut elsewhere at every TP size (SiLU: 1 element of TP 4's columns at 3
+    threads). TP 1, 2 and 4's column shards, forward and backward, get the bits of TP 1 at one thread."""
+    previous = torch.get_num_threads()
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 11008, generator=generator)
+    grad = torch.randn(64, 11008, generator=generator)
+    torch.set_num_threads(1)
+    try:
+        expected = _value_and_grad(FUNCTIONS[name], x, grad)
+        torch.set_num_threads(threads)
+        for tp_size in (1, 2, 4):
+            shards = [_value_and_grad(FUNCTIONS[name], part, part_grad)
+                      for part, part_grad in zip(x.chunk(tp_size, -1), grad.chunk(tp_size, -1))]
+            value, x_grad = (torch.cat(parts, -1) for parts in zip(*shards))
+            assert torch.equal(value, expected[0]), (tp_size, (value != expected[0]).sum().item())
+            assert torch.equal(x_grad, expected[1]), (tp_size, (x_grad != expected[1]).sum().item())
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(previous)

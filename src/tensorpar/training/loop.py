@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,6 +76,15 @@ def adamw(params, *, device: torch.device, tp_invariant: bool = False, **options
     """
     fused = device.type in ("cpu", "cuda") and not tp_invariant
     return torch.optim.AdamW(params, **options, **({"fused": True} if fused else {"foreach": True}))
+
+
+def _invariant_threads() -> int:
+    """The intra-op threads of every rank of an invariant run on CPU, set here: ``OMP_NUM_THREADS``,
+    else 1, never the launcher's share of the cores, which differs between layouts (a TP=1 run gets
+    4 times a TP=4 run's): a CPU GEMM's result depends on the threads it splits its sums over."""
+    threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(threads)
+    return threads
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -248,6 +258,7 @@ def _train(args, signals: Signals) -> RunResult:
     train_tokens, val_tokens = corpus.split(val_fraction=VAL_FRACTION, seq_len=seq_len)
 
     fsdp = getattr(args, "fsdp", False)
+    threads = _invariant_threads() if config.tp_invariant and device.type == "cpu" else None
     model_parallel_manual_seed(args.seed)
     model = GPT(config, cp_group=cp.group, device=device) if pp_size == 1 else pipeline_step.PipelinedGPT(
         config, schedule=args.pp_schedule, microbatches=args.grad_accum, virtual_stages=args.virtual_stages,
@@ -322,6 +333,10 @@ def _train(args, signals: Signals) -> RunResult:
         print(f"tensorpar train: per rank {memory}"
               + (f" ({describe_fsdp(model)})" if fsdp else ""),
               flush=True)
+        if threads is not None:
+            print(f"tensorpar train: --tp-invariant on CPU: {threads} intra-op thread{'s' if threads > 1 else ''} "
+                  "a rank at every layout (OMP_NUM_THREADS sets the count: the bits depend on it, not on the layout)",
+                  flush=True)
         if args.init_from or args.init_from_hf:
             print(f"tensorpar train: {_init_header(args, init, config)}", flush=True)
         if resumed:
