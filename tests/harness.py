@@ -7,7 +7,8 @@ becomes the test failure with that rank's traceback; a body that does not finish
 ``timeout`` seconds fails the test and the world is replaced, so nothing hangs CI.
 
 ``run_in_fresh_world`` does the same in a throwaway world, for bodies that break their process
-group on purpose (timeouts, crashed peers).
+group on purpose (timeouts, crashed peers). Between bodies a rank tears down the model-parallel
+state and resets what a body may leave set (:func:`_reset_rank_state`).
 
 Ranks are forked from one server process that imported torch and tensorpar once
 (:func:`forkserver`; ``tests/cli_runner.py`` starts its commands from the same server), so a new
@@ -84,6 +85,30 @@ def _transport_threads() -> int:
     return count
 
 
+def _reset_rank_state() -> None:
+    """What a body may leave set in its rank, back to what the next body expects: torch's default
+    dtype and device, grad mode, deterministic algorithms and one intra-op thread; tensorpar's
+    active ledgers, global memory buffer and RNG tracker; compiled graphs (dynamo's caches)."""
+    import sys
+
+    import torch
+
+    from tensorpar.distributed import comm_ledger
+    from tensorpar.tensor_parallel.buffers import get_global_memory_buffer
+    from tensorpar.tensor_parallel.random import get_rng_tracker
+
+    torch.set_default_dtype(torch.float32)
+    torch.set_default_device(None)
+    torch.set_grad_enabled(True)
+    torch.use_deterministic_algorithms(False)
+    torch.set_num_threads(1)
+    comm_ledger._ACTIVE_LEDGERS.clear()
+    get_global_memory_buffer().clear()
+    get_rng_tracker().reset()
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+
+
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     import datetime
 
@@ -113,6 +138,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         # Tear down before reporting, so the next body never meets a peer still cleaning up.
         if tensorpar.model_parallel_is_initialized():
             tensorpar.destroy_model_parallel()
+        _reset_rank_state()
         results.put((*outcome, _transport_threads()))
     dist.destroy_process_group()
 

@@ -106,3 +106,36 @@ def test_ctrl_c_stops_the_suite_and_its_ranks(tmp_path, workers):
 def _session_processes(session: int) -> list[str]:
     listed = subprocess.run(["ps", "-eo", "sid=,args="], capture_output=True, text=True).stdout
     return [line for line in listed.splitlines() if line.split(maxsplit=1)[0] == str(session)]
+
+
+def _leave_state_behind_body() -> int:
+    import torch
+
+    import tensorpar as tp
+
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(3)
+    tp.CommLedger().__enter__()  # never left
+    tp.get_global_memory_buffer().get_tensor([4], torch.float32, "left")
+    tp.get_rng_tracker().add("left-behind", 1)
+    return os.getpid()
+
+
+def _state_body() -> tuple:
+    import torch
+
+    import tensorpar as tp
+    from tensorpar.distributed import comm_ledger
+
+    return (os.getpid(), str(torch.get_default_dtype()), torch.is_grad_enabled(),
+            torch.are_deterministic_algorithms_enabled(), torch.get_num_threads(), len(comm_ledger._ACTIVE_LEDGERS),
+            len(tp.get_global_memory_buffer()._buffers), "left-behind" in tp.get_rng_tracker().get_states())
+
+
+def test_a_body_meets_none_of_the_state_the_last_body_left_in_its_rank():
+    pids = harness.run_on_ranks(_leave_state_behind_body, 2)
+    after = harness.run_on_ranks(_state_body, 2)
+    assert [pid for pid, *_ in after] == pids  # the same world, its ranks reused
+    assert [state for _, *state in after] == [["torch.float32", True, False, 1, 0, 0, False]] * 2

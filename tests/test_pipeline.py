@@ -151,6 +151,47 @@ def test_1f1b_and_interleaved_at_pp4_equal_pp1():
     run_on_ranks(_cases_body, 4, 1, 4, cases, timeout=300)
 
 
+def _shape_inference_body():
+    """The first step's shape inference (a dummy micro-batch forward and backward) leaves every
+    main_grad as it was without copying it: a recomputed block's backward reaches none, and no
+    tensor the size of the largest main_grad is made meanwhile."""
+    import unittest.mock
+
+    from tensorpar.pipeline_parallel.torch_stage import TorchStage
+    from tests.op_counter import OpCounter
+
+    groups = _groups(1, 2)
+    config = GPTConfig(**{**TINY, **GPT2, "recompute": True})
+    layout = pipeline.stage_layout(config.num_layers, pp_size=2, schedule="1f1b")
+    tp.model_parallel_manual_seed(1234, tp_group=groups["tp"])
+    stages = pipeline.build_stages(config, layout, pp_group=groups["pp"], tp_group=groups["tp"])
+    params = [p for stage in stages for p in stage.parameters()]
+    reducer = tp.DataParallelGradReducer(params, dp_group=groups["dp"])
+    reducer.zero_grad()
+    reducer.sync = False  # the micro-batches' gradients only accumulate (DP 1)
+    largest = max(p.numel() for p in params)
+    seen, inference = [], TorchStage._backward_metadata_inference
+
+    def watched(stage, *args, **kwargs):
+        before = [p.main_grad.clone() for p in stage.submod.parameters()]
+        with OpCounter(big=largest) as ops:
+            result = inference(stage, *args, **kwargs)
+        after = [p.main_grad for p in stage.submod.parameters()]
+        seen.append((ops.fresh_big_results, all(torch.equal(a, b) for a, b in zip(before, after))))
+        return result
+
+    schedule = pipeline.PipelineSchedule(stages, layout, schedule="1f1b", microbatches=2, pp_group=groups["pp"],
+                                         embedding_group=groups.get("embedding"))
+    tokens, labels = _batch(2, config.vocab_size)
+    with unittest.mock.patch.object(TorchStage, "_backward_metadata_inference", watched):
+        schedule.step(tokens, labels)
+    return seen
+
+
+def test_the_first_steps_shape_inference_keeps_out_of_main_grad_without_copying_it():
+    assert run_on_ranks(_shape_inference_body, 2) == [[(0, True)]] * 2
+
+
 def _fsdp_body(tp_invariant: bool, units: str):
     """TP 1 x PP 2 x DP 2 with each stage sharded over DP, the same batch on both DP ranks: FSDP's
     average over DP is the PP=1 gradient, shard by shard, the tied embedding's copies summed (also

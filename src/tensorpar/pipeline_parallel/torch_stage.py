@@ -10,8 +10,8 @@ not tensors, and are not recorded.
 That first step also runs each stage forward and backward once on a dummy micro-batch, to
 learn the shapes. Its backward asks autograd for the input gradients only, but a recomputed
 block (:func:`tensorpar.checkpoint`) runs its own backward inside and adds to its parameters'
-gradients (or, under a DataParallelGradReducer, to their ``main_grad``): both are set aside
-while it runs. ``inferring`` is True meanwhile, so the loss function can tell the dummy
+gradients (under a DataParallelGradReducer, its ``main_grad``): parameters with a ``main_grad``
+need no gradient while it runs, the others' ``.grad`` is set aside. ``inferring`` is True meanwhile, so the loss function can tell the dummy
 micro-batch from the real ones.
 
 Each forward and backward records the schedule's micro-batch id (``microbatch``). In the
@@ -36,6 +36,8 @@ Example::
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -99,17 +101,28 @@ class TorchStage(PipelineStage):
     def _backward_metadata_inference(self, *args, **kwargs):
         params = list(self.submod.parameters())
         kept = [param.grad for param in params]
-        # A DataParallelGradReducer's hook moves each .grad into main_grad as it arrives.
-        main = [param.main_grad.clone() if hasattr(param, "main_grad") else None for param in params]
         self.inferring = True
         try:
-            return super()._backward_metadata_inference(*args, **kwargs)
+            with self._main_grads_frozen():
+                return super()._backward_metadata_inference(*args, **kwargs)
         finally:
             self.inferring = False
-            for param, grad, main_grad in zip(params, kept, main):
+            for param, grad in zip(params, kept):
                 param.grad = grad
-                if main_grad is not None:
-                    param.main_grad.copy_(main_grad)
+
+    @contextlib.contextmanager
+    def _main_grads_frozen(self):
+        """The parameters with a ``main_grad`` (a DataParallelGradReducer's) need no gradient
+        meanwhile: a recomputed block's forward records none for them and the reducer's hook sees
+        no ``.grad``, so their ``main_grad`` needs no copy set aside."""
+        frozen = [param for param in self.submod.parameters() if param.requires_grad and hasattr(param, "main_grad")]
+        for param in frozen:
+            param.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for param in frozen:
+                param.requires_grad_(True)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
