@@ -57,7 +57,7 @@ def test_every_flag_of_the_parser_is_a_key_new_ones_included(tmp_path):
     # Each flag once: --tensorboard, not --no-tensorboard too.
     flags = {next(o for o in a.option_strings if o.startswith("--"))[2:] for a in parser._actions if a.option_strings}
     assert set(keys) == flags - {"help"} and {"later-flag", "seq-len", "no-progress", "tensorboard"} <= set(keys)
-    (tmp_path / "run.toml").write_text("later-flag = 5\nlater_flag = 6\nno-progress = true\nno-tensorboard = 1\n")
+    (tmp_path / "run.toml").write_text("later-flag = 5\nno-progress = true\nno-tensorboard = 1\n")
     with pytest.raises(config_file.UsageError, match="unknown key no-tensorboard .did you mean tensorboard"):
         config_file.read(str(tmp_path / "run.toml"), parser=parser)
     (tmp_path / "run.toml").write_text("later-flag = 5\nno-progress = true\ntensorboard = false\n")
@@ -125,13 +125,14 @@ def test_a_run_keeps_its_config_and_a_resumed_one_prints_the_checkpoint_settings
     assert run_on_ranks(_main_body, 1, ["train", *TINY, "--steps", "2", "--lr", "0.002", "--data", str(text),
                                         "--out", str(out)])[0] == 0
     kept = tomllib.loads((out / "config.toml").read_text())
-    assert (kept["steps"], kept["lr"], kept["seq-len"], kept["data"], kept["out"]) == (2, 0.002, 32, str(text), str(out))
+    assert (kept["steps"], kept["lr"], kept["seq-len"], kept["data"]) == (2, 0.002, 32, str(text))
+    assert not {"out", "overwrite", "resume"} & set(kept)  # reused as a template, it starts a new run
     assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
     # Resumed: the settings come from the checkpoint unless a flag gives another value.
     assert main(["train", "--resume", str(out), "--steps", "4", "--nproc", "1", "--print-config"]) == 0
     printed = tomllib.loads(capsys.readouterr().out)
     assert (printed["steps"], printed["lr"], printed["seq-len"], printed["micro-batch"]) == (4, 0.002, 32, 2)
-    assert printed["resume"] == str(out) and printed["data"] == str(text)
+    assert "resume" not in printed and printed["data"] == str(text)
     assert tomllib.loads((out / "config.toml").read_text()) == kept      # printing wrote nothing
 
 
@@ -154,3 +155,52 @@ def test_without_tomllib_config_is_refused_in_one_line(capsys, monkeypatch, tmp_
     assert capsys.readouterr().err == (
         f"tensorpar train: error: --config needs Python 3.11 or newer (the standard library's tomllib); this is "
         f"Python {sys.version_info.major}.{sys.version_info.minor}\n")
+
+
+_UNREADABLE = {
+    "nested arrays": ("steps = " + "[" * 3000 + "]" * 3000 + "\n", " is not valid TOML (nested too deeply)"),
+    "nested tables": ("steps = " + "{a = " * 3000 + "1" + "}" * 3000 + "\n", " is not valid TOML (nested too deeply)"),
+    "latin-1": ('data = "caf\xe9"\n'.encode("latin-1"), " is not valid TOML (not UTF-8: byte 11 is 0xe9)"),
+    "utf-16": ("steps = 5\n".encode("utf-16"), " is not valid TOML (not UTF-8: byte 0 is 0xff)"),
+    "a key spelled twice": ("seq_len = 32\nseq-len = 64\n", ": seq_len and seq-len set the same flag: keep one"),
+    "overwrite": ("overwrite = true\n", ": overwrite is a one-time switch that touches files"),
+    "resume": ('resume = "run"\n', ": resume is a one-time switch that touches files"),
+    "over 1 MiB": ("#" * (1 << 20) + "\nsteps = 5\n", " is larger than 1 MiB"),
+}
+
+
+@pytest.mark.parametrize("case", list(_UNREADABLE))
+def test_a_config_file_tensorpar_cannot_take_is_one_line_exit_2(capsys, tmp_path, case):
+    content, message = _UNREADABLE[case]
+    path = tmp_path / "run.toml"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert main(["train", "--config", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tensorpar train: error: --config {path}{message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_config_that_is_no_regular_file_is_refused_before_it_is_read(capsys, tmp_path, kind):
+    """A FIFO blocked forever; /dev/zero read until memory ran out."""
+    if kind == "fifo":
+        path = tmp_path / "run.toml"
+        os.mkfifo(path)
+    else:
+        path = "/dev/zero"
+    assert main(["train", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == (f"tensorpar train: error: --config {path} is not a regular file (a pipe or a "
+                                       "device never ends, or blocks): give a TOML file\n")
+
+
+def test_a_file_naming_a_run_directory_starts_nothing_there_without_a_command_line_flag(capsys, tmp_path, text):
+    """A run's config.toml reused with another flag cannot delete or continue the run: it names no
+    directory, and a file that does (out = RUN) is refused while RUN holds a run."""
+    out = tmp_path / "run"
+    assert run_on_ranks(_main_body, 1, ["train", *TINY, "--steps", "1", "--data", str(text), "--out", str(out),
+                                        "--overwrite"])[0] == 0
+    before = sorted(os.listdir(out))
+    (tmp_path / "reused.toml").write_text((out / "config.toml").read_text() + f'out = "{out}"\n')
+    assert main(["train", "--config", str(tmp_path / "reused.toml"), "--lr", "1e-3", "--nproc", "1"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == before

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
+import reprlib
+import stat
 import sys
 
 from ..errors import UsageError
@@ -29,6 +32,13 @@ from ..training.toml_text import toml_value
 
 # Flags that say how the command runs, not what it runs: never read from or written to a file.
 _NOT_SETTINGS = frozenset({"help", "config", "print_config", "debug"})
+# One-time switches that touch files: from a file (a run's own config.toml reused as a template)
+# they would continue or delete a run by surprise. The command line only.
+_COMMAND_LINE_ONLY = frozenset({"overwrite", "resume"})
+# Never written: those switches, and the run directory, which a file reused elsewhere must not name.
+_NOT_WRITTEN = _COMMAND_LINE_ONLY | {"out"}
+# A settings file is a few lines; /dev/zero is not one.
+MAX_FILE_BYTES = 1 << 20
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -56,8 +66,31 @@ def _is_switch(action: argparse.Action) -> bool:
 
 
 def _shown(value) -> str:
-    """``value`` as the file writes it."""
-    return toml_value(value) if isinstance(value, (str, int, float)) else repr(value)
+    """``value`` as the file writes it (an array or table cut short: it may nest thousands deep)."""
+    return toml_value(value) if isinstance(value, (str, int, float)) else reprlib.repr(value)
+
+
+def _load(path: str, tomllib) -> dict:
+    """The TOML table of the regular file ``path`` of at most ``MAX_FILE_BYTES``, UTF-8."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise UsageError(f"--config {path} is not a regular file (a pipe or a device never ends, or "
+                             "blocks): give a TOML file")
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"--config {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise UsageError(f"--config {path} is larger than {MAX_FILE_BYTES >> 20} MiB: a settings file is a few lines")
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--config {path} is not valid TOML (not UTF-8: byte {exc.start} is "
+                         f"0x{data[exc.start]:02x})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"--config {path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise UsageError(f"--config {path} is not valid TOML (nested too deeply)") from None
 
 
 def _value(key: str, value, action: argparse.Action):
@@ -92,17 +125,18 @@ def read(path: str, *, parser: argparse.ArgumentParser) -> dict[str, object]:
     except ModuleNotFoundError:  # the package still installs on 3.10, where only --config needs more
         raise UsageError(f"--config needs Python 3.11 or newer (the standard library's tomllib); this is "
                          f"Python {sys.version_info.major}.{sys.version_info.minor}") from None
-    try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
-    except OSError as exc:
-        raise UsageError(f"--config {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"--config {path} is not valid TOML: {exc}") from None
+    table = _load(path, tomllib)
     keys = settable(parser)
-    values = {}
+    values, spelled = {}, {}
     for key, value in table.items():
         name = key.replace("_", "-")
+        if name in spelled:
+            raise UsageError(f"--config {path}: {spelled[name]} and {key} set the same flag: keep one")
+        spelled[name] = key
+        if name.replace("-", "_") in _COMMAND_LINE_ONLY:
+            raise UsageError(f"--config {path}: {key} is a one-time switch that touches files (a file reused as "
+                             f"a template would {'continue' if name == 'resume' else 'delete'} a run by "
+                             f"surprise): pass --{name} on the command line")
         action = keys.get(name)
         if action is None:
             near = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
@@ -118,7 +152,8 @@ def read(path: str, *, parser: argparse.ArgumentParser) -> dict[str, object]:
 
 
 def dumps(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> str:
-    """``args`` as a TOML file :func:`read` reads back: every flag of ``parser`` that has a value.
+    """``args`` as a TOML file :func:`read` reads back: every flag of ``parser`` that has a value,
+    but the one-time switches and ``out`` (the run's own directory: reused, the file starts a new run).
 
     Example: ``dumps(argparse.Namespace(steps=200, fsdp=False), parser=p)`` is ``"steps = 200\\nfsdp = false\\n"``
     (after a comment line).
@@ -126,6 +161,6 @@ def dumps(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> str:
     lines = [f"# {parser.prog}'s settings; run it again with: {parser.prog} --config FILE"]
     for key, action in settable(parser).items():
         value = getattr(args, action.dest, None)
-        if value is not None:
+        if value is not None and action.dest not in _NOT_WRITTEN:
             lines.append(f"{key} = {toml_value(value)}")
     return "\n".join(lines) + "\n"
