@@ -276,3 +276,24 @@ def test_resuming_an_older_checkpoint_never_silently_replaces_newer_ones(tmp_pat
     assert run_on_ranks(_train_or_refuse_body, 1, argv + ["--overwrite"]) == [[3]]
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
         "latest", "loss.png", "metrics.jsonl", "step_2", "step_3"]
+
+
+def test_resuming_a_run_into_another_runs_directory_is_refused_and_leaves_both_as_they_were(tmp_path, capsys):
+    """`--resume A --out B`, B holding another run, wrote into B: its latest repointed, its
+    config.toml replaced, its metrics appended to."""
+    from tensorpar.cli.main import main
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        run_on_ranks(_train_or_refuse_body, 1, TINY + ["--steps", "2", "--out", str(out)])
+    before = {out: {name: (out / name).read_bytes() for name in ("latest", "metrics.jsonl")} for out in (a, b)}
+    message = (f"--out {b} holds another run (latest, loss.png, metrics.jsonl, step_2) than --resume "
+               f"{a / 'step_2'} continues: give --out {a} to continue there, or an --out that holds no run")
+    assert main(["train", *TINY, "--steps", "3", "--nproc", "1", "--resume", str(a), "--out", str(b)]) == 2
+    assert capsys.readouterr().err == f"tensorpar train: error: {message}\n"
+    assert run_on_ranks(_train_or_refuse_body, 1, TINY + ["--steps", "3", "--resume", str(a), "--out", str(b)]) \
+        == [message]
+    assert {out: {name: (out / name).read_bytes() for name in before[out]} for out in (a, b)} == before
+    # Into a directory that holds no run, it continues.
+    assert run_on_ranks(_train_or_refuse_body, 1, TINY + ["--steps", "3", "--resume", str(a),
+                                                          "--out", str(tmp_path / "c")]) == [[3]]

@@ -165,6 +165,11 @@ def _newer_steps(out: Path, resume_from: Path | None) -> list[str]:
 
 def _check_entries(out: str | os.PathLike, *, resume: bool, overwrite: bool, resume_from: Path | None) -> None:
     check_written_names(out)
+    entries = run_entries(out)
+    if resume_from is not None and entries and Path(out).resolve() != resume_from.resolve().parent:
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise RunDirError(f"--out {out} holds another run ({shown}) than --resume {resume_from} continues: give "
+                          f"--out {resume_from.parent} to continue there, or an --out that holds no run")
     newer = _newer_steps(Path(out), resume_from)
     if resume and overwrite and not newer:
         raise RunDirError(f"--resume continues a run and --overwrite starts over: give one of them (with "
@@ -175,7 +180,6 @@ def _check_entries(out: str | os.PathLike, *, resume: bool, overwrite: bool, res
         raise RunDirError(f"--out {out} holds checkpoints newer than --resume {resume_from} ({shown}), which "
                           "this run would replace: pass --overwrite to set them aside (removed once this run's "
                           "first checkpoint is written), or choose another --out")
-    entries = run_entries(out)
     if entries and not (resume or overwrite):
         shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
         raise RunDirError(f"--out {out} already holds a run ({shown}); continue it with --resume {out} "
