@@ -366,3 +366,25 @@ def _read(fd):
         return os.read(fd, 4096)
     except OSError:  # the terminal's other end closed
         return b""
+
+
+@pytest.mark.parametrize("flag, value, most", [
+    ("--steps", "9223372036854775808", "1000000000000"), ("--grad-accum", "100000000000000000000000000", "2147483648"),
+    ("--global-batch", "2147483649", "2147483648"), ("--micro-batch", "4294967296", "2147483648"),
+    ("--eval-iters", "100000000000000000000000000", "2147483648"), ("--warmup", "10000000000000", "1000000000000")])
+def test_counts_past_what_a_run_can_take_are_one_line_before_launch(capsys, tmp_path, flag, value, most):
+    """--steps 2^63 failed after launch (OverflowError, a run folder left behind); --grad-accum 1e26
+    ended in a line several KB long holding a C++ frame; --eval-iters 1e26 evaluated forever."""
+    kind = "(0" if flag != "--warmup" else "[0"
+    assert _fails(capsys, ["train", flag, value, "--out", str(tmp_path / "out")]) == \
+        f"argument {flag}: must be an integer in {kind}, {most}], got {value}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_more_validation_batches_than_the_split_holds_are_capped_and_said(tmp_path):
+    argv = TINY + ["--steps", "2", "--eval-every", "2", "--eval-iters", "1000000", "--out", str(tmp_path / "run")]
+    done = run_tensorpar(["train", "--nproc", "1", *argv])
+    assert done.returncode == 0, done.stderr
+    note = re.search(r"--eval-iters 1000000: the validation split holds (\d+) batches of 2 x 32 tokens a DP rank; "
+                     r"each evaluation runs (\d+)", done.stdout + done.stderr)
+    assert note and note[1] == note[2] and int(note[1]) < 1000000, done.stdout

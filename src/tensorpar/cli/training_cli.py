@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import UsageError
 from . import config_file, context_flags, fsdp_flags, pipeline_flags
 from .errors import noted_on_signal
-from .flag_types import SEED as _SEED, TIMEOUT as _TIMEOUT
+from .flag_types import MOST_SEQUENCES, MOST_STEPS, SEED as _SEED, TIMEOUT as _TIMEOUT
 from .flag_types import non_negative as _non_negative
 from .flag_types import number as _number
 from .flag_types import overlap as _overlap
@@ -52,7 +52,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     pipeline_flags.add_flags(parser)
     context_flags.add_context_flags(parser)
     run = parser.add_argument_group("run")
-    run.add_argument("--steps", type=_positive(int), default=600,
+    run.add_argument("--steps", type=_positive(int, most=MOST_STEPS), default=600,
                      help="optimizer steps of the whole run; when resuming, the total to reach, not steps to add")
     run.add_argument("--out", default=None, help=f"output directory (default: {DEFAULT_OUT}, or the "
                      "resumed run's directory): checkpoints, metrics.jsonl, loss.png")
@@ -65,15 +65,16 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--overwrite", action="store_true",
                      help="start over in an --out that holds a run: its files are removed once this run's "
                           "first checkpoint is written")
-    run.add_argument("--save-every", type=_non_negative(int), default=None,
+    run.add_argument("--save-every", type=_non_negative(int, most=MOST_STEPS), default=None,
                      help="checkpoint every N steps (0: only at the end; default: at each --eval-every)")
-    run.add_argument("--keep-last", type=_non_negative(int), default=None,
+    run.add_argument("--keep-last", type=_non_negative(int, most=MOST_SEQUENCES), default=None,
                      help="remove this run's older checkpoints but the newest N (0: keep all; default: 3); never "
                           "the one OUT/latest names, nor those of earlier runs")
-    run.add_argument("--eval-every", type=_non_negative(int), default=None,
+    run.add_argument("--eval-every", type=_non_negative(int, most=MOST_STEPS), default=None,
                      help="validate every N steps (0: never; default: 100)")
-    run.add_argument("--eval-iters", type=_positive(int), default=None, help="validation batches per evaluation (default: 10)")
-    run.add_argument("--log-every", type=_positive(int), default=None,
+    run.add_argument("--eval-iters", type=_positive(int, most=MOST_SEQUENCES), default=None,
+                     help="validation batches per evaluation, at most the validation split's (default: 10)")
+    run.add_argument("--log-every", type=_positive(int, most=MOST_STEPS), default=None,
                      help="metrics.jsonl row every N steps, and a log line when the output is not a terminal "
                           "(default: 10)")
     run.add_argument("--seed", type=_SEED, default=None,
@@ -96,12 +97,12 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--seq-len", type=_positive(int), default=None,
                       help="tokens per sample (default: the model's max_seq_len, at most 128 with --init-from-hf; "
                            "128 with the default model)")
-    data.add_argument("--micro-batch", type=_positive(int), default=None,
+    data.add_argument("--micro-batch", type=_positive(int, most=MOST_SEQUENCES), default=None,
                       help="sequences per DP rank per micro-batch (default: the resumed run's, else 16)")
-    data.add_argument("--global-batch", type=_positive(int), default=None,
+    data.add_argument("--global-batch", type=_positive(int, most=MOST_SEQUENCES), default=None,
                       help="sequences per optimizer step over all DP ranks; gradient accumulation makes it up "
                            "(default: the resumed run's, else --micro-batch x DP size x --grad-accum)")
-    data.add_argument("--grad-accum", type=_positive(int), default=None,
+    data.add_argument("--grad-accum", type=_positive(int, most=MOST_SEQUENCES), default=None,
                       help="micro-batches per step (default: what --global-batch needs, else 1)")
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, metavar="PRESET", help=_PRESET_HELP)
@@ -158,8 +159,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     optim.add_argument("--min-lr", type=_non_negative(float), default=None,
                        help="learning rate at the end of the decay (default: a tenth of --lr; a resumed run's own "
                             "unless --lr is given)")
-    optim.add_argument("--warmup", type=_non_negative(int), default=None, help="linear warmup steps (default: 30)")
-    optim.add_argument("--lr-decay-steps", type=_positive(int), default=None,
+    optim.add_argument("--warmup", type=_non_negative(int, most=MOST_STEPS), default=None,
+                       help="linear warmup steps (default: 30)")
+    optim.add_argument("--lr-decay-steps", type=_positive(int, most=MOST_STEPS), default=None,
                        help="step at which the cosine decay reaches --min-lr (default: --steps of a new run)")
     optim.add_argument("--weight-decay", type=_non_negative(float), default=None,
                        help="AdamW weight decay (default: 0.1)")

@@ -311,6 +311,9 @@ def _train(args, signals: Signals) -> RunResult:
                            rank_contiguous=config.tp_invariant)
     val_sampler = BatchSampler(val_tokens, seq_len=seq_len, micro_batch=args.micro_batch, grad_accum=1,
                                dp_rank=dp_rank, dp_size=dp_size, seed=args.seed, stream=1)
+    # More batches than the split holds would only draw the same tokens again (and a huge count never ends).
+    val_batches = max(1, len(val_tokens) // (seq_len * args.micro_batch * dp_size))
+    eval_iters = min(args.eval_iters, val_batches)
     tokens_per_step = args.global_batch * seq_len
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     peak, peak_source = peak_flops_per_s(device_name, dtype=args.dtype)
@@ -333,6 +336,9 @@ def _train(args, signals: Signals) -> RunResult:
         print(f"tensorpar train: per rank {memory}"
               + (f" ({describe_fsdp(model)})" if fsdp else ""),
               flush=True)
+        if eval_iters < args.eval_iters and args.eval_every:
+            _say(f"--eval-iters {args.eval_iters}: the validation split holds {val_batches} batches of "
+                 f"{args.micro_batch} x {seq_len} tokens a DP rank; each evaluation runs {eval_iters}")
         if threads is not None:
             print(f"tensorpar train: --tp-invariant on CPU: {threads} intra-op thread{'s' if threads > 1 else ''} "
                   "a rank at every layout (OMP_NUM_THREADS sets the count: the bits depend on it, not on the layout)",
@@ -419,7 +425,7 @@ def _train(args, signals: Signals) -> RunResult:
             if evaluating:
                 val = (invariant_batches.evaluate if config.tp_invariant else evaluate if pp_size == 1
                        else pipeline_step.evaluate)(
-                    model, val_sampler, iters=args.eval_iters, dtype=args.dtype, device=device, dp_group=dp_group)
+                    model, val_sampler, iters=eval_iters, dtype=args.dtype, device=device, dp_group=dp_group)
                 result.val_losses[done] = val
                 progress.eval(step=done, val_loss=val)
             if saving:
