@@ -505,12 +505,20 @@ def _our_logits_body(path, tokens):
         return model(tokens)[..., :model.config.vocab_size]
 
 
-@pytest.mark.slow
-def test_export_to_transformers_gives_the_same_logits(ckpt_run, tmp_path):
+def test_export_to_transformers_gives_the_same_logits_and_stops_generating_at_its_context(ckpt_run, tmp_path):
+    """transformers' default text-generation call ran past the model's positions (IndexError):
+    the export writes its context length as the generation's max_length, and says so."""
     transformers = pytest.importorskip("transformers")
     proc = _cli("export", "--checkpoint", str(ckpt_run), "--to-hf", str(tmp_path / "hf"))
     assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    said = (f"wrote a transformers model to {tmp_path / 'hf'}: step 2, a context of {config['n_positions']} tokens "
+            "(its generation stops there: max_length)\n")
+    assert said in proc.stdout, proc.stdout
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["max_length"] == config["n_positions"]
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    generated = transformers.pipeline("text-generation", model=str(tmp_path / "hf"))("def ")[0]["generated_text"]
+    assert generated.startswith("def ")
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     tokens = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

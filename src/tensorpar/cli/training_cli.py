@@ -423,8 +423,9 @@ def _cmd_export(args) -> int:
                          "config.json and model.safetensors into it")
     _check_writable_dir(out, "--to-hf")
     args.nproc, args.tp = 1, 1
-    path = _run_in_world(export_entry, args, 1)[0]
-    print(f"wrote a transformers model to {path}", flush=True)
+    path, step, context = _run_in_world(export_entry, args, 1)[0]
+    print(f"wrote a transformers model to {path}: step {step}, a context of {context} tokens (its generation "
+          "stops there: max_length)", flush=True)
     return 0
 
 

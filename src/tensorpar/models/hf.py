@@ -315,6 +315,8 @@ def to_hf(model: GPT, path=None):
                "qwen2": transformers.Qwen2ForCausalLM}
     hf_model = classes[hf_config.model_type](hf_config)
     hf_model.load_state_dict(state, strict=True)
+    # transformers' generate stops at max_length; past the model's positions a learned table has no row.
+    hf_model.generation_config.max_length = model.config.max_seq_len
     if path is not None:
         save_pretrained(hf_model, path)
     return hf_model

@@ -109,8 +109,9 @@ def generate(args) -> str:
     return text
 
 
-def export_hf(args) -> str:
-    """Write ``args.checkpoint`` as a ``transformers`` directory (GPT-2, Llama or Qwen2) at ``args.to_hf``."""
+def export_hf(args) -> tuple[str, int, int]:
+    """Write ``args.checkpoint`` as a ``transformers`` directory (GPT-2, Llama or Qwen2) at ``args.to_hf``;
+    returns the directory, the checkpoint's step and the context length written (``max_length``)."""
     from ..models.hf import save_pretrained, to_hf
     from .tokenizer import byte_tokenizer
 
@@ -130,6 +131,6 @@ def export_hf(args) -> str:
         save_pretrained(hf_model, out)
         if hf_tokenizer is not None:  # pipeline("text-generation", model=out) finds it there
             hf_tokenizer.save_pretrained(out)
-        return str(out)
+        return str(out), meta["step"], model.config.max_seq_len
     finally:
         ps.destroy_model_parallel()
