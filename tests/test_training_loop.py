@@ -253,7 +253,7 @@ def test_a_resume_continues_every_setting_of_the_run_and_names_what_changed(tmp_
         "--out", str(tmp_path / "b")])[0]
     assert out.splitlines()[-1].endswith("cosine to 0.0003 at step 6; changed: --seq-len 16 -> 8, "
                                          "--tensorboard on -> off")
-    assert err.splitlines()[0] == ("tensorpar train: the schedule reaches --min-lr 0.0003 at step 6, so steps "
+    assert err.splitlines()[0] == ("tensorpar train: the schedule reaches --min-lr 0.0003 at step 7, so steps "
                                    "7-8 train at 0.0003; to decay over the whole run instead, pass "
                                    "--lr-decay-steps 8")
     assert not (tmp_path / "b" / "tensorboard").exists()

@@ -20,7 +20,7 @@ def test_a_0_2_checkpoint_keeps_its_data_seed_and_dtype():
     header, note = resume_header(args, META_0_2, ckpt="run/step_600", tp=4, dp=1, data="--data /data/corpus.bin")
     assert header == ("resuming run/step_600 at step 600 of 1000: TP 2->4, DP 2->1; data: --data /data/corpus.bin "
                       "from step 600; schedule lr 0.003, warmup 30, cosine to 0.0003 at step 600; no setting changed")
-    assert note == ("the schedule reaches --min-lr 0.0003 at step 600, so steps 601-1000 train at 0.0003; to decay "
+    assert note == ("the schedule reaches --min-lr 0.0003 at step 601, so steps 601-1000 train at 0.0003; to decay "
                     "over the whole run instead, pass --lr-decay-steps 1000")
 
 

@@ -43,7 +43,7 @@ from .metrics import Rates, config_block
 from .model_config import build_config, check_fits, config_to_json, count_parameters, default_seq_len, hf_init_config
 from .progress import Progress
 from .resume import RUN_SETTINGS, continue_settings, data_path, resume_header
-from .schedule import lr_at, settle_run
+from .schedule import lr_at, schedule_note, settle_run
 from .signals import Signals, control_group, stop_requested
 from .tokenizer import has_tokenizer, load_tokenizer, resolve_tokenizer
 
@@ -351,6 +351,8 @@ def _train(args, signals: Signals) -> RunResult:
             print(f"tensorpar train: {header}", flush=True)
             if note:
                 _say(note)
+        elif note := schedule_note(args):
+            _say(note)
     compiling = getattr(args, "compile", False)
     progress = Progress(out=out, total_steps=args.steps, first_step=start, enabled=is_rank0,
                         bar=not args.no_progress, tensorboard=args.tensorboard, rates=rates, device=device,

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UsageError
+from .schedule import schedule_note
 
 # flag -> a new run's value (``save_every`` None: at every evaluation, whatever ``eval_every`` is)
 RUN_SETTINGS = {"data": None, "seq_len": None, "seed": 1234, "dtype": "fp32", "dropout": 0.0,
@@ -92,7 +93,7 @@ def setting_changes(args, meta: dict) -> list[str]:
 def resume_header(args, meta: dict, *, ckpt, tp: int, dp: int, data: str, cp: int = 1,
                   pp: int = 1) -> tuple[str, str | None]:
     """Rank 0's line on resume (where the run continues, on what, what changed; CP and PP when
-    either run has them) and, when the schedule ends before ``--steps``, a note that the rest trains at ``--min-lr``."""
+    either run has them) and the schedule's note (:func:`~.schedule.schedule_note`), if it has one."""
     start, world = meta["step"], meta["world"]
     changes = setting_changes(args, meta)
     saved_cp, saved_pp = world.get("cp", 1), world.get("pp", 1)
@@ -103,9 +104,4 @@ def resume_header(args, meta: dict, *, ckpt, tp: int, dp: int, data: str, cp: in
               f"data: {data} from step {start}; schedule lr {args.lr:g}, warmup {args.warmup}, cosine to "
               f"{args.min_lr:g} at step {args.lr_decay_steps}; "
               + (f"changed: {', '.join(changes)}" if changes else "no setting changed"))
-    note = None
-    if args.lr_decay_steps < args.steps:
-        note = (f"the schedule reaches --min-lr {args.min_lr:g} at step {args.lr_decay_steps}, so steps "
-                f"{max(start, args.lr_decay_steps) + 1}-{args.steps} train at {args.min_lr:g}; to decay over the "
-                f"whole run instead, pass --lr-decay-steps {args.steps}")
-    return header, note
+    return header, schedule_note(args, start=start)

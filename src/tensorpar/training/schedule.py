@@ -85,3 +85,25 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int) -> fl
         return lr
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def schedule_note(args, *, start: int = 0) -> str | None:
+    """What the learning rate does past what ``--lr`` says, as the log will show it (the log's step
+    ``s`` trains at ``lr_at(s - 1)``): a run ending inside its warmup, a decay that ends inside the
+    warmup (then there is none), or one that ends before the run does; None when the schedule
+    runs its course over the run."""
+    def shown(step: int) -> float:
+        return lr_at(step - 1, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, total=args.lr_decay_steps)
+
+    if args.steps < args.warmup:
+        return (f"the run ends inside its warmup of {args.warmup} steps: the lr reaches {shown(args.steps):.3g} at "
+                f"step {args.steps}, never --lr {args.lr:g}; pass --warmup below {args.steps} to reach it")
+    if args.lr_decay_steps <= args.warmup:
+        return (f"--lr-decay-steps {args.lr_decay_steps} ends inside the warmup of {args.warmup} steps, so nothing "
+                f"decays: steps {max(start, args.warmup) + 1}-{args.steps} train at {shown(args.steps):g}; to decay "
+                f"over the run, pass --lr-decay-steps {args.steps}")
+    if args.lr_decay_steps < args.steps:
+        return (f"the schedule reaches --min-lr {args.min_lr:g} at step {args.lr_decay_steps + 1}, so steps "
+                f"{max(start, args.lr_decay_steps) + 1}-{args.steps} train at {shown(args.steps):g}; to decay over "
+                f"the whole run instead, pass --lr-decay-steps {args.steps}")
+    return None
