@@ -177,3 +177,18 @@ def test_a_torch_without_the_stage_pp_extends_trains_without_pp_and_refuses_pp_i
     assert len(refused) == 1 and refused[0].startswith(
         "tensorpar train: error: pipeline parallelism needs torch 2.13 or newer"), done.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_pp2_on_the_defaults_splits_the_same_global_batch_into_the_schedules_micro_batches(tmp_path):
+    """`--pp 2` on the defaults failed ("needs at least PP = 2 micro-batches, got 1"): without
+    --micro-batch the default global batch of 16 runs as the 1F1B schedule's 2 micro-batches of 8,
+    and the header says so."""
+    from tests.cli_runner import run_tensorpar
+
+    argv = ["train", "--nproc", "2", "--tp", "1", "--pp", "2", "--layers", "2", "--hidden", "16", "--heads", "2",
+            "--seq-len", "16", "--steps", "1", "--no-progress", "--out", str(tmp_path / "run")]
+    done = run_tensorpar(argv)
+    assert done.returncode == 0, done.stderr
+    assert ("global batch 16 sequences (8 per micro-batch x 1 DP x 2 accumulation)" in done.stdout
+            and "(micro-batch 8: the 1f1b schedule's 2 micro-batches; --micro-batch sets it" in done.stdout), done.stdout
+    assert "micro-batch-chosen" not in done.stdout

@@ -154,7 +154,7 @@ def _init_header(args, init, config) -> str:
 
 
 # The CLI's subcommand, the config-file flags, the traceback switch, and the config file's text.
-_NOT_RUN_SETTINGS = frozenset({"command", "config", "print_config", "debug", "run_config"})
+_NOT_RUN_SETTINGS = frozenset({"command", "config", "print_config", "debug", "run_config", "micro_batch_chosen"})
 
 
 def _run_config(args, config, *, sizes, device, device_name, tokens_per_step, rates, peak_source) -> dict:
@@ -328,7 +328,10 @@ def _train(args, signals: Signals) -> RunResult:
               f"{cp.describe(tp=tp_size, dp=dp_size, seq_len=seq_len, sequence_parallel=config.sequence_parallel)}"
               + (f" PP={pp_size}" if pp_size > 1 else "") + ", "
               f"global batch {args.global_batch} sequences ({args.micro_batch} per micro-batch x {dp_size} DP "
-              f"x {args.grad_accum} accumulation) = {tokens_per_step:,} tokens/step, data: {corpus.source}",
+              f"x {args.grad_accum} accumulation) = {tokens_per_step:,} tokens/step, data: {corpus.source}"
+              + (f" (micro-batch {args.micro_batch}: the {args.pp_schedule} schedule's {args.grad_accum} micro-batches; "
+                 "--micro-batch sets it, as runs meant to match across layouts do)"
+                 if getattr(args, "micro_batch_chosen", False) else ""),
               flush=True)
         if pp_size > 1:
             print(f"tensorpar train: {model.header}", flush=True)

@@ -54,8 +54,11 @@ def settle_run(args, *, meta: dict | None, dp_size: int) -> None:
         raise UsageError(f"{what} {batch} cannot be split evenly over {dp_size} data-parallel ranks: "
                          f"choose --nproc/--tp so that the DP size divides {batch}")
     per_rank = batch // dp_size
-    if args.micro_batch is None:  # the largest that fits, up to the default
-        args.micro_batch = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
+    if args.micro_batch is None:  # the largest that fits, up to the default, in as many as a pipeline needs
+        fits = [d for d in range(min(micro, per_rank), 0, -1) if per_rank % d == 0]
+        runs = [d for d in fits if _schedule_runs(args, per_rank // d)]
+        args.micro_batch = (runs or fits)[0]
+        args.micro_batch_chosen = getattr(args, "pp", 1) > 1 and args.micro_batch != fits[0]
     elif per_rank % args.micro_batch:
         raise UsageError(f"{what} {batch} over {dp_size} data-parallel ranks is {per_rank} sequences "
                          f"per rank, not a multiple of --micro-batch {args.micro_batch}: choose a "
@@ -75,6 +78,20 @@ def settle_run(args, *, meta: dict | None, dp_size: int) -> None:
                          f"{batch // args.micro_batch} micro-batches per step ({what} {batch} / --micro-batch "
                          f"{args.micro_batch}; halves, then chains of {batch // args.micro_batch // sizes[-1]}): "
                          f"use a DP size of {', '.join(map(str, sizes))}")
+
+
+def _schedule_runs(args, microbatches: int) -> bool:
+    """Whether the run's pipeline schedule (``--pp``, ``--pp-schedule``) takes ``microbatches`` a step."""
+    if getattr(args, "pp", 1) == 1:
+        return True
+    from ..pipeline_parallel import check_microbatches
+
+    try:
+        check_microbatches(args.pp_schedule, microbatches=microbatches, pp_size=args.pp,
+                           virtual_stages=args.virtual_stages)
+    except UsageError:
+        return False
+    return True
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int) -> float:
