@@ -49,14 +49,15 @@ def settle_run(args, *, meta: dict | None, dp_size: int) -> None:
 
     micro = args.micro_batch or (meta or {}).get("micro_batch", DEFAULT_MICRO_BATCH)
     batch = args.global_batch or (meta or {}).get("global_batch") or micro * (args.grad_accum or 1) * dp_size
-    what = "--global-batch" if args.global_batch else "the resumed run's global batch"
+    what = ("--global-batch" if args.global_batch else "the resumed run's global batch"
+            if (meta or {}).get("global_batch") else "the global batch")
     if batch % dp_size:
         raise UsageError(f"{what} {batch} cannot be split evenly over {dp_size} data-parallel ranks: "
                          f"choose --nproc/--tp so that the DP size divides {batch}")
     per_rank = batch // dp_size
     if args.micro_batch is None:  # the largest that fits, up to the default, in as many as a pipeline needs
         fits = [d for d in range(min(micro, per_rank), 0, -1) if per_rank % d == 0]
-        runs = [d for d in fits if _schedule_runs(args, per_rank // d)]
+        runs = [d for d in fits if _schedule_runs(args, per_rank // d)] if args.grad_accum is None else []
         args.micro_batch = (runs or fits)[0]
         args.micro_batch_chosen = getattr(args, "pp", 1) > 1 and args.micro_batch != fits[0]
     elif per_rank % args.micro_batch:
