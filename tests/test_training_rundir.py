@@ -297,3 +297,24 @@ def test_resuming_a_run_into_another_runs_directory_is_refused_and_leaves_both_a
     # Into a directory that holds no run, it continues.
     assert run_on_ranks(_train_or_refuse_body, 1, TINY + ["--steps", "3", "--resume", str(a),
                                                           "--out", str(tmp_path / "c")]) == [[3]]
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_started_over_in_one_step(tmp_path, capsys):
+    """Ctrl-C before the first checkpoint was a dead end: running again said the directory holds a
+    run (continue it with --resume), --resume then that it holds no checkpoint."""
+    from tensorpar.cli.main import main
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n')   # what a run leaves before its first save
+    (out / "config.toml").write_text("steps = 100\n")
+    assert main(["train", *TINY, "--steps", "2", "--nproc", "1", "--resume", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"tensorpar train: error: --resume: checkpoint {out}: the run there stopped before its first checkpoint, so "
+        "there is nothing to resume: run the command again without --resume to start it over\n")
+    assert main(["train", *TINY, "--steps", "2", "--nproc", "1", "--out", str(out)]) == 0
+    said = capsys.readouterr()
+    assert f"--out {out} held a run stopped before its first checkpoint, started over: the previous run is kept in " \
+        f"{out / '.previous-run-0'} until this run's first checkpoint is written" in said.out + said.err
+    assert (out / "latest").read_text() == "step_2\n" and not (out / ".previous-run-0").exists()
+    assert '"loss": 5.5' not in (out / "metrics.jsonl").read_text()

@@ -62,6 +62,9 @@ def resolve(path: str | os.PathLike) -> Path:
     if not path.exists():
         raise CheckpointError(f"checkpoint {path}: no such directory")
     latest = latest_step_dir(path)
+    if latest is None and not (path / LATEST).exists() and (path / "metrics.jsonl").exists():
+        raise CheckpointError(f"checkpoint {path}: the run there stopped before its first checkpoint, so there is "
+                              "nothing to resume: run the command again without --resume to start it over")
     if latest is None:
         raise CheckpointError(f"checkpoint {path}: no {LATEST} pointer naming a step_N directory, "
                               "and not a step_N checkpoint directory itself")

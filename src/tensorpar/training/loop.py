@@ -187,7 +187,7 @@ def train(args) -> RunResult:
             lock = _claim_out(args)
             if lock is not None and getattr(args, "run_config", None):  # the settings the command resolved
                 rundir.write_atomic(Path(args.out) / "config.toml", args.run_config.encode())
-            result = _train(args, signals)
+            result = _train(args, signals, set_aside=lock is not None and lock.set_aside is not None)
     except BaseException:
         # The groups stay up: tearing them down here would break the peers' pending collectives
         # at once, and their errors could be reported before this one. Exiting frees them.
@@ -223,11 +223,13 @@ def _claim_out(args) -> rundir.RunLock | None:
         raise rundir.RunDirError(outcome[1])
     if outcome[0] is not None and outcome[0].set_aside is not None:
         what = "the newer checkpoints are" if args.resume else "the previous run is"
-        _say(f"--overwrite: {what} kept in {outcome[0].set_aside} until this run's first checkpoint is written")
+        why = "--overwrite" if getattr(args, "overwrite", False) else \
+            f"--out {args.out} held a run stopped before its first checkpoint, started over"
+        _say(f"{why}: {what} kept in {outcome[0].set_aside} until this run's first checkpoint is written")
     return outcome[0]
 
 
-def _train(args, signals: Signals) -> RunResult:
+def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
     tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_size = comm.group_size(pp_group)
@@ -438,7 +440,7 @@ def _train(args, signals: Signals) -> RunResult:
                                           args=args, tokens_seen=done * tokens_per_step,
                                           world=world, hf_tokenizer=hf_tokenizer)
                 if is_rank0:
-                    if getattr(args, "overwrite", False):
+                    if set_aside or getattr(args, "overwrite", False):
                         rundir.remove_set_aside(out)  # the new run's first checkpoint is safely written
                     name = Path(result.checkpoint).name
                     written = [n for n in written if n != name] + [name]

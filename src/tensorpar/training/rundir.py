@@ -154,6 +154,13 @@ def run_entries(out: str | os.PathLike) -> list[str]:
                   if p.name in _RUN_FILES or p.name.startswith(("step_", SET_ASIDE)))
 
 
+def interrupted_start(out: str | os.PathLike) -> bool:
+    """Whether ``out`` holds a run stopped before its first checkpoint: its files, but no
+    ``latest`` and no ``step_N`` (nothing to resume; a new run takes it over)."""
+    entries = [name for name in run_entries(out) if not name.startswith(SET_ASIDE)]
+    return bool(entries) and not any(name == "latest" or name.startswith("step_") for name in entries)
+
+
 def _newer_steps(out: Path, resume_from: Path | None) -> list[str]:
     """The ``step_N`` entries of ``out`` past the checkpoint resumed from, oldest first."""
     match = _STEP.match(resume_from.name) if resume_from is not None else None
@@ -180,7 +187,7 @@ def _check_entries(out: str | os.PathLike, *, resume: bool, overwrite: bool, res
         raise RunDirError(f"--out {out} holds checkpoints newer than --resume {resume_from} ({shown}), which "
                           "this run would replace: pass --overwrite to set them aside (removed once this run's "
                           "first checkpoint is written), or choose another --out")
-    if entries and not (resume or overwrite):
+    if entries and not (resume or overwrite or interrupted_start(out)):
         shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
         raise RunDirError(f"--out {out} already holds a run ({shown}); continue it with --resume {out} "
                           "or start over with --overwrite")
@@ -194,8 +201,9 @@ def check(out: str | os.PathLike, *, resume: bool, overwrite: bool, resume_from:
 
 
 def claim(out: str | os.PathLike, *, resume: bool, overwrite: bool, resume_from: Path | None = None) -> RunLock:
-    """Lock ``out`` for this run and check it may be used (see :func:`check`); with ``overwrite``, set
-    the old run aside (with ``resume``: the checkpoints newer than ``resume_from``, and ``latest``)."""
+    """Lock ``out`` for this run and check it may be used (see :func:`check`); with ``overwrite``, or
+    over an :func:`interrupted_start`, set the old run aside (with ``resume``: the checkpoints newer
+    than ``resume_from``, and ``latest``)."""
     lock = RunLock(out).acquire()
     out = Path(out)
     try:
@@ -207,7 +215,7 @@ def claim(out: str | os.PathLike, *, resume: bool, overwrite: bool, resume_from:
                 os.replace(out / "latest.tmp", out / "latest")
             elif os.path.lexists(out / "latest"):
                 os.rename(out / "latest", lock.set_aside / "latest")
-        elif overwrite:
+        elif overwrite or (not resume and interrupted_start(out)):
             lock.set_aside = _set_aside(out, [n for n in run_entries(out) if not n.startswith(SET_ASIDE)])
     except BaseException:
         lock.release()
