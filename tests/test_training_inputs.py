@@ -388,3 +388,31 @@ def test_more_validation_batches_than_the_split_holds_are_capped_and_said(tmp_pa
     note = re.search(r"--eval-iters 1000000: the validation split holds (\d+) batches of 2 x 32 tokens a DP rank; "
                      r"each evaluation runs (\d+)", done.stdout + done.stderr)
     assert note and note[1] == note[2] and int(note[1]) < 1000000, done.stdout
+
+
+def test_a_crafted_checkpoint_cannot_point_a_resume_at_another_file(capsys, runs, tmp_path):
+    """meta.json's settings.data and data.source set to another file of the run's basename (the
+    manifest rehashed) trained on it, exit 0. The checkpoint records the token ids' count and
+    SHA-256: a resume without --data trains only on the data whose ids match."""
+    run, step = _copy(runs, tmp_path)
+    meta = json.loads((step / "meta.json").read_text())
+    assert meta["data"]["tokens"] > 0 and re.fullmatch(r"[0-9a-f]{64}", meta["data"]["sha256"])
+    private = tmp_path / "elsewhere" / "text.txt"
+    private.parent.mkdir()
+    private.write_text("a private file of the same name\n" * 300)
+
+    def point_elsewhere(meta):
+        meta["settings"]["data"] = meta["data"]["source"] = str(private)
+
+    _edit_json(step, "meta.json", point_elsewhere)
+    refused = run_tensorpar(["train", "--resume", str(run), "--steps", "2", "--nproc", "1"])
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    message = refused.stderr.removesuffix("\n").split(": error: ", 1)[1]
+    assert message.startswith(f"the resumed run's meta.json names the data {private}, whose ") and \
+        message.endswith(f"are not the {meta['data']['tokens']:,} the run trained on (SHA-256 "
+                         f"{meta['data']['sha256'][:12]}...): pass --data to name the data"), message
+    assert not (run / "step_2").exists()
+    # The data it names on the command line, it trains on; the recorded data it resumes on as before.
+    assert main(["train", "--resume", str(run), "--steps", "2", "--nproc", "1", "--data", str(private)]) == 0
+    run, _ = _copy(runs, tmp_path / "again")
+    assert main(["train", "--resume", str(run), "--steps", "2", "--nproc", "1"]) == 0

@@ -133,7 +133,7 @@ def read(path: str, *, parser: argparse.ArgumentParser) -> dict[str, object]:
         if name in spelled:
             raise UsageError(f"--config {path}: {spelled[name]} and {key} set the same flag: keep one")
         spelled[name] = key
-        if name.replace("-", "_") in _COMMAND_LINE_ONLY:
+        if name.replace("-", "_") in _COMMAND_LINE_ONLY and value is not False:
             raise UsageError(f"--config {path}: {key} is a one-time switch that touches files (a file reused as "
                              f"a template would {'continue' if name == 'resume' else 'delete'} a run by "
                              f"surprise): pass --{name} on the command line")

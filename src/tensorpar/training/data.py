@@ -78,6 +78,14 @@ class Corpus:
     tokenizer: str | None
     source: str
 
+    def digest(self) -> str:
+        """The SHA-256 of the token ids as stored (what a checkpoint records of the data it trained on)."""
+        digest = hashlib.sha256()
+        flat = self.tokens.reshape(-1)
+        for start in range(0, flat.numel(), 1 << 24):
+            digest.update(flat[start:start + (1 << 24)].contiguous().numpy().tobytes())
+        return digest.hexdigest()
+
     def split(self, *, val_fraction: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(train, validation): the last ``val_fraction`` of the tokens is held out."""
         n_train = train_token_count(self.tokens.numel(), val_fraction=val_fraction, seq_len=seq_len,

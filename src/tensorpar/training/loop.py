@@ -42,7 +42,7 @@ from .flops import flops_per_token, peak_flops_per_s
 from .metrics import Rates, config_block
 from .model_config import build_config, check_fits, config_to_json, count_parameters, default_seq_len, hf_init_config
 from .progress import Progress
-from .resume import RUN_SETTINGS, continue_settings, data_path, resume_header
+from .resume import RUN_SETTINGS, check_resumed_data, continue_settings, data_path, resume_header
 from .schedule import lr_at, schedule_note, settle_run
 from .signals import Signals, control_group, stop_requested
 from .tokenizer import has_tokenizer, load_tokenizer, resolve_tokenizer
@@ -107,13 +107,14 @@ def _read_back(pending, result: RunResult, progress: Progress, *, tokens_per_s: 
                       log=log and i == len(pending) - 1)
 
 
-def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: int, world: dict, hf_tokenizer) -> str:
+def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: int, world: dict, hf_tokenizer,
+          data_record: dict) -> str:
     """Checkpoint ``step``; a Hugging Face tokenizer goes into it, so the run needs nothing outside it."""
     meta = {"step": step, "tokens_seen": tokens_seen, "steps": args.steps, "global_batch": args.global_batch,
             "micro_batch": args.micro_batch,
             "schedule": {"lr": args.lr, "min_lr": args.min_lr, "warmup": args.warmup,
                          "decay_steps": args.lr_decay_steps},
-            "data": {"position": step, "seed": args.seed, "source": args.data or "embedded"},
+            "data": {"position": step, "seed": args.seed, "source": args.data or "embedded", **data_record},
             "world": world, "dtype": args.dtype,
             "tokenizer": TOKENIZER if hf_tokenizer is not None else args.tokenizer,
             "settings": {**{name: getattr(args, name) for name in RUN_SETTINGS}, "data": data_path(args.data)}}
@@ -154,7 +155,8 @@ def _init_header(args, init, config) -> str:
 
 
 # The CLI's subcommand, the config-file flags, the traceback switch, and the config file's text.
-_NOT_RUN_SETTINGS = frozenset({"command", "config", "print_config", "debug", "run_config", "micro_batch_chosen"})
+_NOT_RUN_SETTINGS = frozenset({"command", "config", "print_config", "debug", "run_config", "micro_batch_chosen",
+                               "data_from_checkpoint"})
 
 
 def _run_config(args, config, *, sizes, device, device_name, tokens_per_step, rates, peak_source) -> dict:
@@ -245,6 +247,9 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
     world = _world(tp=tp_size, dp=dp_size, pp=pp_size, cp=cp.size, dp_replicate=args.dp_replicate if args.fsdp else 1)
     resolve_tokenizer(args, started_from[2] if started_from else None)
     corpus = load_corpus(args.data, tokenizer=args.tokenizer)
+    if resumed:
+        check_resumed_data(args, resumed[2], corpus)
+    data_record = {"tokens": corpus.tokens.numel(), "sha256": corpus.digest()} if args.data else {}
     args.tokenizer = corpus.tokenizer
     hf_tokenizer = _run_tokenizer(args.tokenizer)
     if args.init_from_hf:
@@ -438,7 +443,7 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
             if saving:
                 result.checkpoint = _save(out, done, model=model, optimizer=optimizer, config=config,
                                           args=args, tokens_seen=done * tokens_per_step,
-                                          world=world, hf_tokenizer=hf_tokenizer)
+                                          world=world, hf_tokenizer=hf_tokenizer, data_record=data_record)
                 if is_rank0:
                     if set_aside or getattr(args, "overwrite", False):
                         rundir.remove_set_aside(out)  # the new run's first checkpoint is safely written

@@ -57,10 +57,25 @@ def continue_settings(args, meta: dict | None) -> None:
     saved = _saved_settings(meta)
     if args.data is None and meta is not None and "settings" in meta:
         _check_recorded_data(meta)
+        args.data_from_checkpoint = meta["settings"].get("data") is not None
     for name, default in RUN_SETTINGS.items():
         if getattr(args, name) is None:
             setting = saved.get(name)
             setattr(args, name, default if setting is None else setting)
+
+
+def check_resumed_data(args, meta: dict, corpus) -> None:
+    """Refuse to train on data a checkpoint alone named (no ``--data``) unless its token ids are the
+    ones the run recorded (count and SHA-256): a crafted ``meta.json`` cannot point a resume at
+    another file. A checkpoint from before 0.5 recorded no hash: its path, checked as before."""
+    recorded = meta.get("data", {})
+    if not getattr(args, "data_from_checkpoint", False) or "sha256" not in recorded:
+        return
+    tokens, digest = corpus.tokens.numel(), corpus.digest()
+    if (tokens, digest) != (recorded.get("tokens"), recorded["sha256"]):
+        raise UsageError(f"the resumed run's meta.json names the data {args.data}, whose {tokens:,} token ids "
+                         f"(SHA-256 {digest[:12]}...) are not the {recorded.get('tokens', 0):,} the run trained on "
+                         f"(SHA-256 {recorded['sha256'][:12]}...): pass --data to name the data")
 
 
 def data_path(data: str | None) -> str | None:

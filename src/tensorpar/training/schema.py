@@ -103,7 +103,9 @@ META_SCHEMA = {
     "global_batch": integer(1), "micro_batch": integer(1),
     "schedule": {"lr": number(0, above=True), "min_lr": number(0), "warmup": integer(0),
                  "decay_steps": integer(1)},
-    "data": {"position": integer(0), "seed": integer(), "source": TEXT},
+    "data": {"position": integer(0), "seed": integer(), "source": TEXT, "tokens": integer(1),
+             "sha256": Rule(lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None,
+                            "64 lowercase hex digits")},
     "world": {"tp": integer(1, MAX_RANKS), "dp": integer(1, MAX_RANKS), "pp": integer(1, MAX_RANKS),
               "cp": integer(1, MAX_RANKS), "dp_replicate": integer(1, MAX_RANKS)},
     "dtype": choice("fp32", "bf16"), "tokenizer": (TEXT, NULL), "ranks": integer(1, MAX_RANKS),
@@ -136,7 +138,8 @@ _CONFIG_RULES = {int: integer(1), float: number(0), bool: FLAG, str: TEXT, dict:
 def check_meta(path: Path, meta: object, *, step: int | None = None) -> None:
     """Refuse a ``meta.json`` (of the directory ``step_{step}``) unlike what a save writes."""
     # world.pp, world.cp: only a pipeline- or context-parallel run records them
-    check_fields(path, meta, META_SCHEMA, optional={"settings", "config_sha256", "world.pp", "world.cp",
+    check_fields(path, meta, META_SCHEMA, optional={"settings", "config_sha256", "world.pp", "world.cp", "data.tokens",
+                                                    "data.sha256",
                                                                 "world.dp_replicate"})
     if "settings" in meta:
         check_fields(path, meta["settings"], SETTINGS_SCHEMA, optional=set(SETTINGS_SCHEMA), prefix="settings.")
