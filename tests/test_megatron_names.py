@@ -32,6 +32,18 @@ def test_every_name_of_megatrons_tensor_parallel_is_a_top_level_name():
     assert tp.CudaRNGStatesTracker is tp.RNGStatesTracker
 
 
+def test_megatron_code_ports_by_changing_the_import_only():
+    """``from megatron.core import tensor_parallel, parallel_state`` becomes ``from tensorpar import
+    tensor_parallel, parallel_state``: the package has Megatron's ``__all__``, the names tp has, and
+    its modules (layers, mappings, random, utils, data, cross_entropy)."""
+    from tensorpar import parallel_state, tensor_parallel
+    from tensorpar.tensor_parallel import cross_entropy, data, layers, mappings, random, utils  # noqa: F401
+
+    assert sorted(tensor_parallel.__all__) == sorted(MEGATRON_TENSOR_PARALLEL_ALL)
+    assert all(getattr(tensor_parallel, name) is getattr(tp, name) for name in MEGATRON_TENSOR_PARALLEL_ALL)
+    assert parallel_state.initialize_model_parallel is tp.initialize_model_parallel
+
+
 def test_signatures_take_megatrons_positional_arguments():
     seed = inspect.signature(tp.model_parallel_cuda_manual_seed).parameters
     assert list(seed)[:8] == ["seed", "te_rng_tracker", "inference_rng_tracker", "use_cudagraphable_rng",

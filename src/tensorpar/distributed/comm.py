@@ -25,7 +25,6 @@ __all__ = ["CommLedger", "CommRecord", "Handle", "all_gather", "all_reduce", "al
            "record_p2p", "reduce_scatter", "scalars", "send_recv"]
 
 
-
 # torch 2.13 renamed the tensor-in/tensor-out collectives and deprecated the old names.
 def _all_gather_single(output: torch.Tensor, input: torch.Tensor, **kwargs):
     return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, input, **kwargs)
