@@ -416,3 +416,17 @@ def test_a_crafted_checkpoint_cannot_point_a_resume_at_another_file(capsys, runs
     assert main(["train", "--resume", str(run), "--steps", "2", "--nproc", "1", "--data", str(private)]) == 0
     run, _ = _copy(runs, tmp_path / "again")
     assert main(["train", "--resume", str(run), "--steps", "2", "--nproc", "1"]) == 0
+
+
+@pytest.mark.parametrize("command", ["generate", "export"])
+def test_a_config_claiming_more_layers_than_the_checkpoint_holds_is_refused_before_building(runs, tmp_path, command):
+    """config.json with num_layers 100,000 and a consistent config_sha256 hung generate and export
+    (RSS past 6.5 GB): the model was built before its entries were compared with .metadata (2)."""
+    run, step = _copy(runs, tmp_path)
+    _edit_json(step, "config.json", lambda config: config.update(num_layers=100_000), fingerprint=True)
+    argv = ["generate", "--checkpoint", str(run), "--prompt", "x", "--max-new-tokens", "1"] if command == "generate" \
+        else ["export", "--checkpoint", str(run), "--to-hf", str(tmp_path / "hf")]
+    done = run_tensorpar(argv)
+    assert done.returncode == 2 and done.stderr == (
+        f"tensorpar {command}: error: checkpoint {step}: config.json says 100,000 layers, but the checkpoint's "
+        "tensors hold 2\n"), done.stderr

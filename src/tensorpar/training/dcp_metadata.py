@@ -166,6 +166,23 @@ def expected_entries(state: dict, meta: dict) -> dict[str, tuple[torch.dtype, li
 
 
 _RNG_RANK = re.compile(r"^rng\.rank(\d+)\.")
+_BLOCK = re.compile(r"^model\.blocks\.(\d+)\.")
+_WORD_EMBEDDING = "model.embedding.word.weight"
+
+
+def size_problem(stored: dict, config) -> str | None:
+    """What of ``config``'s sizes (layers, hidden, vocabulary) DCP's entries do not hold: checked
+    before the model is built, which a config.json edited to 100,000 layers would otherwise make
+    take minutes and gigabytes first (the entries say 2)."""
+    blocks = {int(m.group(1)) for m in map(_BLOCK.match, stored) if m}
+    if blocks != set(range(config.num_layers)):
+        return f"config.json says {config.num_layers:,} layers, but the checkpoint's tensors hold {len(blocks):,}"
+    word = stored.get(_WORD_EMBEDDING)
+    if word is not None and (len(word.size) != 2 or word.size[1] != config.hidden_size
+                             or word.size[0] < config.vocab_size):
+        return (f"config.json says hidden {config.hidden_size:,} and vocabulary {config.vocab_size:,}, but the "
+                f"checkpoint stores {_WORD_EMBEDDING} with shape {list(word.size)}")
+    return None
 
 
 def _saving_ranks(keys) -> set[int]:

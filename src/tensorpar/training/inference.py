@@ -13,8 +13,10 @@ from ..planning.communication import calibrate_overlap
 from ..errors import UsageError
 from ..models.gpt import GPT
 from . import checkpoint
-from .checkpoint_files import open_checkpoint
+from .checkpoint_files import open_checkpoint, read_manifest
+from .checkpoint_format import CheckpointRefused
 from .data import EOT, decode, encode
+from .dcp_metadata import read_metadata, size_problem
 from .memory import check_inference_memory
 from .model_config import check_fits, config_from_json
 
@@ -25,6 +27,9 @@ def load_model(path, *, tp_group) -> tuple[GPT, dict]:
     config = dataclasses.replace(config_from_json(config), sequence_parallel=False, recompute=False,
                                  distribute_saved_activations=False, gradient_accumulation_fusion=False,
                                  dropout=0.0, attention_dropout=0.0)
+    problem = size_problem(read_metadata(ckpt, listed=set(read_manifest(ckpt))).state_dict_metadata, config)
+    if problem is not None:
+        raise CheckpointRefused(f"checkpoint {ckpt}: {problem}")
     model = GPT(config, tp_group=tp_group, device=ps.default_device())
     checkpoint.load(ckpt, model=model, optimizer=None, tp_group=tp_group, restore_rng=False)
     return model.eval(), meta
