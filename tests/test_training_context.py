@@ -92,6 +92,7 @@ def _train_error(capsys, *argv):
 @pytest.mark.parametrize("argv, message", [
     (["--nproc", "6", "--tp", "2", "--cp", "2"],
      "--tp 2 x --cp 2 = 4 does not divide --nproc 6: the world is TP x CP x DP"),
+    (["--nproc", "2", "--cp", "4"], "--tp 1 x --cp 4 needs at least 4 processes; --nproc is 2"),
     (["--nproc", "4", "--tp", "1", "--cp", "4", "--cp-comm", "a2a", "--heads", "2"],
      "--cp-comm a2a needs at least one query head per TP x CP rank: the model's 2 heads at --tp 1 are 2 per TP "
      "rank, fewer than --cp 4; use --cp-comm p2p, which has no such limit"),

@@ -173,7 +173,7 @@ def test_the_log_begins_with_every_effective_setting_as_toml(two_ranks):
     # What was left out is there as the run resolved it.
     assert {k: config["run"][k] for k in ("global-batch", "grad-accum", "lr", "min-lr", "lr-decay-steps",
                                           "save-every", "dtype", "wandb", "tensorboard")} == \
-        {"global-batch": 4, "grad-accum": 1, "lr": 3e-3, "min-lr": 3e-3 / 10, "lr-decay-steps": 4, "save-every": 0,
+        {"global-batch": 4, "grad-accum": 1, "lr": 3e-3, "min-lr": 3e-4, "lr-decay-steps": 4, "save-every": 0,
          "dtype": "fp32", "wandb": False, "tensorboard": False}
     assert {k: config["model"][k] for k in ("num_layers", "hidden_size", "num_heads", "vocab_size")} == \
         {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 257}

@@ -124,7 +124,8 @@ def test_generate_and_export_read_a_pp_checkpoint_as_the_pp1_one(runs, tmp_path,
 
 
 REFUSED = [
-    (["--nproc", "2", "--pp", "4"], "--pp 4 does not divide --nproc 2"),
+    (["--nproc", "2", "--pp", "4"], "--pp 4 needs at least 4 processes; --nproc is 2"),
+    (["--nproc", "6", "--pp", "4"], "--pp 4 does not divide --nproc 6"),
     (["--nproc", "6", "--tp", "2", "--pp", "2"], "--tp 2 x --pp 2 = 4 does not divide --nproc 6"),
     (["--nproc", "6", "--tp", "1", "--pp", "2", "--cp", "2"],
      "--tp 1 x --cp 2 x --pp 2 = 4 does not divide --nproc 6: the world is TP x CP x DP x PP"),

@@ -49,3 +49,13 @@ def test_a_decay_inside_the_warmup_says_nothing_decays():
 
 def test_a_schedule_that_runs_its_course_says_nothing():
     assert schedule_note(_args(steps=600, warmup=30, decay=600)) is None
+
+
+def test_the_default_floor_is_the_decimal_a_person_writes():
+    """Printed configs said min-lr = 0.00030000000000000003 (3e-3 x 0.1)."""
+    from tensorpar.training.schedule import settle_run
+
+    args = argparse.Namespace(steps=10, lr=3e-3, min_lr=None, warmup=None, lr_decay_steps=None, micro_batch=None,
+                              global_batch=None, grad_accum=None, interleave=1)
+    settle_run(args, meta=None, dp_size=1)
+    assert repr(args.min_lr) == "0.0003"

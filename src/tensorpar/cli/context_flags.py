@@ -33,9 +33,12 @@ def add_context_flags(parser: argparse.ArgumentParser) -> None:
 def check_world(args, world: int, *, where: str) -> None:
     """Refuse a world that TP x CP (x PP) does not divide (``where``: the flag or launcher that set it)."""
     pp = getattr(args, "pp", 1)
-    if world % (args.tp * args.cp * pp):
-        sizes = f"--tp {args.tp} x --cp {args.cp}" + (f" x --pp {pp}" if pp > 1 else "")
-        raise UsageError(f"{sizes} = {args.tp * args.cp * pp} does not divide {where} {world}: "
+    model = args.tp * args.cp * pp
+    sizes = f"--tp {args.tp} x --cp {args.cp}" + (f" x --pp {pp}" if pp > 1 else "")
+    if model > world:
+        raise UsageError(f"{sizes} needs at least {model} processes; {where} is {world}")
+    if world % model:
+        raise UsageError(f"{sizes} = {model} does not divide {where} {world}: "
                          "the world is TP x CP x DP" + (" x PP" if pp > 1 else ""))
 
 

@@ -51,6 +51,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 def check_world(args, *, world: int, where: str) -> None:
     """Refuse a ``--pp`` that ``world`` (named ``where``) cannot hold."""
     pp = getattr(args, "pp", 1)
+    if pp > world:
+        raise UsageError(f"--pp {pp} needs at least {pp} processes; {where} is {world}")
     if world % pp:
         raise UsageError(f"--pp {pp} does not divide {where} {world}")
 

@@ -41,7 +41,7 @@ def settle_run(args, *, meta: dict | None, dp_size: int) -> None:
         if getattr(args, name) is None:
             setattr(args, name, saved.get(name, default))
     if args.min_lr is None:
-        args.min_lr = args.lr * MIN_LR_FRACTION
+        args.min_lr = float(f"{args.lr * MIN_LR_FRACTION:.12g}")  # 3e-4 of 3e-3, not 0.00030000000000000003
     if args.lr_decay_steps is None:
         args.lr_decay_steps = saved.get("decay_steps", saved.get("steps", args.steps))
     if args.min_lr > args.lr:
