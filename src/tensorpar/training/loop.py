@@ -247,9 +247,9 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
     world = _world(tp=tp_size, dp=dp_size, pp=pp_size, cp=cp.size, dp_replicate=args.dp_replicate if args.fsdp else 1)
     resolve_tokenizer(args, started_from[2] if started_from else None)
     corpus = load_corpus(args.data, tokenizer=args.tokenizer)
-    if resumed:
-        check_resumed_data(args, resumed[2], corpus)
     data_record = {"tokens": corpus.tokens.numel(), "sha256": corpus.digest()} if args.data else {}
+    if resumed:
+        check_resumed_data(args, resumed[2], data_record)
     args.tokenizer = corpus.tokenizer
     hf_tokenizer = _run_tokenizer(args.tokenizer)
     if args.init_from_hf:

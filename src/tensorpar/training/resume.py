@@ -64,14 +64,14 @@ def continue_settings(args, meta: dict | None) -> None:
             setattr(args, name, default if setting is None else setting)
 
 
-def check_resumed_data(args, meta: dict, corpus) -> None:
+def check_resumed_data(args, meta: dict, data: dict) -> None:
     """Refuse to train on data a checkpoint alone named (no ``--data``) unless its token ids are the
     ones the run recorded (count and SHA-256): a crafted ``meta.json`` cannot point a resume at
     another file. A checkpoint from before 0.5 recorded no hash: its path, checked as before."""
     recorded = meta.get("data", {})
     if not getattr(args, "data_from_checkpoint", False) or "sha256" not in recorded:
         return
-    tokens, digest = corpus.tokens.numel(), corpus.digest()
+    tokens, digest = data["tokens"], data["sha256"]  # this run's data, as its checkpoints will record it
     if (tokens, digest) != (recorded.get("tokens"), recorded["sha256"]):
         raise UsageError(f"the resumed run's meta.json names the data {args.data}, whose {tokens:,} token ids "
                          f"(SHA-256 {digest[:12]}...) are not the {recorded.get('tokens', 0):,} the run trained on "
