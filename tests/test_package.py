@@ -34,7 +34,7 @@ LAYERS = (
     ("tensorpar.distributed",),
     ("tensorpar.parallel_state",),
     ("tensorpar.tensor_parallel",),
-    ("tensorpar.data_parallel", "tensorpar.context_parallel"),
+    ("tensorpar.data_parallel", "tensorpar.context_parallel", "tensorpar.expert_parallel"),
     ("tensorpar.invariant",),
     ("tensorpar.models",),
     ("tensorpar.pipeline_parallel",),

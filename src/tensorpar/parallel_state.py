@@ -26,7 +26,7 @@ from .distributed.parallel_init import (
     initialize_model_parallel, is_initialized, is_unitialized, model_parallel_is_initialized, update_pg_timeout)
 from .distributed.parallel_registry import (
     GROUPS, HYBRID_DP_CP_GROUPS, OVERRIDES, RANKS, STATE, VIRTUAL_PP, default_device, distributed, group, ranks,
-    require_initialized, resolve_tp_group)
+    require_initialized, resolve_ep_group, resolve_tp_group)
 from .distributed.process_groups import create_group, get_nccl_options, overwrite_nccl_comm_cfgs, select_cuda_device  # noqa: F401
 from .distributed.rank_generator import (
     ParallelLayoutError, RankGenerator, default_embedding_ranks, default_position_embedding_ranks,

@@ -74,6 +74,18 @@ def resolve_tp_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return GROUPS["tp"]
 
 
+def resolve_ep_group(ep_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The explicit group if given, else the initialized expert-parallel group, whose experts
+    must not be split by TP (tensorpar's experts are whole on each rank)."""
+    if ep_group is not None:
+        return ep_group
+    require_initialized("a mixture-of-experts layer")
+    if dist.get_world_size(GROUPS["etp"]) > 1:
+        raise ValueError(f"tensorpar's experts are not split by tensor parallelism: initialize_model_parallel("
+                         f"expert_tensor_parallel_size=1), got {dist.get_world_size(GROUPS['etp'])}")
+    return GROUPS["ep"]
+
+
 def default_device() -> torch.device:
     """Where layers put their parameters when ``device=None``: the backend's device."""
     if STATE["device"] is not None:

@@ -8,7 +8,9 @@ import math
 import torch
 
 _CHOICES = {"norm": ("layernorm", "rmsnorm"), "activation": ("gelu", "gelu_tanh", "swiglu"),
-            "position_embedding": ("learned", "rope"), "context_parallel_comm": ("a2a", "p2p")}
+            "position_embedding": ("learned", "rope"), "context_parallel_comm": ("a2a", "p2p"),
+            "moe_router_score_function": ("softmax", "sigmoid"),
+            "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "none")}
 
 # Llama 3's rope scaling parameters (besides rope_type).
 LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -22,6 +24,10 @@ _PRESETS = {
     "llama-tiny": dict(vocab_size=256, max_seq_len=256, num_layers=4, num_heads=4, hidden_size=128,
                        norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
                        tie_word_embeddings=False),
+    "moe-tiny": dict(vocab_size=256, max_seq_len=256, num_layers=4, num_heads=4, hidden_size=128,
+                     norm="rmsnorm", activation="swiglu", position_embedding="rope", bias=False,
+                     tie_word_embeddings=False, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128,
+                     moe_aux_loss_coeff=1e-2),
 }
 
 
@@ -50,6 +56,13 @@ class GPTConfig:
     ``invariant_blocks`` (``tp_invariant`` only): the fixed blocks every TP-split dimension is
     cut into, which every TP size of the run must divide: 8 serves TP 1, 2, 4 and 8; 24 also
     TP 3 and 6 (the GEMMs then come in 24 pieces). Runs compared bit for bit use one count.
+
+    Mixture of experts (Megatron's names; :mod:`tensorpar.expert_parallel`): ``num_moe_experts``
+    SwiGLU experts of width ``moe_ffn_hidden_size`` (default ``ffn_hidden_size``), each token
+    sent to ``moe_router_topk`` of them, in every ``moe_layer_freq``-th block after the first
+    ``moe_first_dense_layers`` (DeepSeek-V3's dense first blocks); a shared expert of width
+    ``moe_shared_expert_intermediate_size`` sees every token. The ``moe_router_*``,
+    ``moe_aux_loss_coeff`` and ``moe_z_loss_coeff`` fields are :class:`TopKRouter`'s options.
 
     ``context_parallel_comm`` is how attention reaches the other context-parallel ranks' tokens
     when the GPT is built with a ``cp_group``: ``"p2p"`` (ring) or ``"a2a"`` (Ulysses); see
@@ -94,6 +107,22 @@ class GPTConfig:
     tp_invariant: bool = False
     invariant_blocks: int = 8
     context_parallel_comm: str = "p2p"
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int = 1
+    moe_first_dense_layers: int = 0
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
 
     PRESETS = tuple(_PRESETS)
 
@@ -138,9 +167,47 @@ class GPTConfig:
             named = [f"{k}={getattr(self, k)!r}" for k, bad in unsupported.items() if bad]
             if named:
                 raise ValueError(f"GPTConfig.tp_invariant=True does not support {', '.join(named)}")
+        if self.num_moe_experts is not None:
+            self._check_experts()
         if self.distribute_saved_activations and (self.sequence_parallel or not self.recompute):
             raise ValueError("distribute_saved_activations needs recompute=True and sequence_parallel=False "
                              "(under SP the saved block inputs are already split over TP)")
+
+    def _check_experts(self) -> None:
+        for name in ("num_moe_experts", "moe_router_topk", "moe_layer_freq"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.moe_router_topk > self.num_moe_experts:
+            raise ValueError(f"GPTConfig.moe_router_topk ({self.moe_router_topk}) is more than "
+                             f"num_moe_experts ({self.num_moe_experts})")
+        if not 0 <= self.moe_first_dense_layers <= self.num_layers:
+            raise ValueError(f"GPTConfig.moe_first_dense_layers must be in [0, num_layers={self.num_layers}], "
+                             f"got {self.moe_first_dense_layers}")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        # Megatron's rule: a model with experts has gated experts; its dense layers share the activation.
+        unsupported = {"activation": self.activation != "swiglu", "tp_invariant": self.tp_invariant,
+                       "interleave": self.interleave > 1}
+        named = [f"{k}={getattr(self, k)!r}" for k, bad in unsupported.items() if bad]
+        if named:
+            raise ValueError(f"GPTConfig with num_moe_experts does not support {', '.join(named)} "
+                             "(the experts are SwiGLU MLPs)")
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether block ``layer_number`` (from 0) has routed experts: every ``moe_layer_freq``-th
+        block after the first ``moe_first_dense_layers`` dense ones."""
+        return (self.num_moe_experts is not None and layer_number >= self.moe_first_dense_layers
+                and (layer_number - self.moe_first_dense_layers) % self.moe_layer_freq == 0)
+
+    def router_options(self) -> dict:
+        """The router's options (:class:`tensorpar.expert_parallel.TopKRouter`) of this config."""
+        return dict(score_function=self.moe_router_score_function, pre_softmax=self.moe_router_pre_softmax,
+                    num_groups=self.moe_router_num_groups, group_topk=self.moe_router_group_topk,
+                    scaling_factor=self.moe_router_topk_scaling_factor,
+                    load_balancing_type=self.moe_router_load_balancing_type, aux_loss_coeff=self.moe_aux_loss_coeff,
+                    z_loss_coeff=self.moe_z_loss_coeff, enable_expert_bias=self.moe_router_enable_expert_bias,
+                    bias_update_rate=self.moe_router_bias_update_rate)
 
     @property
     def head_dim(self) -> int:
@@ -164,7 +231,7 @@ class GPTConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
-        """A named size: ``tiny``, ``llama-tiny`` (byte vocab), ``small``/``medium``/``large``/``xl``
+        """A named size: ``tiny``, ``llama-tiny``, ``moe-tiny`` (8 experts, 2 per token; byte vocab), ``small``/``medium``/``large``/``xl``
         (GPT-2's 124M/350M/774M/1.5B shapes)."""
         if name not in _PRESETS:
             raise ValueError(f"unknown GPTConfig preset {name!r}; choose from {list(_PRESETS)}")

@@ -47,6 +47,7 @@ from torch import nn
 from .. import invariant
 from ..invariant import dropout as invariant_dropout
 from ..context_parallel import attention_dropout
+from ..expert_parallel import MoELayer
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.embedding import VocabParallelEmbedding
 from ..tensor_parallel.initialization import (
@@ -248,18 +249,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``fc`` column (``ffn/TP`` of the hidden units here), activation, ``proj`` row."""
+    """``fc`` column (``ffn/TP`` of the hidden units here), activation, ``proj`` row; ``width``:
+    the hidden units (default ``ffn_hidden_size``)."""
 
-    def __init__(self, config: GPTConfig, parallel: Placement) -> None:
+    def __init__(self, config: GPTConfig, parallel: Placement, width: int | None = None) -> None:
         super().__init__()
         self.swiglu, self.elementwise = config.activation == "swiglu", parallel.elementwise
         self.gelu = functools.partial(F.gelu, approximate="tanh" if config.activation == "gelu_tanh" else "none")
-        width = 2 * config.ffn_hidden_size if self.swiglu else config.ffn_hidden_size
+        ffn_hidden_size = width or config.ffn_hidden_size
+        width = 2 * ffn_hidden_size if self.swiglu else ffn_hidden_size
         # stride=2 for SwiGLU: the full weight is gate|up, each split across ranks.
         self.fc = parallel.column(config.hidden_size, width, bias=config.bias, stride=2 if self.swiglu else 1,
                                   init_method=init_method_normal(config.init_std),
                                   **parallel.linear_kwargs(config))
-        self.proj = parallel.row(config.ffn_hidden_size, config.hidden_size, bias=config.bias,
+        self.proj = parallel.row(ffn_hidden_size, config.hidden_size, bias=config.bias,
                                  input_is_parallel=True,
                                  init_method=scaled_init_method_normal(config.init_std, config.num_layers),
                                  **parallel.linear_kwargs(config))
@@ -282,6 +285,18 @@ class MLP(nn.Module):
         return self.elementwise(self.gelu, hidden)
 
 
+def experts(config: GPTConfig, parallel: Placement) -> MoELayer:
+    """A block's routed experts over ``parallel.ep_group`` (and its shared expert, TP-split as the MLP)."""
+    shared = config.moe_shared_expert_intermediate_size
+    return MoELayer(config.hidden_size, num_experts=config.num_moe_experts, ffn_hidden_size=config.moe_ffn_hidden_size,
+                    topk=config.moe_router_topk, ep_group=parallel.ep_group, tp_group=parallel.group,
+                    cp_group=parallel.cp_group, sequence_parallel=parallel.sequence_parallel,
+                    shared_experts=MLP(config, parallel, shared) if shared else None,
+                    init_method=init_method_normal(config.init_std),
+                    output_init_method=scaled_init_method_normal(config.init_std, config.num_layers),
+                    params_dtype=config.params_dtype, device=parallel.device, **config.router_options())
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + drop(attn(norm(x)))``, then ``x + drop(mlp(norm(x)))``."""
 
@@ -291,7 +306,7 @@ class Block(nn.Module):
         self.norm1 = norm(config, parallel)
         self.attention = Attention(config, parallel, layer_number)
         self.norm2 = norm(config, parallel)
-        self.mlp = MLP(config, parallel)
+        self.mlp = experts(config, parallel) if config.is_moe_layer(layer_number) else MLP(config, parallel)
 
     def _dropout(self, x: torch.Tensor, key=None, site: str = "", rows=None) -> torch.Tensor:
         # x is replicated (or SP-split): a TP-size-independent mask (default stream or keyed);
@@ -326,6 +341,8 @@ class GPT(nn.Module):
     if ``pre_process`` (else its input is the previous stage's output) and the final norm and
     head if ``post_process`` (else it returns its blocks' output), with the whole model's weights.
     Over ``cp_group`` too, a stage's input and output are this CP rank's chunks of the sequence.
+    With ``config.num_moe_experts`` the MoE blocks' experts are sharded over ``ep_group`` (default:
+    the initialized expert-parallel group); see :mod:`tensorpar.expert_parallel`.
 
     Example::
 
@@ -333,12 +350,12 @@ class GPT(nn.Module):
         model(tokens, labels).backward()
     """
 
-    def __init__(self, config: GPTConfig, *, tp_group=None, cp_group=None, device=None,
+    def __init__(self, config: GPTConfig, *, tp_group=None, cp_group=None, ep_group=None, device=None,
                  layers: range | None = None, pre_process: bool = True, post_process: bool = True) -> None:
         super().__init__()
         self.config = config
         self.tp_group = resolve_tp_group(tp_group)
-        parallel = Placement(config, self.tp_group, device, cp_group)
+        parallel = Placement(config, self.tp_group, device, cp_group, ep_group)
         self.parallel = parallel
         if config.num_heads < parallel.size:
             raise ValueError(f"num_heads ({config.num_heads}) is smaller than the tensor-parallel size "

@@ -1,4 +1,4 @@
-"""What every part of a GPT is built with: its placement over TP (and CP) and its norm layers."""
+"""What every part of a GPT is built with: its placement over TP (and CP, EP) and its norm layers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ..distributed import comm
 from .. import invariant
 from ..invariant.lanewise import lanewise
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ..parallel_state import default_device
+from ..parallel_state import default_device, resolve_ep_group
 from . import context_split
 from .config import GPTConfig
 
@@ -41,9 +41,10 @@ def norm(config: GPTConfig, parallel: "Placement") -> nn.Module:
 
 
 class Placement:
-    """What every submodule needs to know about its TP placement (and CP split, ``context``)."""
+    """What every submodule needs to know about its TP placement (and CP split, ``context``; the
+    expert-parallel group of a model with experts)."""
 
-    def __init__(self, config: GPTConfig, tp_group, device, cp_group=None) -> None:
+    def __init__(self, config: GPTConfig, tp_group, device, cp_group=None, ep_group=None) -> None:
         self.group = tp_group
         self.size = comm.group_size(tp_group)
         self.rank = comm.group_rank(tp_group)
@@ -51,6 +52,7 @@ class Placement:
         self.sequence_parallel = config.sequence_parallel and self.size > 1
         self.context = context_split.over(cp_group, config, tp_size=self.size, sequence_parallel=self.sequence_parallel)
         self.cp_group, self.cp_size = cp_group, 1 if cp_group is None else comm.group_size(cp_group)
+        self.ep_group = resolve_ep_group(ep_group) if config.num_moe_experts is not None else None
         self.device = torch.device(device) if device is not None else default_device()
         self.column, self.row = ((invariant.ColumnLinear, invariant.RowLinear) if config.tp_invariant
                                  else (ColumnParallelLinear, RowParallelLinear))
