@@ -88,12 +88,14 @@ def _transport_threads() -> int:
 def _reset_rank_state() -> None:
     """What a body may leave set in its rank, back to what the next body expects: torch's default
     dtype and device, grad mode, deterministic algorithms and one intra-op thread; tensorpar's
-    active ledgers, global memory buffer and RNG tracker; compiled graphs (dynamo's caches)."""
+    active ledgers, global memory buffer, RNG tracker and the MoE balance losses' scale; compiled
+    graphs (dynamo's caches)."""
     import sys
 
     import torch
 
     from tensorpar.distributed import comm_ledger
+    from tensorpar.expert_parallel import set_aux_loss_scale
     from tensorpar.tensor_parallel.buffers import get_global_memory_buffer
     from tensorpar.tensor_parallel.random import get_rng_tracker
 
@@ -105,6 +107,7 @@ def _reset_rank_state() -> None:
     comm_ledger._ACTIVE_LEDGERS.clear()
     get_global_memory_buffer().clear()
     get_rng_tracker().reset()
+    set_aux_loss_scale(1.0)
     if "torch._dynamo" in sys.modules:
         torch._dynamo.reset()
 

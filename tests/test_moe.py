@@ -239,6 +239,7 @@ def _gpt_moe_body(tp_size: int, cp_size: int, ep_size: int, overrides: dict):
     from tensorpar.models.gpt import GPT
     from tensorpar.models.config import GPTConfig
     from tensorpar.models.layout import gather_full_tensor
+    from tensorpar.data_parallel.grads import DataParallelGradReducer, get_grad_norm
     tp.initialize_model_parallel(tp_size, context_parallel_size=cp_size, expert_model_parallel_size=ep_size,
                                  expert_tensor_parallel_size=1)
     single = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
@@ -254,33 +255,34 @@ def _gpt_moe_body(tp_size: int, cp_size: int, ep_size: int, overrides: dict):
     for d in range(dp_size):
         g = torch.Generator().manual_seed(50 + d)
         data.append((torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)))
+    # The training loop's reduction: dense grads over DP x CP (the loss times CP), experts over expert DP.
+    reducer = DataParallelGradReducer(model.parameters(), dp_group=tp.get_data_parallel_group(with_context_parallel=True),
+                                      expert_dp_group=parallel_state.get_expert_data_parallel_group())
+    reducer.zero_grad()
     loss = model(*data[dp_rank])
-    loss.backward()
+    set_aux_loss_scale(cp_size)
+    (loss * cp_size).backward()
+    reducer.finish()
     tp.allreduce_sequence_parallel_grads(model)
+    norm = get_grad_norm(model.parameters(), ep_group=parallel_state.get_expert_model_parallel_group())
     ref_losses = [reference(*batch) for batch in data]
     set_aux_loss_scale(1 / dp_size)                        # the balance losses, as the main loss is scaled
     (sum(ref_losses) / dp_size).backward()
     set_aux_loss_scale(1.0)
     torch.testing.assert_close(loss, ref_losses[dp_rank], rtol=1e-5, atol=1e-6)
     ref_grads = dict(reference.named_parameters())
-    dp_group, edp_group = tp.get_data_parallel_group(), parallel_state.get_expert_data_parallel_group()
     checked = 0
     for lay in model.parameter_layouts():
-        grad, want = lay.param.grad.clone(), ref_grads[lay.name].grad
+        grad, want = lay.param.grad, ref_grads[lay.name].grad
         if getattr(lay.param, "expert_parallel", False):
-            # Each expert's tokens came from every rank: summed over its replicas, averaged over DP.
-            dist.all_reduce(grad, group=edp_group)
             experts = model.get_submodule(lay.name.rpartition(".")[0])
             want = want[experts.first_expert:experts.first_expert + experts.num_local_experts]
             checked += 1
-        else:
-            if lay.tensor_model_parallel:
-                grad = gather_full_tensor(grad, partition_dim=lay.partition_dim, stride=lay.partition_stride,
-                                          partition_rows=lay.partition_rows)
-            for group in (cp_group, dp_group):
-                if group is not None:
-                    dist.all_reduce(grad, group=group)
-        torch.testing.assert_close(grad / dp_size, want, rtol=1e-5, atol=1e-6, msg=lay.name)
+        elif lay.tensor_model_parallel:
+            grad = gather_full_tensor(grad, partition_dim=lay.partition_dim, stride=lay.partition_stride,
+                                      partition_rows=lay.partition_rows)
+        torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6, msg=lay.name)
+    torch.testing.assert_close(norm, get_grad_norm(reference.parameters(), tp_group=single), rtol=1e-5, atol=1e-6)
     assert checked == 2 * config.num_layers
     return float(loss)
 

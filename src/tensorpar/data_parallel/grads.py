@@ -78,8 +78,8 @@ def sum_sequence_parallel_grads(module: nn.Module, *, tp_group, summed) -> None:
 class _Bucket:
     """A contiguous fp32 gradient buffer shared by consecutive parameters."""
 
-    def __init__(self, params: list[nn.Parameter], buffer: torch.Tensor) -> None:
-        self.params, self.buffer = params, buffer
+    def __init__(self, params: list[nn.Parameter], buffer: torch.Tensor, group) -> None:
+        self.params, self.buffer, self.group = params, buffer, group
         self.ready: set[int] = set()
         self.handle = None
 
@@ -117,9 +117,14 @@ class DataParallelGradReducer:
     are summed in a fixed tree (:class:`~tensorpar.distributed.tree_reduce.HalvingTree`, ``sync`` unused) and
     the DP sum finishes that tree, with no division: a loss divided by the global number of
     micro-batches gives the same bits at any DP size (the training loop's invariant mode).
+
+    Expert parameters (``allreduce = False``, :mod:`tensorpar.expert_parallel`) are bucketed apart
+    and summed over ``expert_dp_group`` (their replicas: TP x CP x DP / EP) instead, divided by
+    the DP size like the rest: an expert's gradient already holds its whole EP group's tokens.
     """
 
-    def __init__(self, params, *, dp_group, bucket_bytes: int = 25 * 2**20, micro_batches: int | None = None) -> None:
+    def __init__(self, params, *, dp_group, bucket_bytes: int = 25 * 2**20, micro_batches: int | None = None,
+                 expert_dp_group=None) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.ordered = is_tp_invariant(self.params)
         if micro_batches is not None and not self.ordered:
@@ -131,19 +136,22 @@ class DataParallelGradReducer:
         self.sync = True
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
-        pending: list[nn.Parameter] = []
+        groups = {True: dp_group, False: dp_group if expert_dp_group is None else expert_dp_group}
+        pending: dict[bool, list[nn.Parameter]] = {True: [], False: []}
         for param in reversed(self.params):
-            pending.append(param)
-            if sum(p.numel() for p in pending) * 4 >= bucket_bytes:
-                self._add_bucket(pending)
-                pending = []
-        if pending:
-            self._add_bucket(pending)
+            dense = getattr(param, "allreduce", True)
+            pending[dense].append(param)
+            if sum(p.numel() for p in pending[dense]) * 4 >= bucket_bytes:
+                self._add_bucket(pending[dense], groups[dense])
+                pending[dense] = []
+        for dense, rest in pending.items():
+            if rest:
+                self._add_bucket(rest, groups[dense])
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
-    def _add_bucket(self, params: list[nn.Parameter]) -> None:
+    def _add_bucket(self, params: list[nn.Parameter], group) -> None:
         buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
-        bucket = _Bucket(list(params), buffer)
+        bucket = _Bucket(list(params), buffer, group)
         offset = 0
         for p in params:
             p.main_grad = buffer[offset:offset + p.numel()].view(p.shape)
@@ -205,10 +213,10 @@ class DataParallelGradReducer:
         if self.dp_size > 1 and self.trees is None:
             bucket.buffer.div_(self.dp_size)
         if self.ordered:
-            bucket.buffer.copy_(all_reduce_tree(bucket.buffer, self.group))
+            bucket.buffer.copy_(all_reduce_tree(bucket.buffer, bucket.group))
             bucket.handle = comm.Handle(None, bucket.buffer)
         else:
-            bucket.handle = comm.all_reduce(bucket.buffer, self.group, async_op=True)
+            bucket.handle = comm.all_reduce(bucket.buffer, bucket.group, async_op=True)
 
     def finish(self) -> None:
         """Wait for every bucket (launching those with unused parameters); set ``.grad`` of fp32 parameters."""
@@ -340,7 +348,7 @@ def _square(grads: list[torch.Tensor], group) -> torch.Tensor:
 
 
 @torch.no_grad()
-def get_grad_norm(params, *, tp_group=None, dp_group=None, pp_group=None) -> torch.Tensor:
+def get_grad_norm(params, *, tp_group=None, dp_group=None, pp_group=None, ep_group=None) -> torch.Tensor:
     """The L2 norm of the whole model's gradient (fp32 scalar), identical on every TP x DP rank
     (and, given the pipeline group ``pp_group``, over the stages of every rank of it).
 
@@ -350,7 +358,9 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None, pp_group=None) -> tor
     :func:`tensorpar.fully_shard`) are summed over ``dp_group`` too (default: the DP
     group; under HSDP the shard group, which each replica holds whole); plain gradients are replicated over DP and counted as they are. Uses
     ``main_grad`` where present. A parameter marked ``shared`` (a pipeline's copy of the tied
-    embedding on the last stage, as Megatron marks it) is counted by its original only.
+    embedding on the last stage, as Megatron marks it) is counted by its original only. Expert
+    parameters (``expert_parallel``) are counted by each rank of ``ep_group`` that holds them,
+    the same on every TP rank (they are whole, and equal over their replicas once reduced).
     One ``torch._foreach_norm`` per kind, and no host
     synchronisation. A TP-invariant model's norm is summed in a fixed order (:func:`_ordered_grad_norm`).
     """
@@ -358,10 +368,12 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None, pp_group=None) -> tor
     params = list(params)
     if is_tp_invariant(params):
         return _ordered_grad_norm(params, group, pp_group, dp_group=dp_group)
-    plain, sharded = [], []
+    plain, sharded, experts = [], [], []
     for p in params:
         grad = _main_or_grad(p)
-        if grad is not None and param_is_not_tensor_parallel_duplicate(p, group) and not getattr(p, "shared", False):
+        if grad is not None and getattr(p, "expert_parallel", False):
+            experts.append(grad)
+        elif grad is not None and param_is_not_tensor_parallel_duplicate(p, group) and not getattr(p, "shared", False):
             if isinstance(grad, DTensor):
                 sharded.append(grad)
             else:
@@ -373,13 +385,19 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None, pp_group=None) -> tor
         comm.all_reduce(shard_square, dp_group)
         square = square + shard_square
     comm.all_reduce(square, group)
+    if experts:
+        expert_square = _square(experts, group)
+        if ep_group is not None:
+            comm.all_reduce(expert_square, ep_group)
+        square = square + expert_square
     if pp_group is not None:
         comm.all_reduce(square, pp_group)
     return square.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, *, tp_group=None, dp_group=None, pp_group=None) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, *, tp_group=None, dp_group=None, pp_group=None,
+                    ep_group=None) -> torch.Tensor:
     """Scale gradients so the TP x DP-aware total norm (:func:`get_grad_norm`) is at most
     ``max_norm``; returns the norm. Works on FSDP shards as on plain gradients, and on a
     TP-invariant model's (its norm's bits do not depend on the TP size).
@@ -388,7 +406,7 @@ def clip_grad_norm_(params, max_norm: float, *, tp_group=None, dp_group=None, pp
     already small): the CPU never waits for the norm.
     """
     params = list(params)
-    norm = get_grad_norm(params, tp_group=tp_group, dp_group=dp_group, pp_group=pp_group)
+    norm = get_grad_norm(params, tp_group=tp_group, dp_group=dp_group, pp_group=pp_group, ep_group=ep_group)
     grads = [g for p in params if (g := _grad_of(p)) is not None]
     if grads:
         torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
