@@ -26,7 +26,7 @@ README = ROOT / "README.md"
 # The pages whose commands run, in this order (later pages use what earlier ones wrote).
 PAGES = ("README.md", "docs/training.md", "docs/checkpoints.md", "docs/huggingface.md", "docs/library.md",
          "docs/invariant.md", "docs/porting-from-megatron.md", "docs/fsdp.md", "docs/pipeline.md", "docs/context.md",
-         "docs/context-parallel.md", "docs/communication-model.md",
+         "docs/context-parallel.md", "docs/experts.md", "docs/communication-model.md",
          "docs/benchmarks.md", "docs/multi-node-and-gpus.md", "docs/troubleshooting.md", "docs/architecture.md")
 # Pages with no commands of their own to run.
 GENERATED = {"docs/api.md": "generated from the docstrings; test_api_reference_is_current checks it"}
@@ -58,6 +58,7 @@ SHORTER = {
     "--tensorboard --out ft-run": ["--steps", "2", "--seq-len", "16", "--micro-batch", "2", "--eval-iters", "1"],
     "tensorpar generate --checkpoint ft-run --prompt 'Once upon' --temperature 0": ["--max-new-tokens", "8"],
     "tensorpar train --nproc 2 --tp 1 --cp 2 --cp-comm a2a --steps 20 --out cp-run": [*TINY, "--steps", "2"],
+    "tensorpar train --model moe-tiny --nproc 2 --tp 1 --ep 2 --steps 20 --out moe-run": [*TINY, "--steps", "2"],
     "tensorpar train --resume cp-run --cp 1 --nproc 1 --tp 1 --steps 40": [*TINY, "--steps", "3"],
     "tensorpar train --nproc 4 --tp 1 --cp 4 --cp-comm a2a --heads 2 --hidden 32": [],  # refused as written
     "tensorpar train --lr 1e30": [*TINY, "--log-every", "2"],  # the loss is read back at logged steps

@@ -91,7 +91,7 @@ def _train_error(capsys, *argv):
      "--interleave 4 splits each micro-batch into 4 parts, but --micro-batch is 2: choose a --micro-batch of at "
      "least 4"),
     (["--model", "huge"], "--model 'huge' is not a preset; choose from ['tiny', 'small', 'medium', 'large', 'xl', "
-                          "'llama-tiny']"),
+                          "'llama-tiny', 'moe-tiny']"),
 ])
 def test_bad_numbers_and_shapes(capsys, argv, message):
     assert _train_error(capsys, *argv) == message

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UsageError
-from . import config_file, context_flags, fsdp_flags, pipeline_flags
+from . import config_file, context_flags, expert_flags, fsdp_flags, pipeline_flags
 from .errors import noted_on_signal
 from .flag_types import MOST_SEQUENCES, MOST_STEPS, SEED as _SEED, TIMEOUT as _TIMEOUT
 from .flag_types import non_negative as _non_negative
@@ -39,7 +39,7 @@ def _add_world_flags(parser: argparse.ArgumentParser, *, nproc_default: str = "t
 
 
 _PRESET_HELP = ("model preset (default: tiny): tiny (4 layers, width 128, 4 heads), llama-tiny (tiny with "
-                "RMSNorm, SwiGLU and rotary positions), small, medium, large, xl (the layer shapes of GPT-2 "
+                "RMSNorm, SwiGLU and rotary positions), moe-tiny (llama-tiny with 8 experts, 2 per token), small, medium, large, xl (the layer shapes of GPT-2 "
                 "small/medium/large/xl; the vocabulary is the data's, 257 byte tokens by default, so they "
                 "are smaller than GPT-2's 124M/355M/774M/1.5B parameters)")
 
@@ -135,6 +135,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     for flag, what in (("--dropout", "dropout probability, in [0, 1) (default: 0)"), ("--attention-dropout",
                        "dropout probability of the attention weights, in [0, 1) (default: --dropout's)")):
         model.add_argument(flag, type=_number(float, low=0, high=1), default=None, help=what)
+    expert_flags.add_expert_flags(model)
     model.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
                        help="sequence parallelism (default: off)")
     model.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
@@ -298,6 +299,7 @@ def _check_train_args(args, world: int) -> None:
     tokens, vocab_size, source = inspect_data(args.data, tokenizer=args.tokenizer, local_ranks=local_ranks)
     config = build_config(args, vocab_size=vocab_size, saved=saved, origin=origin)
     context_flags.check_context(args, config)
+    expert_flags.check_experts(args, config, world=world)
     seq_len, dp = default_seq_len(args, config), world // (args.tp * args.cp * args.pp)
     check_fits(config, tp=args.tp, seq_len=seq_len)
     train_token_count(tokens, val_fraction=VAL_FRACTION, seq_len=seq_len, source=source)

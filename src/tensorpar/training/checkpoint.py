@@ -142,7 +142,7 @@ def _discard(tmp: Path) -> None:
 
 
 def save(out: str | os.PathLike, step: int, *, model, optimizer, config: dict, meta: dict,
-         tp_group, write_extra=None) -> Path:
+         tp_group, write_extra=None, ep_group=None) -> Path:
     """Write ``out/step_{step}`` on every rank collectively; returns its path. ``write_extra(dir)``,
     if given, adds files to the checkpoint directory on rank 0 (covered by the manifest).
 
@@ -152,7 +152,7 @@ def save(out: str | os.PathLike, step: int, *, model, optimizer, config: dict, m
     out = Path(out)
     final, tmp = out / f"step_{step}", out / f"step_{step}.tmp"
     on_rank0(lambda: _prepare_tmp(tmp, final))
-    state, _, _ = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=True)
+    state, _, _ = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=True, ep_group=ep_group)
     meta = {**meta, "ranks": dist.get_world_size(), "rng": rng_spec(), "config_sha256": config_fingerprint(config)}
     need = _stored_bytes(state)
     try:
@@ -270,18 +270,20 @@ def _over_pipeline(entries: dict, pp_group) -> dict:
     return {key: value for part in every for key, value in part.items()}
 
 
-def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool, pp_group=None) -> None:
+def load(ckpt: Path, *, model, optimizer, tp_group, restore_rng: bool, pp_group=None, ep_group=None) -> None:
     """Load a verified checkpoint into ``model``/``optimizer`` (any TP/DP/PP size), collectively.
 
     Every rank first validates the whole DCP metadata against the exact state dict expected
     (every saving rank's entries included); only then does DCP read tensor data.
     ``restore_rng`` (only meaningful at the saving run's sizes) also restores this rank's RNG.
     ``model`` holds this rank's pipeline stages under ``pp_group`` (PP=1's names): the entries
-    expected are every stage's.
+    expected are every stage's. Expert weights are sharded over ``ep_group`` (None: each rank
+    holds every expert).
     """
     if optimizer is not None:
         init_adam_state(optimizer)
-    state, gathered, uneven = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=restore_rng)
+    state, gathered, uneven = build_state_dict(model, optimizer, tp_group=tp_group, with_rng=restore_rng,
+                                               ep_group=ep_group)
     own, metadata, error, repadded = {}, None, None, []
     try:
         meta = read_json(ckpt)[1]

@@ -20,8 +20,22 @@ from ..tensor_parallel.random import get_rng_tracker
 from .checkpoint_format import ADAM_MOMENTS
 
 
-def _sharded(tensor: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None):
-    """``tensor`` (shaped like ``param``'s shard) as DCP should store it."""
+def _global(local: torch.Tensor, mesh: DeviceMesh, shard_dim: int, global_shape: list[int]) -> DTensor:
+    global_stride, running = [], 1
+    for size in reversed(global_shape):
+        global_stride.insert(0, running)
+        running *= size
+    return DTensor.from_local(local, mesh, [Shard(shard_dim)], run_check=False,
+                              shape=torch.Size(global_shape), stride=tuple(global_stride))
+
+
+def _sharded(tensor: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None, ep_mesh: DeviceMesh | None = None):
+    """``tensor`` (shaped like ``param``'s shard) as DCP should store it: a TP shard, or an
+    expert weight's experts (dim 0 over EP), as its box of the whole tensor."""
+    if getattr(param, "expert_parallel", False):
+        if ep_mesh is None:
+            return tensor
+        return _global(tensor, ep_mesh, 0, [param.num_experts, *tensor.shape[1:]])
     if not getattr(param, "tensor_model_parallel", False):
         return tensor
     dim, stride = param.partition_dim % tensor.dim(), param.partition_stride
@@ -36,21 +50,16 @@ def _sharded(tensor: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None)
         global_shape = shape[:dim] + [stride, shape[dim] * tp // stride] + shape[dim + 1:]
     if mesh is None:
         return local
-    global_stride, running = [], 1
-    for size in reversed(global_shape):
-        global_stride.insert(0, running)
-        running *= size
-    return DTensor.from_local(local, mesh, [Shard(shard_dim)], run_check=False,
-                              shape=torch.Size(global_shape), stride=tuple(global_stride))
+    return _global(local, mesh, shard_dim, global_shape)
 
 
-def _stored(tensor: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None, tp_group):
+def _stored(tensor: torch.Tensor, param: torch.Tensor, mesh: DeviceMesh | None, tp_group, ep_mesh=None):
     """``tensor`` as DCP should store it: :func:`_sharded`, or for an uneven layout
     (``partition_rows``, which no DTensor placement describes) the full tensor, gathered, in
     the same global shape, so a checkpoint moves between even and uneven TP sizes."""
     rows = getattr(param, "partition_rows", None)
     if rows is None:
-        return _sharded(tensor, param, mesh)
+        return _sharded(tensor, param, mesh, ep_mesh)
     full = gather_full_tensor(tensor, partition_dim=param.partition_dim, stride=param.partition_stride,
                               tp_group=tp_group, partition_rows=rows)
     dim, stride, shape = param.partition_dim % full.dim(), param.partition_stride, list(full.shape)
@@ -79,11 +88,18 @@ def unstore(state: dict, uneven: list, tp_group) -> None:
                                        partition_rows=rows))
 
 
-def _tp_mesh(tp_group) -> DeviceMesh | None:
-    if comm.group_size(tp_group) == 1:
+def _mesh(group) -> DeviceMesh | None:
+    if group is None or comm.group_size(group) == 1:
         return None
-    device_type = "cuda" if dist.get_backend(tp_group) == "nccl" else "cpu"
-    return DeviceMesh.from_group(tp_group, device_type)
+    device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    return DeviceMesh.from_group(group, device_type)
+
+
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint keeps (a router's expert bias), by name: those in the module's
+    state dict. Every rank holds them whole."""
+    return {name: value for name, value in model.state_dict(keep_vars=True).items()
+            if not isinstance(value, torch.nn.Parameter)}
 
 
 def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
@@ -122,17 +138,18 @@ def rng_spec() -> dict[str, list[int]]:
 
 @torch.no_grad()
 def build_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
-                     tp_group, with_rng: bool) -> tuple[dict, list, list]:
-    """The flat DCP state dict (``model.*``, ``optim.*`` and, with ``with_rng``, this rank's
-    ``rng.*``), the (FSDP shard, gathered copy) pairs a load copies back, and the entries of
-    uneven layouts a load shards again (:func:`unstore`).
+                     tp_group, with_rng: bool, ep_group=None) -> tuple[dict, list, list]:
+    """The flat DCP state dict (``model.*``, ``buffer.*``, ``optim.*`` and, with ``with_rng``,
+    this rank's ``rng.*``), the (FSDP shard, gathered copy) pairs a load copies back, and the
+    entries of uneven layouts a load shards again (:func:`unstore`). Expert weights are their
+    boxes of the whole ``[experts, ...]`` tensor over ``ep_group``.
 
     Under :func:`tensorpar.fully_shard` each FSDP shard is saved as its box of the TP=1
     tensor on the (TP, DP) mesh (DP x CP under CP; the stage's ranks under PP), so the files are the same with and without FSDP; a strided
     weight's DP shard is no such box: it is gathered over DP to its TP shard first (and copied
     back after a load), which a save or load holds on every rank for a moment.
     """
-    mesh = _tp_mesh(tp_group)
+    mesh, ep_mesh = _mesh(tp_group), _mesh(ep_group)
     # FSDP keeps the root unit gathered after a forward with no backward (an evaluation): its
     # registered parameters are then the gathered copies, not the shards the optimizer steps.
     reshard(model)
@@ -147,7 +164,7 @@ def build_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
         whole = gather_dp_shards(tensor)
         if whole is not tensor:
             gathered.append((tensor, whole))
-        state[key] = _stored(whole, param, mesh, tp_group)
+        state[key] = _stored(whole, param, mesh, tp_group, ep_mesh)
         if getattr(param, "partition_rows", None) is not None:
             uneven.append((key, whole, param))
 
@@ -158,6 +175,8 @@ def build_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
             state[f"optim.{name}.step"] = moments["step"]
             for key in ADAM_MOMENTS:
                 enter(f"optim.{name}.{key}", moments[key], p)
+    for name, buffer in persistent_buffers(model).items():
+        state[f"buffer.{name}"] = buffer
     if with_rng:
         for key, value in _rng_state().items():
             state[f"rng.rank{dist.get_rank()}.{key}"] = value

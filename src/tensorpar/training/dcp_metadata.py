@@ -149,9 +149,11 @@ def _spec(value: torch.Tensor) -> tuple[torch.dtype, list[int]]:
 
 def expected_entries(state: dict, meta: dict) -> dict[str, tuple[torch.dtype, list[int]]]:
     """Every entry the checkpoint must hold (the ``model.*`` entries of ``state`` say which):
-    model, optimizer and every saving rank's RNG states."""
+    model, its buffers, optimizer and every saving rank's RNG states."""
     expected = {}
     for key, value in state.items():
+        if key.startswith("buffer."):
+            expected[key] = _spec(value)
         if not key.startswith("model."):
             continue
         name = key.removeprefix("model.")

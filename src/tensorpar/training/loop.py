@@ -30,6 +30,7 @@ from ..data_parallel import grads
 from ..planning.communication import calibrate_overlap
 from ..errors import UsageError
 from ..data_parallel.fsdp import ShardedGradSync, bytes_per_rank, describe as describe_fsdp, fully_shard, shard_group
+from ..expert_parallel import set_aux_loss_scale
 from ..models.gpt import GPT
 from ..tensor_parallel.random import model_parallel_manual_seed
 from . import checkpoint, invariant_batches, pipeline_step, rundir
@@ -38,6 +39,7 @@ from .checkpoint_format import TOKENIZER, CheckpointError
 from .context_run import ContextLayout
 from .data import VAL_FRACTION, BatchSampler, load_corpus
 from .evaluation import autocast, evaluate
+from .expert_balance import ExpertBalance, experts_words
 from .flops import flops_per_token, peak_flops_per_s
 from .metrics import Rates, config_block
 from .model_config import build_config, check_fits, config_to_json, count_parameters, default_seq_len, hf_init_config
@@ -97,18 +99,20 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 @torch.no_grad()
 def _read_back(pending, result: RunResult, progress: Progress, *, tokens_per_s: float, log: bool) -> None:
     """Read the pending steps' losses and grad norms back in one transfer; record and report them."""
-    values = torch.stack([torch.stack([loss, norm.double()]) for _, _, loss, norm in pending]).tolist()
-    for i, ((step, lr, _, _), (loss, grad_norm)) in enumerate(zip(pending, values)):
+    values = torch.stack([torch.cat([torch.stack([loss, norm.double()]), experts.double()])
+                          for _, _, loss, norm, experts in pending]).tolist()
+    for i, ((step, lr, *_), (loss, grad_norm, *experts)) in enumerate(zip(pending, values)):
         if not math.isfinite(loss):
             raise TrainingDiverged(f"the loss became {loss} at step {step} (learning rate {lr:.3g}): "
                                    "try a lower --lr")
         result.losses[step] = loss
         progress.step(step=step, loss=loss, lr=lr, tokens_per_s=tokens_per_s, grad_norm=grad_norm,
-                      log=log and i == len(pending) - 1)
+                      log=log and i == len(pending) - 1,
+                      extra=dict(zip(("moe_aux_loss", "moe_imbalance"), experts)) if experts else None)
 
 
 def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: int, world: dict, hf_tokenizer,
-          data_record: dict) -> str:
+          data_record: dict, ep_group) -> str:
     """Checkpoint ``step``; a Hugging Face tokenizer goes into it, so the run needs nothing outside it."""
     meta = {"step": step, "tokens_seen": tokens_seen, "steps": args.steps, "global_batch": args.global_batch,
             "micro_batch": args.micro_batch,
@@ -119,16 +123,16 @@ def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: 
             "tokenizer": TOKENIZER if hf_tokenizer is not None else args.tokenizer,
             "settings": {**{name: getattr(args, name) for name in RUN_SETTINGS}, "data": data_path(args.data)}}
     path = checkpoint.save(out, step, model=model, optimizer=optimizer, config=config_to_json(config),
-                           meta=meta, tp_group=ps.get_tensor_model_parallel_group(),
+                           meta=meta, tp_group=ps.get_tensor_model_parallel_group(), ep_group=ep_group,
                            write_extra=None if hf_tokenizer is None
                            else lambda d: hf_tokenizer.save_pretrained(str(d / TOKENIZER)))
     return str(path)
 
 
-def _world(*, tp: int, dp: int, pp: int, cp: int, dp_replicate: int = 1) -> dict:
-    """A checkpoint's ``world``: PP, CP and HSDP's replicas only where they are not 1, as before each."""
+def _world(*, tp: int, dp: int, pp: int, cp: int, dp_replicate: int = 1, ep: int = 1) -> dict:
+    """A checkpoint's ``world``: PP, CP, HSDP's replicas and EP only where they are not 1, as before each."""
     return {"tp": tp, "dp": dp, **({"pp": pp} if pp > 1 else {}), **({"cp": cp} if cp > 1 else {}),
-            **({"dp_replicate": dp_replicate} if dp_replicate > 1 else {})}
+            **({"dp_replicate": dp_replicate} if dp_replicate > 1 else {}), **({"ep": ep} if ep > 1 else {})}
 
 
 def _run_tokenizer(tokenizer: str | None):
@@ -181,7 +185,9 @@ def train(args) -> RunResult:
     SIGTERM stops every rank after the same step, with a checkpoint; SIGINT raises
     ``KeyboardInterrupt`` at once, printing nothing (the command reports it in one line).
     """
+    # Experts are whole on each rank (expert-tensor-parallel size 1), sharded over EP.
     ps.initialize_model_parallel(args.tp, getattr(args, "pp", 1), context_parallel_size=getattr(args, "cp", 1),
+                                 expert_model_parallel_size=getattr(args, "ep", 1), expert_tensor_parallel_size=1,
                                  timeout=args.timeout)
     lock, signals = None, Signals()
     try:
@@ -244,7 +250,9 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
     init = open_checkpoint(args.init_from) if args.init_from else None
     started_from = resumed or init
     continue_settings(args, resumed[2] if resumed else None)
-    world = _world(tp=tp_size, dp=dp_size, pp=pp_size, cp=cp.size, dp_replicate=args.dp_replicate if args.fsdp else 1)
+    ep_size = getattr(args, "ep", 1)
+    world = _world(tp=tp_size, dp=dp_size, pp=pp_size, cp=cp.size, dp_replicate=args.dp_replicate if args.fsdp else 1,
+                   ep=ep_size)
     resolve_tokenizer(args, started_from[2] if started_from else None)
     corpus = load_corpus(args.data, tokenizer=args.tokenizer)
     data_record = {"tokens": corpus.tokens.numel(), "sha256": corpus.digest()} if args.data else {}
@@ -265,6 +273,7 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
     train_tokens, val_tokens = corpus.split(val_fraction=VAL_FRACTION, seq_len=seq_len)
 
     fsdp = getattr(args, "fsdp", False)
+    ep_group = ps.get_expert_model_parallel_group() if config.num_moe_experts else None
     threads = _invariant_threads() if config.tp_invariant and device.type == "cpu" else None
     model_parallel_manual_seed(args.seed)
     model = GPT(config, cp_group=cp.group, device=device) if pp_size == 1 else pipeline_step.PipelinedGPT(
@@ -278,7 +287,8 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
         except ValueError as exc:  # NaN/inf weights: only reading them can tell
             raise UsageError(f"--init-from-hf: {exc}") from None
     elif init:
-        checkpoint.load(init[0], model=model, optimizer=None, tp_group=tp_group, restore_rng=False, pp_group=pp_group)
+        checkpoint.load(init[0], model=model, optimizer=None, tp_group=tp_group, restore_rng=False, pp_group=pp_group,
+                        ep_group=ep_group)
     if fsdp and pp_size == 1:  # weights are replicated over DP and CP: FSDP shards over both
         fully_shard(model, dp_group=cp.grad_group, dp_replicate=args.dp_replicate, min_unit_mib=args.fsdp_min_unit_mib)
     optimizer = adamw(_param_groups(model, args.weight_decay), device=device, tp_invariant=config.tp_invariant,
@@ -291,7 +301,9 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
                               cp_group=cp.group if config.tp_invariant else None) if fsdp \
         else grads.DataParallelGradReducer(
         model.parameters(), dp_group=dp_group if config.tp_invariant else cp.grad_group,
-        micro_batches=args.grad_accum if config.tp_invariant else None)
+        micro_batches=args.grad_accum if config.tp_invariant else None,
+        expert_dp_group=ps.get_expert_data_parallel_group() if config.num_moe_experts else None)
+    experts = ExpertBalance(model, groups=(tp_group, cp.group, dp_group)) if config.num_moe_experts else None
     loss_scale = 1 if config.tp_invariant else cp.loss_scale
     # Training steps run the compiled model; evaluation and checkpoints use the module itself.
     step_model = torch.compile(model) if getattr(args, "compile", False) else model
@@ -304,7 +316,7 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
         ckpt, _, meta = resumed
         same_world = meta["world"] == world
         checkpoint.load(ckpt, model=model, optimizer=optimizer, tp_group=tp_group, restore_rng=same_world,
-                        pp_group=pp_group)
+                        pp_group=pp_group, ep_group=ep_group)
         start = meta["step"]
         if not same_world:
             # Another layout has other ranks: continue with fresh, still reproducible, streams.
@@ -333,7 +345,8 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
               flush=True)
         print(f"tensorpar train: {num_parameters / 1e6:.2f}M parameters, "
               f"{cp.describe(tp=tp_size, dp=dp_size, seq_len=seq_len, sequence_parallel=config.sequence_parallel)}"
-              + (f" PP={pp_size}" if pp_size > 1 else "") + ", "
+              + (f" PP={pp_size}" if pp_size > 1 else "") + (f", {experts_words(config, ep_size)}" if experts else "")
+              + ", "
               f"global batch {args.global_batch} sequences ({args.micro_batch} per micro-batch x {dp_size} DP "
               f"x {args.grad_accum} accumulation) = {tokens_per_step:,} tokens/step, data: {corpus.source}"
               + (f" (micro-batch {args.micro_batch}: the {args.pp_schedule} schedule's {args.grad_accum} micro-batches; "
@@ -371,7 +384,7 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
     measured_tokens, measured_time = 0, 0.0
     # Steps whose loss and grad norm stay on the device until the next log line: reading them
     # back every step would make the CPU wait for each step before queueing the next.
-    pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
+    pending: list[tuple[int, float, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     if compiling:
         progress.say("compiling the model (torch.compile) during the first step: this can take minutes")
     interval_began = loop_began = time.perf_counter()
@@ -393,6 +406,7 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
                 loss_sum, losses = losses.sum(), list(losses.unbind())
             else:
                 loss_sum, losses = torch.zeros((), dtype=torch.float64, device=device), []
+                set_aux_loss_scale(loss_scale / len(batches))  # the balance losses' share, as the loss's
                 for k, (tokens, labels) in enumerate(batches):
                     reducer.sync = k == len(batches) - 1
                     with autocast(args.dtype, device):
@@ -401,14 +415,19 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
                     (loss * loss_scale / (len(batches) * (dp_size if config.tp_invariant else 1))).backward()
                     loss_sum += loss.detach().double()
                     losses.append(loss.detach())
+                    if experts is not None:
+                        experts.add_micro_batch()
             reducer.finish()
             if config.sequence_parallel and pp_size == 1:  # a pipeline's schedule sums them itself
                 grads.allreduce_sequence_parallel_grads(model)
             # FSDP's shards are summed over the group they split (norm_group); TP and PP as always.
-            grad_norm = (grads.clip_grad_norm_(params, args.clip_grad, dp_group=norm_group, pp_group=pp_group)
+            grad_norm = (grads.clip_grad_norm_(params, args.clip_grad, dp_group=norm_group, pp_group=pp_group,
+                                               ep_group=ep_group)
                          if args.clip_grad > 0 else grads.get_grad_norm(params, dp_group=norm_group,
-                                                                        pp_group=pp_group))
+                                                                        pp_group=pp_group, ep_group=ep_group))
             optimizer.step()
+            expert_stats = experts.finish_step(micro_batches=len(batches) * dp_size) if experts is not None \
+                else torch.zeros(0, device=device)
             if config.tp_invariant:  # added in global micro-batch order
                 mean = invariant_batches.mean_by_index(
                     losses, indices=range(dp_rank * len(batches), (dp_rank + 1) * len(batches)),
@@ -417,7 +436,7 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
                 comm.all_reduce(loss_sum, dp_group)
                 mean = loss_sum / (len(batches) * dp_size)
             done = step + 1
-            pending.append((done, lr, mean, grad_norm))
+            pending.append((done, lr, mean, grad_norm, expert_stats))
             log = done % args.log_every == 0 or done == args.steps or done == start + 1
             evaluating = bool(args.eval_every) and (done % args.eval_every == 0 or done == args.steps)
             stop = stop_requested(signals, control)
@@ -443,7 +462,8 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
             if saving:
                 result.checkpoint = _save(out, done, model=model, optimizer=optimizer, config=config,
                                           args=args, tokens_seen=done * tokens_per_step,
-                                          world=world, hf_tokenizer=hf_tokenizer, data_record=data_record)
+                                          world=world, hf_tokenizer=hf_tokenizer, data_record=data_record,
+                                          ep_group=ep_group)
                 if is_rank0:
                     if set_aside or getattr(args, "overwrite", False):
                         rundir.remove_set_aside(out)  # the new run's first checkpoint is safely written

@@ -69,6 +69,8 @@ def format_line(row: dict, *, total_steps: int) -> str:
     """One logged step as a line: ``step 10/600 loss 4.8123 lr 3.00e-03 grad norm 0.912 | ...``."""
     parts = [f"step {row['step']}/{total_steps} loss {row['loss']:.4f} lr {row['lr']:.2e} "
              f"grad norm {row['grad_norm']:.3f}"]
+    if "moe_imbalance" in row:
+        parts.append(f"experts: aux loss {row['moe_aux_loss']:.4g}, load max/mean {row['moe_imbalance']:.2f}")
     if "tokens_per_s_per_device" in row:
         rate = f"{row['tokens_per_s_per_device']:,.0f} tokens/s/device, {row['tflops_per_device']:.3g} TFLOP/s/device"
         parts.append(rate + (f", MFU {100 * row['mfu']:.1f}%" if "mfu" in row else ""))

@@ -29,7 +29,11 @@ RUNTIME_FIELDS = frozenset({"sequence_parallel", "recompute", "distribute_saved_
 MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
                "ffn_hidden": "ffn_hidden_size", "vocab": "vocab_size", "norm": "norm",
                "activation": "activation", "position_embedding": "position_embedding",
-               "kv_heads": "num_query_groups", "rope_theta": "rope_theta"}
+               "kv_heads": "num_query_groups", "rope_theta": "rope_theta",
+               "num_experts": "num_moe_experts", "moe_router_topk": "moe_router_topk",
+               "moe_ffn_hidden": "moe_ffn_hidden_size", "moe_shared_ffn_hidden": "moe_shared_expert_intermediate_size",
+               "moe_first_dense_layers": "moe_first_dense_layers", "moe_aux_loss_coeff": "moe_aux_loss_coeff",
+               "moe_expert_bias": "moe_router_enable_expert_bias"}
 
 
 class ConfigMismatch(UsageError):
@@ -168,7 +172,9 @@ def check_fits(config: GPTConfig, *, tp: int, seq_len: int | None) -> None:
 def count_parameters(model: GPT) -> int:
     """Parameters of the unpadded TP=1 model: the same number at every TP size."""
     tp = comm.group_size(model.tp_group)
-    total = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) for p in model.parameters())
+    ep = 1 if model.parallel.ep_group is None else comm.group_size(model.parallel.ep_group)
+    total = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else ep if getattr(p, "expert_parallel", False)
+                             else 1) for p in model.parameters())
     padding = model.padded_vocab_size - model.config.vocab_size
     heads = 1 if model.config.tie_word_embeddings else 2  # the embedding, and an untied LM head
     return total - padding * model.config.hidden_size * heads

@@ -152,8 +152,8 @@ class Progress:
         return (now - self._first_done) / (step - self.first_step - 1) * (self.total_steps - step)
 
     def step(self, *, step: int, loss: float, lr: float, tokens_per_s: float, grad_norm: float,
-             log: bool) -> None:
-        """Advance the bar by one step; write a metrics row when ``log``."""
+             log: bool, extra: dict | None = None) -> None:
+        """Advance the bar by one step; write a metrics row (with ``extra``'s fields) when ``log``."""
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -164,8 +164,8 @@ class Progress:
             self._first_done = now
         if log:
             rates = self.rates.fields(tokens_per_s=tokens_per_s) if self.rates is not None else {}
-            row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                   **rates, **peak_memory(self.device), "elapsed_s": round(now - self._started, 3)}
+            row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, **(extra or {}),
+                   "tokens_per_s": tokens_per_s, **rates, **peak_memory(self.device), "elapsed_s": round(now - self._started, 3)}
             eta = self._eta(step, now)
             if eta is not None:
                 row["eta_s"] = round(eta, 1)

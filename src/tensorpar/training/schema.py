@@ -107,7 +107,7 @@ META_SCHEMA = {
              "sha256": Rule(lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None,
                             "64 lowercase hex digits")},
     "world": {"tp": integer(1, MAX_RANKS), "dp": integer(1, MAX_RANKS), "pp": integer(1, MAX_RANKS),
-              "cp": integer(1, MAX_RANKS), "dp_replicate": integer(1, MAX_RANKS)},
+              "cp": integer(1, MAX_RANKS), "dp_replicate": integer(1, MAX_RANKS), "ep": integer(1, MAX_RANKS)},
     "dtype": choice("fp32", "bf16"), "tokenizer": (TEXT, NULL), "ranks": integer(1, MAX_RANKS),
     "rng": RNG_SPEC, "config_sha256": Rule(lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)
                                             is not None, "64 lowercase hex digits"),
@@ -137,8 +137,8 @@ _CONFIG_RULES = {int: integer(1), float: number(0), bool: FLAG, str: TEXT, dict:
 
 def check_meta(path: Path, meta: object, *, step: int | None = None) -> None:
     """Refuse a ``meta.json`` (of the directory ``step_{step}``) unlike what a save writes."""
-    # world.pp, world.cp: only a pipeline- or context-parallel run records them
-    check_fields(path, meta, META_SCHEMA, optional={"settings", "config_sha256", "world.pp", "world.cp", "data.tokens",
+    # world.pp, world.cp, world.ep: only a pipeline-, context- or expert-parallel run records them
+    check_fields(path, meta, META_SCHEMA, optional={"settings", "config_sha256", "world.pp", "world.cp", "world.ep", "data.tokens",
                                                     "data.sha256",
                                                                 "world.dp_replicate"})
     if "settings" in meta:
@@ -158,6 +158,7 @@ def check_config(path: Path, config: object) -> None:
     fields = dataclasses.fields(GPTConfig)
     schema = {f.name: tuple(_CONFIG_RULES[t] for t in typing.get_args(hints[f.name]) or (hints[f.name],))
               for f in fields}
+    schema["moe_first_dense_layers"] = integer(0)  # the one count that may be 0
     optional = {f.name for f in fields if f.default is not dataclasses.MISSING}
     check_fields(path, config, schema, exact=True, optional=optional)
     try:
