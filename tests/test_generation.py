@@ -30,7 +30,7 @@ def _prompt():
 
 
 def _decode_body(with_tp1: bool, cases):
-    tp.initialize_model_parallel(dist.get_world_size())
+    tp.initialize_model_parallel(dist.get_world_size(), expert_tensor_parallel_size=1)
     prompt, mask = _prompt()
     batch, length = prompt.shape
     for overrides in cases:
@@ -74,6 +74,13 @@ def test_decode_step_equals_the_recomputation_at_tp_1_2_and_4():
     # TP 1 ran above. At TP 4 the cases whose split differs from TP 2's (each step's gloo
     # collectives cost 5x theirs at 2 ranks): GPT-2, one K/V head on every rank, 6 heads over 4 ranks.
     assert run_on_ranks(_decode_body, 4, False, CASES[0:1] + CASES[2:4]) == [True] * 4
+
+
+def test_decode_step_of_a_model_with_experts_equals_the_recomputation_at_tp_1_and_2():
+    """The MoE blocks' experts in each decode step, at TP 2 each rank routing its share of the batch."""
+    moe = {**LLAMA, "num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 16,
+           "moe_shared_expert_intermediate_size": 8}
+    assert run_on_ranks(_decode_body, 2, True, [moe]) == [True] * 2
 
 
 def _ledger_body():

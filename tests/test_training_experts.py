@@ -11,6 +11,7 @@ import pytest
 
 from tensorpar.cli.main import main
 from tensorpar.cli.training_cli import parse_train_args
+from tests.cli_runner import run_tensorpar
 from tests.harness import run_on_ranks
 from tests.test_training_cli import _train_error
 
@@ -94,3 +95,15 @@ def test_an_ep2_checkpoint_resumes_at_ep1_on_the_uninterrupted_losses(runs):
 ])
 def test_what_expert_parallelism_refuses(capsys, argv, message):
     assert _train_error(capsys, *argv) == message
+
+
+def test_an_ep2_checkpoint_generates_at_tp_1_and_2_and_export_refuses_it_in_one_line(runs, tmp_path):
+    root, _ = runs
+    texts = [run_tensorpar(["generate", "--checkpoint", root / "ep2", "--prompt", "def ", "--max-new-tokens", "4",
+                            "--temperature", "0", "--nproc", nproc, "--tp", nproc]) for nproc in (1, 2)]
+    assert all(done.returncode == 0 for done in texts), [done.stderr for done in texts]
+    assert texts[0].stdout == texts[1].stdout and texts[0].stdout.startswith("def ")
+    done = run_tensorpar(["export", "--checkpoint", root / "ep2", "--to-hf", tmp_path / "hf"])
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (f"tensorpar export: error: --checkpoint {root / 'ep2'} cannot be "
+                                                    "exported: a model with experts has no Hugging Face export yet")

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed import comm
+from ..expert_parallel import MoELayer
 from ..tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from .cuda_graph import CUDAGraphed
 
@@ -176,9 +177,13 @@ class Decoder:
             w = layer.weight if w is None else w
             return (w.t().contiguous() if self.copy_weights else w.t()), layer.bias
 
+        def mlp(block):  # an MoE block's experts run as the layer itself: fc, out None
+            if isinstance(block.mlp, MoELayer):
+                return (block.norm2, None, None, block.mlp, None, None)
+            return (block.norm2, *right(block.mlp.fc), block.mlp, *right(block.mlp.proj))
+
         self.layers = [(block.norm1, *right(block.attention.qkv), block.attention, *right(block.attention.proj),
-                        block.norm2, *right(block.mlp.fc), block.mlp, *right(block.mlp.proj))
-                       for block in model.blocks]
+                        *mlp(block)) for block in model.blocks]
         self.head = right(model.lm_head, weight if model.config.tie_word_embeddings else None)[0]
         if self.position is not None:
             for buffer in self.cache.keys + self.cache.values:
@@ -219,7 +224,10 @@ class Decoder:
             else:
                 k, v = self.cache.write(layer, length, k, v)
             x = x + self._row(attention.attend(q, *attention.kv_read(k, v), mask, causal=False)[0], proj, proj_bias)
-            x = x + self._row(mlp.activate(_column(norm2(x), fc, fc_bias)), out, out_bias)
+            if fc is None:
+                x = x + mlp(norm2(x)[None])[0]
+            else:
+                x = x + self._row(mlp.activate(_column(norm2(x), fc, fc_bias)), out, out_bias)
         logits = gather_from_tensor_model_parallel_region(self.model.final_norm(x) @ self.head, group=self.group)
         return logits[:, :self.model.config.vocab_size].float()
 

@@ -115,6 +115,9 @@ def hf_config_of(config: GPTConfig):
     """The ``transformers`` config of a GPT: GPT-2, Qwen2 (QKV biases) or Llama."""
     import transformers
 
+    if config.num_moe_experts is not None:
+        raise ValueError("a model with experts has no Hugging Face export yet")
+
     if family_of(config) == "gpt2":
         return transformers.GPT2Config(
             vocab_size=config.vocab_size, n_positions=config.max_seq_len, n_embd=config.hidden_size,

@@ -88,7 +88,7 @@ def check_generate(args, *, saved: dict, meta: dict, local_ranks: int) -> None:
 
 def generate(args) -> str:
     """Continue ``args.prompt``; the same text on every rank (the sampling stream is shared)."""
-    ps.initialize_model_parallel(args.tp, timeout=args.timeout)
+    ps.initialize_model_parallel(args.tp, expert_tensor_parallel_size=1, timeout=args.timeout)
     # An error propagates as it is, the groups left up: waiting on a peer or tearing the groups
     # down here would hide it behind a timeout or a peer's broken-connection error.
     model, meta = load_model(args.checkpoint, tp_group=ps.get_tensor_model_parallel_group())
