@@ -108,3 +108,16 @@ def test_ring_overlap_benchmark_prints_every_measured_and_predicted_figure(capsy
     assert predicted == pytest.approx([measured, measured], abs=0.011)
     assert re.search(r"link: latency \d+\.\d+ ms, \d+\.\d+ GB/s .* overlap \d\.\d\d; .* \d+\.\d+ GFLOP/s", out), out
     assert re.search(r"1-minute load \d+\.\d before, \d+\.\d after", out), out
+
+
+def test_moe_step_benchmark_reports_every_variant_against_the_plain_layer(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import moe_step
+
+    result = moe_step.main(["--ranks", "2", "--tokens", "16", "--hidden", "16", "--ffn", "16", "--experts", "4",
+                            "--rounds", "1", "--warmup", "0", "--iters", "1"])
+    assert set(result["median_ms"]) == set(result["over_plain"]) == {"plain", "EP 1", "EP 2"}
+    assert all(v > 0 for v in result["median_ms"].values()) and result["over_plain"]["plain"] == 1.0
+    out = capsys.readouterr().out
+    assert re.search(r"1-minute load \d+\.\d before, \d+\.\d after", out), out
+    assert all(re.search(rf"{name}: +\d+\.\d\d ms, \d\.\d\d\d x plain", out) for name in result["median_ms"]), out
