@@ -121,3 +121,36 @@ def test_moe_step_benchmark_reports_every_variant_against_the_plain_layer(capsys
     out = capsys.readouterr().out
     assert re.search(r"1-minute load \d+\.\d before, \d+\.\d after", out), out
     assert all(re.search(rf"{name}: +\d+\.\d\d ms, \d\.\d\d\d x plain", out) for name in result["median_ms"]), out
+
+
+def test_bench_gpu_runs_both_gpu_benchmarks_at_tiny_sizes_and_prints_their_tables(capsys):
+    """On a CPU (no GPU here): the same code path, the report's structure (never its timings)."""
+    assert main(["bench", "--gpu", "--gpu-models", "tiny", "--gpu-decode-model", "tiny", "--gpu-steps", "1",
+                 "--gpu-new-tokens", "3", "--json"]) == 0
+    out = capsys.readouterr().out
+    train, decode = json.loads(out[out.index("[\n"):])
+    assert train["model"] == "tiny" and set(train["results"]) == {
+        f"{who} {mode}" for who in ("tensorpar", "plain", "ratio") for mode in ("eager", "compiled")}
+    for mode in ("eager", "compiled"):
+        tensorpar, plain = train["results"][f"tensorpar {mode}"], train["results"][f"plain {mode}"]
+        assert tensorpar["tokens_per_s"] > 0 and plain["tokens_per_s"] > 0
+        assert train["results"][f"ratio {mode}"] == pytest.approx(tensorpar["tokens_per_s"] / plain["tokens_per_s"])
+        assert math.isfinite(tensorpar["loss"]) and math.isfinite(plain["loss"])
+    assert set(decode["ms_per_token"]) == {"tensorpar eager", "transformers static cache"}  # no CUDA graph on CPU
+    assert decode["floor_ms"] > 0 and all(v > 0 for v in decode["ms_per_token"].values())
+    assert decode["tensorpar_tokens_agree"]
+    assert "tensorpar / plain, compiled:" in out and "x floor" in out
+
+
+def test_the_plain_gpt_of_the_gpu_benchmark_has_tensorpars_flops():
+    """Equal FLOPs: the plain model's matmul weights are the count MFU uses, for both shapes."""
+    from tensorpar.cli.gpu_train_bench import SHAPES, PlainGPT
+    from tensorpar.models import GPTConfig
+    from tensorpar.training.flops import matmul_weights
+
+    for shape in ("tiny", "llama-1b"):
+        config = GPTConfig(**{**SHAPES[shape], "num_layers": 1})
+        with torch.device("meta"):
+            plain = PlainGPT(config)
+        weights = sum(m.weight.numel() for m in plain.modules() if isinstance(m, torch.nn.Linear))
+        assert weights == matmul_weights(config), shape

@@ -277,9 +277,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpt-heads", type=int, default=defaults.gpt_heads, help="GPT attention heads")
     parser.add_argument("--gpt-vocab", type=int, default=defaults.gpt_vocab, help="GPT vocabulary size")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--gpu", action="store_true",
+                        help="instead: on one GPU, tensorpar's training step against the same model in plain PyTorch "
+                             "(GPT-2 small and Llama-3.2-1B shapes, eager and compiled) and batch-1 decoding of a "
+                             "Llama-3-8B shape against its weight-streaming floor, one table")
+    parser.add_argument("--gpu-models", nargs="+", default=["gpt2-small", "llama-1b"], metavar="SHAPE",
+                        help="--gpu's training shapes (gpt2-small, llama-1b, tiny)")
+    parser.add_argument("--gpu-decode-model", default="llama3-8b", metavar="SHAPE",
+                        help="--gpu's decoding shape (llama3-8b, tiny)")
+    parser.add_argument("--gpu-steps", type=int, default=10, help="--gpu's timed training steps a variant")
+    parser.add_argument("--gpu-new-tokens", type=int, default=128, help="--gpu's tokens decoded")
+
+
+def _run_gpu(args: argparse.Namespace) -> int:
+    """``--gpu``: both GPU benchmarks, their tables one after the other (or JSON)."""
+    from . import gpu_decode_bench, gpu_train_bench
+
+    reports = [gpu_train_bench.main(["--model", model, "--steps", str(args.gpu_steps)]) for model in args.gpu_models]
+    reports.append(gpu_decode_bench.main(["--model", args.gpu_decode_model, "--new-tokens", str(args.gpu_new_tokens)]))
+    if args.json:
+        print(json.dumps(reports, indent=2))
+    return 0
 
 
 def _run_command(args: argparse.Namespace) -> int:
+    if args.gpu:
+        return _run_gpu(args)
     fields = {f.name for f in dataclasses.fields(BenchConfig)}
     try:
         cfg = BenchConfig(**{k: v for k, v in vars(args).items() if k in fields})
