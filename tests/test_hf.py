@@ -191,6 +191,47 @@ def test_gpt_neither_imports_nor_is_patched_by_its_conversions():
     assert all(getattr(value, "__module__", gpt_module.__name__) != "tensorpar.models.hf" for value in vars(GPT).values())
 
 
+MIXTRAL = lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(  # noqa: E731
+    **{**LLAMA_SHAPE, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+    router_aux_loss_coef=0.02))
+
+
+def _mixtral_body(directory, tp_size, ep_size):
+    """A random Mixtral (its files: each expert's w1/w2/w3; loaded: fused) at this TP x EP."""
+    tp.initialize_model_parallel(tp_size, expert_model_parallel_size=ep_size, expert_tensor_parallel_size=1)
+    group = tp.get_tensor_model_parallel_group()
+    torch.manual_seed(0)
+    hf = MIXTRAL().eval()
+    if dist.get_rank() == 0:
+        hf.save_pretrained(directory)
+    dist.barrier()
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    models = {"dir": from_hf(directory, tp_group=group), "object": from_hf(hf, tp_group=group)}
+    for key, model in models.items():
+        assert model.config.num_moe_experts == 4 and model.config.moe_aux_loss_coeff == 0.02
+        assert model.blocks[0].mlp.experts.num_local_experts == 4 // ep_size
+        with torch.no_grad():
+            error = (full_logits(model.eval(), tokens) - expected).abs().max().item()
+        assert error <= LOGIT_TOL, (key, error)
+    for (name, a), (_, b) in zip(models["dir"].named_parameters(), models["object"].named_parameters()):
+        assert torch.equal(a, b), name
+    exported = to_hf(models["dir"])
+    if dist.get_rank(group) == 0:
+        assert type(exported).__name__ == "MixtralForCausalLM"
+        theirs = exported.state_dict()
+        assert theirs.keys() == hf.state_dict().keys()
+        assert all(torch.equal(theirs[name], tensor) for name, tensor in hf.state_dict().items())
+    return True
+
+
+@pytest.mark.parametrize("tp_size, ep_size", [(1, 1), (1, 2), (2, 2)])
+def test_mixtral_matches_transformers_and_round_trips_at_any_tp_and_ep(tp_size, ep_size, tmp_path):
+    world = max(tp_size, ep_size)
+    assert run_on_ranks(_mixtral_body, world, str(tmp_path / "mixtral"), tp_size, ep_size) == [True] * world
+
+
 def test_unsupported_configs_are_clear_errors(tmp_path):
     from tensorpar.models.hf import config_from_hf, hf_config_of
 
@@ -207,6 +248,9 @@ def test_unsupported_configs_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="no transformers family has this GPT's shape"):
         hf_config_of(GPTConfig(vocab_size=8, max_seq_len=4, num_layers=1, num_heads=1, hidden_size=8,
                                norm="rmsnorm"))
+    with pytest.raises(ValueError, match=r"maps to Mixtral only .* this one has moe_first_dense_layers=1, "
+                                         r"moe_shared_expert_intermediate_size=8"):
+        hf_config_of(GPTConfig.preset("moe-tiny", moe_first_dense_layers=1, moe_shared_expert_intermediate_size=8))
     (tmp_path / "config.json").write_text(hf_model("llama").config.to_json_string())
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="no \\*.safetensors files"):
@@ -256,7 +300,7 @@ def test_a_model_directory_is_read_as_data_never_run(tmp_path, monkeypatch):
     with pytest.raises(ValueError) as caught:
         from_hf(tmp_path)
     assert str(caught.value) == (f"{tmp_path / 'config.json'}: unsupported model_type 'evil'; supported: gpt2, llama, "
-                                 "mistral, qwen2 (a model directory's own code is never run)")
+                                 "mistral, qwen2, mixtral (a model directory's own code is never run)")
     assert not marker.exists()
     with pytest.raises(ValueError, match=r"^org/name: no such local directory \(models are read from local "
                                          r"directories only, never downloaded: fetch it first"):

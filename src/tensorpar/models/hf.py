@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers`` models in and out: GPT-2, Llama, Mistral and Qwen2.
+"""Hugging Face ``transformers`` models in and out: GPT-2, Llama, Mistral, Qwen2 and Mixtral.
 
 :func:`from_hf` builds this rank's shard of a :class:`~tensorpar.models.gpt.GPT` from a
 ``transformers`` model object or a local directory (``config.json`` and safetensors files).
@@ -15,6 +15,9 @@ tensors at the same boundaries. The fused QKV weight is ``p + 2`` blocks of K/V-
 (see :class:`~tensorpar.models.gpt.Attention`): block ``j`` takes every group's ``j``-th query
 head from ``q_proj``. The vocabulary is padded with zero rows on import and cut on export.
 ``transformers`` is imported only when needed; Mistral exports as Llama (the same network).
+Mixtral's experts are whole tensors per expert, not row ranges: each rank reads its own experts
+(of its expert-parallel group) from the files' ``w1``/``w3`` (gate, up) and ``w2`` (down), or
+from a loaded model's fused ``gate_up_proj`` and ``down_proj``, which are tensorpar's layout.
 
 Example::
 
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ..distributed import comm
+from ..expert_parallel import MoELayer
 from .gpt import GPT, GPTConfig
 from .hf_files import (INDEX, SafetensorsReader, check_weights, config_from_hf, config_from_hf_dir, family_of,
                        model_dir, tensor_key)
@@ -96,11 +100,14 @@ def _llama_pieces(config: GPTConfig, padded_vocab: int) -> dict[str, list[Piece]
             pieces[f"{ours}attention.qkv.{param}"] = (queries + _whole(f"{attn}k_proj.{param}", groups * d)
                                                       + _whole(f"{attn}v_proj.{param}", groups * d))
         pieces |= {ours + "attention.proj.weight": _whole(attn + "o_proj.weight", config.num_heads * d),
-                   ours + "mlp.fc.weight": (_whole(theirs + "mlp.gate_proj.weight", f)
-                                            + _whole(theirs + "mlp.up_proj.weight", f)),
-                   ours + "mlp.proj.weight": _whole(theirs + "mlp.down_proj.weight", f),
                    ours + "norm1.weight": _whole(theirs + "input_layernorm.weight", h),
                    ours + "norm2.weight": _whole(theirs + "post_attention_layernorm.weight", h)}
+        if config.num_moe_experts is not None:  # the experts: _load_experts and _experts_state
+            pieces[ours + "mlp.router.weight"] = _whole(theirs + "mlp.gate.weight", config.num_moe_experts)
+        else:
+            pieces |= {ours + "mlp.fc.weight": (_whole(theirs + "mlp.gate_proj.weight", f)
+                                                + _whole(theirs + "mlp.up_proj.weight", f)),
+                       ours + "mlp.proj.weight": _whole(theirs + "mlp.down_proj.weight", f)}
     return pieces
 
 
@@ -112,11 +119,9 @@ def hf_pieces(config: GPTConfig, padded_vocab: int) -> dict[str, list[Piece]]:
 # --------------------------------------------------------------------------------- configs
 
 def hf_config_of(config: GPTConfig):
-    """The ``transformers`` config of a GPT: GPT-2, Qwen2 (QKV biases) or Llama."""
+    """The ``transformers`` config of a GPT: GPT-2, Qwen2 (QKV biases), Llama or Mixtral (with experts)."""
     import transformers
 
-    if config.num_moe_experts is not None:
-        raise ValueError("a model with experts has no Hugging Face export yet")
 
     if family_of(config) == "gpt2":
         return transformers.GPT2Config(
@@ -134,6 +139,11 @@ def hf_config_of(config: GPTConfig):
                   rope_scaling=config.rope_scaling, attention_dropout=config.attention_dropout,
                   initializer_range=config.init_std, tie_word_embeddings=config.tie_word_embeddings,
                   bos_token_id=None, eos_token_id=None)
+    if family_of(config) == "mixtral":
+        return transformers.MixtralConfig(**{**fields, "intermediate_size": config.moe_ffn_hidden_size},
+                                          num_local_experts=config.num_moe_experts,
+                                          num_experts_per_tok=config.moe_router_topk,
+                                          router_aux_loss_coef=config.moe_aux_loss_coeff, sliding_window=None)
     if config.qkv_bias:
         if config.rope_scaling is not None:
             raise ValueError("Qwen2 (QKV biases) with Llama 3 rope scaling has no transformers class")
@@ -216,13 +226,43 @@ def _load_shards(model: GPT, reader) -> None:
     pieces = hf_pieces(model.config, model.padded_vocab_size)
     n, rank = comm.group_size(model.tp_group), comm.group_rank(model.tp_group)
     for layout in model.parameter_layouts():
+        if getattr(layout.param, "expert_parallel", False):
+            continue
         dim = layout.partition_dim % len(layout.full_shape) if layout.tensor_model_parallel else 0
         ranges = layout.ranges(rank, n) if layout.tensor_model_parallel else [(0, layout.full_shape[dim])]
         _copy_shard(reader, pieces[layout.name], layout, ranges, dim)
+    _load_experts(model, reader)
+
+
+def _moe_blocks(model: GPT):
+    """(layer number, MoE layer) of every block with experts."""
+    return [(i, block.mlp) for i, block in zip(model.layers, model.blocks) if isinstance(block.mlp, MoELayer)]
+
+
+def _load_experts(model: GPT, reader) -> None:
+    """Each MoE block's experts of this rank: rows of a loaded model's fused tensors, or each
+    expert's ``w1`` and ``w3`` (gate, up) and ``w2`` (down) from the files."""
+    h, names = model.config.hidden_size, set(reader.names())
+    for i, moe in _moe_blocks(model):
+        experts = moe.experts
+        first, n, f, total = experts.first_expert, experts.num_local_experts, experts.ffn_hidden_size, experts.num_experts
+        fused = f"model.layers.{i}.mlp.experts."
+        if fused + "gate_up_proj" in names:
+            for ours, theirs, shape in (("gate_up", "gate_up_proj", [total, 2 * f, h]),
+                                        ("down", "down_proj", [total, h, f])):
+                rows = _read_rows(reader, Piece(fused + theirs, 0, total), first, first + n, 0, shape)
+                getattr(experts, ours).copy_(rows)
+            continue
+        for j, e in enumerate(range(first, first + n)):
+            files = f"model.layers.{i}.block_sparse_moe.experts.{e}."
+            for target, name, rows in ((experts.gate_up[j, :f], "w1", f), (experts.gate_up[j, f:], "w3", f),
+                                       (experts.down[j], "w2", h)):
+                target.copy_(_read_rows(reader, Piece(files + name + ".weight", 0, rows), 0, rows, 0,
+                                        list(target.shape)))
 
 
 def from_hf(model_or_dir, *, tp_group=None, device=None, **config_overrides) -> GPT:
-    """This rank's shard of a Hugging Face GPT-2, Llama, Mistral or Qwen2 model.
+    """This rank's shard of a Hugging Face GPT-2, Llama, Mistral, Qwen2 or Mixtral model.
 
     ``model_or_dir``: a ``transformers`` model object, or a local directory with
     ``config.json`` and safetensors weights (each rank reads only its shard's bytes; nothing in
@@ -265,6 +305,8 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     pieces = hf_pieces(model.config, model.padded_vocab_size)
     parts: dict[str, list[tuple[int, torch.Tensor, bool, int]]] = {}
     for layout in model.parameter_layouts():
+        if getattr(layout.param, "expert_parallel", False):
+            continue
         dim = layout.partition_dim % len(layout.full_shape) if layout.tensor_model_parallel else 0
         offset = 0
         for piece in pieces[layout.name]:
@@ -280,7 +322,17 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
         state[name] = (tensor.t() if transposed else tensor).contiguous()
     if model.config.tie_word_embeddings:
         state["lm_head.weight"] = state[pieces["embedding.word.weight"][0].name]
+    for i, moe in _moe_blocks(model):  # transformers' fused experts, which are tensorpar's layout
+        for ours, theirs in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
+            state[f"model.layers.{i}.mlp.experts.{theirs}"] = _every_expert(getattr(moe.experts, ours), moe.ep_group)
     return state
+
+
+def _every_expert(local: torch.Tensor, ep_group) -> torch.Tensor:
+    """The whole ``[experts, ...]`` tensor from each EP rank's experts."""
+    if ep_group is None or comm.group_size(ep_group) == 1:
+        return local.detach().clone()
+    return comm.all_gather(local.detach().contiguous(), ep_group, dim=0)
 
 
 def save_pretrained(hf_model, path) -> None:
@@ -315,7 +367,7 @@ def to_hf(model: GPT, path=None):
         return None
     hf_config = hf_config_of(model.config)
     classes = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
-               "qwen2": transformers.Qwen2ForCausalLM}
+               "qwen2": transformers.Qwen2ForCausalLM, "mixtral": transformers.MixtralForCausalLM}
     hf_model = classes[hf_config.model_type](hf_config)
     hf_model.load_state_dict(state, strict=True)
     # transformers' generate stops at max_length; past the model's positions a learned table has no row.

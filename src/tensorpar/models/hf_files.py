@@ -34,7 +34,7 @@ HEADER_LIMIT = 100 * 2**20   # safetensors' own bound on a header
 FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 REQUIRED = object()
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "mixtral")
 
 
 def _finite(value) -> bool:
@@ -213,8 +213,21 @@ class SafetensorsReader:
 
 # ----------------------------------------------------- configs, and the weights they read
 
+# What Mixtral's experts are: softmax over every expert, the top k renormalised, nothing else.
+_MIXTRAL_ROUTER = dict(moe_layer_freq=1, moe_first_dense_layers=0, moe_shared_expert_intermediate_size=None,
+                       moe_router_score_function="softmax", moe_router_pre_softmax=False, moe_router_num_groups=None,
+                       moe_router_topk_scaling_factor=None, moe_router_enable_expert_bias=False)
+
+
 def family_of(config: GPTConfig) -> str:
-    """``gpt2`` or ``llama``: the Hugging Face layout a GPT's weights map to."""
+    """``gpt2``, ``llama`` or ``mixtral`` (Llama's with experts): the Hugging Face layout a GPT's
+    weights map to."""
+    if config.num_moe_experts is not None:
+        unlike = [f"{k}={getattr(config, k)!r}" for k, v in _MIXTRAL_ROUTER.items() if getattr(config, k) != v]
+        if unlike or family_of(dataclasses.replace(config, num_moe_experts=None)) != "llama" or config.qkv_bias:
+            raise ValueError("a GPT with experts maps to Mixtral only with Llama's layers, an MoE MLP in every "
+                             f"block and Mixtral's router; this one has {', '.join(unlike) or 'other layers'}")
+        return "mixtral"
     if (config.norm, config.position_embedding, config.bias, config.qkv_bias) == ("layernorm", "learned", True, True) \
             and config.activation != "swiglu" and config.num_query_groups == config.num_heads:
         return "gpt2"
@@ -307,6 +320,14 @@ def _llama_fields(fields: Fields, model_type: str) -> dict:
                 tie_word_embeddings=fields.get("tie_word_embeddings", "flag", False))
 
 
+def _mixtral_fields(fields: Fields) -> dict:
+    values = _llama_fields(fields, "mixtral")
+    return {**values, "num_moe_experts": fields.get("num_local_experts", "count"),
+            "moe_router_topk": fields.get("num_experts_per_tok", "count"),
+            "moe_ffn_hidden_size": values["ffn_hidden_size"],
+            "moe_aux_loss_coeff": float(fields.get("router_aux_loss_coef", "probability", 0.0))}
+
+
 def config_from_hf(hf_config, **overrides) -> GPTConfig:
     """The :class:`GPTConfig` of a ``transformers`` config, or of a ``config.json``'s contents
     (a dict); ``overrides``: any GPTConfig field. Builds nothing, runs nothing.
@@ -331,6 +352,8 @@ def _config(fields: Fields, overrides: dict) -> GPTConfig:
     model_type = fields.get("model_type", "name")
     if model_type == "gpt2":
         values = _gpt2_fields(fields)
+    elif model_type == "mixtral":
+        values = _mixtral_fields(fields)
     elif model_type in LLAMA_FAMILY:
         values = _llama_fields(fields, model_type)
     else:
@@ -377,19 +400,30 @@ def _hf_shapes(config: GPTConfig):
     yield from (("model.embed_tokens.weight", (v, h)), ("model.norm.weight", (h,)))
     if not config.tie_word_embeddings:
         yield "lm_head.weight", (v, h)
+    experts = ("num_local_experts", config.num_moe_experts)
     for i in range(config.num_layers):
         t, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         yield from ((a + "q_proj.weight", (q, h)), (a + "k_proj.weight", (kv, h)), (a + "v_proj.weight", (kv, h)),
-                    (a + "o_proj.weight", (h, q)), (t + "mlp.gate_proj.weight", (f, h)),
-                    (t + "mlp.up_proj.weight", (f, h)), (t + "mlp.down_proj.weight", (h, f)),
+                    (a + "o_proj.weight", (h, q)),
                     (t + "input_layernorm.weight", (h,)), (t + "post_attention_layernorm.weight", (h,)))
+        if config.num_moe_experts is None:
+            yield from ((t + "mlp.gate_proj.weight", (f, h)), (t + "mlp.up_proj.weight", (f, h)),
+                        (t + "mlp.down_proj.weight", (h, f)))
+            continue
+        m, fe = t + "block_sparse_moe.", ("intermediate_size", config.moe_ffn_hidden_size)
+        yield m + "gate.weight", (experts, h)  # the files' names: transformers fuses the experts once loaded
+        for e in range(config.num_moe_experts):
+            yield from ((f"{m}experts.{e}.w1.weight", (fe, h)), (f"{m}experts.{e}.w2.weight", (h, fe)),
+                        (f"{m}experts.{e}.w3.weight", (fe, h)))
         if config.qkv_bias:
             yield from ((a + "q_proj.bias", (q,)), (a + "k_proj.bias", (kv,)), (a + "v_proj.bias", (kv,)))
 
 
 def tensor_key(names, name: str) -> str | None:
-    # Older GPT-2 files (the hub's "gpt2") name the transformer's tensors without its prefix.
-    return next((key for key in (name, name.removeprefix("transformer.")) if key in names), None)
+    # Older GPT-2 files (the hub's "gpt2") name the transformer's tensors without its prefix;
+    # Mixtral's files name its router as transformers did before it fused the experts.
+    candidates = (name, name.removeprefix("transformer."), name.replace(".mlp.gate.", ".block_sparse_moe.gate."))
+    return next((key for key in candidates if key in names), None)
 
 
 def check_weights(tensors: dict[str, TensorInfo], config: GPTConfig, *, source: str) -> None:
