@@ -1,5 +1,5 @@
-"""``tensorpar train`` with experts: EP 2 and EP 4, and EP 2 with TP 2 (SP) or CP 2, train the EP 1
-run; an EP 2 checkpoint resumes at EP 1 on the uninterrupted losses; what EP refuses.
+"""``tensorpar train`` with experts: EP 2 and EP 4, and EP 2 with TP 2 (SP), CP 2 or PP 2, train the
+EP 1 run; an EP 2 checkpoint resumes at EP 1 on the uninterrupted losses; what EP refuses.
 
 One micro-batch of one sequence (the balance loss's scope) at every layout, global batch 4.
 """
@@ -39,6 +39,7 @@ def runs(tmp_path_factory):
     cases = {"ep1": (1, ["--tp", "1"]), "ep2": (4, ["--tp", "1", "--ep", "2", "--save-every", "2"]),
              "ep4": (4, ["--tp", "1", "--ep", "4"]), "tp2ep2": (4, ["--tp", "2", "--sp", "--ep", "2"]),
              "cp2ep2": (4, ["--tp", "1", "--cp", "2", "--ep", "2"]),
+             "pp2ep2": (4, ["--tp", "1", "--pp", "2", "--ep", "2"]),
              "resumed": (1, ["--tp", "1", "--resume", str(root / "ep2" / "step_2")])}
     return root, {name: run_on_ranks(_train_body, world, MOE + flags + ["--out", str(root / name)])
                   for name, (world, flags) in cases.items()}
@@ -49,7 +50,7 @@ def _logged(root, name, field):
     return [row[field] for row in rows if "loss" in row]
 
 
-@pytest.mark.parametrize("name", ["ep2", "ep4", "tp2ep2", "cp2ep2"])
+@pytest.mark.parametrize("name", ["ep2", "ep4", "tp2ep2", "cp2ep2", "pp2ep2"])
 def test_expert_parallel_trains_the_ep1_run(runs, name):
     """Losses, grad norm and the experts' balance figures equal EP 1's (the validation loss is of
     --eval-iters batches a DP rank: another amount of data at another DP size)."""
@@ -90,6 +91,8 @@ def test_an_ep2_checkpoint_resumes_at_ep1_on_the_uninterrupted_losses(runs):
      "--ep 4 does not divide the 2 TP x CP x DP ranks of a stage (--tp 1 x --cp 1 x DP 2)"),
     (["--nproc", "2", "--tp", "1", "--model", "moe-tiny", "--fsdp"],
      "a model with experts does not train with --fsdp yet; drop it"),
+    (["--nproc", "2", "--tp", "1", "--model", "moe-tiny", "--compile"],
+     "a model with experts does not train with --compile yet; drop it"),
     (["--nproc", "2", "--tp", "1", "--model", "moe-tiny", "--tp-invariant"],
      "invalid model: GPTConfig with num_moe_experts does not support tp_invariant=True (the experts are SwiGLU MLPs)"),
 ])

@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -69,9 +70,24 @@ def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tenso
     return _AttachAuxLoss.apply(output, aux_loss)
 
 
-def _in_backward() -> bool:
+class _Counting:
+    paused = False
+
+
+@contextlib.contextmanager
+def counts_paused():
+    """Forwards that are no training step's count no tokens and no balance loss (a pipeline's
+    shape inference on a dummy micro-batch)."""
+    paused, _Counting.paused = _Counting.paused, True
+    try:
+        yield
+    finally:
+        _Counting.paused = paused
+
+
+def _counted() -> bool:
     # A recomputed forward runs inside backward: its tokens were counted by the first forward.
-    return torch._C._current_graph_task_id() != -1
+    return not _Counting.paused and torch._C._current_graph_task_id() == -1
 
 
 def _sum_over(tensor: torch.Tensor, groups) -> torch.Tensor:
@@ -86,8 +102,9 @@ class TopKRouter(nn.Module):
 
     ``forward(tokens [T, h], sequence_of_token [T] = None, num_sequences=1)`` returns
     ``(weights [T, k], experts [T, k])``; ``self.balance_loss`` is this rank's part of the balance
-    losses, to attach to the layer's output (:func:`attach_aux_loss`), and ``self.aux_loss`` the
-    same, detached (logging). ``seq_aux_loss`` needs each token's sequence, of ``num_sequences``.
+    losses, to attach to the layer's output (:func:`attach_aux_loss`); ``aux_loss_sum`` and
+    ``tokens_per_expert`` add up the training forwards' (not a recompute's) until
+    :func:`step_expert_balance`. ``seq_aux_loss`` needs each token's sequence, of ``num_sequences``.
     ``stats_groups``: the groups whose ranks hold the other tokens of this rank's micro-batch
     (TP when it splits the tokens, CP), over which the balance statistics are summed.
     """
@@ -122,7 +139,8 @@ class TopKRouter(nn.Module):
         # Tokens each expert received since the last optimizer step (this rank's): the bias update and the logs.
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float64, device=device),
                              persistent=False)
-        self.aux_loss = torch.zeros((), device=device)
+        # This rank's part of the balance losses, summed over the training forwards since the last step (the logs).
+        self.register_buffer("aux_loss_sum", torch.zeros((), dtype=torch.float64, device=device), persistent=False)
 
     def forward(self, tokens: torch.Tensor, sequence_of_token: torch.Tensor | None = None, num_sequences: int = 1):
         logits = F.linear(tokens, self.weight).float()                       # [T, E]
@@ -140,9 +158,10 @@ class TopKRouter(nn.Module):
         if self.scaling_factor is not None:
             weights = weights * self.scaling_factor
         counts = torch.zeros(tokens.shape[0], self.num_experts, device=tokens.device).scatter_(1, experts, 1.0)
-        if self.training and not _in_backward():
-            self.tokens_per_expert += counts.sum(0, dtype=torch.float64)
         self.balance_loss = self._loss(logits, scores, counts, sequence_of_token, num_sequences)
+        if self.training and _counted():
+            self.tokens_per_expert += counts.sum(0, dtype=torch.float64)
+            self.aux_loss_sum += self.balance_loss.detach().double()
         return weights, experts
 
     def _keep_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
@@ -167,7 +186,6 @@ class TopKRouter(nn.Module):
         if self.training and self.z_loss_coeff > 0:
             total = _sum_over(logits.new_tensor(float(len(logits))), self.stats_groups)
             loss = loss + self.z_loss_coeff * torch.logsumexp(logits, -1).square().sum() / total
-        self.aux_loss = loss.detach()
         return loss
 
     def _switch_loss(self, probs: torch.Tensor, counts: torch.Tensor, owner: torch.Tensor,
@@ -186,13 +204,15 @@ class TopKRouter(nn.Module):
 def step_expert_balance(model: nn.Module, *, groups=()) -> list[torch.Tensor]:
     """After an optimizer step: every router's tokens per expert since the last one, summed over
     ``groups`` (the ranks holding the global batch's other tokens: DP, CP, TP), returned (one
-    ``[E]`` tensor per router, in module order) and cleared; each expert bias moved by its rate
-    towards the mean count (up for an expert below it, down above). The same on every rank."""
+    ``[E]`` tensor per router, in module order) and cleared, with the balance losses' sums; each
+    expert bias moved by its rate towards the mean count (up for an expert below it, down above).
+    The same on every rank."""
     loads = []
     for router in (m for m in model.modules() if isinstance(m, TopKRouter)):
         counts = _sum_over(router.tokens_per_expert.clone(), groups)
         if router.expert_bias is not None:
             router.expert_bias += router.bias_update_rate * torch.sign(counts.mean() - counts).float()
         router.tokens_per_expert.zero_()
+        router.aux_loss_sum.zero_()
         loads.append(counts)
     return loads

@@ -12,7 +12,7 @@ learn the shapes. Its backward asks autograd for the input gradients only, but a
 block (:func:`tensorpar.checkpoint`) runs its own backward inside and adds to its parameters'
 gradients (under a DataParallelGradReducer, its ``main_grad``): parameters with a ``main_grad``
 need no gradient while it runs, the others' ``.grad`` is set aside. ``inferring`` is True meanwhile, so the loss function can tell the dummy
-micro-batch from the real ones.
+micro-batch from the real ones; routers count neither pass (:func:`tensorpar.expert_parallel.counts_paused`).
 
 Each forward and backward records the schedule's micro-batch id (``microbatch``). In the
 invariant mode a forward sets its GPT's dropout counter to ``first_micro_batch`` plus that id,
@@ -45,6 +45,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from ..distributed import comm
 from ..errors import UsageError
+from ..expert_parallel import counts_paused
 
 
 def require_torch_pipelining() -> None:
@@ -98,12 +99,16 @@ class TorchStage(PipelineStage):
             self.sharded_grads.reduce_micro_batch(self.submod, self.microbatch)
         return result
 
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with counts_paused():
+            return super()._forward_metadata_inference(*args, **kwargs)
+
     def _backward_metadata_inference(self, *args, **kwargs):
         params = list(self.submod.parameters())
         kept = [param.grad for param in params]
         self.inferring = True
         try:
-            with self._main_grads_frozen():
+            with self._main_grads_frozen(), counts_paused():
                 return super()._backward_metadata_inference(*args, **kwargs)
         finally:
             self.inferring = False

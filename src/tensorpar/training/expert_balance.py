@@ -11,7 +11,6 @@ Example::
     balance = ExpertBalance(model, groups=(tp_group, cp_group, dp_group))
     for batch in micro_batches:
         loss(batch).backward()
-        balance.add_micro_batch()
     optimizer.step()
     aux_loss, imbalance = balance.finish_step(micro_batches=len(micro_batches) * dp_size)
 """
@@ -26,27 +25,26 @@ from ..expert_parallel import TopKRouter, step_expert_balance
 
 class ExpertBalance:
     """The MoE figures of ``model``'s steps; ``groups``: the ranks holding the global batch's
-    other tokens (TP, CP, DP; None where there is no such axis)."""
+    other tokens (TP, CP, DP; None where there is no such axis); ``pp_group``: the ranks holding
+    the other pipeline stages' layers."""
 
-    def __init__(self, model: torch.nn.Module, *, groups) -> None:
+    def __init__(self, model: torch.nn.Module, *, groups, pp_group=None) -> None:
         self.model, self.groups = model, [g for g in groups if g is not None and comm.group_size(g) > 1]
+        self.pp_group = pp_group if pp_group is not None and comm.group_size(pp_group) > 1 else None
         self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
-        device = next(model.parameters()).device
-        self.aux_loss = torch.zeros((), dtype=torch.float64, device=device)
-
-    def add_micro_batch(self) -> None:
-        """Count the balance losses of the micro-batch just run (this rank's parts of them)."""
-        for router in self.routers:
-            self.aux_loss += router.aux_loss.double()
 
     def finish_step(self, *, micro_batches: int) -> torch.Tensor:
         """``[aux loss, load imbalance]`` of the step (every rank's micro-batches, ``micro_batches``
         of them), on the device; the expert biases moved and the counts cleared."""
+        # This rank's parts of the step's balance losses, summed over its MoE layers (read before the reset).
+        aux_loss = torch.stack([router.aux_loss_sum for router in self.routers]).sum()
         loads = step_expert_balance(self.model, groups=self.groups)
-        aux_loss, self.aux_loss = self.aux_loss, torch.zeros_like(self.aux_loss)
         for group in self.groups:
             comm.all_reduce(aux_loss, group)
         imbalance = torch.stack([load.max() / load.mean().clamp(min=1) for load in loads]).max()
+        if self.pp_group is not None:  # every stage's MoE layers
+            comm.all_reduce(aux_loss, self.pp_group)
+            comm.all_reduce(imbalance, self.pp_group, op="max")
         return torch.stack([aux_loss / micro_batches, imbalance.double()])
 
 

@@ -303,7 +303,8 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
         model.parameters(), dp_group=dp_group if config.tp_invariant else cp.grad_group,
         micro_batches=args.grad_accum if config.tp_invariant else None,
         expert_dp_group=ps.get_expert_data_parallel_group() if config.num_moe_experts else None)
-    experts = ExpertBalance(model, groups=(tp_group, cp.group, dp_group)) if config.num_moe_experts else None
+    experts = ExpertBalance(model, groups=(tp_group, cp.group, dp_group), pp_group=pp_group) \
+        if config.num_moe_experts else None
     loss_scale = 1 if config.tp_invariant else cp.loss_scale
     # Training steps run the compiled model; evaluation and checkpoints use the module itself.
     step_model = torch.compile(model) if getattr(args, "compile", False) else model
@@ -401,12 +402,12 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
             if model.dropout_masks is not None:  # TP-invariant masks: by global micro-batch, at any TP and DP size
                 model.dropout_masks.counter = invariant_batches.first_micro_batch(
                     step, grad_accum=args.grad_accum, dp_size=dp_size, dp_rank=dp_rank)
+            set_aux_loss_scale(loss_scale / len(batches))  # the balance losses' share, as the loss's
             if pp_size > 1:
                 losses = model.train_step(batches, reducer=reducer, dtype=args.dtype).to(device)
                 loss_sum, losses = losses.sum(), list(losses.unbind())
             else:
                 loss_sum, losses = torch.zeros((), dtype=torch.float64, device=device), []
-                set_aux_loss_scale(loss_scale / len(batches))  # the balance losses' share, as the loss's
                 for k, (tokens, labels) in enumerate(batches):
                     reducer.sync = k == len(batches) - 1
                     with autocast(args.dtype, device):
@@ -415,8 +416,6 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
                     (loss * loss_scale / (len(batches) * (dp_size if config.tp_invariant else 1))).backward()
                     loss_sum += loss.detach().double()
                     losses.append(loss.detach())
-                    if experts is not None:
-                        experts.add_micro_batch()
             reducer.finish()
             if config.sequence_parallel and pp_size == 1:  # a pipeline's schedule sums them itself
                 grads.allreduce_sequence_parallel_grads(model)

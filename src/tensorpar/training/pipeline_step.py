@@ -102,7 +102,9 @@ class PipelinedGPT(nn.Module):
 
     def _count(self) -> int:
         tp = comm.group_size(self.tp_group)
-        total = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+        ep = comm.group_size(ps.get_expert_model_parallel_group()) if self.config.num_moe_experts else 1
+        total = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else
+                                 ep if getattr(p, "expert_parallel", False) else 1)
                     for p in self.parameters() if not getattr(p, "shared", False))
         count = torch.tensor(float(total), dtype=torch.float64, device=comm.collective_device(self.pp_group))
         comm.all_reduce(count, self.pp_group)
