@@ -297,3 +297,21 @@ def _gpt_moe_body(tp_size: int, cp_size: int, ep_size: int, overrides: dict):
 def test_gpt_with_experts_trains_as_one_rank(tp_size, cp_size, ep_size, overrides):
     world = 2 if tp_size * cp_size * ep_size == 2 else 4
     run_on_ranks(_gpt_moe_body, world, tp_size, cp_size, ep_size, overrides)
+
+
+def _parameters_body(tp_size: int, ep_size: int, overrides: dict):
+    from tensorpar.models.config import GPTConfig
+    from tensorpar.models.gpt import GPT
+    from tensorpar.planning.memory import gpt_parameters_per_rank
+
+    tp.initialize_model_parallel(tp_size, expert_model_parallel_size=ep_size, expert_tensor_parallel_size=1)
+    config = GPTConfig(**{**_GPT_MOE, **overrides})
+    held = sum(p.numel() for p in GPT(config).parameters())
+    assert gpt_parameters_per_rank(config, tp=tp_size, ep=ep_size) == held, overrides
+    return held
+
+
+@pytest.mark.parametrize("tp_size, ep_size", [(1, 2), (2, 2), (2, 1)])
+def test_the_memory_model_counts_the_experts_a_rank_holds(tp_size, ep_size):
+    for overrides in ({}, {"moe_first_dense_layers": 1, "moe_shared_expert_intermediate_size": 24}):
+        run_on_ranks(_parameters_body, 2, tp_size, ep_size, overrides)

@@ -76,15 +76,28 @@ def activation_memory(cfg: CommConfig) -> float:
     return sum(a.bytes_per_rank(tp=cfg.tp, sp=cfg.sp) for a in saved_activations(cfg))
 
 
-def gpt_parameters_per_rank(config, *, tp: int) -> float:
+def gpt_parameters_per_rank(config, *, tp: int, ep: int = 1) -> float:
     """Parameters one TP rank holds of a GPT ``config`` (a :class:`~tensorpar.models.GPTConfig` or
-    any object with its fields), the padded vocabulary included; nothing is built."""
-    block, rest = _block_and_rest(config, tp=tp)
+    any object with its fields), the padded vocabulary included (``ep``: the expert-parallel size
+    a model with experts is split over); nothing is built."""
+    block, rest = _block_and_rest(config, tp=tp, ep=ep)
     return config.num_layers * block + rest
 
 
-def _block_and_rest(config, *, tp: int) -> tuple[float, float]:
-    """Parameters of one transformer block and of everything else (embeddings, final norm) on a TP rank."""
+def _moe_mlp(config, *, tp: int, ep: int) -> tuple[float, float]:
+    """(the share of blocks with experts, the parameters of their MLP on a rank): the router,
+    ``E / ep`` whole SwiGLU experts and a TP-split shared expert."""
+    experts = getattr(config, "num_moe_experts", None)
+    if experts is None:
+        return 0.0, 0.0
+    h, shared = config.hidden_size, config.moe_shared_expert_intermediate_size or 0
+    share = sum(config.is_moe_layer(i) for i in range(config.num_layers)) / config.num_layers
+    return share, experts * h + experts / ep * 3 * h * config.moe_ffn_hidden_size + 3 * h * shared / tp
+
+
+def _block_and_rest(config, *, tp: int, ep: int = 1) -> tuple[float, float]:
+    """Parameters of one transformer block (the mean block, where some have experts) and of
+    everything else (embeddings, final norm) on a TP rank."""
     h, f = config.hidden_size, config.ffn_hidden_size
     head_dim = h // config.num_heads
     multiple = math.lcm(config.make_vocab_size_divisible_by, tp)
@@ -92,12 +105,13 @@ def _block_and_rest(config, *, tp: int) -> tuple[float, float]:
     norm = 2 * h if config.norm == "layernorm" and config.bias else h  # weight (and bias)
     qkv = (config.num_heads + 2 * config.num_query_groups) * head_dim
     fc = 2 * f if config.activation == "swiglu" else f
-    sharded = h * (qkv + h + fc + f)
-    sharded += (qkv if config.qkv_bias else 0) + (fc if config.bias else 0)
+    moe_share, moe_mlp = _moe_mlp(config, tp=tp, ep=ep)
+    dense_mlp = h * (fc + f) + (fc if config.bias else 0)
+    sharded = h * (qkv + h) + (qkv if config.qkv_bias else 0) + (1 - moe_share) * dense_mlp
     replicated = 2 * norm + (2 * h if config.bias else 0)  # norms, row-layer biases
     embeddings = vocab * h / tp * (1 if config.tie_word_embeddings else 2)
     positions = config.max_seq_len * h if config.position_embedding == "learned" else 0
-    return sharded / tp + replicated, embeddings + positions + norm
+    return sharded / tp + replicated + moe_share * moe_mlp, embeddings + positions + norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,10 +228,10 @@ def _transient(config, *, tp: int, cp: int, seq_len: int, micro_batch: int, dtyp
     return max(0, *parts)
 
 
-def _stage_parameters(config, *, tp: int, stage: StageShare) -> tuple[float, float]:
+def _stage_parameters(config, *, tp: int, stage: StageShare, ep: int = 1) -> tuple[float, float]:
     """(parameters of one block, of the rest: the embedding on the first stage, the final norm
     and LM head on the last) one TP rank holds of ``stage``."""
-    block, _ = _block_and_rest(config, tp=tp)
+    block, _ = _block_and_rest(config, tp=tp, ep=ep)
     h = config.hidden_size
     word = config.padded_vocab_size(tp) * h / tp
     norm = 2 * h if config.norm == "layernorm" and config.bias else h
@@ -229,7 +243,7 @@ def _stage_parameters(config, *, tp: int, stage: StageShare) -> tuple[float, flo
 
 def gpt_training_memory(config, *, tp: int, dp: int = 1, seq_len: int, micro_batch: int, dtype: str = "fp32",
                         fsdp: bool = False, reshard_after_forward: bool = True, min_unit_mib: float = MIN_UNIT_MIB,
-                        cp: int = 1, stages: tuple[StageShare, ...] | None = None) -> dict[str, float]:
+                        cp: int = 1, stages: tuple[StageShare, ...] | None = None, ep: int = 1) -> dict[str, float]:
     """Bytes one rank holds to train a GPT ``config`` (fields as :class:`~tensorpar.models.GPTConfig`)
     with AdamW: ``parameters``, ``gradients``, ``optimizer``, ``activations``, ``gathered``,
     ``buffers`` and ``total``.
@@ -241,7 +255,8 @@ def gpt_training_memory(config, *, tp: int, dp: int = 1, seq_len: int, micro_bat
     block recomputed in backward), the last stage's final norm and saved logits, the hidden state
     a stage hands on (torch keeps each output until its backward) less the one it received (its
     receive buffer, counted in ``buffers``); plus the largest transient of a backward
-    (:func:`_transient`). ``cp``: context parallelism divides every per-token activation (the
+    (:func:`_transient`). ``ep``: each rank holds ``1 / ep`` of the experts (their activations are
+    counted as the dense MLP's). ``cp``: context parallelism divides every per-token activation (the
     ranks hold ``2 x ceil(s / 2CP)`` tokens) and not the parameters; with ``fsdp`` parameters,
     gradients and optimizer state are divided over the ``dp x cp`` ranks, and ``gathered`` is
     what FSDP holds whole for a while within a step (its units as :func:`tensorpar.fully_shard`
@@ -259,8 +274,8 @@ def gpt_training_memory(config, *, tp: int, dp: int = 1, seq_len: int, micro_bat
     stages = stages or (StageShare(config.num_layers),)
     pipelined = len(stages) > 1 or not (stages[0].first and stages[0].last)
     layers = sum(stage.layers for stage in stages)
-    block, rest_one = _block_and_rest(config, tp=tp)
-    rest = sum(_stage_parameters(config, tp=tp, stage=stage)[1] for stage in stages) if pipelined else rest_one
+    block, rest_one = _block_and_rest(config, tp=tp, ep=ep)
+    rest = sum(_stage_parameters(config, tp=tp, stage=stage, ep=ep)[1] for stage in stages) if pipelined else rest_one
     shards = dp * cp if fsdp else 1
     params = (layers * block + rest) / shards
     param_bytes = config.params_dtype.itemsize

@@ -89,15 +89,16 @@ def check_inference_memory(config, *, tp: int, tokens: int, local_ranks: int) ->
 
 def check_memory(config, *, tp: int, dp: int, seq_len: int, micro_batch: int, dtype: str, local_ranks: int,
                  fsdp: bool = False, cp: int = 1, pp: int = 1, schedule: str = "1f1b", microbatches: int = 1,
-                 virtual_stages: int | None = None, min_unit_mib: float = MIN_UNIT_MIB) -> None:
+                 virtual_stages: int | None = None, min_unit_mib: float = MIN_UNIT_MIB, ep: int = 1) -> None:
     """Refuse a run whose estimated bytes per rank exceed what each rank has, naming both.
 
-    ``cp``: context parallelism divides the activations, FSDP shards over ``dp x cp``. With
+    ``cp``: context parallelism divides the activations, FSDP shards over ``dp x cp``; ``ep``
+    splits the experts. With
     ``pp > 1`` the estimate is each PP rank's (its stages, and the ``microbatches`` the
     ``schedule`` holds in flight on them: :func:`tensorpar.pipeline_parallel.pipeline_memory`), and the
     largest is checked and named (each stage's FSDP units gathered for the step, whatever
     ``min_unit_mib``, :func:`tensorpar.fully_shard`'s)."""
-    sizes = dict(tp=tp, dp=dp, cp=cp, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, fsdp=fsdp)
+    sizes = dict(tp=tp, dp=dp, cp=cp, seq_len=seq_len, micro_batch=micro_batch, dtype=dtype, fsdp=fsdp, ep=ep)
     where = ""
     if pp > 1:
         from ..planning.pipeline import pipeline_memory
@@ -129,9 +130,9 @@ def check_memory(config, *, tp: int, dp: int, seq_len: int, micro_batch: int, dt
 def check_run_memory(args, config, *, dp: int, seq_len: int, local_ranks: int) -> None:
     """:func:`check_memory` of ``tensorpar train``'s ``args`` (``--tp``, ``--cp``, ``--pp`` and its
     schedule, ``--grad-accum`` micro-batches, ``--micro-batch``, ``--dtype``, ``--fsdp`` and
-    ``--fsdp-min-unit-mib``; under HSDP, ``--dp-replicate`` replicas each shard over ``dp`` / R)."""
+    ``--fsdp-min-unit-mib``, ``--ep``; under HSDP, ``--dp-replicate`` replicas each shard over ``dp`` / R)."""
     replicas = getattr(args, "dp_replicate", 1) if args.fsdp else 1
     check_memory(config, tp=args.tp, dp=dp // replicas, cp=args.cp, pp=args.pp, schedule=args.pp_schedule,
                  microbatches=args.grad_accum, virtual_stages=args.virtual_stages, seq_len=seq_len,
                  micro_batch=args.micro_batch, dtype=args.dtype, local_ranks=local_ranks, fsdp=args.fsdp,
-                 min_unit_mib=args.fsdp_min_unit_mib)
+                 min_unit_mib=args.fsdp_min_unit_mib, ep=getattr(args, "ep", 1))
