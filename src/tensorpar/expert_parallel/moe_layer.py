@@ -26,7 +26,7 @@ from ..distributed import comm
 from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from .dispatch import combine, dispatch
 from .experts import GroupedExperts
-from .router import TopKRouter, attach_aux_loss
+from .router import TopKRouter
 
 
 def _even_sizes(total: int, parts: int) -> list[int]:
@@ -72,7 +72,6 @@ class MoELayer(nn.Module):
         rows, rows_per_expert, routed = dispatch(tokens, experts, num_experts=self.router.num_experts,
                                                  ep_group=self.ep_group)
         out = combine(self.experts(rows, rows_per_expert), weights, routed, ep_group=self.ep_group)
-        out = attach_aux_loss(out, self.router.balance_loss)
         if self.split_tokens:
             out = gather_from_sequence_parallel_region(out, False, self.tp_group, sizes=sizes)
         out = out.view(s, b, h)

@@ -11,11 +11,11 @@ Balance, both ways:
 * an auxiliary loss (Switch Transformer's ``E * sum_e f_e * P_e``, with ``f_e`` the share of the
   routed tokens that went to expert ``e`` and ``P_e`` its mean score) over the micro-batch of
   this data rank (``"aux_loss"``: the tokens its TP and CP ranks split) or over each sequence
-  (``"seq_aux_loss"``), and a z-loss on the logits. Both enter backward through the layer's
-  output (:func:`attach_aux_loss`), scaled as the main loss is (:func:`set_aux_loss_scale`);
+  (``"seq_aux_loss"``), and a z-loss on the logits. Both enter backward through the routing
+  weights (:func:`attach_aux_loss`), scaled as the main loss is (:func:`set_aux_loss_scale`);
 * the auxiliary-loss-free expert bias: added to the scores for the choice only, moved by
   ``bias_update_rate`` towards balance once per optimizer step from the whole global batch's
-  counts (:func:`update_expert_bias`).
+  counts (:func:`step_expert_balance`).
 
 Example::
 
@@ -101,8 +101,8 @@ class TopKRouter(nn.Module):
     """Scores ``num_experts`` experts for every token and picks ``topk`` of them.
 
     ``forward(tokens [T, h], sequence_of_token [T] = None, num_sequences=1)`` returns
-    ``(weights [T, k], experts [T, k])``; ``self.balance_loss`` is this rank's part of the balance
-    losses, to attach to the layer's output (:func:`attach_aux_loss`); ``aux_loss_sum`` and
+    ``(weights [T, k], experts [T, k])``, this rank's part of the balance losses attached to
+    ``weights`` (:func:`attach_aux_loss`: their backward starts its backward); ``aux_loss_sum`` and
     ``tokens_per_expert`` add up the training forwards' (not a recompute's) until
     :func:`step_expert_balance`. ``seq_aux_loss`` needs each token's sequence, of ``num_sequences``.
     ``stats_groups``: the groups whose ranks hold the other tokens of this rank's micro-batch
@@ -158,11 +158,11 @@ class TopKRouter(nn.Module):
         if self.scaling_factor is not None:
             weights = weights * self.scaling_factor
         counts = torch.zeros(tokens.shape[0], self.num_experts, device=tokens.device).scatter_(1, experts, 1.0)
-        self.balance_loss = self._loss(logits, scores, counts, sequence_of_token, num_sequences)
+        balance_loss = self._loss(logits, scores, counts, sequence_of_token, num_sequences)
         if self.training and _counted():
             self.tokens_per_expert += counts.sum(0, dtype=torch.float64)
-            self.aux_loss_sum += self.balance_loss.detach().double()
-        return weights, experts
+            self.aux_loss_sum += balance_loss.detach().double()
+        return attach_aux_loss(weights, balance_loss), experts
 
     def _keep_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
         grouped = choice.unflatten(-1, (self.num_groups, -1))                # [T, groups, E/groups]
