@@ -23,6 +23,7 @@ from tensorpar.cli.training_cli import parse_train_args, train_parser
 from tensorpar.training.flops import flops_per_token, peak_flops_per_s
 from tensorpar.training.metrics import Rates
 from tensorpar.training.progress import METRICS, read_rows
+from tests.cli_runner import run_tensorpar
 from tests.harness import run_on_ranks
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--micro-batch", "2",
@@ -346,3 +347,21 @@ def test_wandb_without_the_package_is_refused_in_one_line(capsys, monkeypatch):
         check_wandb(None, resumed)
     check_wandb(False, resumed)
     check_wandb(None, None)
+
+
+def test_a_command_prints_the_settings_it_gave_and_config_toml_holds_all(tmp_path):
+    """The log's first lines: the settings the command line and --config gave, nothing else."""
+    (tmp_path / "given.toml").write_text("lr = 0.001\n")
+    done = run_tensorpar(["train", "--nproc", "1", "--tp", "1", "--layers", "1", "--hidden", "16", "--heads", "2",
+                          "--seq-len", "16", "--steps", "1", "--eval-every", "0", "--no-progress",
+                          "--config", tmp_path / "given.toml", "--out", tmp_path / "run"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"tensorpar train: settings given (the rest are defaults; all of them: {tmp_path / 'run'}" \
+                       "/config.toml)"
+    end = next(i for i, line in enumerate(lines[1:], 1) if line.startswith("tensorpar train:"))
+    given = tomllib.loads("\n".join(lines[1:end]))["run"]
+    assert given == {"nproc": 1, "tp": 1, "layers": 1, "hidden": 16, "heads": 2, "seq-len": 16, "steps": 1,
+                     "eval-every": 0, "no-progress": True, "lr": 0.001, "out": str(tmp_path / "run")}
+    written = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
+    assert {"micro-batch", "global-batch", "min-lr", "warmup", "dtype", "seed"} <= set(written)

@@ -325,8 +325,17 @@ def train_entry(args):
     return train(args)
 
 
+def _given_settings(args) -> list[str]:
+    """The settings the command line or ``--config`` set to other than their defaults, before the
+    run resolves the rest: what the log's header shows."""
+    defaults = vars(parse_train_args([]))
+    return sorted(name for name, value in vars(args).items() if name in defaults and value != defaults[name]
+                  and name not in ("config", "print_config"))
+
+
 def _cmd_train(args) -> int:
     _check_paths(args)
+    args.given_settings = _given_settings(args)
     world = _resolve_world(args)
     _check_train_args(args, world)
     from ..training.checkpoint_files import resume_hint

@@ -160,7 +160,7 @@ def _init_header(args, init, config) -> str:
 
 # The CLI's subcommand, the config-file flags, the traceback switch, and the config file's text.
 _NOT_RUN_SETTINGS = frozenset({"command", "config", "print_config", "debug", "run_config", "micro_batch_chosen",
-                               "data_from_checkpoint"})
+                               "data_from_checkpoint", "given_settings"})
 
 
 def _run_config(args, config, *, sizes, device, device_name, tokens_per_step, rates, peak_source) -> dict:
@@ -175,6 +175,20 @@ def _run_config(args, config, *, sizes, device, device_name, tokens_per_step, ra
     if settings.get("save-every") is None:  # at every evaluation: the interval that applies
         settings["save-every"] = args.eval_every
     return {"run": settings, "model": config_to_json(config), "derived": derived}
+
+
+def _settings_header(args, run_config: dict) -> str:
+    """The log's first lines: the settings the command gave (``args.given_settings``, as the run
+    resolved them) as TOML, or, where the command did not say (a library call), every one."""
+    given = getattr(args, "given_settings", None)
+    every = f"{args.out}/config.toml" if args.out else "--print-config"
+    if given is None:
+        return "tensorpar train: run config (every effective setting, as TOML)\n" + config_block(run_config)
+    shown = {k: v for k, v in run_config["run"].items() if k.replace("-", "_") in given}
+    if not shown:
+        return f"tensorpar train: every setting is its default (all of them: {every})"
+    return (f"tensorpar train: settings given (the rest are defaults; all of them: {every})\n"
+            + config_block({"run": shown}))
 
 
 def train(args) -> RunResult:
@@ -342,8 +356,7 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
     run_config = _run_config(args, config, sizes=(tp_size, dp_size), device=device, device_name=device_name,
                              tokens_per_step=tokens_per_step, rates=rates, peak_source=peak_source)
     if is_rank0:
-        print("tensorpar train: run config (every effective setting, as TOML)\n" + config_block(run_config),
-              flush=True)
+        print(_settings_header(args, run_config), flush=True)
         print(f"tensorpar train: {num_parameters / 1e6:.2f}M parameters, "
               f"{cp.describe(tp=tp_size, dp=dp_size, seq_len=seq_len, sequence_parallel=config.sequence_parallel)}"
               + (f" PP={pp_size}" if pp_size > 1 else "") + (f", {experts_words(config, ep_size)}" if experts else "")
