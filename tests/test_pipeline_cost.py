@@ -75,7 +75,7 @@ def test_comm_pp_prints_the_sends_and_the_bubble(capsys):
     lines = capsys.readouterr().out.splitlines()
     start = lines.index(next(line for line in lines if line.startswith("pipeline: ")))
     assert lines[start] == ("pipeline: PP=2, 1f1b, 1 stage(s) per rank, 4 micro-batches per step of 1 x 16 tokens; "
-                            "stage 0 (rank 0): layers 0-1, stage 1 (rank 1): layers 2-3")
+                            "stage 0 (PP rank 0): layers 0-1, stage 1 (PP rank 1): layers 2-3")
     assert lines[start + 1].startswith("per send: one micro-batch's hidden states [16, 1, 64] bf16 = 2.0 KiB")
     assert lines[start + 3].split() == ["rank", "stages", "activation", "sends", "gradient", "sends", "recvs",
                                         "sent/rank", "est.", "time"]
@@ -188,7 +188,7 @@ def test_pipeline_flags_without_pp_are_refused(capsys):
 def test_the_train_header_names_the_predicted_bubble():
     layout = pipeline.stage_layout(4, pp_size=2, schedule="1f1b")
     assert pipeline_header(layout, schedule="1f1b", microbatches=4, virtual_stages=None) == (
-        "pipeline 1f1b, stage 0 (rank 0): layers 0-1, stage 1 (rank 1): layers 2-3, predicted bubble 20%")
+        "pipeline 1f1b, stage 0 (PP rank 0): layers 0-1, stage 1 (PP rank 1): layers 2-3, predicted bubble 20%")
     v = pipeline.stage_layout(4, pp_size=2, schedule="zbv")
     assert pipeline_header(v, schedule="zbv", microbatches=4, virtual_stages=None).endswith(
         ", bubble not modelled for zbv")

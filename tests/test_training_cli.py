@@ -259,6 +259,20 @@ def test_resume_checks(capsys, files, tmp_path):
         "checkpoint directory itself")
 
 
+def test_an_out_that_names_nothing_or_is_a_link_and_a_rope_theta_of_learned_positions_are_refused(capsys, tmp_path):
+    """Issue 62 item 14: each trained silently before (into ./tensorpar-run, through the link,
+    with the flag ignored)."""
+    assert _train_error(capsys, "--out", "") == "--out '' names no directory (default: tensorpar-run)"
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    assert _train_error(capsys, "--out", str(tmp_path / "link")) == (
+        f"--out '{tmp_path / 'link'}' is a symbolic link: give the directory it points to (default: tensorpar-run)")
+    assert not any((tmp_path / "elsewhere").iterdir())
+    assert _train_error(capsys, "--rope-theta", "500000") == (
+        "--rope-theta 500000.0 is the base of rotary positions, and this model's are learned: add "
+        "--position-embedding rope, or drop --rope-theta")
+
+
 def test_generate_checks(capsys, files, tmp_path):
     def error(*argv):
         return _fails(capsys, ["generate", *argv]).removeprefix("tensorpar generate: error: ")
@@ -274,6 +288,18 @@ def test_generate_checks(capsys, files, tmp_path):
         "spaces (e.g. --prompt \"464 2068\"); 'def' is not one")
     assert error("--checkpoint", str(files / "odd"), "--prompt", "5 300") == \
         "--prompt: token id 300 is outside the model's vocabulary of 300"
+    # Issue 62 items 11 and 14: bytes that are no UTF-8 text (as the shell passes $'\\xff\\xfe'), and a
+    # tokenizer with more tokens than the model has.
+    assert error("--checkpoint", str(files / "run"), "--prompt", "\udcff\udcfe") == \
+        "--prompt '\\udcff\\udcfe' is not UTF-8 text"
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(300)} | {"[UNK]": 300}, unk_token="[UNK]"))
+    PreTrainedTokenizerFast(tokenizer_object=big, unk_token="[UNK]").save_pretrained(tmp_path / "big")
+    assert error("--checkpoint", str(files / "run"), "--tokenizer", str(tmp_path / "big")) == (
+        f"--tokenizer {tmp_path / 'big'}: its 301 tokens are more than the model's vocabulary of 257: it is "
+        "not the tokenizer the model was trained with")
 
 
 @pytest.mark.parametrize("argv, fits, world", [([], True, (1, 1)), ([], False, (2, 2)),

@@ -365,3 +365,13 @@ def test_a_command_prints_the_settings_it_gave_and_config_toml_holds_all(tmp_pat
                      "eval-every": 0, "no-progress": True, "lr": 0.001, "out": str(tmp_path / "run")}
     written = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
     assert {"micro-batch", "global-batch", "min-lr", "warmup", "dtype", "seed"} <= set(written)
+
+
+def test_a_seq_len_beyond_a_presets_learned_positions_says_how_the_table_grows(tmp_path):
+    """Issue 62 item 8: the positions (and the parameter count) grew without a word."""
+    done = run_tensorpar(["train", "--model", "tiny", "--layers", "1", "--seq-len", "300", "--micro-batch", "1",
+                          "--nproc", "1", "--tp", "1", "--steps", "1", "--eval-every", "0", "--no-progress",
+                          "--out", tmp_path / "run"])
+    assert done.returncode == 0, done.stderr
+    assert ("--seq-len 300: the tiny preset's learned positions grow from 256 to 300 rows (5,632 parameters more)"
+            in done.stdout + done.stderr)

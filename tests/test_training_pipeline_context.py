@@ -60,7 +60,7 @@ def test_the_header_meta_and_a_resume_at_pp1_x_cp1_name_the_layout(runs):
     out = results["p2p-1f1b"][0][2]
     assert ("TP=1 CP=2 (p2p: K/V ring; each sequence in 4 chunks of 3 tokens, padded to 12, CP rank i holding "
             "chunks i and 3-i) DP=1 PP=2,") in out
-    assert "pipeline 1f1b, stage 0 (rank 0): layers 0-1, stage 1 (rank 1): layers 2-3" in out
+    assert "pipeline 1f1b, stage 0 (PP rank 0): layers 0-1, stage 1 (PP rank 1): layers 2-3" in out
     meta = json.loads((root / "p2p-1f1b" / "step_4" / "meta.json").read_text())
     assert meta["world"] == {"tp": 1, "dp": 1, "pp": 2, "cp": 2} and meta["ranks"] == 4
     (losses, _, out), = results["resumed"]

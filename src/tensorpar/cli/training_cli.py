@@ -284,6 +284,9 @@ def _check_train_args(args, world: int) -> None:
     saved = meta = init_meta = ckpt = None
     replicate_given = args.dp_replicate is not None  # before a resumed run's fills it in
     origin = "the checkpoint"
+    if args.out is not None and (not args.out or Path(args.out).is_symlink()):
+        raise UsageError(f"--out {args.out!r} " + ("names no directory" if not args.out else
+                         "is a symbolic link: give the directory it points to") + f" (default: {DEFAULT_OUT})")
     if args.resume is not None:
         ckpt, saved, meta = _open_checkpoint("--resume", args.resume)
         args.out = args.out or str(ckpt.parent)

@@ -126,8 +126,8 @@ class StageLayout:
         return tuple(s for s in range(self.num_stages) if self.rank_of(s) == rank)
 
     def describe(self) -> str:
-        """One line naming each stage's blocks, e.g. ``stage 0 (rank 0): layers 0-2``."""
-        return ", ".join(f"stage {s} (rank {self.rank_of(s)}): layers {r.start}-{r.stop - 1}"
+        """One line naming each stage's blocks, e.g. ``stage 0 (PP rank 0): layers 0-2``."""
+        return ", ".join(f"stage {s} (PP rank {self.rank_of(s)}): layers {r.start}-{r.stop - 1}"
                          for s, r in enumerate(self.layers))
 
 

@@ -47,6 +47,10 @@ def run_tokenizer(meta: dict):
 def encode_prompt(prompt: str, *, tokenizer: str | None, vocab_size: int) -> torch.Tensor:
     """``prompt`` as token ids: its UTF-8 bytes for byte-level runs, the run's Hugging Face
     tokenizer's ids, else ids separated by spaces."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the shell passed on that are no UTF-8 text
+        raise UsageError(f"--prompt {ascii(prompt)} is not UTF-8 text") from None
     hf_tokenizer = run_tokenizer({"tokenizer": tokenizer})
     if tokenizer == "bytes":
         tokens = encode(prompt)
@@ -80,7 +84,10 @@ def check_generate(args, *, saved: dict, meta: dict, local_ranks: int) -> None:
     if args.tokenizer is not None:
         from .tokenizer import load_tokenizer
 
-        load_tokenizer(args.tokenizer)
+        size = len(load_tokenizer(args.tokenizer))
+        if size > config.vocab_size:
+            raise UsageError(f"--tokenizer {args.tokenizer}: its {size:,} tokens are more than the model's vocabulary "
+                             f"of {config.vocab_size:,}: it is not the tokenizer the model was trained with")
         args.tokenizer = str(Path(args.tokenizer).resolve())
     prompt = encode_prompt(args.prompt, tokenizer=args.tokenizer or meta.get("tokenizer"), vocab_size=config.vocab_size)
     check_inference_memory(config, tp=args.tp, tokens=prompt.numel() + args.max_new_tokens, local_ranks=local_ranks)

@@ -42,7 +42,8 @@ from .evaluation import autocast, evaluate
 from .expert_balance import ExpertBalance, experts_words
 from .flops import flops_per_token, peak_flops_per_s
 from .metrics import Rates, config_block
-from .model_config import build_config, check_fits, config_to_json, count_parameters, default_seq_len, hf_init_config
+from .model_config import (build_config, check_fits, config_to_json, count_parameters, default_seq_len, hf_init_config,
+                           positions_note)
 from .progress import Progress
 from .resume import RUN_SETTINGS, check_resumed_data, continue_settings, data_path, resume_header
 from .schedule import lr_at, schedule_note, settle_run
@@ -389,6 +390,8 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
             if note:
                 _say(note)
         elif note := schedule_note(args):
+            _say(note)
+        if note := positions_note(args, config):
             _say(note)
     compiling = getattr(args, "compile", False)
     progress = Progress(out=out, total_steps=args.steps, first_step=start, enabled=is_rank0,

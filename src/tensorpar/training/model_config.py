@@ -98,7 +98,11 @@ def build_config(args, *, vocab_size: int, saved: dict | None, origin: str = "th
         base = {k: v for k, v in _preset_fields(args.model or "tiny", requested).items()
                 if k not in RUNTIME_FIELDS}
         base["max_seq_len"] = args.seq_len or (base["max_seq_len"] if args.model else DEFAULT_SEQ_LEN)
-        return _config(**{**base, "vocab_size": vocab_size, **requested, **runtime})
+        config = _config(**{**base, "vocab_size": vocab_size, **requested, **runtime})
+        if args.rope_theta is not None and config.position_embedding != "rope":
+            raise UsageError(f"--rope-theta {args.rope_theta} is the base of rotary positions, and this model's "
+                             f"are learned: add --position-embedding rope, or drop --rope-theta")
+        return config
     config = config_from_json(saved)
     if vocab_size > config.vocab_size:
         raise ConfigMismatch(f"the data has token ids up to {vocab_size - 1}, beyond {origin}'s "
@@ -152,6 +156,19 @@ def default_seq_len(args, config: GPTConfig) -> int:
     if args.seq_len is not None:
         return args.seq_len
     return min(config.max_seq_len, DEFAULT_SEQ_LEN) if args.init_from_hf else config.max_seq_len
+
+
+def positions_note(args, config: GPTConfig) -> str | None:
+    """What a fresh run's ``--seq-len`` beyond its preset's length does to learned positions (a
+    table row per position: more parameters), or None."""
+    if args.resume or args.init_from or args.init_from_hf or args.model is None or args.seq_len is None \
+            or config.position_embedding != "learned":
+        return None
+    preset = GPTConfig.preset(args.model).max_seq_len
+    if args.seq_len <= preset:
+        return None
+    return (f"--seq-len {args.seq_len}: the {args.model} preset's learned positions grow from {preset:,} to "
+            f"{args.seq_len:,} rows ({(args.seq_len - preset) * config.hidden_size:,} parameters more)")
 
 
 def check_fits(config: GPTConfig, *, tp: int, seq_len: int | None) -> None:

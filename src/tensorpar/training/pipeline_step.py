@@ -20,7 +20,7 @@ Example::
 
     model = PipelinedGPT(config, schedule="1f1b", microbatches=4, virtual_stages=None, device=device)
     loss_sum = model.train_step(sampler.micro_batches(step), reducer=reducer, dtype="fp32")
-    model.header   # 'pipeline 1f1b, stage 0 (rank 0): layers 0-1, ..., predicted bubble 20%'
+    model.header   # 'pipeline 1f1b, stage 0 (PP rank 0): layers 0-1, ..., predicted bubble 20%'
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from .evaluation import autocast
 
 def pipeline_header(layout: StageLayout, *, schedule: str, microbatches: int, virtual_stages: int | None) -> str:
     """The run header's line: the schedule, the stage layout and the predicted bubble, e.g.
-    ``pipeline 1f1b, stage 0 (rank 0): layers 0-1, stage 1 (rank 1): layers 2-3, predicted bubble 20%``."""
+    ``pipeline 1f1b, stage 0 (PP rank 0): layers 0-1, stage 1 (PP rank 1): layers 2-3, predicted bubble 20%``."""
     bubble, _ = bubble_fraction(schedule, pp_size=layout.pp_size, microbatches=microbatches,
                                 virtual_stages=virtual_stages)
     predicted = f"predicted bubble {100 * bubble:.0f}%" if bubble is not None else f"bubble not modelled for {schedule}"
