@@ -315,3 +315,24 @@ def _parameters_body(tp_size: int, ep_size: int, overrides: dict):
 def test_the_memory_model_counts_the_experts_a_rank_holds(tp_size, ep_size):
     for overrides in ({}, {"moe_first_dense_layers": 1, "moe_shared_expert_intermediate_size": 24}):
         run_on_ranks(_parameters_body, 2, tp_size, ep_size, overrides)
+
+
+def _fsdp_parameters_body():
+    from torch.distributed.tensor import DTensor
+
+    from tensorpar.models.config import GPTConfig
+    from tensorpar.models.gpt import GPT
+    from tensorpar.planning.memory import gpt_training_memory
+
+    tp.initialize_model_parallel(1, expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    config = GPTConfig(**_GPT_MOE)
+    model = tp.fully_shard(GPT(config))
+    held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    assert all(not isinstance(p, DTensor) for p in model.parameters() if getattr(p, "expert_parallel", False))
+    estimate = gpt_training_memory(config, tp=1, dp=2, seq_len=8, micro_batch=1, fsdp=True, ep=2)["parameters"]
+    assert estimate == 4 * held
+    return held
+
+
+def test_fsdp_leaves_the_experts_to_ep_and_the_memory_model_counts_them_whole():
+    run_on_ranks(_fsdp_parameters_body, 2)

@@ -1,5 +1,5 @@
-"""``tensorpar train`` with experts: EP 2 and EP 4, and EP 2 with TP 2 (SP), CP 2 or PP 2, train the
-EP 1 run; an EP 2 checkpoint resumes at EP 1 on the uninterrupted losses; what EP refuses.
+"""``tensorpar train`` with experts: EP 2 and EP 4, and EP 2 with TP 2 (SP), CP 2, PP 2 or FSDP,
+train the EP 1 run; an EP 2 checkpoint resumes at EP 1 on the uninterrupted losses; what EP refuses.
 
 One micro-batch of one sequence (the balance loss's scope) at every layout, global batch 4.
 """
@@ -40,7 +40,9 @@ def runs(tmp_path_factory):
              "ep4": (4, ["--tp", "1", "--ep", "4"]), "tp2ep2": (4, ["--tp", "2", "--sp", "--ep", "2"]),
              "cp2ep2": (4, ["--tp", "1", "--cp", "2", "--ep", "2"]),
              "pp2ep2": (4, ["--tp", "1", "--pp", "2", "--ep", "2"]),
-             "resumed": (1, ["--tp", "1", "--resume", str(root / "ep2" / "step_2")])}
+             "fsdp-ep2": (4, ["--tp", "1", "--fsdp", "--ep", "2", "--save-every", "2"]),
+             "resumed": (1, ["--tp", "1", "--resume", str(root / "ep2" / "step_2")]),
+             "fsdp resumed": (2, ["--tp", "1", "--ep", "2", "--resume", str(root / "fsdp-ep2" / "step_2")])}
     return root, {name: run_on_ranks(_train_body, world, MOE + flags + ["--out", str(root / name)])
                   for name, (world, flags) in cases.items()}
 
@@ -50,7 +52,7 @@ def _logged(root, name, field):
     return [row[field] for row in rows if "loss" in row]
 
 
-@pytest.mark.parametrize("name", ["ep2", "ep4", "tp2ep2", "cp2ep2", "pp2ep2"])
+@pytest.mark.parametrize("name", ["ep2", "ep4", "tp2ep2", "cp2ep2", "pp2ep2", "fsdp-ep2"])
 def test_expert_parallel_trains_the_ep1_run(runs, name):
     """Losses, grad norm and the experts' balance figures equal EP 1's (the validation loss is of
     --eval-iters batches a DP rank: another amount of data at another DP size)."""
@@ -65,10 +67,12 @@ def test_expert_parallel_trains_the_ep1_run(runs, name):
 
 
 def test_an_ep2_checkpoint_resumes_at_ep1_on_the_uninterrupted_losses(runs):
+    """And one saved under FSDP x EP 2 resumes without FSDP on 2 ranks."""
     root, results = runs
     (losses, _, _), = results["ep1"]
-    (resumed, _, _), = results["resumed"]
-    assert resumed == pytest.approx({3: losses[3], 4: losses[4]}, rel=1e-4)
+    for name in ("resumed", "fsdp resumed"):
+        for resumed, _, _ in results[name]:
+            assert resumed == pytest.approx({3: losses[3], 4: losses[4]}, rel=1e-4), name
     meta = json.loads((root / "ep2" / "step_2" / "meta.json").read_text())
     assert meta["world"] == {"tp": 1, "dp": 4, "ep": 2}
     # The expert biases, moved by 1e-3 a step towards balance, are in the checkpoint.
@@ -89,8 +93,8 @@ def test_an_ep2_checkpoint_resumes_at_ep1_on_the_uninterrupted_losses(runs):
      "--num-experts 8 is not divisible by --ep 3: each EP rank holds whole experts"),
     (["--nproc", "2", "--tp", "1", "--model", "moe-tiny", "--ep", "4"],
      "--ep 4 does not divide the 2 TP x CP x DP ranks of a stage (--tp 1 x --cp 1 x DP 2)"),
-    (["--nproc", "2", "--tp", "1", "--model", "moe-tiny", "--fsdp"],
-     "a model with experts does not train with --fsdp yet; drop it"),
+    (["--nproc", "4", "--tp", "1", "--model", "moe-tiny", "--fsdp", "--dp-replicate", "2"],
+     "a model with experts does not train with --dp-replicate yet; drop it"),
     (["--nproc", "2", "--tp", "1", "--model", "moe-tiny", "--compile"],
      "a model with experts does not train with --compile yet; drop it"),
     (["--nproc", "2", "--tp", "1", "--model", "moe-tiny", "--tp-invariant"],

@@ -52,7 +52,7 @@ def check_experts(args, config, *, world: int) -> None:
     if ranks % ep:
         raise UsageError(f"--ep {ep} does not divide the {ranks} TP x CP x DP ranks of a stage "
                          f"(--tp {args.tp} x --cp {args.cp} x DP {ranks // (args.tp * args.cp)})")
-    unsupported = [flag for flag, given in (("--fsdp", bool(args.fsdp)),
+    unsupported = [flag for flag, given in (("--dp-replicate", bool(args.fsdp) and (args.dp_replicate or 1) > 1),
                                             ("--compile", args.compile)) if given]
     if unsupported:
         raise UsageError(f"a model with experts does not train with {', '.join(unsupported)} yet; drop "

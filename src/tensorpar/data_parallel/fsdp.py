@@ -245,7 +245,9 @@ def fully_shard(model: nn.Module, *, dp_group=None, units=None, min_unit_mib: fl
     reason DDP has buckets. ``reshard_after_forward=False`` keeps each unit gathered between its
     forward and backward (ZeRO-2-like: more memory, one all-gather less). TP attributes (``tensor_model_parallel``, ``sequence_parallel``, ...)
     carry over to the sharded parameters, so ``allreduce_sequence_parallel_grads``,
-    ``clip_grad_norm_`` and checkpoints keep working (given another ``dp_group`` than the DP
+    ``clip_grad_norm_`` and checkpoints keep working. Expert weights (``expert_parallel``: split
+    over an EP group already) are left whole, as plain tensors: :class:`ShardedGradSync` given
+    ``expert_dp_group`` reduces their gradients (given another ``dp_group`` than the DP
     group, pass it to ``clip_grad_norm_`` too); :class:`~tensorpar.CommLedger` records FSDP's
     all-gathers and reduce-scatters. Returns the model.
 
@@ -265,10 +267,15 @@ def fully_shard(model: nn.Module, *, dp_group=None, units=None, min_unit_mib: fl
     attributes = {name: dict(vars(p)) for name, p in model.named_parameters()}
     mesh = hsdp_mesh(group, dp_replicate)
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    # Expert weights are split by expert parallelism, not by FSDP: ShardedGradSync reduces them.
+    experts = {p for p in model.parameters() if getattr(p, "expert_parallel", False)}
+    if experts and dp_replicate > 1:
+        raise ValueError(f"fully_shard: dp_replicate={dp_replicate} (HSDP) with expert weights is not supported yet")
     for unit in units:
-        _torch_fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        _torch_fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                           ignored_params=experts or None)
     # The root keeps FSDP's default: gathered after forward, since backward needs it at once.
-    _torch_fully_shard(model, mesh=mesh, mp_policy=policy,
+    _torch_fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=experts or None,
                        **({} if reshard_after_forward else {"reshard_after_forward": False}))
     for unit in _units(model):
         unit.set_custom_all_gather(_RecordedAllGather())
@@ -303,10 +310,19 @@ class ShardedGradSync:
         optimizer.step()
     """
 
-    def __init__(self, model: nn.Module, *, micro_batches: int | None = None, cp_group=None) -> None:
+    def __init__(self, model: nn.Module, *, micro_batches: int | None = None, cp_group=None,
+                 expert_dp_group=None) -> None:
         self.model = model
         self._sync = True
         self.trees: list[_TreeReduceScatter] = []
+        self.experts = [p for p in model.parameters() if getattr(p, "expert_parallel", False)]
+        if self.experts and (micro_batches is not None or expert_dp_group is None):
+            raise ValueError("ShardedGradSync: a model with expert weights needs expert_dp_group= (their replicas), "
+                             "and the invariant mode's micro_batches= does not take them yet")
+        self.expert_dp_group = expert_dp_group
+        shard = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+        # FSDP's reduce-scatter averages over its mesh: the expert weights' sums are divided alike.
+        self.divisor = 1 if shard is None else shard.device_mesh.size()
         if cp_group is not None and micro_batches is None:
             raise ValueError("ShardedGradSync: cp_group= applies with micro_batches= (the invariant mode's tree); "
                              "FSDP's own reduce-scatter averages over every rank it shards over")
@@ -368,12 +384,19 @@ class ShardedGradSync:
             p.grad = None
 
     def finish(self) -> None:
-        """Nothing to wait for: FSDP's last reduce-scatter completes inside backward. With
-        ``micro_batches``, refuses a step whose trees did not get all of them."""
+        """FSDP's last reduce-scatter completes inside backward; the expert weights' gradients are
+        summed over ``expert_dp_group`` here. With ``micro_batches``, refuses a step whose trees did
+        not get all of them."""
         short = [t.tree.count for t in self.trees if t.tree.count not in (0, t.tree.leaves)]
         if short:
             raise RuntimeError(f"ShardedGradSync: finish() after {short[0]} of the micro_batches="
                                f"{self.trees[0].tree.leaves} backwards its tree sums")
+        grads = [p.grad for p in self.experts if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            comm.all_reduce(flat, self.expert_dp_group).div_(self.divisor)
+            torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in
+                                         zip(flat.split([g.numel() for g in grads]), grads)])
 
     def remove_hooks(self) -> None:
         """FSDP's hooks stay with the model."""

@@ -408,8 +408,12 @@ def clip_grad_norm_(params, max_norm: float, *, tp_group=None, dp_group=None, pp
     params = list(params)
     norm = get_grad_norm(params, tp_group=tp_group, dp_group=dp_group, pp_group=pp_group, ep_group=ep_group)
     grads = [g for p in params if (g := _grad_of(p)) is not None]
-    if grads:
-        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    # One foreach call per kind: FSDP's shards (their local pieces) and whole tensors (experts) apart.
+    for kind in (True, False):
+        same = [g for g in grads if isinstance(g, DTensor) == kind]
+        if same:
+            torch._foreach_mul_(same, scale)
     return norm
 
 

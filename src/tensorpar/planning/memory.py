@@ -84,6 +84,13 @@ def gpt_parameters_per_rank(config, *, tp: int, ep: int = 1) -> float:
     return config.num_layers * block + rest
 
 
+def _expert_weights(config, *, ep: int) -> float:
+    """The routed experts' weights a rank holds, per block (the mean over the blocks): FSDP
+    leaves them whole."""
+    share, _ = _moe_mlp(config, tp=1, ep=ep)
+    return share and share * config.num_moe_experts / ep * 3 * config.hidden_size * config.moe_ffn_hidden_size
+
+
 def _moe_mlp(config, *, tp: int, ep: int) -> tuple[float, float]:
     """(the share of blocks with experts, the parameters of their MLP on a rank): the router,
     ``E / ep`` whole SwiGLU experts and a TP-split shared expert."""
@@ -277,7 +284,8 @@ def gpt_training_memory(config, *, tp: int, dp: int = 1, seq_len: int, micro_bat
     block, rest_one = _block_and_rest(config, tp=tp, ep=ep)
     rest = sum(_stage_parameters(config, tp=tp, stage=stage, ep=ep)[1] for stage in stages) if pipelined else rest_one
     shards = dp * cp if fsdp else 1
-    params = (layers * block + rest) / shards
+    whole = layers * _expert_weights(config, ep=ep) if fsdp else 0  # FSDP leaves the experts to EP
+    params = (layers * block + rest - whole) / shards + whole
     param_bytes = config.params_dtype.itemsize
     grad_bytes = 4 if config.gradient_accumulation_fusion else param_bytes  # fused: fp32 main_grad
     sp = config.sequence_parallel and tp > 1

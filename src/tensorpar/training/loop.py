@@ -91,10 +91,13 @@ def _invariant_threads() -> int:
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    # Decay matrices only; biases and norm weights are 1-D.
-    decay = [p for p in model.parameters() if p.dim() >= 2]
+    # Decay matrices only; biases and norm weights are 1-D. Expert weights apart: under FSDP the
+    # others are DTensors, and one fused step takes one kind.
+    experts = [p for p in model.parameters() if getattr(p, "expert_parallel", False)]
+    decay = [p for p in model.parameters() if p.dim() >= 2 and not getattr(p, "expert_parallel", False)]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return groups + ([{"params": experts, "weight_decay": weight_decay}] if experts else [])
 
 
 @torch.no_grad()
@@ -312,12 +315,13 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
     # any DP size the step's micro-batches are summed in one tree over the global index. Its
     # layers sum each micro-batch's grads over CP in backward: only DP is left to the reducer (FSDP's
     # tree over DP x CP takes CP rank 0's).
+    expert_dp_group = ps.get_expert_data_parallel_group() if config.num_moe_experts else None
     reducer = ShardedGradSync(model, micro_batches=args.grad_accum if config.tp_invariant else None,
-                              cp_group=cp.group if config.tp_invariant else None) if fsdp \
+                              cp_group=cp.group if config.tp_invariant else None, expert_dp_group=expert_dp_group) if fsdp \
         else grads.DataParallelGradReducer(
         model.parameters(), dp_group=dp_group if config.tp_invariant else cp.grad_group,
         micro_batches=args.grad_accum if config.tp_invariant else None,
-        expert_dp_group=ps.get_expert_data_parallel_group() if config.num_moe_experts else None)
+        expert_dp_group=expert_dp_group)
     experts = ExpertBalance(model, groups=(tp_group, cp.group, dp_group), pp_group=pp_group) \
         if config.num_moe_experts else None
     loss_scale = 1 if config.tp_invariant else cp.loss_scale
