@@ -336,3 +336,17 @@ def _fsdp_parameters_body():
 
 def test_fsdp_leaves_the_experts_to_ep_and_the_memory_model_counts_them_whole():
     run_on_ranks(_fsdp_parameters_body, 2)
+
+
+def test_grouped_experts_compute_in_the_autocast_dtype_as_a_linear_layer_does():
+    torch.manual_seed(0)
+    experts = GroupedExperts(2, hidden_size=16, ffn_hidden_size=8)
+    rows, counts = torch.randn(5, 16), torch.tensor([2, 3])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = experts(rows, counts)
+        loop = []
+        for chunk, gate_up, down in zip(rows.split([2, 3]), experts.gate_up, experts.down):
+            gate, up = F.linear(chunk, gate_up).chunk(2, dim=-1)
+            loop.append(F.linear(F.silu(gate) * up, down))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, torch.cat(loop))

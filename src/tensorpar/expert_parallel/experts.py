@@ -6,6 +6,7 @@ EP size (drawn by expert, as TP shards are drawn by row). ``torch._grouped_mm`` 
 expert's rows by its weights in one call where it applies; elsewhere an exact loop over the
 experts does (on CPU the two give the same bits). It does not apply where a weight's rows are
 not a multiple of 16 bytes, for no rows, nor on CUDA below compute capability 9.0 or outside bf16.
+Under autocast the experts compute in its dtype, as a linear layer would.
 
 Example::
 
@@ -77,14 +78,17 @@ class GroupedExperts(nn.Module):
             weight.num_experts = num_experts
 
     def forward(self, rows: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
-        if _grouped_mm_applies(rows, self.gate_up, self.down):
+        gate_up, down = self.gate_up, self.down
+        if torch.is_autocast_enabled(rows.device.type):  # as autocast runs a linear layer (grouped GEMM is not on its list)
+            dtype = torch.get_autocast_dtype(rows.device.type)
+            rows, gate_up, down = rows.to(dtype), gate_up.to(dtype), down.to(dtype)
+        if _grouped_mm_applies(rows, gate_up, down):
             offsets = rows_per_expert.cumsum(0).to(torch.int32)
-            hidden = torch._grouped_mm(rows.contiguous(), self.gate_up.transpose(-2, -1), offs=offsets)
-            out = torch._grouped_mm(self._activate(hidden), self.down.transpose(-2, -1), offs=offsets)
+            hidden = torch._grouped_mm(rows.contiguous(), gate_up.transpose(-2, -1), offs=offsets)
+            out = torch._grouped_mm(self._activate(hidden), down.transpose(-2, -1), offs=offsets)
             return _DenseGrad.apply(out)
         chunks = rows.split(rows_per_expert.tolist())
-        return torch.cat([F.linear(self._activate(F.linear(chunk, gate_up)), down)
-                          for chunk, gate_up, down in zip(chunks, self.gate_up, self.down)])
+        return torch.cat([F.linear(self._activate(F.linear(chunk, w1)), w2) for chunk, w1, w2 in zip(chunks, gate_up, down)])
 
     def _activate(self, hidden: torch.Tensor) -> torch.Tensor:
         gate, up = hidden.chunk(2, dim=-1)
