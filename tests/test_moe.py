@@ -350,3 +350,29 @@ def test_grouped_experts_compute_in_the_autocast_dtype_as_a_linear_layer_does():
             loop.append(F.linear(F.silu(gate) * up, down))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, torch.cat(loop))
+
+
+def _dispatch_ledger_body():
+    from tensorpar.planning.experts import dispatch_collectives
+
+    tp.initialize_model_parallel(1, expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    torch.manual_seed(0)
+    moe = MoELayer(8, num_experts=4, ffn_hidden_size=16, topk=1,
+                   ep_group=parallel_state.get_expert_model_parallel_group())
+    with torch.no_grad():  # token i goes to expert i % 4: balanced routing
+        moe.router.weight.copy_(torch.eye(4, 8))
+    x = (5 * torch.eye(8)[torch.arange(8) % 4]).view(8, 1, 8).requires_grad_()
+    with tp.CommLedger() as ledger:
+        with ledger.phase("forward"):
+            out = moe(x)
+        with ledger.phase("backward"):
+            out.backward(torch.ones_like(out))
+    measured = [(r.phase, r.op, tuple(r.shape), r.dtype, r.group_size) for r in ledger.records]
+    predicted = [(op.phase, op.op, op.shape, op.dtype, op.group_size)
+                 for op in dispatch_collectives(tokens=8, hidden=8, topk=1, num_experts=4, ep=2, dtype=torch.float32)]
+    assert measured == predicted, measured
+    return True
+
+
+def test_the_communication_model_predicts_the_dispatch_a_run_records():
+    assert run_on_ranks(_dispatch_ledger_body, 2) == [True, True]

@@ -26,6 +26,7 @@ import sys
 from ..planning.communication import (
     DTYPES, LAYERS, WGRAD_REGATHER, CommConfig, GroupOp, LinkModel, collectives, overlap_plan, summarize)
 from ..planning import context as context_model
+from ..planning import experts as experts_model
 from ..context_parallel import COMM_TYPES
 from ..errors import UsageError
 from ..planning.fsdp import MIN_UNIT_MIB, FSDPConfig, state_bytes_per_rank, step_collectives, units
@@ -270,7 +271,11 @@ def register(subparsers) -> None:
                     "--measure also runs it on local gloo ranks and compares."
                     "\n\nexample:\n  tensorpar comm --layer column "
                     "--gather-output --hidden 4096 --seq-len 2048 --batch 1 --tp 2 --dtype bf16")
-    p.add_argument("--layer", choices=LAYERS, required=True, help="what to predict")
+    p.add_argument("--layer", choices=(*LAYERS, experts_model.LAYER), required=True,
+                   help="what to predict (moe: an MoE layer's token dispatch over --ep ranks)")
+    p.add_argument("--ep", type=_positive_int, default=None, help="with --layer moe: the expert-parallel size")
+    p.add_argument("--num-experts", type=_positive_int, default=8, help="with --layer moe: routed experts")
+    p.add_argument("--topk", type=_positive_int, default=2, help="with --layer moe: experts per token")
     p.add_argument("--hidden", type=_positive_int, default=4096, help="hidden size")
     p.add_argument("--ffn-hidden", type=_positive_int, default=None, help="MLP width (default: 4 x hidden)")
     p.add_argument("--heads", type=_positive_int, default=32, help="attention heads")
@@ -370,8 +375,45 @@ def _check_context_flags(args, cfg: CommConfig) -> None:
     context_model.check(cfg, _context(args))
 
 
+def _run_experts(args) -> int:
+    """``--layer moe``: the dispatch's all-to-alls of one MoE layer on a rank (balanced routing)."""
+    for flag, given in (("--measure", args.measure), ("--compare-sp", args.compare_sp), ("--fsdp", args.fsdp),
+                        ("--pp", args.pp is not None)):
+        if given:
+            raise UsageError(f"--layer moe does not take {flag} (tests/test_moe.py compares this model with a run)")
+    ep, cp = args.ep or 1, args.cp or 1
+    tokens = -(-args.seq_len * args.batch // (args.tp * cp))  # each TP (and CP) rank routes its share
+    try:
+        ops = experts_model.dispatch_collectives(tokens=tokens, hidden=args.hidden, topk=args.topk,
+                                                 num_experts=args.num_experts, ep=ep, dtype=DTYPES[args.dtype],
+                                                 tp=args.tp)
+    except ValueError as exc:
+        raise UsageError(f"--num-experts {args.num_experts} --ep {ep}: {exc}") from None
+    link = dict(bandwidth_gbps=args.bandwidth, latency_us=args.latency)
+    if args.json:
+        print(json.dumps({"tokens_per_rank": tokens, "ops": [
+            {"phase": op.phase, "op": op.op, "shape": list(op.shape), "dtype": str(op.dtype).removeprefix("torch."),
+             "bytes_sent_per_rank": op.bytes_sent_per_rank, "time_s": op.time_s(**link), "what": op.what}
+            for op in ops]}, indent=2))
+        return 0
+    print(f"MoE layer: {args.num_experts} experts (top {args.topk}) over EP {ep}, {tokens:,} tokens a rank "
+          f"(seq {args.seq_len} x batch {args.batch} / TP {args.tp}" + (f" / CP {cp}" if cp > 1 else "")
+          + f"), hidden {args.hidden}, {args.dtype}; balanced routing")
+    for op in ops:
+        print(f"  {op.phase:<8} all_to_all {str(list(op.shape)):<16} {str(op.dtype).removeprefix('torch.'):<8} "
+              f"{op.bytes_sent_per_rank / 2**20:10.3f} MiB sent  {op.time_s(**link) * 1e3:8.3f} ms  {op.what}")
+    sent, time_s = sum(op.bytes_sent_per_rank for op in ops), sum(op.time_s(**link) for op in ops)
+    print(f"total: {len(ops)} collectives, {sent / 2**20:.3f} MiB sent a rank, {time_s * 1e3:.3f} ms at "
+          f"{args.bandwidth:g} GB/s and {args.latency:g} us each" if ops else "total: none at EP 1")
+    return 0
+
+
 def run(args) -> int:
     """Print the report; with ``--measure`` exit 1 if measurement and prediction differ."""
+    if args.layer == experts_model.LAYER:
+        return _run_experts(args)
+    if args.ep is not None:
+        raise UsageError(f"--ep {args.ep} applies with --layer moe")
     try:
         cfg = _config(args)
         if args.fsdp_min_unit_mib != MIN_UNIT_MIB and not args.fsdp:
