@@ -153,6 +153,16 @@ def test_gpt_matches_tp1_loss_grads_and_optimizer_steps(world_size):
     assert run_on_ranks(_equivalence_body, world_size, EQUIVALENCE_CASES) == [True] * world_size
 
 
+# Qwen3's attention: a head dimension (16) apart from hidden / heads (8), and per-head Q/K norms,
+# whose weights every TP rank holds and whose grads it sums over TP.
+QWEN3 = dict(LLAMA, num_heads=4, num_query_groups=2, kv_channels=16, qk_layernorm=True)
+
+
+def test_qwen3_attention_matches_tp1_loss_grads_and_optimizer_steps():
+    cases = [QWEN3, {**QWEN3, "sequence_parallel": True, "recompute": True}]
+    assert run_on_ranks(_equivalence_body, 2, cases) == [True] * 2
+
+
 # Qwen2's shape: 6 query heads over 2 (or 1, or 6) K/V heads, QKV biases, an FFN of 200, vocab 101.
 QWEN2 = dict(BASE, **LLAMA, num_heads=6, hidden_size=48, ffn_hidden_size=200, qkv_bias=True, max_seq_len=16)
 # "seq": sequences of 11 and 13 do not divide by TP, which SP pads (and masks).

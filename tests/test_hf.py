@@ -1,4 +1,5 @@
-"""Random GPT-2, Llama, Mistral and Qwen2 models through from_hf at TP 1, 2 and 4, and back.
+"""Random GPT-2, Llama, Mistral, Qwen2 and Qwen3 models through from_hf at TP 1, 2 and 4, and back; Mixtral and
+Qwen3-MoE at TP x EP.
 
 Each TP world also builds the TP=1 model in every rank (a group of that rank alone).
 """
@@ -33,6 +34,7 @@ FAMILIES = {
         **LLAMA_SHAPE, sliding_window=24, rope_theta=1e4)),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
         **LLAMA_SHAPE, tie_word_embeddings=True)),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**LLAMA_SHAPE, head_dim=16)),
 }
 
 def hf_model(family: str):
@@ -191,17 +193,27 @@ def test_gpt_neither_imports_nor_is_patched_by_its_conversions():
     assert all(getattr(value, "__module__", gpt_module.__name__) != "tensorpar.models.hf" for value in vars(GPT).values())
 
 
-MIXTRAL = lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(  # noqa: E731
-    **{**LLAMA_SHAPE, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
-    router_aux_loss_coef=0.02))
+MOE_FAMILIES = {
+    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **{**LLAMA_SHAPE, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+        router_aux_loss_coef=0.02)),
+    # Qwen3's head dimension (16) apart from hidden / heads (8), its per-head Q/K norms, top-k unnormalised.
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **LLAMA_SHAPE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.02)),
+}
 
 
-def _mixtral_body(directory, tp_size, ep_size):
-    """A random Mixtral (its files: each expert's w1/w2/w3; loaded: fused) at this TP x EP."""
+def _moe_body(directory, family, tp_size, ep_size):
+    """A random Mixtral or Qwen3-MoE (its files: each expert's own tensors; loaded: fused) at this TP x EP."""
     tp.initialize_model_parallel(tp_size, expert_model_parallel_size=ep_size, expert_tensor_parallel_size=1)
     group = tp.get_tensor_model_parallel_group()
     torch.manual_seed(0)
-    hf = MIXTRAL().eval()
+    hf = MOE_FAMILIES[family]().eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:  # off 1, so their mapping shows
+                param.add_(0.2 * torch.randn_like(param))
     if dist.get_rank() == 0:
         hf.save_pretrained(directory)
     dist.barrier()
@@ -211,6 +223,7 @@ def _mixtral_body(directory, tp_size, ep_size):
     models = {"dir": from_hf(directory, tp_group=group), "object": from_hf(hf, tp_group=group)}
     for key, model in models.items():
         assert model.config.num_moe_experts == 4 and model.config.moe_aux_loss_coeff == 0.02
+        assert model.config.qk_layernorm == (family == "qwen3_moe")
         assert model.blocks[0].mlp.experts.num_local_experts == 4 // ep_size
         with torch.no_grad():
             error = (full_logits(model.eval(), tokens) - expected).abs().max().item()
@@ -219,17 +232,18 @@ def _mixtral_body(directory, tp_size, ep_size):
         assert torch.equal(a, b), name
     exported = to_hf(models["dir"])
     if dist.get_rank(group) == 0:
-        assert type(exported).__name__ == "MixtralForCausalLM"
+        assert type(exported).__name__ == type(hf).__name__
         theirs = exported.state_dict()
         assert theirs.keys() == hf.state_dict().keys()
         assert all(torch.equal(theirs[name], tensor) for name, tensor in hf.state_dict().items())
     return True
 
 
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
 @pytest.mark.parametrize("tp_size, ep_size", [(1, 1), (1, 2), (2, 2)])
-def test_mixtral_matches_transformers_and_round_trips_at_any_tp_and_ep(tp_size, ep_size, tmp_path):
+def test_moe_families_match_transformers_and_round_trip_at_any_tp_and_ep(family, tp_size, ep_size, tmp_path):
     world = max(tp_size, ep_size)
-    assert run_on_ranks(_mixtral_body, world, str(tmp_path / "mixtral"), tp_size, ep_size) == [True] * world
+    assert run_on_ranks(_moe_body, world, str(tmp_path / family), family, tp_size, ep_size) == [True] * world
 
 
 def test_unsupported_configs_are_clear_errors(tmp_path):
@@ -300,7 +314,7 @@ def test_a_model_directory_is_read_as_data_never_run(tmp_path, monkeypatch):
     with pytest.raises(ValueError) as caught:
         from_hf(tmp_path)
     assert str(caught.value) == (f"{tmp_path / 'config.json'}: unsupported model_type 'evil'; supported: gpt2, llama, "
-                                 "mistral, qwen2, mixtral (a model directory's own code is never run)")
+                                 "mistral, qwen2, qwen3, mixtral, qwen3_moe (a model directory's own code is never run)")
     assert not marker.exists()
     with pytest.raises(ValueError, match=r"^org/name: no such local directory \(models are read from local "
                                          r"directories only, never downloaded: fetch it first"):

@@ -476,7 +476,7 @@ def test_init_from_hf_reads_local_directories_as_data(capsys, files, hf_dir, tmp
     monkeypatch.setattr(builtins, "input", lambda *args: "y")  # as if the user said yes
     assert _train_error(capsys, "--init-from-hf", str(evil)) == (
         f"--init-from-hf: {evil / 'config.json'}: unsupported model_type 'evil'; supported: gpt2, llama, mistral, "
-        "qwen2, mixtral (a model directory's own code is never run)")
+        "qwen2, qwen3, mixtral, qwen3_moe (a model directory's own code is never run)")
     assert not marker.exists()
     config = json.loads((hf_dir / "config.json").read_text())
     shutil.rmtree(evil)

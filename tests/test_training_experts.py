@@ -116,8 +116,8 @@ def test_an_ep2_checkpoint_generates_at_tp_1_and_2_and_exports_as_mixtral(runs, 
     # Mixtral's router has no expert bias: that run is refused in one line; one without it exports.
     done = run_tensorpar(["export", "--checkpoint", root / "ep2", "--to-hf", tmp_path / "hf"])
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith(
-        "cannot be exported: a GPT with experts maps to Mixtral only with Llama's layers, an MoE MLP in every "
-        "block and Mixtral's router; this one has moe_router_enable_expert_bias=True")
+        "cannot be exported: a GPT with experts maps to Mixtral only with its layers, an MoE MLP in every "
+        "block and its router; this one has moe_router_enable_expert_bias=True")
     plain = [flag for flag in MOE if flag != "--moe-expert-bias"]
     done = run_tensorpar(["train", *plain, "--nproc", "2", "--tp", "1", "--ep", "2", "--steps", "2",
                           "--out", tmp_path / "run"])

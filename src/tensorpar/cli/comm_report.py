@@ -273,7 +273,7 @@ def register(subparsers) -> None:
                     "--gather-output --hidden 4096 --seq-len 2048 --batch 1 --tp 2 --dtype bf16")
     p.add_argument("--layer", choices=(*LAYERS, experts_model.LAYER), required=True,
                    help="what to predict (moe: an MoE layer's token dispatch over --ep ranks)")
-    p.add_argument("--ep", type=_positive_int, default=None, help="with --layer moe: the expert-parallel size")
+    p.add_argument("--ep", type=_positive_int, default=None, help="with --layer moe: the expert-parallel size (default: 1)")
     p.add_argument("--num-experts", type=_positive_int, default=8, help="with --layer moe: routed experts")
     p.add_argument("--topk", type=_positive_int, default=2, help="with --layer moe: experts per token")
     p.add_argument("--hidden", type=_positive_int, default=4096, help="hidden size")

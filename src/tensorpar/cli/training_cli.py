@@ -107,7 +107,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, metavar="PRESET", help=_PRESET_HELP)
     model.add_argument("--init-from-hf", default=None, metavar="DIR",
-                       help="start from a local Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2, Mixtral; "
+                       help="start from a local Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE; "
                             "config.json + safetensors): its shape and weights, and its tokenizer if it has one "
                             "(default: random initialization)")
     model.add_argument("--init-from", default=None, metavar="CKPT",

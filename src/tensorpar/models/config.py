@@ -51,7 +51,10 @@ class GPTConfig:
     attention; default ``num_heads``); ``qkv_bias`` defaults to ``bias`` (Qwen2 has biases on
     Q, K and V only); ``rope_scaling`` is Llama 3's ``{"rope_type": "llama3", "factor",
     "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``;
-    ``layernorm_epsilon`` is RMSNorm's epsilon too.
+    ``layernorm_epsilon`` is RMSNorm's epsilon too. ``kv_channels`` (Megatron's name) is the
+    head dimension when it is not ``hidden_size / num_heads`` (Qwen3's); ``qk_layernorm``
+    normalises each query and key head (RMSNorm over the head dimension) before the rotary, as
+    Qwen3 does.
 
     ``invariant_blocks`` (``tp_invariant`` only): the fixed blocks every TP-split dimension is
     cut into, which every TP size of the run must divide: 8 serves TP 1, 2, 4 and 8; 24 also
@@ -107,6 +110,8 @@ class GPTConfig:
     tp_invariant: bool = False
     invariant_blocks: int = 8
     context_parallel_comm: str = "p2p"
+    kv_channels: int | None = None
+    qk_layernorm: bool = False
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
@@ -135,8 +140,12 @@ class GPTConfig:
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.hidden_size % self.num_heads != 0:
-            raise ValueError(f"hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads})")
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_heads != 0:
+                raise ValueError(f"hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads})")
+        elif isinstance(self.kv_channels, bool) or not isinstance(self.kv_channels, int) or self.kv_channels < 1:
+            raise ValueError(f"GPTConfig.kv_channels must be a positive int (or None: hidden_size / num_heads), "
+                             f"got {self.kv_channels!r}")
         if self.position_embedding == "rope" and self.head_dim % 2 != 0:
             raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim}")
         if self.num_query_groups is None:
@@ -163,7 +172,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.interleave must be a positive int (1: off), got {self.interleave!r}")
         if self.tp_invariant:
             unsupported = {"overlap": self.overlap != "off", "interleave": self.interleave > 1,
-                           "gradient_accumulation_fusion": self.gradient_accumulation_fusion}
+                           "gradient_accumulation_fusion": self.gradient_accumulation_fusion,
+                           "qk_layernorm": self.qk_layernorm}
             named = [f"{k}={getattr(self, k)!r}" for k, bad in unsupported.items() if bad]
             if named:
                 raise ValueError(f"GPTConfig.tp_invariant=True does not support {', '.join(named)}")
@@ -211,7 +221,7 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.kv_channels or self.hidden_size // self.num_heads
 
     @property
     def queries_per_group(self) -> int:

@@ -50,6 +50,7 @@ from ..context_parallel import attention_dropout
 from ..expert_parallel import MoELayer
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.embedding import VocabParallelEmbedding
+from ..tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from ..tensor_parallel.initialization import (
     PartSeeds, init_method_normal, init_weight_shard, scaled_init_method_normal,
     set_defaults_if_not_set_tensor_model_parallel_attributes)
@@ -152,6 +153,14 @@ class Attention(nn.Module):
                                  input_is_parallel=True,
                                  init_method=scaled_init_method_normal(config.init_std, config.num_layers),
                                  **proj_layout, **parallel.linear_kwargs(config))
+        self.q_norm = self.k_norm = None
+        if config.qk_layernorm:
+            if not self.even:
+                raise ValueError(f"qk_layernorm needs the query and K/V heads split evenly over TP: "
+                                 f"{config.num_heads} and {config.num_query_groups} over {n}")
+            # Replicated over TP; each rank normalises its own heads (the grads are summed in backward).
+            self.q_norm, self.k_norm = (nn.RMSNorm(d, eps=config.layernorm_epsilon, device=parallel.device,
+                                                   dtype=config.params_dtype) for _ in range(2))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 mask: torch.Tensor | None = None, kv_cache: KVCache | None = None, key=None,
@@ -196,9 +205,15 @@ class Attention(nn.Module):
             # This rank's query heads in order, then its K heads, then its V heads.
             q, k, v = (t.unflatten(-1, (-1, d)).permute(1, 2, 0, 3)
                        for t in qkv.split([self.local_heads * d, g * d, g * d], dim=-1))
+        if self.q_norm is not None:
+            q, k = self._normalized(q, self.q_norm), self._normalized(k, self.k_norm)
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
+
+    def _normalized(self, heads: torch.Tensor, norm: nn.RMSNorm) -> torch.Tensor:
+        weight = copy_to_tensor_model_parallel_region(norm.weight, self.qkv.tp_group)
+        return F.rms_norm(heads, norm.normalized_shape, weight, norm.eps)
 
     def kv_read(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``k``, ``v`` as :meth:`attend` takes them: as they are, or (TP-invariant grouped-query

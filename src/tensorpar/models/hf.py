@@ -1,4 +1,5 @@
-"""Hugging Face ``transformers`` models in and out: GPT-2, Llama, Mistral, Qwen2 and Mixtral.
+"""Hugging Face ``transformers`` models in and out: GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral and
+Qwen3-MoE.
 
 :func:`from_hf` builds this rank's shard of a :class:`~tensorpar.models.gpt.GPT` from a
 ``transformers`` model object or a local directory (``config.json`` and safetensors files).
@@ -15,9 +16,10 @@ tensors at the same boundaries. The fused QKV weight is ``p + 2`` blocks of K/V-
 (see :class:`~tensorpar.models.gpt.Attention`): block ``j`` takes every group's ``j``-th query
 head from ``q_proj``. The vocabulary is padded with zero rows on import and cut on export.
 ``transformers`` is imported only when needed; Mistral exports as Llama (the same network).
-Mixtral's experts are whole tensors per expert, not row ranges: each rank reads its own experts
-(of its expert-parallel group) from the files' ``w1``/``w3`` (gate, up) and ``w2`` (down), or
-from a loaded model's fused ``gate_up_proj`` and ``down_proj``, which are tensorpar's layout.
+Mixtral's and Qwen3-MoE's experts are whole tensors per expert, not row ranges: each rank reads
+its own experts (of its expert-parallel group) from the files' per-expert gate, up and down
+tensors, or from a loaded model's fused ``gate_up_proj`` and ``down_proj``, which are
+tensorpar's layout.
 
 Example::
 
@@ -37,8 +39,8 @@ import torch
 from ..distributed import comm
 from ..expert_parallel import MoELayer
 from .gpt import GPT, GPTConfig
-from .hf_files import (INDEX, SafetensorsReader, check_weights, config_from_hf, config_from_hf_dir, family_of,
-                       model_dir, tensor_key)
+from .hf_files import (INDEX, SafetensorsReader, check_weights, config_from_hf, config_from_hf_dir,
+                       expert_file_names, family_of, model_dir, tensor_key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +104,9 @@ def _llama_pieces(config: GPTConfig, padded_vocab: int) -> dict[str, list[Piece]
         pieces |= {ours + "attention.proj.weight": _whole(attn + "o_proj.weight", config.num_heads * d),
                    ours + "norm1.weight": _whole(theirs + "input_layernorm.weight", h),
                    ours + "norm2.weight": _whole(theirs + "post_attention_layernorm.weight", h)}
-        if config.num_moe_experts is not None:  # the experts: _load_experts and _experts_state
+        if config.qk_layernorm:
+            pieces |= {ours + f"attention.{n}.weight": _whole(f"{attn}{n}.weight", d) for n in ("q_norm", "k_norm")}
+        if config.num_moe_experts is not None:  # the experts: _load_experts and hf_state_dict
             pieces[ours + "mlp.router.weight"] = _whole(theirs + "mlp.gate.weight", config.num_moe_experts)
         else:
             pieces |= {ours + "mlp.fc.weight": (_whole(theirs + "mlp.gate_proj.weight", f)
@@ -119,7 +123,8 @@ def hf_pieces(config: GPTConfig, padded_vocab: int) -> dict[str, list[Piece]]:
 # --------------------------------------------------------------------------------- configs
 
 def hf_config_of(config: GPTConfig):
-    """The ``transformers`` config of a GPT: GPT-2, Qwen2 (QKV biases), Llama or Mixtral (with experts)."""
+    """The ``transformers`` config of a GPT: GPT-2, Qwen2 (QKV biases), Llama, Qwen3 (per-head Q/K
+    norms), Mixtral or Qwen3-MoE (with experts)."""
     import transformers
 
 
@@ -139,11 +144,21 @@ def hf_config_of(config: GPTConfig):
                   rope_scaling=config.rope_scaling, attention_dropout=config.attention_dropout,
                   initializer_range=config.init_std, tie_word_embeddings=config.tie_word_embeddings,
                   bos_token_id=None, eos_token_id=None)
-    if family_of(config) == "mixtral":
+    family = family_of(config)
+    if family == "mixtral":
         return transformers.MixtralConfig(**{**fields, "intermediate_size": config.moe_ffn_hidden_size},
                                           num_local_experts=config.num_moe_experts,
                                           num_experts_per_tok=config.moe_router_topk,
                                           router_aux_loss_coef=config.moe_aux_loss_coeff, sliding_window=None)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**fields, head_dim=config.head_dim)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**fields, head_dim=config.head_dim, num_experts=config.num_moe_experts,
+                                           num_experts_per_tok=config.moe_router_topk,
+                                           moe_intermediate_size=config.moe_ffn_hidden_size,
+                                           norm_topk_prob=not config.moe_router_pre_softmax,
+                                           router_aux_loss_coef=config.moe_aux_loss_coeff, decoder_sparse_step=1,
+                                           mlp_only_layers=[])
     if config.qkv_bias:
         if config.rope_scaling is not None:
             raise ValueError("Qwen2 (QKV biases) with Llama 3 rope scaling has no transformers class")
@@ -241,7 +256,7 @@ def _moe_blocks(model: GPT):
 
 def _load_experts(model: GPT, reader) -> None:
     """Each MoE block's experts of this rank: rows of a loaded model's fused tensors, or each
-    expert's ``w1`` and ``w3`` (gate, up) and ``w2`` (down) from the files."""
+    expert's gate, up and down tensors from the files (:func:`expert_file_names`)."""
     h, names = model.config.hidden_size, set(reader.names())
     for i, moe in _moe_blocks(model):
         experts = moe.experts
@@ -254,15 +269,14 @@ def _load_experts(model: GPT, reader) -> None:
                 getattr(experts, ours).copy_(rows)
             continue
         for j, e in enumerate(range(first, first + n)):
-            files = f"model.layers.{i}.block_sparse_moe.experts.{e}."
-            for target, name, rows in ((experts.gate_up[j, :f], "w1", f), (experts.gate_up[j, f:], "w3", f),
-                                       (experts.down[j], "w2", h)):
-                target.copy_(_read_rows(reader, Piece(files + name + ".weight", 0, rows), 0, rows, 0,
-                                        list(target.shape)))
+            gate, up, down = expert_file_names(model.config, i, e)
+            for target, name, rows in ((experts.gate_up[j, :f], gate, f), (experts.gate_up[j, f:], up, f),
+                                       (experts.down[j], down, h)):
+                target.copy_(_read_rows(reader, Piece(name, 0, rows), 0, rows, 0, list(target.shape)))
 
 
 def from_hf(model_or_dir, *, tp_group=None, device=None, **config_overrides) -> GPT:
-    """This rank's shard of a Hugging Face GPT-2, Llama, Mistral, Qwen2 or Mixtral model.
+    """This rank's shard of a Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE model.
 
     ``model_or_dir``: a ``transformers`` model object, or a local directory with
     ``config.json`` and safetensors weights (each rank reads only its shard's bytes; nothing in
@@ -367,7 +381,8 @@ def to_hf(model: GPT, path=None):
         return None
     hf_config = hf_config_of(model.config)
     classes = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
-               "qwen2": transformers.Qwen2ForCausalLM, "mixtral": transformers.MixtralForCausalLM}
+               "qwen2": transformers.Qwen2ForCausalLM, "mixtral": transformers.MixtralForCausalLM,
+               "qwen3": transformers.Qwen3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM}
     hf_model = classes[hf_config.model_type](hf_config)
     hf_model.load_state_dict(state, strict=True)
     # transformers' generate stops at max_length; past the model's positions a learned table has no row.

@@ -34,7 +34,7 @@ HEADER_LIMIT = 100 * 2**20   # safetensors' own bound on a header
 FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 REQUIRED = object()
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "mixtral")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 
 def _finite(value) -> bool:
@@ -49,6 +49,7 @@ KINDS = {
     "flag": (lambda v: type(v) is bool, "true or false"),
     "name": (lambda v: type(v) is str, "a string"),
     "object": (lambda v: isinstance(v, dict), "a JSON object"),
+    "layers": (lambda v: isinstance(v, list) and all(type(i) is int and i >= 0 for i in v), "a list of layer numbers"),
 }
 
 
@@ -220,14 +221,21 @@ _MIXTRAL_ROUTER = dict(moe_layer_freq=1, moe_first_dense_layers=0, moe_shared_ex
 
 
 def family_of(config: GPTConfig) -> str:
-    """``gpt2``, ``llama`` or ``mixtral`` (Llama's with experts): the Hugging Face layout a GPT's
-    weights map to."""
+    """``gpt2``, ``llama``, ``qwen3`` (Llama's with per-head Q/K norms), ``mixtral`` (Llama's with
+    experts) or ``qwen3_moe`` (Qwen3's with experts): the Hugging Face layout a GPT's weights map to."""
     if config.num_moe_experts is not None:
-        unlike = [f"{k}={getattr(config, k)!r}" for k, v in _MIXTRAL_ROUTER.items() if getattr(config, k) != v]
-        if unlike or family_of(dataclasses.replace(config, num_moe_experts=None)) != "llama" or config.qkv_bias:
-            raise ValueError("a GPT with experts maps to Mixtral only with Llama's layers, an MoE MLP in every "
-                             f"block and Mixtral's router; this one has {', '.join(unlike) or 'other layers'}")
-        return "mixtral"
+        dense = family_of(dataclasses.replace(config, num_moe_experts=None))
+        name = "Qwen3-MoE" if dense == "qwen3" else "Mixtral"
+        router = {k: v for k, v in _MIXTRAL_ROUTER.items() if not (dense == "qwen3" and k == "moe_router_pre_softmax")}
+        unlike = [f"{k}={getattr(config, k)!r}" for k, v in router.items() if getattr(config, k) != v]
+        if unlike or dense not in ("llama", "qwen3") or config.qkv_bias:
+            raise ValueError(f"a GPT with experts maps to {name} only with its layers, an MoE MLP in every "
+                             f"block and its router; this one has {', '.join(unlike) or 'other layers'}")
+        return "qwen3_moe" if dense == "qwen3" else "mixtral"
+    if config.qk_layernorm:
+        if family_of(dataclasses.replace(config, qk_layernorm=False)) != "llama" or config.qkv_bias:
+            raise ValueError("per-head Q/K norms (qk_layernorm) map to Qwen3 only with Llama's layers and no QKV biases")
+        return "qwen3"
     if (config.norm, config.position_embedding, config.bias, config.qkv_bias) == ("layernorm", "learned", True, True) \
             and config.activation != "swiglu" and config.num_query_groups == config.num_heads:
         return "gpt2"
@@ -296,7 +304,8 @@ def _llama_fields(fields: Fields, model_type: str) -> dict:
     if act != "silu":
         raise ValueError(f"{fields.source}: unsupported hidden_act {act!r}; the Llama family uses 'silu'")
     head_dim = fields.get("head_dim", "count", None)
-    if head_dim not in (None, hidden // heads):
+    qwen3 = model_type in ("qwen3", "qwen3_moe")
+    if head_dim not in (None, hidden // heads) and not qwen3:
         raise ValueError(f"{fields.source}: head_dim {head_dim} differs from hidden_size / num_attention_heads "
                          f"= {hidden // heads}")
     if fields.get("attention_bias", "flag", False) or fields.get("mlp_bias", "flag", False):
@@ -314,10 +323,26 @@ def _llama_fields(fields: Fields, model_type: str) -> dict:
                 num_query_groups=fields.get("num_key_value_heads", "count", heads),
                 norm="rmsnorm", activation="swiglu", position_embedding="rope", rope_theta=theta,
                 rope_scaling=scaling, bias=False, qkv_bias=model_type == "qwen2",
+                kv_channels=head_dim if head_dim not in (None, hidden // heads) else None, qk_layernorm=qwen3,
                 attention_dropout=fields.get("attention_dropout", "probability", 0.0),
                 layernorm_epsilon=float(fields.get("rms_norm_eps", "positive", 1e-6)),
                 init_std=float(fields.get("initializer_range", "positive", 0.02)),
                 tie_word_embeddings=fields.get("tie_word_embeddings", "flag", False))
+
+
+def _qwen3_moe_fields(fields: Fields) -> dict:
+    values = _llama_fields(fields, "qwen3_moe")
+    step, dense = fields.get("decoder_sparse_step", "count", 1), fields.get("mlp_only_layers", "layers", [])
+    if step != 1 or dense:
+        raise ValueError(f"{fields.source}: only Qwen3-MoE models with experts in every layer are supported "
+                         f"(decoder_sparse_step 1, no mlp_only_layers); got {step} and {dense}")
+    # The hub's files say num_experts; transformers 5 writes num_local_experts.
+    experts = fields.get("num_experts", "count", None) or fields.get("num_local_experts", "count")
+    return {**values, "num_moe_experts": experts,
+            "moe_router_topk": fields.get("num_experts_per_tok", "count"),
+            "moe_ffn_hidden_size": fields.get("moe_intermediate_size", "count"),
+            "moe_router_pre_softmax": not fields.get("norm_topk_prob", "flag", False),
+            "moe_aux_loss_coeff": float(fields.get("router_aux_loss_coef", "probability", 0.0))}
 
 
 def _mixtral_fields(fields: Fields) -> dict:
@@ -354,6 +379,8 @@ def _config(fields: Fields, overrides: dict) -> GPTConfig:
         values = _gpt2_fields(fields)
     elif model_type == "mixtral":
         values = _mixtral_fields(fields)
+    elif model_type == "qwen3_moe":
+        values = _qwen3_moe_fields(fields)
     elif model_type in LLAMA_FAMILY:
         values = _llama_fields(fields, model_type)
     else:
@@ -400,23 +427,38 @@ def _hf_shapes(config: GPTConfig):
     yield from (("model.embed_tokens.weight", (v, h)), ("model.norm.weight", (h,)))
     if not config.tie_word_embeddings:
         yield "lm_head.weight", (v, h)
-    experts = ("num_local_experts", config.num_moe_experts)
+    experts = ("num_experts" if config.qk_layernorm else "num_local_experts", config.num_moe_experts)
     for i in range(config.num_layers):
         t, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         yield from ((a + "q_proj.weight", (q, h)), (a + "k_proj.weight", (kv, h)), (a + "v_proj.weight", (kv, h)),
                     (a + "o_proj.weight", (h, q)),
                     (t + "input_layernorm.weight", (h,)), (t + "post_attention_layernorm.weight", (h,)))
+        if config.qkv_bias:
+            yield from ((a + "q_proj.bias", (q,)), (a + "k_proj.bias", (kv,)), (a + "v_proj.bias", (kv,)))
+        if config.qk_layernorm:
+            d = ("head_dim", config.head_dim)
+            yield from ((a + "q_norm.weight", (d,)), (a + "k_norm.weight", (d,)))
         if config.num_moe_experts is None:
             yield from ((t + "mlp.gate_proj.weight", (f, h)), (t + "mlp.up_proj.weight", (f, h)),
                         (t + "mlp.down_proj.weight", (h, f)))
             continue
-        m, fe = t + "block_sparse_moe.", ("intermediate_size", config.moe_ffn_hidden_size)
-        yield m + "gate.weight", (experts, h)  # the files' names: transformers fuses the experts once loaded
+        # The files' names: transformers fuses the experts once loaded.
+        m, fe = t + ("mlp." if config.qk_layernorm else "block_sparse_moe."), \
+            ("moe_intermediate_size" if config.qk_layernorm else "intermediate_size", config.moe_ffn_hidden_size)
+        yield m + "gate.weight", (experts, h)
         for e in range(config.num_moe_experts):
-            yield from ((f"{m}experts.{e}.w1.weight", (fe, h)), (f"{m}experts.{e}.w2.weight", (h, fe)),
-                        (f"{m}experts.{e}.w3.weight", (fe, h)))
-        if config.qkv_bias:
-            yield from ((a + "q_proj.bias", (q,)), (a + "k_proj.bias", (kv,)), (a + "v_proj.bias", (kv,)))
+            gate, up, down = expert_file_names(config, i, e)
+            yield from ((gate, (fe, h)), (down, (h, fe)), (up, (fe, h)))
+
+
+def expert_file_names(config: GPTConfig, layer: int, expert: int) -> tuple[str, str, str]:
+    """The files' (gate, up, down) tensors of one expert: Mixtral's ``w1``, ``w3``, ``w2``, or
+    Qwen3-MoE's ``gate_proj``, ``up_proj``, ``down_proj``."""
+    if config.qk_layernorm:
+        m = f"model.layers.{layer}.mlp.experts.{expert}."
+        return m + "gate_proj.weight", m + "up_proj.weight", m + "down_proj.weight"
+    m = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+    return m + "w1.weight", m + "w3.weight", m + "w2.weight"
 
 
 def tensor_key(names, name: str) -> str | None:

@@ -106,7 +106,7 @@ def _block_and_rest(config, *, tp: int, ep: int = 1) -> tuple[float, float]:
     """Parameters of one transformer block (the mean block, where some have experts) and of
     everything else (embeddings, final norm) on a TP rank."""
     h, f = config.hidden_size, config.ffn_hidden_size
-    head_dim = h // config.num_heads
+    head_dim = getattr(config, "head_dim", h // config.num_heads)
     multiple = math.lcm(config.make_vocab_size_divisible_by, tp)
     vocab = -(-config.vocab_size // multiple) * multiple
     norm = 2 * h if config.norm == "layernorm" and config.bias else h  # weight (and bias)
@@ -114,8 +114,9 @@ def _block_and_rest(config, *, tp: int, ep: int = 1) -> tuple[float, float]:
     fc = 2 * f if config.activation == "swiglu" else f
     moe_share, moe_mlp = _moe_mlp(config, tp=tp, ep=ep)
     dense_mlp = h * (fc + f) + (fc if config.bias else 0)
-    sharded = h * (qkv + h) + (qkv if config.qkv_bias else 0) + (1 - moe_share) * dense_mlp
+    sharded = h * (qkv + config.num_heads * head_dim) + (qkv if config.qkv_bias else 0) + (1 - moe_share) * dense_mlp
     replicated = 2 * norm + (2 * h if config.bias else 0)  # norms, row-layer biases
+    replicated += 2 * head_dim if getattr(config, "qk_layernorm", False) else 0  # Qwen3's per-head norms
     embeddings = vocab * h / tp * (1 if config.tie_word_embeddings else 2)
     positions = config.max_seq_len * h if config.position_embedding == "learned" else 0
     return sharded / tp + replicated + moe_share * moe_mlp, embeddings + positions + norm

@@ -36,9 +36,10 @@ BF16_PEAKS = (
 def matmul_weights(config) -> int:
     """``N``: the weights one token is multiplied with (the layers' projections and the LM head)."""
     h, f = config.hidden_size, config.ffn_hidden_size
-    qkv = h * (h + 2 * config.num_query_groups * config.head_dim)
+    heads = config.num_heads * config.head_dim  # h, unless the head dimension is set apart (Qwen3)
+    qkv = h * (heads + 2 * config.num_query_groups * config.head_dim)
     mlp = (3 if config.activation == "swiglu" else 2) * h * f  # SwiGLU: gate, up and down
-    return config.num_layers * (qkv + h * h + mlp) + h * config.vocab_size
+    return config.num_layers * (qkv + h * heads + mlp) + h * config.vocab_size
 
 
 def flops_per_token(config, *, seq_len: int) -> int:
