@@ -221,7 +221,8 @@ def _run(args) -> dict:
             for name, build in (("tensorpar", _tensorpar_step), ("plain", _plain_step)):
                 results[f"{name} {mode}"] = dataclasses.asdict(
                     _measure(build, config, args, device, compiled=mode == "compiled"))
-            results[f"ratio {mode}"] = results[f"tensorpar {mode}"]["tokens_per_s"] / results[f"plain {mode}"]["tokens_per_s"]
+            ours, theirs = results[f"tensorpar {mode}"], results[f"plain {mode}"]
+            results[f"ratio {mode}"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         return {"device": name, "model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
                 "results": results}

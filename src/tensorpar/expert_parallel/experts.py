@@ -79,7 +79,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, rows: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up, self.down
-        if torch.is_autocast_enabled(rows.device.type):  # as autocast runs a linear layer (grouped GEMM is not on its list)
+        # As autocast runs a linear layer: grouped GEMM is not on its list.
+        if torch.is_autocast_enabled(rows.device.type):
             dtype = torch.get_autocast_dtype(rows.device.type)
             rows, gate_up, down = rows.to(dtype), gate_up.to(dtype), down.to(dtype)
         if _grouped_mm_applies(rows, gate_up, down):
@@ -88,7 +89,8 @@ class GroupedExperts(nn.Module):
             out = torch._grouped_mm(self._activate(hidden), down.transpose(-2, -1), offs=offsets)
             return _DenseGrad.apply(out)
         chunks = rows.split(rows_per_expert.tolist())
-        return torch.cat([F.linear(self._activate(F.linear(chunk, w1)), w2) for chunk, w1, w2 in zip(chunks, gate_up, down)])
+        return torch.cat([F.linear(self._activate(F.linear(chunk, w1)), w2)
+                          for chunk, w1, w2 in zip(chunks, gate_up, down)])
 
     def _activate(self, hidden: torch.Tensor) -> torch.Tensor:
         gate, up = hidden.chunk(2, dim=-1)

@@ -47,7 +47,8 @@ class MoELayer(nn.Module):
                  params_dtype=torch.float32, device=None, **router_options) -> None:
         super().__init__()
         self.tp_group, self.ep_group = tp_group, ep_group
-        self.tp_size, self.tp_rank = (1, 0) if tp_group is None else (comm.group_size(tp_group), comm.group_rank(tp_group))
+        self.tp_size, self.tp_rank = (1, 0) if tp_group is None else \
+            (comm.group_size(tp_group), comm.group_rank(tp_group))
         # Without SP every TP rank holds every token: each routes its own 1/TP of them.
         self.split_tokens = self.tp_size > 1 and not sequence_parallel
         tokens_split = self.tp_size > 1
@@ -66,7 +67,8 @@ class MoELayer(nn.Module):
         tokens, first = x.reshape(s * b, h), 0
         if self.split_tokens:
             sizes = _even_sizes(s * b, self.tp_size)
-            tokens, first = scatter_to_sequence_parallel_region(tokens, self.tp_group, sizes=sizes), sum(sizes[:self.tp_rank])
+            tokens = scatter_to_sequence_parallel_region(tokens, self.tp_group, sizes=sizes)
+            first = sum(sizes[:self.tp_rank])
         sequence_of_token = torch.arange(first, first + len(tokens), device=x.device) % b  # [s, b] flattened
         weights, experts = self.router(tokens, sequence_of_token, b)
         rows, rows_per_expert, routed = dispatch(tokens, experts, num_experts=self.router.num_experts,

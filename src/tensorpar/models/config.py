@@ -241,7 +241,8 @@ class GPTConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
-        """A named size: ``tiny``, ``llama-tiny``, ``moe-tiny`` (8 experts, 2 per token; byte vocab), ``small``/``medium``/``large``/``xl``
+        """A named size: ``tiny``, ``llama-tiny``, ``moe-tiny`` (8 experts, 2 per token; byte vocab),
+        ``small``/``medium``/``large``/``xl``
         (GPT-2's 124M/350M/774M/1.5B shapes)."""
         if name not in _PRESETS:
             raise ValueError(f"unknown GPTConfig preset {name!r}; choose from {list(_PRESETS)}")
