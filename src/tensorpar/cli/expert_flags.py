@@ -17,6 +17,7 @@ import argparse
 from ..errors import UsageError
 from .flag_types import number, positive
 
+
 def add_expert_flags(parser) -> None:
     """The experts' shape and balance flags, and ``--ep``."""
     parser.add_argument("--num-experts", type=positive(int), default=None,
