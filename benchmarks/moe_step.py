@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -55,18 +54,11 @@ def _layer(args, ep_group, device, dtype):
 
 
 def _median_ms(step, *, warmup: int, iters: int, device) -> float:
+    from tensorpar.tensor_parallel.overlap import median_seconds
+
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(times)
+    return 1e3 * median_seconds(step, device, iters)
 
 
 def _rank(args) -> dict:

@@ -120,7 +120,7 @@ def test_moe_step_benchmark_reports_every_variant_against_the_plain_layer(capsys
     assert all(v > 0 for v in result["median_ms"].values()) and result["over_plain"]["plain"] == 1.0
     out = capsys.readouterr().out
     assert re.search(r"1-minute load \d+\.\d before, \d+\.\d after", out), out
-    assert all(re.search(rf"{name}: +\d+\.\d\d ms, \d\.\d\d\d x plain", out) for name in result["median_ms"]), out
+    assert all(re.search(rf"{name}: +\d+\.\d\d ms, \d+\.\d\d\d x plain", out) for name in result["median_ms"]), out
 
 
 def test_bench_gpu_runs_both_gpu_benchmarks_at_tiny_sizes_and_prints_their_tables(capsys):

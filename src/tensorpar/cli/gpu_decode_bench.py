@@ -18,10 +18,11 @@ Example::
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+
+from ..tensor_parallel.overlap import median_seconds
+from .launch import one_process_main
 
 SHAPES = {
     "llama3-8b": dict(vocab_size=128256, max_seq_len=2048, num_layers=32, num_heads=32, num_query_groups=8,
@@ -33,36 +34,19 @@ LLAMA = dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", rop
              tie_word_embeddings=False, params_dtype=torch.bfloat16, make_vocab_size_divisible_by=64)
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn, device, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        _sync(device)
-        began = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
-
-
 def _copy_bytes_per_s(nbytes: int, device, rounds: int) -> float:
     """Bytes a device-to-device copy reads per second (each byte read once and written once)."""
     source = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     target = torch.empty_like(source)
-    target.copy_(source)
-    seconds = _timed(lambda: target.copy_(source), device, rounds)
+    seconds = median_seconds(lambda: target.copy_(source), device, rounds)
     return source.numel() * source.element_size() * 2 / seconds  # read and write: the DRAM traffic
 
 
 def _per_token_ms(generate, device, args) -> tuple[float, torch.Tensor]:
-    generate(2)  # warm-up (and the CUDA graph's capture)
-    first = _timed(lambda: generate(1), device, args.rounds)
+    # (each timing's first call warms up: the CUDA graph's capture among it)
+    first = median_seconds(lambda: generate(1), device, args.rounds)
     out = []
-    full = _timed(lambda: out.append(generate(args.new_tokens)), device, args.rounds)
+    full = median_seconds(lambda: out.append(generate(args.new_tokens)), device, args.rounds)
     return (full - first) / (args.new_tokens - 1) * 1e3, out[-1]
 
 
@@ -141,11 +125,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    from .launch import launch_local
-
-    result = launch_local(_run, args, nproc=1)[0]
-    print(report(result), flush=True)
-    return result
+    return one_process_main(argv, description=__doc__.splitlines()[0], add_arguments=add_arguments, run=_run,
+                      report=report)

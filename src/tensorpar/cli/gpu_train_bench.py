@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..tensor_parallel.overlap import synchronize
+from .launch import one_process_main
+
 SHAPES = {
     "gpt2-small": dict(vocab_size=50304, max_seq_len=1024, num_layers=12, num_heads=12, hidden_size=768),
     "llama-1b": dict(vocab_size=128256, max_seq_len=2048, num_layers=16, num_heads=32, num_query_groups=8,
@@ -186,11 +189,11 @@ def _measure(build, config, args, device, *, compiled: bool) -> Measured:
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(args.warmup):
         step(forward, inputs, labels)
-    _sync(device)
+    synchronize(device)
     began = time.perf_counter()
     for _ in range(args.steps):
         loss = step(forward, inputs, labels)
-    _sync(device)
+    synchronize(device)
     elapsed = time.perf_counter() - began
     tokens_per_s = args.steps * inputs.numel() / elapsed
     peak, _ = peak_flops_per_s(torch.cuda.get_device_name(device) if device.type == "cuda" else None, dtype="bf16")
@@ -198,11 +201,6 @@ def _measure(build, config, args, device, *, compiled: bool) -> Measured:
     memory = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     del model, step, forward
     return Measured(tokens_per_s, mfu, memory, float(loss))
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _run(args) -> dict:
@@ -255,11 +253,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    from .launch import launch_local
-
-    result = launch_local(_run, args, nproc=1)[0]
-    print(report(result), flush=True)
-    return result
+    return one_process_main(argv, description=__doc__.splitlines()[0], add_arguments=add_arguments, run=_run,
+                      report=report)

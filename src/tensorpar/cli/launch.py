@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import faulthandler
 import gc
@@ -122,6 +123,16 @@ def start_method() -> str:
             raise UsageError(f"{START_METHOD_ENV} must be one of {', '.join(START_METHODS)}, got {chosen!r}")
         return chosen
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def one_process_main(argv, *, description: str, add_arguments, run, report) -> dict:
+    """A one-process benchmark's ``main``: its flags (``add_arguments``) parsed from ``argv``,
+    ``run(args)`` on one launched rank, ``report(result)`` printed; returns the result."""
+    parser = argparse.ArgumentParser(description=description)
+    add_arguments(parser)
+    result = launch_local(run, parser.parse_args(argv), nproc=1)[0]
+    print(report(result), flush=True)
+    return result
 
 
 def launch_local(entry, *args, nproc: int) -> dict[int, object]:
