@@ -18,7 +18,9 @@ Timeouts: a body gets ``TENSORPAR_TEST_TIMEOUT`` seconds (120) and a collective
 ``TENSORPAR_COLLECTIVE_TIMEOUT`` (30), each multiplied by the load factor: the machine's load
 average per core when the last world started, from 1 to ``MAX_LOAD_FACTOR``, or
 ``TENSORPAR_TEST_LOAD_FACTOR`` when set. So a loaded machine gives slow passes, not timeouts.
-The ranks ignore SIGINT: a Ctrl-C reaches pytest alone, which ends every world and stops.
+The ranks ignore SIGINT: a Ctrl-C reaches pytest alone, which ends every world and stops. A rank
+whose pytest process is gone without ending it (killed, or interrupted again while it closed its
+worlds) exits within a second (:func:`_exit_with_owner`), so no rank outlives the suite.
 
 A world whose ranks hold more than ``MAX_TRANSPORT_THREADS`` gloo transport threads is replaced
 after the body that left them: torch keeps some destroyed groups alive (those an FSDP or DTensor
@@ -34,6 +36,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import threading
 import time
 import traceback
 
@@ -112,10 +115,25 @@ def _reset_rank_state() -> None:
         torch._dynamo.reset()
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+def _exit_with_owner(owner_pid: int) -> None:
+    """Watch from a daemon thread for the process that started this rank, and end the rank once it
+    is gone: a rank busy in a body (a hung collective, a long sleep) would otherwise outlive it."""
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(owner_pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="owner-watch", daemon=True).start()
+
+
+def _worker(rank: int, world_size: int, port: int, owner_pid: int, tasks, results) -> None:
     import datetime
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _exit_with_owner(owner_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
@@ -160,7 +178,7 @@ class World:
 
         port = free_port()
         self.procs = [ctx.Process(target=_worker, daemon=True,
-                                  args=(r, world_size, port, self.task_queues[r], self.results))
+                                  args=(r, world_size, port, os.getpid(), self.task_queues[r], self.results))
                       for r in range(world_size)]
         try:
             for p in self.procs:

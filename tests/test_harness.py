@@ -1,6 +1,7 @@
 """The test harness itself: timeouts that scale with the machine's load, worlds replaced once they hold
 leaked transport threads, and Ctrl-C that stops pytest."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -101,6 +102,34 @@ def test_ctrl_c_stops_the_suite_and_its_ranks(tmp_path, workers):
     while (survivors := _session_processes(suite.pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not survivors, survivors
+
+
+@pytest.mark.slow
+def test_ranks_end_within_seconds_of_a_pytest_process_killed_mid_body(tmp_path):
+    marker = tmp_path / "started"
+    script = textwrap.dedent(f"""
+        from tests import harness
+        from tests.test_harness import sleeping_body
+
+        harness.PRELOAD[:] = ["tests.harness", "torch.distributed"]
+        harness.run_on_ranks(sleeping_body, 2, {str(marker)!r})
+        """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]), "OMP_NUM_THREADS": "1"}
+    owner = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not all(Path(f"{marker}.{rank}").exists() for rank in range(2)):
+            assert owner.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        owner.kill()   # no atexit, no KeyboardInterrupt: nothing of the owner's closes its world
+        owner.wait()
+        deadline = time.monotonic() + 15
+        while (survivors := _session_processes(owner.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not survivors, survivors
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(owner.pid, signal.SIGKILL)
 
 
 def _session_processes(session: int) -> list[str]:
