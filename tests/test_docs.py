@@ -59,6 +59,8 @@ SHORTER = {
     "tensorpar generate --checkpoint ft-run --prompt 'Once upon' --temperature 0": ["--max-new-tokens", "8"],
     "tensorpar train --nproc 2 --tp 1 --cp 2 --cp-comm a2a --steps 20 --out cp-run": [*TINY, "--steps", "2"],
     "tensorpar train --model moe-tiny --nproc 2 --tp 1 --ep 2 --steps 20 --out moe-run": [*TINY, "--steps", "2"],
+    "tensorpar train --model moe-tiny --nproc 2 --tp 1 --ep 2 --tp-invariant --steps 20 --out moe-invariant":
+        [*TINY, "--steps", "2"],
     "tensorpar train --resume cp-run --cp 1 --nproc 1 --tp 1 --steps 40": [*TINY, "--steps", "3"],
     "tensorpar train --nproc 4 --tp 1 --cp 4 --cp-comm a2a --heads 2 --hidden 32": [],  # refused as written
     "tensorpar train --lr 1e30": [*TINY, "--log-every", "2"],  # the loss is read back at logged steps

@@ -53,6 +53,11 @@ def check_experts(args, config, *, world: int) -> None:
     if ranks % ep:
         raise UsageError(f"--ep {ep} does not divide the {ranks} TP x CP x DP ranks of a stage "
                          f"(--tp {args.tp} x --cp {args.cp} x DP {ranks // (args.tp * args.cp)})")
+    splitting = args.tp * args.cp  # the ranks of one micro-batch
+    if config.tp_invariant and ep < splitting and experts % splitting:
+        raise UsageError(f"--tp-invariant with --ep {ep} below --tp {args.tp} x --cp {args.cp} = {splitting} computes "
+                         f"each expert on one of those {splitting} ranks: --num-experts {experts} must divide by "
+                         f"{splitting}")
     unsupported = [flag for flag, given in (("--dp-replicate", bool(args.fsdp) and (args.dp_replicate or 1) > 1),
                                             ("--compile", args.compile)) if given]
     if unsupported:

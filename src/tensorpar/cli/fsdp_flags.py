@@ -53,6 +53,9 @@ def check_fsdp(args, config, *, dp: int, replicate_given: bool) -> None:
     if args.fsdp and config.gradient_accumulation_fusion:
         raise UsageError("--fsdp cannot combine with gradient-accumulation fusion (--grad-fusion, or the resumed "
                          "run's setting): FSDP reduces the gradients itself; drop one of them")
+    if args.fsdp and config.tp_invariant and config.num_moe_experts and args.pp > 1:
+        raise UsageError(f"--fsdp with --tp-invariant, experts and --pp {args.pp}: a pipeline's expert gradients "
+                         "under FSDP do not enter the mode's trees yet; drop --fsdp or --pp")
     if args.fsdp and config.tp_invariant and dp // args.dp_replicate == 1:
         over = "DP x CP" if args.cp > 1 else "DP"
         raise UsageError(f"--fsdp with --tp-invariant shards over {over} / --dp-replicate = {dp} / "

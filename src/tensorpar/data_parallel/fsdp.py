@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ..distributed import comm, comm_ledger
 from .fsdp_mesh import dp_mesh, full_box, hsdp_mesh, replica_group, shard_group, tp_dp_mesh
-from .grads import gather_dim0_shards, is_tp_invariant
+from .grads import DataParallelGradReducer, gather_dim0_shards, is_tp_invariant
 from ..parallel_state import get_data_parallel_group
 from ..distributed.tree_reduce import HalvingTree, all_reduce_tree, reduce_scatter_tree
 
@@ -316,10 +316,13 @@ class ShardedGradSync:
         self._sync = True
         self.trees: list[_TreeReduceScatter] = []
         self.experts = [p for p in model.parameters() if getattr(p, "expert_parallel", False)]
-        if self.experts and (micro_batches is not None or expert_dp_group is None):
-            raise ValueError("ShardedGradSync: a model with expert weights needs expert_dp_group= (their replicas), "
-                             "and the invariant mode's micro_batches= does not take them yet")
+        if self.experts and expert_dp_group is None:
+            raise ValueError("ShardedGradSync: a model with expert weights needs expert_dp_group= (their replicas)")
         self.expert_dp_group = expert_dp_group
+        # The invariant mode's expert weights, whole on each rank: the unsharded reducer's trees.
+        self.expert_grads = DataParallelGradReducer(self.experts, dp_group=expert_dp_group,
+                                                    micro_batches=micro_batches) \
+            if self.experts and micro_batches is not None else None
         shard = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
         # FSDP's reduce-scatter averages over its mesh: the expert weights' sums are divided alike.
         self.divisor = 1 if shard is None else shard.device_mesh.size()
@@ -382,15 +385,21 @@ class ShardedGradSync:
             tree.reset()
         for p in self.model.parameters():
             p.grad = None
+        if self.expert_grads is not None:
+            self.expert_grads.zero_grad()
 
     def finish(self) -> None:
         """FSDP's last reduce-scatter completes inside backward; the expert weights' gradients are
-        summed over ``expert_dp_group`` here. With ``micro_batches``, refuses a step whose trees did
-        not get all of them."""
+        summed over ``expert_dp_group`` here (with ``micro_batches`` in the trees of a
+        ``DataParallelGradReducer``). With ``micro_batches``, refuses a step whose trees did not
+        get all of them."""
         short = [t.tree.count for t in self.trees if t.tree.count not in (0, t.tree.leaves)]
         if short:
             raise RuntimeError(f"ShardedGradSync: finish() after {short[0]} of the micro_batches="
                                f"{self.trees[0].tree.leaves} backwards its tree sums")
+        if self.expert_grads is not None:
+            self.expert_grads.finish()
+            return
         grads = [p.grad for p in self.experts if p.grad is not None]
         if grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -399,7 +408,9 @@ class ShardedGradSync:
                                          zip(flat.split([g.numel() for g in grads]), grads)])
 
     def remove_hooks(self) -> None:
-        """FSDP's hooks stay with the model."""
+        """FSDP's hooks stay with the model; the expert weights' reducer's go."""
+        if self.expert_grads is not None:
+            self.expert_grads.remove_hooks()
 
 
 def take_unsharded_grad(root: nn.Module, param: nn.Parameter) -> torch.Tensor | None:

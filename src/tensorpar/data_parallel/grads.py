@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from ..distributed import comm
 from ..tensor_parallel.initialization import param_is_not_tensor_parallel_duplicate
 from ..parallel_state import get_data_parallel_group, resolve_tp_group
-from ..distributed.tree_reduce import BLOCKS, HalvingTree, all_reduce_subtrees, all_reduce_tree, subtree_sums
+from ..distributed.tree_reduce import BLOCKS, SourceTrees, all_reduce_subtrees, all_reduce_tree, subtree_sums
 
 
 def mark_tp_invariant(params, *, blocks: int | None = None) -> None:
@@ -30,6 +30,15 @@ def mark_tp_invariant(params, *, blocks: int | None = None) -> None:
 def is_tp_invariant(params) -> bool:
     """Whether any of ``params`` belongs to a TP-invariant model (:func:`mark_tp_invariant`)."""
     return any(getattr(p, "tp_invariant", False) for p in params)
+
+
+def take_source_grads(param: nn.Parameter, grad: torch.Tensor) -> list[torch.Tensor]:
+    """``grad``, then the gradients a backward left on ``param`` (``other_source_grads``) for
+    the micro-batches of its other sources, taken off it: an expert whose EP group spans
+    ``param.expert_sources`` DP ranks gets one micro-batch of each per backward (the invariant
+    mode's :class:`tensorpar.invariant.MoELayer`)."""
+    others, param.other_source_grads = getattr(param, "other_source_grads", None), None
+    return [grad, *(others or [])]
 
 
 def _main_or_grad(param: nn.Parameter) -> torch.Tensor | None:
@@ -130,7 +139,8 @@ class DataParallelGradReducer:
         if micro_batches is not None and not self.ordered:
             raise ValueError("DataParallelGradReducer: micro_batches= sums in the invariant mode's tree; "
                              "the model is not tp_invariant")
-        self.trees = None if micro_batches is None else {id(p): HalvingTree(leaves=micro_batches) for p in self.params}
+        self.trees = None if micro_batches is None else {
+            id(p): SourceTrees(sources=getattr(p, "expert_sources", 1), leaves=micro_batches) for p in self.params}
         self.group = dp_group
         self.dp_size = comm.group_size(dp_group)
         self.sync = True
@@ -176,6 +186,8 @@ class DataParallelGradReducer:
     def add_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         """Add the next micro-batch's gradient of ``param`` to its tree (``micro_batches=``).
 
+        An expert's gradients of its other sources come with it (:func:`take_source_grads`).
+
         What the hook does with each ``.grad``, for a caller that takes the micro-batches'
         gradients apart itself and hands them over in micro-batch order (a pipeline schedule in
         the invariant mode).
@@ -186,7 +198,7 @@ class DataParallelGradReducer:
         """
         if self.trees is None:
             raise ValueError("DataParallelGradReducer.add_grad: only with micro_batches= (the invariant mode's tree)")
-        total = self.trees[id(param)].add(grad)
+        total = self.trees[id(param)].add(take_source_grads(param, grad))
         if total is None:  # the step's micro-batches are not all in yet
             return
         param.main_grad.copy_(total)
@@ -367,7 +379,7 @@ def get_grad_norm(params, *, tp_group=None, dp_group=None, pp_group=None, ep_gro
     group = resolve_tp_group(tp_group)
     params = list(params)
     if is_tp_invariant(params):
-        return _ordered_grad_norm(params, group, pp_group, dp_group=dp_group)
+        return _ordered_grad_norm(params, group, pp_group, dp_group=dp_group, ep_group=ep_group)
     plain, sharded, experts = [], [], []
     for p in params:
         grad = _main_or_grad(p)
@@ -441,7 +453,21 @@ def _tp_blocks(params) -> int:
     return counts.pop() if counts else BLOCKS
 
 
-def _ordered_grad_norm(params: list[nn.Parameter], group, pp_group=None, *, dp_group=None) -> torch.Tensor:
+def _expert_squares(grad: torch.Tensor, ep_group) -> torch.Tensor:
+    """The sum of squares of an expert weight's gradient (``[experts here, ...]``) over every
+    expert of ``ep_group``: one sum per expert (the same tensor at every EP size), gathered, then
+    added in expert order."""
+    per_expert = torch.stack([g.square().sum() for g in grad])
+    if ep_group is not None and comm.group_size(ep_group) > 1:
+        per_expert = comm.all_gather(per_expert.to(comm.collective_device(ep_group)), ep_group).to(grad.device)
+    total = per_expert[0]
+    for square in per_expert[1:]:
+        total = total + square
+    return total
+
+
+def _ordered_grad_norm(params: list[nn.Parameter], group, pp_group=None, *, dp_group=None,
+                       ep_group=None) -> torch.Tensor:
     """The L2 norm of the gradient (fp32), the same bits at every TP and PP size.
 
     Each parameter gives a row: the sums of squares of its fixed blocks (TP-sharded ones) and
@@ -450,6 +476,7 @@ def _ordered_grad_norm(params: list[nn.Parameter], group, pp_group=None, *, dp_g
     the blocks (a rank's blocks form a subtree, finished across TP ranks), plus the replicated
     part. Gradients are whole on every DP rank, FSDP shards (DTensors) gathered to it over
     ``dp_group`` first: no DP sum; a pipeline's tied copy (``shared``) is counted by its original only.
+    An expert weight's row holds every expert's sum of squares (:func:`_expert_squares` over ``ep_group``).
     """
     leaves = _tp_blocks(params)
     blocks = leaves // comm.group_size(group)
@@ -462,7 +489,9 @@ def _ordered_grad_norm(params: list[nn.Parameter], group, pp_group=None, *, dp_g
         if isinstance(grad, DTensor):  # the blocks' squares need the whole TP shard
             grad = gather_dim0_shards(grad.to_local(), grad.shape[0], _shards_group([grad], dp_group))
         grad = grad.float()
-        if getattr(param, "tensor_model_parallel", False):
+        if getattr(param, "expert_parallel", False):  # each expert's own sum, then the experts in order
+            squares = [grad.new_zeros(()) for _ in range(blocks)] + [_expert_squares(grad, ep_group)]
+        elif getattr(param, "tensor_model_parallel", False):
             # Rows every rank holds whole (``tp_shared_rows``: grouped K/V heads) count as a replicated tensor.
             grad, shared = grad.movedim(param.partition_dim, 0), getattr(param, "tp_shared_rows", 0)
             split = grad.shape[0] - shared

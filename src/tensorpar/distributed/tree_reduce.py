@@ -245,6 +245,41 @@ class HalvingTree:
         return node if self.count == self.leaves else None
 
 
+class SourceTrees:
+    """:class:`HalvingTree` ``(sources x leaves)`` fed ``sources`` parts at a time: part ``i`` of
+    every source together, source ``s``'s parts being parts ``[s leaves, (s + 1) leaves)`` of the
+    tree. Each source's parts are summed in a tree of their own (a subtree), the sources' sums
+    then pairwise (``sources`` a power of two): an expert's gradient on a rank of an EP group over
+    several DP ranks, whose every backward holds one micro-batch of each (in the invariant mode).
+
+    Example::
+
+        trees = SourceTrees(sources=2, leaves=4)
+        for pair in grads: total = trees.add(pair)     # [micro-batch i of DP rank 0, of DP rank 1]
+    """
+
+    def __init__(self, *, sources: int, leaves: int) -> None:
+        if sources & (sources - 1):
+            raise ValueError(f"SourceTrees: {sources} sources are not a power of two")
+        self.trees = [HalvingTree(leaves=leaves) for _ in range(sources)]
+        self.leaves = leaves
+
+    @property
+    def count(self) -> int:
+        return self.trees[0].count
+
+    def reset(self) -> None:
+        for tree in self.trees:
+            tree.reset()
+
+    def add(self, parts: list[torch.Tensor]) -> torch.Tensor | None:
+        """Add each source's next part; the whole sum once the last parts are in, else None."""
+        if len(parts) != len(self.trees):
+            raise ValueError(f"SourceTrees: {len(parts)} parts for {len(self.trees)} sources")
+        totals = [tree.add(part) for tree, part in zip(self.trees, parts)]
+        return None if totals[0] is None else tree_sum(totals)
+
+
 def subtree_sizes(leaves: int) -> list[int]:
     """The numbers of ranks whose equal consecutive pieces of :class:`HalvingTree` ``(leaves)``
     (:func:`tree_sum`'s tree) are subtrees: the powers of two dividing ``leaves``."""

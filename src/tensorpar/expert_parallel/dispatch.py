@@ -33,6 +33,7 @@ class Routed:
     sent: list[int] | None = None        # rows to each EP rank
     received: list[int] | None = None    # rows from each EP rank
     regroup: torch.Tensor | None = None  # received rows in local-expert order
+    row_keys: torch.Tensor | None = None  # the rows' tokens' keys (dispatch's keys=), in the rows' order
 
 
 def _inverse(permutation: torch.Tensor) -> torch.Tensor:
@@ -41,17 +42,20 @@ def _inverse(permutation: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
-def dispatch(tokens: torch.Tensor, experts: torch.Tensor, *, num_experts: int, ep_group=None):
+def dispatch(tokens: torch.Tensor, experts: torch.Tensor, *, num_experts: int, ep_group=None,
+             keys: torch.Tensor | None = None):
     """``(rows, rows_per_local_expert, routed)``: the rows for this rank's experts, grouped by
-    local expert, their counts (``[E/EP]``), and the state :func:`combine` takes back."""
+    local expert, their counts (``[E/EP]``), and the state :func:`combine` takes back.
+    ``keys`` (``[T]`` integers) travel with each token's rows: ``routed.row_keys``."""
     num_tokens, k = experts.shape
     hidden = tokens.shape[-1]
     order = torch.argsort(experts.reshape(-1), stable=True)
     rows = tokens.unsqueeze(1).expand(num_tokens, k, hidden).reshape(num_tokens * k, hidden).index_select(0, order)
+    row_keys = None if keys is None else keys.repeat_interleave(k).index_select(0, order)
     rows_per_expert = torch.bincount(experts.reshape(-1), minlength=num_experts)
     ep_size = 1 if ep_group is None else comm.group_size(ep_group)
     if ep_size == 1:
-        return rows, rows_per_expert, Routed((num_tokens, k), order)
+        return rows, rows_per_expert, Routed((num_tokens, k), order, row_keys=row_keys)
     local = num_experts // ep_size
     sending = rows_per_expert.view(ep_size, local)
     receiving = comm.all_to_all(sending.contiguous(), ep_group)            # [EP, E/EP]: row i from rank i
@@ -59,7 +63,11 @@ def dispatch(tokens: torch.Tensor, experts: torch.Tensor, *, num_experts: int, e
     arrived = all_to_all(ep_group, rows, received, sent)
     expert_of_row = torch.arange(local, device=rows.device).repeat(ep_size).repeat_interleave(receiving.reshape(-1))
     regroup = torch.argsort(expert_of_row, stable=True)
-    return arrived.index_select(0, regroup), receiving.sum(0), Routed((num_tokens, k), order, sent, received, regroup)
+    if row_keys is not None:
+        row_keys = comm.all_to_all(row_keys, ep_group, output_split_sizes=received,
+                                   input_split_sizes=sent).index_select(0, regroup)
+    return arrived.index_select(0, regroup), receiving.sum(0), Routed((num_tokens, k), order, sent, received, regroup,
+                                                                      row_keys)
 
 
 def combine(rows: torch.Tensor, weights: torch.Tensor, routed: Routed, *, ep_group=None) -> torch.Tensor:
@@ -68,4 +76,8 @@ def combine(rows: torch.Tensor, weights: torch.Tensor, routed: Routed, *, ep_gro
         rows = all_to_all(ep_group, rows.index_select(0, _inverse(routed.regroup)), routed.sent, routed.received)
     num_tokens, k = routed.choices
     per_choice = rows.index_select(0, _inverse(routed.order)).view(num_tokens, k, rows.shape[-1])
-    return (per_choice * weights.unsqueeze(-1).to(per_choice.dtype)).sum(1)
+    weights = weights.to(per_choice.dtype)
+    out = per_choice[:, 0] * weights[:, :1]
+    for choice in range(1, k):  # in choice order, one add at a time: a token's sum whatever the rows around it
+        out = out + per_choice[:, choice] * weights[:, choice:choice + 1]
+    return out

@@ -41,6 +41,8 @@ class MoELayer(nn.Module):
     how the input is placed over TP; ``cp_group`` which ranks hold the sequence's other chunks.
     """
 
+    router_type = TopKRouter
+
     def __init__(self, hidden_size: int, *, num_experts: int, ffn_hidden_size: int, topk: int,
                  ep_group=None, tp_group=None, cp_group=None, sequence_parallel: bool = False,
                  shared_experts: nn.Module | None = None, init_method=None, output_init_method=None,
@@ -54,8 +56,8 @@ class MoELayer(nn.Module):
         tokens_split = self.tp_size > 1
         stats_groups = [g for g, split in ((tp_group, tokens_split), (cp_group, True))
                         if split and g is not None and comm.group_size(g) > 1]
-        self.router = TopKRouter(hidden_size, num_experts, topk=topk, stats_groups=stats_groups,
-                                 init_method=init_method, dtype=params_dtype, device=device, **router_options)
+        self.router = self.router_type(hidden_size, num_experts, topk=topk, stats_groups=stats_groups,
+                                       init_method=init_method, dtype=params_dtype, device=device, **router_options)
         self.router.weight.sequence_parallel = tokens_split
         self.experts = GroupedExperts(num_experts, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
                                       ep_group=ep_group, init_method=init_method,
@@ -71,12 +73,16 @@ class MoELayer(nn.Module):
             first = sum(sizes[:self.tp_rank])
         sequence_of_token = torch.arange(first, first + len(tokens), device=x.device) % b  # [s, b] flattened
         weights, experts = self.router(tokens, sequence_of_token, b)
-        rows, rows_per_expert, routed = dispatch(tokens, experts, num_experts=self.router.num_experts,
-                                                 ep_group=self.ep_group)
-        out = combine(self.experts(rows, rows_per_expert), weights, routed, ep_group=self.ep_group)
+        out = self.routed(tokens, weights, experts)
         if self.split_tokens:
             out = gather_from_sequence_parallel_region(out, False, self.tp_group, sizes=sizes)
         out = out.view(s, b, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def routed(self, tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each token's output ``[T, h]``: its rows to their experts' ranks, through them, and back."""
+        rows, rows_per_expert, routed = dispatch(tokens, experts, num_experts=self.router.num_experts,
+                                                 ep_group=self.ep_group)
+        return combine(self.experts(rows, rows_per_expert), weights, routed, ep_group=self.ep_group)

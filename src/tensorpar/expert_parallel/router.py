@@ -70,6 +70,21 @@ def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tenso
     return _AttachAuxLoss.apply(output, aux_loss)
 
 
+class _LogSumExp(torch.autograd.Function):
+    """``logsumexp`` over the last dim, whose gradient is the row's softmax: a kernel per row,
+    where torch's (``exp`` of the whole tensor) rounds an element by where it falls in it."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        ctx.save_for_backward(logits)
+        return torch.logsumexp(logits, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (logits,) = ctx.saved_tensors
+        return grad.unsqueeze(-1) * logits.softmax(-1)
+
+
 class _Counting:
     paused = False
 
@@ -142,9 +157,16 @@ class TopKRouter(nn.Module):
         # This rank's part of the balance losses, summed over the training forwards since the last step (the logs).
         self.register_buffer("aux_loss_sum", torch.zeros((), dtype=torch.float64, device=device), persistent=False)
 
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The router's fp32 logits ``[T, E]`` of ``tokens`` ``[T, h]``."""
+        return F.linear(tokens, self.weight).float()
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.softmax(-1) if self.score_function == "softmax" else logits.sigmoid()
+
     def forward(self, tokens: torch.Tensor, sequence_of_token: torch.Tensor | None = None, num_sequences: int = 1):
-        logits = F.linear(tokens, self.weight).float()                       # [T, E]
-        scores = logits.softmax(-1) if self.score_function == "softmax" else logits.sigmoid()
+        logits = self.logits(tokens)                                         # [T, E]
+        scores = self.scores(logits)
         choice = scores.detach()
         if self.expert_bias is not None:
             choice = choice + self.expert_bias
@@ -185,7 +207,7 @@ class TopKRouter(nn.Module):
             loss = loss + self._switch_loss(probs, counts, owner, owners)
         if self.training and self.z_loss_coeff > 0:
             total = _sum_over(logits.new_tensor(float(len(logits))), self.stats_groups)
-            loss = loss + self.z_loss_coeff * torch.logsumexp(logits, -1).square().sum() / total
+            loss = loss + self.z_loss_coeff * _LogSumExp.apply(logits).square().sum() / total
         return loss
 
     def _switch_loss(self, probs: torch.Tensor, counts: torch.Tensor, owner: torch.Tensor,

@@ -268,6 +268,7 @@ def check_gpt_sizes(config, *, tp_size: int, seq_len: int | None = None) -> None
     widths = {"hidden_size": config.hidden_size,
               "num_query_groups x head_dim": config.num_query_groups * config.head_dim,
               "ffn_hidden_size": config.ffn_hidden_size,
+              "moe_shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size or 0,
               "the padded vocabulary": config.padded_vocab_size(tp_size)}
     bad = [f"{name} {value}" for name, value in widths.items() if value % blocks]
     wrong = [f"{', '.join(bad)} not divisible by the {blocks} fixed blocks of tp_invariant"] if bad else []
@@ -380,6 +381,47 @@ class RowLinear(RowParallelLinear):
         raise ValueError("RowLinear: tp_invariant does not support interleave (Domino)")
 
 
+def sequence_blocks_sum(parts: torch.Tensor, group, cp_group) -> torch.Tensor:
+    """The sum over a sequence's fixed blocks of ``parts`` (``[this rank's blocks, ...]``, each
+    block's partial sum, in its order) in the sequence's tree, whole on every rank: gathered
+    over ``group`` where its ranks hold runs of the sequence (SP: a run is not a subtree of the
+    tree), then :func:`sequence_sum` and the CP ranks' subtrees finished over ``cp_group``."""
+    if group is not None:  # [blocks of every TP rank, ...], in sequence order
+        parts = comm.all_gather(parts.contiguous(), group, dim=0)
+    return _over_context(sequence_sum(parts.unbind(0)), cp_group)
+
+
+class BlockRowsLinear(torch.autograd.Function):
+    """``x W^T`` of rows ``x`` ``[T, h]`` (this rank's ``blocks`` fixed sequence blocks, in order)
+    by a weight every rank holds whole; its grad is the per-block ``g^T x`` summed by
+    :func:`sequence_blocks_sum` over ``group`` (the ranks the tokens are split over) and
+    ``cp_group`` in backward: a router's weight in the invariant mode.
+
+    Example::
+
+        logits = BlockRowsLinear.apply(tokens, router_weight, 4, tp_group, cp_group)
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, blocks, group, cp_group):
+        dtype = compute_dtype_of(x)
+        x, w = x.to(dtype), weight.to(dtype)
+        ctx.save_for_backward(x, w)
+        ctx.blocks, ctx.group, ctx.cp_group, ctx.weight_dtype = blocks, group, cp_group, weight.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad = grad.to(w.dtype)
+        if x.shape[0] % ctx.blocks:
+            raise ValueError(f"tp_invariant: this rank's {x.shape[0]} tokens are not {ctx.blocks} equal sequence blocks")
+        parts = torch.stack([_wgrad(g, xb) for g, xb in zip(grad.chunk(ctx.blocks), x.chunk(ctx.blocks))])
+        grad_weight = sequence_blocks_sum(parts, ctx.group, ctx.cp_group)
+        return grad.matmul(w), grad_weight.to(ctx.weight_dtype), None, None, None
+
+
 class _BlockAffine(torch.autograd.Function):
     """``x_hat * weight (+ bias)``; the parameters' grads summed over ``blocks`` fixed row blocks
     (dim 0, the sequence) in the sequence's tree (:func:`sequence_sum`), in backward: summed after
@@ -403,9 +445,7 @@ class _BlockAffine(torch.autograd.Function):
         inputs = [x.reshape(-1, width) for x in x_hat.chunk(ctx.blocks, dim=0)]
         parts = torch.stack([torch.stack([(g * x).sum(dim=0)] + ([g.sum(dim=0)] if ctx.has_bias else []))
                              for g, x in zip(grads, inputs)])
-        if ctx.group is not None:  # [blocks of every TP rank, weight (and bias), width], in sequence order
-            parts = comm.all_gather(parts, ctx.group, dim=0)
-        summed = _over_context(sequence_sum(parts.unbind(0)), ctx.cp_group)
+        summed = sequence_blocks_sum(parts, ctx.group, ctx.cp_group)
         grad_bias = summed[1] if ctx.has_bias else None
         return grad_output * weight, summed[0].to(weight.dtype), grad_bias, None, None, None
 

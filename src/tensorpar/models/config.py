@@ -197,8 +197,7 @@ class GPTConfig:
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         # Megatron's rule: a model with experts has gated experts; its dense layers share the activation.
-        unsupported = {"activation": self.activation != "swiglu", "tp_invariant": self.tp_invariant,
-                       "interleave": self.interleave > 1}
+        unsupported = {"activation": self.activation != "swiglu", "interleave": self.interleave > 1}
         named = [f"{k}={getattr(self, k)!r}" for k, bad in unsupported.items() if bad]
         if named:
             raise ValueError(f"GPTConfig with num_moe_experts does not support {', '.join(named)} "

@@ -301,15 +301,21 @@ class MLP(nn.Module):
 
 
 def experts(config: GPTConfig, parallel: Placement) -> MoELayer:
-    """A block's routed experts over ``parallel.ep_group`` (and its shared expert, TP-split as the MLP)."""
+    """A block's routed experts over ``parallel.ep_group`` (and its shared expert, TP-split as the
+    MLP); the invariant mode's :class:`tensorpar.invariant.MoELayer` under ``tp_invariant``."""
     shared = config.moe_shared_expert_intermediate_size
-    return MoELayer(config.hidden_size, num_experts=config.num_moe_experts, ffn_hidden_size=config.moe_ffn_hidden_size,
-                    topk=config.moe_router_topk, ep_group=parallel.ep_group, tp_group=parallel.group,
-                    cp_group=parallel.cp_group, sequence_parallel=parallel.sequence_parallel,
-                    shared_experts=MLP(config, parallel, shared) if shared else None,
-                    init_method=init_method_normal(config.init_std),
-                    output_init_method=scaled_init_method_normal(config.init_std, config.num_layers),
-                    params_dtype=config.params_dtype, device=parallel.device, **config.router_options())
+    layer, invariant_options = MoELayer, {}
+    if config.tp_invariant:
+        layer, invariant_options = invariant.MoELayer, dict(blocks=config.invariant_blocks,
+                                                            exchange_group=parallel.expert_exchange_group)
+    return layer(config.hidden_size, num_experts=config.num_moe_experts, ffn_hidden_size=config.moe_ffn_hidden_size,
+                 topk=config.moe_router_topk, ep_group=parallel.ep_group, tp_group=parallel.group,
+                 cp_group=parallel.cp_group, sequence_parallel=parallel.sequence_parallel,
+                 shared_experts=MLP(config, parallel, shared) if shared else None,
+                 init_method=init_method_normal(config.init_std),
+                 output_init_method=scaled_init_method_normal(config.init_std, config.num_layers),
+                 params_dtype=config.params_dtype, device=parallel.device, **config.router_options(),
+                 **invariant_options)
 
 
 class Block(nn.Module):

@@ -9,7 +9,7 @@ from ..distributed import comm
 from .. import invariant
 from ..invariant.lanewise import lanewise
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ..parallel_state import default_device, resolve_ep_group
+from ..parallel_state import default_device, get_tensor_and_context_parallel_group, resolve_ep_group
 from . import context_split
 from .config import GPTConfig
 
@@ -53,6 +53,11 @@ class Placement:
         self.context = context_split.over(cp_group, config, tp_size=self.size, sequence_parallel=self.sequence_parallel)
         self.cp_group, self.cp_size = cp_group, 1 if cp_group is None else comm.group_size(cp_group)
         self.ep_group = resolve_ep_group(ep_group) if config.num_moe_experts is not None else None
+        # The invariant mode's experts exchange rows over TP x CP where EP is smaller.
+        self.expert_exchange_group = None
+        if config.tp_invariant and config.num_moe_experts is not None:
+            self.expert_exchange_group = tp_group if self.cp_size == 1 else cp_group if self.size == 1 else \
+                get_tensor_and_context_parallel_group(check_initialized=False)
         self.device = torch.device(device) if device is not None else default_device()
         self.column, self.row = ((invariant.ColumnLinear, invariant.RowLinear) if config.tp_invariant
                                  else (ColumnParallelLinear, RowParallelLinear))

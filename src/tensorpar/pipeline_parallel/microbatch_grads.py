@@ -1,6 +1,7 @@
 """The invariant mode's gradients under a pipeline: each micro-batch's gradient taken apart as
 the schedule's backward makes it and handed on in micro-batch order, whatever order the
-schedule runs the backwards in.
+schedule runs the backwards in. An expert's gradients of its other sources' micro-batches
+(``other_source_grads``, :func:`tensorpar.data_parallel.grads.take_source_grads`) travel with its own.
 
 torch's ``PipelineStage`` lets autograd add every micro-batch's gradient into ``.grad``. Here
 a hook on each parameter takes the gradient of the micro-batch whose backward runs (the id
@@ -50,6 +51,7 @@ class MicroBatchGrads:
     def _reset(self) -> None:
         self._next = {id(p): 0 for p in self._params}       # the micro-batch each parameter hands on next
         self._waiting = {id(p): {} for p in self._params}   # micro-batch -> gradient, not yet handed on
+        self._other_sources = {id(p): {} for p in self._params}  # micro-batch -> an expert's other sources' grads
         self._sums: dict[int, torch.Tensor] = {}            # without a sink: the sum so far
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
@@ -58,6 +60,8 @@ class MicroBatchGrads:
         if stage.inferring:  # the shape inference's dummy backward: no micro-batch's
             return
         self._waiting[id(param)][stage.microbatch] = grad
+        self._other_sources[id(param)][stage.microbatch] = getattr(param, "other_source_grads", None)
+        param.other_source_grads = None
         if id(param) not in self._tied:
             self._hand_on(param)
 
@@ -65,8 +69,10 @@ class MicroBatchGrads:
         waiting = self._waiting[id(param)]
         while self._next[id(param)] in waiting:
             grad = waiting.pop(self._next[id(param)])
+            others = self._other_sources[id(param)].pop(self._next[id(param)], None)
             self._next[id(param)] += 1
             if self.sink is not None:
+                param.other_source_grads = others  # what the sink takes with grad (take_source_grads)
                 self.sink(param, grad)
             else:
                 total = self._sums.get(id(param))

@@ -58,17 +58,19 @@ def evaluate(model, sampler: BatchSampler, *, iters: int, dtype: str, device, dp
     share = -(-iters // size)
     indices = range(rank * share, min((rank + 1) * share, iters))
     batches = [single.micro_batches(i)[0] for i in indices]
+    # Under FSDP each forward all-gathers over DP, and experts exchange tokens over EP (which
+    # spans DP ranks): a rank with a shorter share runs as many, the extra ones on batch 0
+    # again, their losses unused.
+    collective = is_fully_sharded(model) or any(getattr(p, "expert_parallel", False) for p in model.parameters())
+    padded = batches + [single.micro_batches(0)[0]] * (share - len(batches) if collective else 0)
     model.eval()
     if hasattr(model, "losses"):  # a pipeline (training.pipeline_step.PipelinedGPT)
-        losses = model.losses(batches, dtype=dtype)
+        losses = model.losses(padded, dtype=dtype)
     else:
         losses = []
-        # Under FSDP each forward all-gathers over DP: a rank with a shorter share runs as many,
-        # the extra ones on batch 0 again, their losses unused.
-        padding = share - len(batches) if is_fully_sharded(model) else 0
-        for tokens, labels in batches + [single.micro_batches(0)[0]] * padding:
+        for tokens, labels in padded:
             with autocast(dtype, device):
                 losses.append(model(tokens.to(device), labels.to(device)))
-        del losses[len(batches):]
+    del losses[len(batches):]
     model.train()
     return float(mean_by_index(losses, indices=indices, total=iters, dp_group=dp_group, device=device))

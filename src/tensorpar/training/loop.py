@@ -422,7 +422,9 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
             if model.dropout_masks is not None:  # TP-invariant masks: by global micro-batch, at any TP and DP size
                 model.dropout_masks.counter = invariant_batches.first_micro_batch(
                     step, grad_accum=args.grad_accum, dp_size=dp_size, dp_rank=dp_rank)
-            set_aux_loss_scale(loss_scale / len(batches))  # the balance losses' share, as the loss's
+            # The invariant mode: one division by the global micro-batch count, at any DP size.
+            divisor = len(batches) * (dp_size if config.tp_invariant else 1)
+            set_aux_loss_scale(loss_scale / divisor)  # the balance losses' share, as the loss's
             if pp_size > 1:
                 losses = model.train_step(batches, reducer=reducer, dtype=args.dtype).to(device)
                 loss_sum, losses = losses.sum(), list(losses.unbind())
@@ -432,13 +434,12 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
                     reducer.sync = k == len(batches) - 1
                     with autocast(args.dtype, device):
                         loss = step_model(tokens.to(device), labels.to(device))
-                    # The invariant mode: one division by the global micro-batch count, at any DP size.
-                    (loss * loss_scale / (len(batches) * (dp_size if config.tp_invariant else 1))).backward()
+                    (loss * loss_scale / divisor).backward()
                     loss_sum += loss.detach().double()
                     losses.append(loss.detach())
             reducer.finish()
-            if config.sequence_parallel and pp_size == 1:  # a pipeline's schedule sums them itself
-                grads.allreduce_sequence_parallel_grads(model)
+            if pp_size == 1:  # SP's partial grads, and a router's over TP ranks routing their own tokens
+                grads.allreduce_sequence_parallel_grads(model)  # (a pipeline's schedule sums them itself)
             # FSDP's shards are summed over the group they split (norm_group); TP and PP as always.
             grad_norm = (grads.clip_grad_norm_(params, args.clip_grad, dp_group=norm_group, pp_group=pp_group,
                                                ep_group=ep_group)
