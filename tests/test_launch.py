@@ -1,6 +1,8 @@
 """The local launcher: a rank's exception reaches the caller as one line naming the rank, fast."""
 
+import contextlib
 import datetime
+import ipaddress
 import json
 import os
 import signal
@@ -279,3 +281,50 @@ def test_a_rank_sees_the_launchers_environment_at_the_launch(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert launch_local(_environment_variable, "TENSORPAR_TEST_SET_LATE", nproc=2) == {0: "yes", 1: "yes"}
     assert launch_local(_environment_variable, "OMP_NUM_THREADS", nproc=2) == {0: None, 1: None}
+
+
+def _listening(pid: int) -> list[str]:
+    """The addresses process ``pid``'s TCP sockets listen on (from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    addresses = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                    raw = bytes.fromhex(fields[1].split(":")[0])
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    addresses.append(str(ipaddress.ip_address(raw)))
+    return addresses
+
+
+def _listening_body(launcher: int) -> tuple[list[str], list[str]]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    dist.barrier()
+    found = _listening(launcher), _listening(os.getpid())
+    dist.barrier()
+    return found
+
+
+def _loopback(address: str) -> bool:
+    parsed = ipaddress.ip_address(address)
+    return parsed.is_loopback or (parsed.version == 6 and parsed.ipv4_mapped is not None
+                                  and parsed.ipv4_mapped.is_loopback)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the sockets from /proc")
+def test_a_local_launch_listens_on_the_loopback_address_only():
+    """The launcher's rendezvous store (which the ranks use) and the ranks' own sockets: torch's
+    TCPStore binds every interface unless handed a bound socket."""
+    results = launch_local(_listening_body, os.getpid(), nproc=2)
+    launcher = results[0][0]
+    assert launcher, "the launcher's store was not found listening"
+    for rank, (of_launcher, of_rank) in results.items():
+        assert all(_loopback(a) for a in of_launcher + of_rank), (rank, of_launcher, of_rank)

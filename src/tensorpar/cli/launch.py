@@ -154,6 +154,7 @@ def launch_local(entry, *args, nproc: int) -> dict[int, object]:
             return {0: entry(*args)}
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     method = start_method()
@@ -164,14 +165,42 @@ def launch_local(entry, *args, nproc: int) -> dict[int, object]:
         _start_forkserver_deaf_to_sigterm()
     user_tempdir = tempfile.gettempdir()
     with _launch_files() as files, _quiet_launcher(), _frozen_heap(method == "fork"):
+        rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, _loopback_rendezvous)
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-                              rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                              rdzv_backend=LOOPBACK_RENDEZVOUS, rdzv_endpoint="", max_restarts=0,
                               monitor_interval=0.2, start_method=method,
                               logs_specs=DefaultLogsSpecs(log_dir=files))
         try:
             return elastic_launch(config, _elastic_entry)(user_tempdir, dict(os.environ), entry, *args)
         except ChildFailedError as exc:
             raise _first_failure(exc) from None
+
+
+LOOPBACK_RENDEZVOUS = "tensorpar-loopback"
+
+
+def _loopback_rendezvous(params):
+    """The rendezvous of a local launch: torch elastic's static one of one node, whose store
+    (the ranks' too: ``MASTER_ADDR``/``MASTER_PORT``) listens on the loopback address only. A
+    ``TCPStore`` binds every interface unless handed a listening socket, so it gets one."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    class LoopbackRendezvous(StaticTCPRendezvous):
+        def get_backend(self) -> str:
+            return LOOPBACK_RENDEZVOUS
+
+        def next_rendezvous(self):
+            if self._store is None:
+                listener = socket.socket()
+                listener.bind(("127.0.0.1", 0))
+                listener.listen(128)
+                self.master_port = listener.getsockname()[1]
+                self._store = TCPStore("127.0.0.1", self.master_port, self.world_size, True, self.timeout,
+                                       multi_tenant=True, master_listen_fd=listener.detach())
+            return super().next_rendezvous()
+
+    return LoopbackRendezvous("127.0.0.1", 0, 0, 1, params.run_id, 600)
 
 
 def _start_forkserver_deaf_to_sigterm() -> None:
