@@ -375,3 +375,32 @@ def test_a_seq_len_beyond_a_presets_learned_positions_says_how_the_table_grows(t
     assert done.returncode == 0, done.stderr
     assert ("--seq-len 300: the tiny preset's learned positions grow from 256 to 300 rows (5,632 parameters more)"
             in done.stdout + done.stderr)
+
+
+def test_a_terminal_that_reports_no_width_gets_the_log_lines(monkeypatch):
+    """A pseudo-terminal reports 0 x 0 until its size is set (a serial console, ``script`` without
+    a window): the bar drew nothing there, and no line was printed either."""
+    import pty
+
+    from tensorpar.training.progress import Progress
+
+    master, slave = pty.openpty()
+    with open(slave, "w", closefd=True) as terminal:
+        assert terminal.isatty() and os.get_terminal_size(slave).columns == 0
+        monkeypatch.setattr(sys, "stderr", terminal)
+        progress = Progress(out=None, total_steps=2, first_step=0, enabled=True)
+        for step in (1, 2):
+            progress.step(step=step, loss=4.5, lr=1e-3, tokens_per_s=100.0, grad_norm=1.0, log=True)
+        terminal.flush()
+    shown = b""
+    while True:  # until the closed terminal's end (EIO on Linux)
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(master)
+    shown = shown.decode()
+    assert "step 1/2 loss 4.5000" in shown and "step 2/2 loss 4.5000" in shown, shown

@@ -39,6 +39,15 @@ def test_a_fresh_run_shorter_than_its_warmup_says_it_never_reaches_its_lr():
         "--warmup below 20 to reach it")
 
 
+def test_a_run_as_long_as_its_warmup_says_it_never_decays():
+    """--steps 30 with the default warmup of 30 said "steps 31-30 train at 0.003; to decay over
+    the run, pass --lr-decay-steps 30", the value it already had."""
+    args = _args(steps=30, warmup=30, decay=30)
+    assert schedule_note(args) == ("the run ends with its warmup of 30 steps: the lr reaches 0.003 at step 30 and "
+                                   "never decays; pass --warmup below 30 for a decay")
+    assert _logged(args, 30) == 3e-3 and _logged(args, 29) < 3e-3
+
+
 def test_a_decay_inside_the_warmup_says_nothing_decays():
     """docs/context-parallel.md's resume of a 20-step run to 40 said steps 21-40 train at 0.0003; the
     log showed 2.1e-03 at step 21 and the 3e-3 peak at steps 30 and 40."""

@@ -33,6 +33,15 @@ PLOT = "loss.png"
 TENSORBOARD = "tensorboard"
 
 
+def _sized_terminal(stream) -> bool:
+    """Whether ``stream`` is a terminal that reports a width: on one of no width (a serial console,
+    a bare pseudo-terminal) a bar draws nothing, so the log lines are printed instead."""
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _note(message: str) -> None:
     print(f"tensorpar: {message}", file=sys.stderr, flush=True)
 
@@ -124,7 +133,7 @@ class Progress:
             self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "tensorpar"),
                                      name=out.name if out is not None else None,
                                      dir=str(out) if out is not None else None, config=wandb_config)
-        if bar and sys.stderr.isatty():
+        if bar and _sized_terminal(sys.stderr):
             try:
                 from tqdm import tqdm
             except ImportError:

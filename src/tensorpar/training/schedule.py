@@ -107,7 +107,7 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int) -> fl
 
 def schedule_note(args, *, start: int = 0) -> str | None:
     """What the learning rate does past what ``--lr`` says, as the log will show it (the log's step
-    ``s`` trains at ``lr_at(s - 1)``): a run ending inside its warmup, a decay that ends inside the
+    ``s`` trains at ``lr_at(s - 1)``): a run ending inside (or with) its warmup, a decay that ends inside the
     warmup (then there is none), or one that ends before the run does; None when the schedule
     runs its course over the run."""
     def shown(step: int) -> float:
@@ -116,6 +116,9 @@ def schedule_note(args, *, start: int = 0) -> str | None:
     if args.steps < args.warmup:
         return (f"the run ends inside its warmup of {args.warmup} steps: the lr reaches {shown(args.steps):.3g} at "
                 f"step {args.steps}, never --lr {args.lr:g}; pass --warmup below {args.steps} to reach it")
+    if args.steps == args.warmup:
+        return (f"the run ends with its warmup of {args.warmup} steps: the lr reaches {shown(args.steps):g} at step "
+                f"{args.steps} and never decays; pass --warmup below {args.steps} for a decay")
     if args.lr_decay_steps <= args.warmup:
         return (f"--lr-decay-steps {args.lr_decay_steps} ends inside the warmup of {args.warmup} steps, so nothing "
                 f"decays: steps {max(start, args.warmup) + 1}-{args.steps} train at {shown(args.steps):g}; to decay "
