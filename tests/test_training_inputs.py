@@ -189,6 +189,19 @@ def test_a_token_file_whose_sidecar_misstates_its_dtype_is_refused(capsys, tmp_p
         "tensorpar prepare")
 
 
+def test_int32_ids_declared_uint16_are_refused(capsys, tmp_path):
+    """With the count doubled and no tokenizer named, every id is in the vocabulary: the run
+    trained on id, 0, id, 0, ..."""
+    ids = tmp_path / "ids.bin"
+    write_token_file(ids, torch.arange(1, 1001) * 37 % 65_000 + 1, vocab_size=70_000)  # int32 ids
+    sidecar = json.loads(ids.with_suffix(".bin.json").read_text())
+    sidecar.update(dtype="uint16", count=2 * sidecar["count"], vocab_size=65536)
+    ids.with_suffix(".bin.json").write_text(json.dumps(sidecar))
+    assert _fails(capsys, ["train", "--data", str(ids), "--nproc", "1"]) == (
+        f"--data {ids}: every second token id is 0, as ids twice as wide as the uint16 {ids}.json declares read; "
+        "rewrite it with tensorpar prepare")
+
+
 @pytest.mark.parametrize("scaling, message", [
     ({"type": "yarn", "factor": 4.0}, "rope_scaling's factor is 4.0, but rope_parameters' is None: give the scaling "
                                       "once, in rope_parameters"),

@@ -277,22 +277,24 @@ def _check_sidecar_tokenizer(sidecar: Path, meta: dict) -> None:
                         f"{vocab_size} token ids; rewrite it with tensorpar prepare")
 
 
-def _scan(path: Path, dtype: torch.dtype, block: int = 1 << 24) -> tuple[str, int, int]:
-    """(SHA-256, smallest id, largest id) of the token file ``path``, read once block by block."""
-    digest, low, high = hashlib.sha256(), None, None
-    buffer = bytearray(block - block % dtype.itemsize)
+def _scan(path: Path, dtype: torch.dtype, block: int = 1 << 24) -> tuple[str, int, int, bool]:
+    """(SHA-256, smallest id, largest id, whether every second id is 0) of the token file
+    ``path``, read once block by block (of an even count of ids)."""
+    digest, low, high, odd_zero = hashlib.sha256(), None, None, True
+    buffer = bytearray(block - block % (2 * dtype.itemsize))
     with open(path, "rb") as f:
         while n := f.readinto(buffer):
             digest.update(memoryview(buffer)[:n])
             ids = torch.frombuffer(buffer, dtype=dtype, count=n // dtype.itemsize).to(torch.int64)  # no uint16 max
             low = min(int(ids.min()), low if low is not None else int(ids.min()))
             high = max(int(ids.max()), high if high is not None else int(ids.max()))
-    return digest.hexdigest(), low, high
+            odd_zero = odd_zero and not bool(ids[1::2].any())
+    return digest.hexdigest(), low, high, odd_zero
 
 
 def _check_token_file(corpus: Corpus, meta: dict) -> None:
     sidecar = f"{corpus.source}.json"
-    digest, low, high = _scan(Path(corpus.source), corpus.tokens.dtype)
+    digest, low, high, odd_zero = _scan(Path(corpus.source), corpus.tokens.dtype)
     if digest != meta["sha256"]:
         raise DataError(f"--data {corpus.source}: its SHA-256 is not the one {sidecar} records (the data changed "
                         "after tensorpar prepare wrote it)")
@@ -301,6 +303,10 @@ def _check_token_file(corpus: Corpus, meta: dict) -> None:
     if high >= corpus.vocab_size:
         raise DataError(f"--data {corpus.source}: holds token id {high}, outside its vocab_size "
                         f"{corpus.vocab_size} (from {sidecar})")
+    if odd_zero and high > 0 and len(corpus.tokens) > 2:
+        # Wider ids read at a narrower dtype: each id, then its high bytes (zero).
+        raise DataError(f"--data {corpus.source}: every second token id is 0, as ids twice as wide as the "
+                        f"{meta['dtype']} {sidecar} declares read; rewrite it with tensorpar prepare")
 
 
 def write_token_file(path: str | os.PathLike, tokens: torch.Tensor, *, vocab_size: int,
