@@ -1,4 +1,4 @@
-"""``tensorpar train`` with experts: EP 2 and EP 4, and EP 2 with TP 2 (with SP and without), CP 2, PP 2 or FSDP,
+"""``tensorpar train`` with experts: EP 2 and EP 4, and EP 2 with TP 2 (with SP and without), CP 2, PP 2, FSDP or HSDP,
 train the EP 1 run; an EP 2 checkpoint resumes at EP 1 on the uninterrupted losses; what EP refuses.
 
 One micro-batch of one sequence (the balance loss's scope) at every layout, global batch 4.
@@ -42,6 +42,7 @@ def runs(tmp_path_factory):
              "cp2ep2": (4, ["--tp", "1", "--cp", "2", "--ep", "2"]),
              "pp2ep2": (4, ["--tp", "1", "--pp", "2", "--ep", "2"]),
              "fsdp-ep2": (4, ["--tp", "1", "--fsdp", "--ep", "2", "--save-every", "2"]),
+             "hsdp-ep2": (4, ["--tp", "1", "--fsdp", "--dp-replicate", "2", "--ep", "2"]),
              "resumed": (1, ["--tp", "1", "--resume", str(root / "ep2" / "step_2")]),
              "fsdp resumed": (2, ["--tp", "1", "--ep", "2", "--resume", str(root / "fsdp-ep2" / "step_2")])}
     return root, {name: run_on_ranks(_train_body, world, MOE + flags + ["--out", str(root / name)])
@@ -53,7 +54,7 @@ def _logged(root, name, field):
     return [row[field] for row in rows if "loss" in row]
 
 
-@pytest.mark.parametrize("name", ["ep2", "ep4", "tp2ep2", "tp2ep2-no-sp", "cp2ep2", "pp2ep2", "fsdp-ep2"])
+@pytest.mark.parametrize("name", ["ep2", "ep4", "tp2ep2", "tp2ep2-no-sp", "cp2ep2", "pp2ep2", "fsdp-ep2", "hsdp-ep2"])
 def test_expert_parallel_trains_the_ep1_run(runs, name):
     """Losses, grad norm and the experts' balance figures equal EP 1's (the validation loss is of
     --eval-iters batches a DP rank: another amount of data at another DP size)."""
@@ -94,8 +95,6 @@ def test_an_ep2_checkpoint_resumes_at_ep1_on_the_uninterrupted_losses(runs):
      "--num-experts 8 is not divisible by --ep 3: each EP rank holds whole experts"),
     (["--nproc", "2", "--tp", "1", "--model", "moe-tiny", "--ep", "4"],
      "--ep 4 does not divide the 2 TP x CP x DP ranks of a stage (--tp 1 x --cp 1 x DP 2)"),
-    (["--nproc", "4", "--tp", "1", "--model", "moe-tiny", "--fsdp", "--dp-replicate", "2"],
-     "a model with experts does not train with --dp-replicate yet; drop it"),
     (["--nproc", "2", "--tp", "1", "--model", "moe-tiny", "--compile"],
      "a model with experts does not train with --compile yet; drop it"),
     (["--nproc", "4", "--tp", "2", "--cp", "2", "--cp-comm", "a2a", "--model", "moe-tiny", "--num-experts", "2",

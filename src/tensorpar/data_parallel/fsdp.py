@@ -269,8 +269,6 @@ def fully_shard(model: nn.Module, *, dp_group=None, units=None, min_unit_mib: fl
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     # Expert weights are split by expert parallelism, not by FSDP: ShardedGradSync reduces them.
     experts = {p for p in model.parameters() if getattr(p, "expert_parallel", False)}
-    if experts and dp_replicate > 1:
-        raise ValueError(f"fully_shard: dp_replicate={dp_replicate} (HSDP) with expert weights is not supported yet")
     for unit in units:
         _torch_fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
                            ignored_params=experts or None)
