@@ -142,7 +142,9 @@ def invariant_runs(tmp_path_factory):
              "pp2-ep2": (4, 1, ["--tp", "1", "--pp", "2", "--ep", "2"]),
              "fsdp-ep2": (4, 1, ["--tp", "1", "--fsdp", "--ep", "2"]),
              "hsdp-ep4": (4, 1, ["--tp", "1", "--fsdp", "--dp-replicate", "2", "--ep", "4"]),
-             "ep1 on 2 threads": (1, 2, ["--tp", "1"]), "ep4 on 2 threads": (4, 2, ["--tp", "1", "--ep", "4"])}
+             "ep1 on 2 threads": (1, 2, ["--tp", "1"]), "ep4 on 2 threads": (4, 2, ["--tp", "1", "--ep", "4"]),
+             "ep1 compiled": (1, 1, ["--tp", "1", "--compile"]),
+             "tp2-sp-ep2 compiled": (2, 1, ["--tp", "2", "--sp", "--ep", "2", "--compile"])}
     for name, (world, threads, flags) in cases.items():
         run_on_ranks(_train_on_threads_body, world, INVARIANT + flags + ["--out", str(root / name)], threads)
     return root
@@ -154,7 +156,7 @@ def _rows(root, name):
 
 @pytest.mark.parametrize("name,baseline", [
     (name, "ep1") for name in ("ep2", "ep4", "tp2-ep1", "tp2-sp-ep2", "cp2-ep2", "pp2-ep2", "fsdp-ep2", "hsdp-ep4")]
-    + [("ep4 on 2 threads", "ep1 on 2 threads")])
+    + [("ep4 on 2 threads", "ep1 on 2 threads"), ("tp2-sp-ep2 compiled", "ep1 compiled")])
 def test_training_with_experts_is_bit_identical_at_every_layout(invariant_runs, name, baseline):
     """Every step's loss, grad norm and load, and the validation loss, equal EP 1's bit for bit
     (the logged aux loss adds the ranks' shares of it: equal to rounding)."""

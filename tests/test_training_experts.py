@@ -95,8 +95,6 @@ def test_an_ep2_checkpoint_resumes_at_ep1_on_the_uninterrupted_losses(runs):
      "--num-experts 8 is not divisible by --ep 3: each EP rank holds whole experts"),
     (["--nproc", "2", "--tp", "1", "--model", "moe-tiny", "--ep", "4"],
      "--ep 4 does not divide the 2 TP x CP x DP ranks of a stage (--tp 1 x --cp 1 x DP 2)"),
-    (["--nproc", "2", "--tp", "1", "--model", "moe-tiny", "--compile"],
-     "a model with experts does not train with --compile yet; drop it"),
     (["--nproc", "4", "--tp", "2", "--cp", "2", "--cp-comm", "a2a", "--model", "moe-tiny", "--num-experts", "2",
       "--moe-router-topk", "1", "--tp-invariant"],
      "--tp-invariant with --ep 1 below --tp 2 x --cp 2 = 4 computes each expert on one of those 4 ranks: "

@@ -58,7 +58,3 @@ def check_experts(args, config, *, world: int) -> None:
         raise UsageError(f"--tp-invariant with --ep {ep} below --tp {args.tp} x --cp {args.cp} = {splitting} computes "
                          f"each expert on one of those {splitting} ranks: --num-experts {experts} must divide by "
                          f"{splitting}")
-    unsupported = [flag for flag, given in (("--compile", args.compile),) if given]
-    if unsupported:
-        raise UsageError(f"a model with experts does not train with {', '.join(unsupported)} yet; drop "
-                         f"{'it' if len(unsupported) == 1 else 'them'}")

@@ -43,8 +43,8 @@ def _grouped_mm_applies(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
     if rows.device.type == "cuda":
         if rows.dtype != torch.bfloat16 or torch.cuda.get_device_capability(rows.device) < (9, 0):
             return False
-    elif rows.device.type != "cpu":
-        return False
+    elif rows.device.type != "cpu" or torch.compiler.is_compiling() and rows.dtype != torch.bfloat16:
+        return False  # (the compiler's shape rule for it takes bf16 only)
     return all(w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0
                for w in weights)
 

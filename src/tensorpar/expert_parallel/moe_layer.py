@@ -29,6 +29,13 @@ from .experts import GroupedExperts
 from .router import TopKRouter
 
 
+@torch.compiler.disable
+def _eager(fn, *args):
+    """``fn(*args)`` outside a compiled graph: the routed rows' counts change every step (a graph
+    would recompile each time) and travel by all-to-alls of data-dependent sizes."""
+    return fn(*args)
+
+
 def _even_sizes(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
 
@@ -73,7 +80,7 @@ class MoELayer(nn.Module):
             first = sum(sizes[:self.tp_rank])
         sequence_of_token = torch.arange(first, first + len(tokens), device=x.device) % b  # [s, b] flattened
         weights, experts = self.router(tokens, sequence_of_token, b)
-        out = self.routed(tokens, weights, experts)
+        out = _eager(self.routed, tokens, weights, experts)
         if self.split_tokens:
             out = gather_from_sequence_parallel_region(out, False, self.tp_group, sizes=sizes)
         out = out.view(s, b, h)
