@@ -34,7 +34,7 @@ def test_source_trees_are_the_halving_tree_of_the_sources_parts_in_order():
 
 def _moe(score_function: str, **groups) -> MoELayer:
     torch.manual_seed(3)
-    moe = MoELayer(16, blocks=BLOCKS, num_experts=4, ffn_hidden_size=8, topk=2, score_function=score_function,
+    moe = MoELayer(16, blocks=BLOCKS, num_experts=8, ffn_hidden_size=8, topk=2, score_function=score_function,
                    aux_loss_coeff=0.1, z_loss_coeff=0.01, enable_expert_bias=True, **groups)
     moe.router.expert_bias[0] = -10.0  # expert 0 receives no token: its rank computes nothing
     return moe
@@ -108,6 +108,14 @@ def test_the_layer_gives_one_ranks_bits_at_every_layout(tp_size, cp_size, ep_siz
     """Output, input grad, the router's weight grad (whole on every rank) and each expert's grad
     of each data rank's micro-batch equal one rank's bit for bit."""
     run_on_ranks(_layout_body, 4, tp_size, cp_size, ep_size, sequence_parallel, score)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep_size", [2, 8])
+def test_the_layer_gives_one_ranks_bits_at_tp2_x_cp2_x_dp2(ep_size):
+    """8 ranks: EP 2 below TP x CP (the TP x CP group splits the computing), EP 8 over two data
+    ranks' TP x CP groups."""
+    run_on_ranks(_layout_body, 8, 2, 2, ep_size, True, "softmax")
 
 
 def _refused_body():

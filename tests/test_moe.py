@@ -299,6 +299,11 @@ def test_gpt_with_experts_trains_as_one_rank(tp_size, cp_size, ep_size, override
     run_on_ranks(_gpt_moe_body, world, tp_size, cp_size, ep_size, overrides)
 
 
+@pytest.mark.slow
+def test_gpt_with_experts_at_tp2_sp_x_cp2_x_dp2_with_ep4_trains_as_one_rank():
+    run_on_ranks(_gpt_moe_body, 8, 2, 2, 4, {"sequence_parallel": True, "moe_router_enable_expert_bias": True})
+
+
 def _parameters_body(tp_size: int, ep_size: int, overrides: dict):
     from tensorpar.models.config import GPTConfig
     from tensorpar.models.gpt import GPT
