@@ -472,3 +472,58 @@ def test_coinciding_groups_share_one_communicator():
     counts = run_on_ranks(_group_count_body, 8)
     assert all(after == 0 for _, after in counts)
     assert all(made <= 5 for made, _ in counts), counts
+
+
+def _process_group_collection_body():
+    import torch.distributed as dist
+
+    from tensorpar import parallel_state as ps
+    from tensorpar.process_groups_config import FIELDS, ProcessGroupCollection
+
+    tp.initialize_model_parallel(2, expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    every = ProcessGroupCollection.use_mpu_process_groups()
+    assert every.tp is ps.get_tensor_model_parallel_group() and every.pp is ps.get_pipeline_model_parallel_group()
+    assert every.dp_cp is ps.get_data_parallel_group(with_context_parallel=True)
+    assert every.ep is ps.get_expert_model_parallel_group() and every.expt_dp is ps.get_expert_data_parallel_group()
+    assert every.dp_cp_ag is None and every.expt_dp_ag is None and every.gtp_remat is None
+    some = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "dp"])
+    assert some.tp.size() == 2 and some.dp.size() == 2 and some.pp is None and some.ep is None
+    assert repr(some) == "ProcessGroupCollection(tp(2), dp(2))"
+    some.dp_cp_ag = every.dp_cp
+    assert some.dp_cp_ag is every.dp_cp and len(FIELDS) == 27
+    with pytest.raises(ValueError, match=r"Invalid process groups requested: \['tensor'\]"):
+        ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tensor"])
+    with pytest.raises(ValueError, match="Unknown attribute: tensor"):
+        ProcessGroupCollection(tensor=every.tp)
+    with pytest.raises(AttributeError):
+        every.tensor  # noqa: B018
+    return dist.get_process_group_ranks(every.tp)
+
+
+def test_process_group_collection_holds_megatrons_fields_from_the_initialized_groups():
+    """megatron-core's ``process_groups_config.ProcessGroupCollection`` (0.19's tests import it)."""
+    assert run_on_ranks(_process_group_collection_body, 4) == [[0, 1], [0, 1], [2, 3], [2, 3]]
+
+
+def _all_gather_groups_body():
+    import torch.distributed as dist
+
+    from tensorpar import parallel_state as ps
+
+    with pytest.raises(RuntimeError, match=r"create_all_gather_groups\(\) needs initialize_model_parallel\(\) first"):
+        ps.create_all_gather_groups()
+    tp.initialize_model_parallel(1, context_parallel_size=2, expert_model_parallel_size=2,
+                                 expert_tensor_parallel_size=1)
+    dense, none = ps.create_all_gather_groups()
+    dense_again, experts = ps.create_all_gather_groups(for_expert_parallelism=True)
+    usual = ps.get_data_parallel_group(with_context_parallel=True)
+    assert none is None and dense is not usual and dense_again is not dense
+    assert dist.get_process_group_ranks(dense) == dist.get_process_group_ranks(usual)
+    assert dist.get_process_group_ranks(experts) == dist.get_process_group_ranks(ps.get_expert_data_parallel_group())
+    dist.all_reduce(torch.ones(1), group=experts)  # a working communicator
+    return dist.get_process_group_ranks(experts)
+
+
+def test_create_all_gather_groups_makes_communicators_of_their_own_over_dp_cp_and_expert_dp():
+    """megatron-core 0.19's ``parallel_state.create_all_gather_groups``."""
+    assert run_in_fresh_world(_all_gather_groups_body, 4) == [[0, 2], [1, 3], [0, 2], [1, 3]]

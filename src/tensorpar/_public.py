@@ -8,7 +8,7 @@ Example::
 
 from .tensor_parallel.buffers import GlobalMemoryBuffer, get_global_memory_buffer
 from .distributed.comm import CommLedger, CommRecord
-from .tensor_parallel.checkpoint_without_output import CheckpointWithoutOutput
+from .tensor_parallel.random import CheckpointWithoutOutput
 from .planning.communication import calibrate_overlap
 from .tensor_parallel.data import broadcast_data
 from .tensor_parallel.cross_entropy import vocab_parallel_cross_entropy

@@ -22,7 +22,8 @@ import warnings
 import torch.distributed as dist
 
 from .distributed.parallel_init import (
-    create_hierarchical_groups, create_hybrid_dp_cp_groups, created_groups, destroy_model_parallel,
+    create_all_gather_groups, create_hierarchical_groups, create_hybrid_dp_cp_groups, created_groups,
+    destroy_model_parallel,
     initialize_model_parallel, is_initialized, is_unitialized, model_parallel_is_initialized, update_pg_timeout)
 from .distributed.parallel_registry import (
     GROUPS, HYBRID_DP_CP_GROUPS, OVERRIDES, RANKS, STATE, VIRTUAL_PP, default_device, distributed, group, ranks,

@@ -164,6 +164,7 @@ def initialize_model_parallel(
         destroy_model_parallel()  # nothing half-made stays behind
         raise
     CREATED.extend(maker.created)
+    STATE.update(rank_generators=(gen, expert_gen), timeout=maker.timeout)
     if virtual_pipeline_model_parallel_size is not None:
         VIRTUAL_PP.update(rank=0, world_size=virtual_pipeline_model_parallel_size)
     STATE["device"] = device
@@ -304,6 +305,32 @@ def model_parallel_is_initialized() -> bool:
     return all(kind in GROUPS for kind in ("tp", "pp", "dp"))
 
 
+def create_all_gather_groups(for_expert_parallelism: bool = False, timeout=None, nccl_comm_cfgs=None):
+    """Megatron's (core 0.19): communicators of their own over this rank's DP x CP ranks and,
+    with ``for_expert_parallelism`` and EP > 1, its expert-DP ranks, for all-gathers that overlap
+    the reduce-scatters on the usual ones: ``(dp_cp_ag, expt_dp_ag)``, None where none is made.
+    Every rank calls it, after :func:`initialize_model_parallel`; :func:`destroy_model_parallel`
+    frees them. ``timeout`` (default the groups' own) and ``nccl_comm_cfgs`` as there."""
+    if STATE.get("rank_generators") is None:
+        raise RuntimeError("create_all_gather_groups() needs initialize_model_parallel() first")
+    gen, expert_gen = STATE["rank_generators"]
+    maker = GroupMaker(timeout=as_timedelta(timeout) or STATE["timeout"], reuse_world=False)
+    nccl = dist.get_backend() == "nccl"
+
+    def communicators(rank_lists, options: str, desc: str):
+        pg_options = get_nccl_options(options, nccl_comm_cfgs or {}) if nccl else None
+        groups = [(ranks, maker.make(ranks, pg_options=pg_options, desc=desc, distinct=True)) for ranks in rank_lists]
+        return next(group for ranks, group in groups if dist.get_rank() in ranks)
+
+    try:
+        dp_cp_ag = communicators(gen.get_ranks("dp-cp"), "dp_cp", "dp_cp_ag")
+        expt_dp_ag = communicators(expert_gen.get_ranks("dp"), "ep_dp", "expt_dp_ag") \
+            if for_expert_parallelism and expert_gen.ep > 1 else None
+    finally:
+        CREATED.extend(maker.created)
+    return dp_cp_ag, expt_dp_ag
+
+
 def destroy_model_parallel() -> None:
     """Forget every group and override; also tears down the default group if tensorpar created it."""
     if dist.is_initialized():
@@ -313,7 +340,7 @@ def destroy_model_parallel() -> None:
         state.clear()
     CREATED.clear()
     VIRTUAL_PP.update(rank=None, world_size=None)
-    STATE.update(hierarchical_cp=None, device=None)
+    STATE.update(hierarchical_cp=None, device=None, rank_generators=None, timeout=None)
     if STATE["owns_default"] and dist.is_initialized():
         dist.destroy_process_group()
     STATE["owns_default"] = False

@@ -25,7 +25,8 @@ OVERRIDES: dict[str, int | None] = {}
 VIRTUAL_PP: dict[str, int | None] = {"rank": None, "world_size": None}
 # owns_default: tensorpar created the default group; device: the backend's device;
 # hierarchical_cp: this rank's group per level of hierarchical context parallelism.
-STATE: dict = {"owns_default": False, "device": None, "hierarchical_cp": None}
+STATE: dict = {"owns_default": False, "device": None, "hierarchical_cp": None, "rank_generators": None,
+               "timeout": None}
 
 NAMES = {"tp": "tensor model parallel", "pp": "pipeline model parallel", "dp": "data parallel",
          "dp_cp": "data parallel (with context parallel)", "cp": "context parallel", "mp": "model parallel",

@@ -416,7 +416,8 @@ class BlockRowsLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         grad = grad.to(w.dtype)
         if x.shape[0] % ctx.blocks:
-            raise ValueError(f"tp_invariant: this rank's {x.shape[0]} tokens are not {ctx.blocks} equal sequence blocks")
+            raise ValueError(f"tp_invariant: this rank's {x.shape[0]} tokens are not {ctx.blocks} equal "
+                             "sequence blocks")
         parts = torch.stack([_wgrad(g, xb) for g, xb in zip(grad.chunk(ctx.blocks), x.chunk(ctx.blocks))])
         grad_weight = sequence_blocks_sum(parts, ctx.group, ctx.cp_group)
         return grad.matmul(w), grad_weight.to(ctx.weight_dtype), None, None, None

@@ -12,7 +12,6 @@ Megatron code ports by changing the import only::
     fc1 = tensor_parallel.ColumnParallelLinear(h, 4 * h, config=config, init_method=init)
 """
 
-from .checkpoint_without_output import CheckpointWithoutOutput
 from .cross_entropy import vocab_parallel_cross_entropy
 from .data import broadcast_data
 from .embedding import VocabParallelEmbedding
@@ -24,8 +23,9 @@ from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequenc
                        gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                        scatter_to_tensor_model_parallel_region)
-from .random import (checkpoint, convert_cuda_rng_state, get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name,
-                     is_graph_safe_cuda_rng_tracker, model_parallel_cuda_manual_seed)
+from .random import (CheckpointWithoutOutput, checkpoint, convert_cuda_rng_state, get_cuda_rng_tracker,
+                     get_expert_parallel_rng_tracker_name, is_graph_safe_cuda_rng_tracker,
+                     model_parallel_cuda_manual_seed)
 from .utils import gather_split_1d_tensor, split_tensor_along_last_dim, split_tensor_into_1d_equal_chunks
 
 # megatron/core/tensor_parallel/__init__.py's __all__ (core 0.16.1 to 0.19).

@@ -23,11 +23,15 @@ import torch
 from torch import nn
 
 from ..distributed import comm
+from .embedding import VocabParallelEmbedding  # (Megatron's layers module holds it; ported imports find it here)
 from .initialization import (
+    copy_tensor_model_parallel_attributes,
     init_method_normal,
     init_weight_shard,
+    param_is_not_tensor_parallel_duplicate,
     partition_layout,
     replica_rows,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
 from .linear_function import (
@@ -57,10 +61,15 @@ __all__ = [
     "LinearWithFrozenWeight",
     "LinearWithGradAccumulationAndAsyncCommunication",
     "RowParallelLinear",
+    "VocabParallelEmbedding",
     "compute_weight_grad",
+    "copy_tensor_model_parallel_attributes",
     "fused_addmm_supported",
     "linear_with_frozen_weight",
     "linear_with_grad_accumulation_and_async_allreduce",
+    "param_is_not_tensor_parallel_duplicate",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "set_tensor_model_parallel_attributes",
 ]
 
 
