@@ -310,6 +310,7 @@ def _listening_body(launcher: int) -> tuple[list[str], list[str]]:
     dist.barrier()
     found = _listening(launcher), _listening(os.getpid())
     dist.barrier()
+    dist.destroy_process_group()
     return found
 
 
@@ -320,11 +321,16 @@ def _loopback(address: str) -> bool:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the sockets from /proc")
-def test_a_local_launch_listens_on_the_loopback_address_only():
-    """The launcher's rendezvous store (which the ranks use) and the ranks' own sockets: torch's
-    TCPStore binds every interface unless handed a bound socket."""
-    results = launch_local(_listening_body, os.getpid(), nproc=2)
-    launcher = results[0][0]
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_local_launch_listens_on_the_loopback_address_only(nproc):
+    """The launcher's rendezvous store (which the ranks use; with one process, the one it runs
+    in) and the ranks' own sockets: torch's TCPStore binds every interface unless handed a
+    bound socket. What this process listened on before the launch is not the launch's."""
+    before = _listening(os.getpid())
+    results = launch_local(_listening_body, os.getpid(), nproc=nproc)
+    launcher = list(results[0][0])
+    for address in before:
+        launcher.remove(address)
     assert launcher, "the launcher's store was not found listening"
-    for rank, (of_launcher, of_rank) in results.items():
-        assert all(_loopback(a) for a in of_launcher + of_rank), (rank, of_launcher, of_rank)
+    for rank, (_, of_rank) in results.items():
+        assert all(_loopback(a) for a in launcher + of_rank), (rank, launcher, of_rank)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import faulthandler
 import gc
 import json
@@ -148,10 +149,14 @@ def launch_local(entry, *args, nproc: int) -> dict[int, object]:
         # hardware queue the async dgrad communication is queued ahead of the wgrad GEMM.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if nproc == 1:
-        with _environment(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())):
+        # The rank joins this store as a client (torch elastic's agent store), not one of its own.
+        store, port = loopback_store(world_size=1)
+        with _environment(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True"):
             set_threads()
-            return {0: entry(*args)}
+            result = {0: entry(*args)}
+        del store
+        return result
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
@@ -179,11 +184,22 @@ def launch_local(entry, *args, nproc: int) -> dict[int, object]:
 LOOPBACK_RENDEZVOUS = "tensorpar-loopback"
 
 
+def loopback_store(*, world_size: int, timeout: datetime.timedelta = datetime.timedelta(minutes=10)):
+    """``(store, port)``: a ``TCPStore`` server listening on 127.0.0.1 only (handed a bound
+    socket: on its own a ``TCPStore`` listens on every interface)."""
+    from torch.distributed import TCPStore
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    return TCPStore("127.0.0.1", port, world_size, True, timeout, multi_tenant=True,
+                    master_listen_fd=listener.detach()), port
+
+
 def _loopback_rendezvous(params):
     """The rendezvous of a local launch: torch elastic's static one of one node, whose store
-    (the ranks' too: ``MASTER_ADDR``/``MASTER_PORT``) listens on the loopback address only. A
-    ``TCPStore`` binds every interface unless handed a listening socket, so it gets one."""
-    from torch.distributed import TCPStore
+    (the ranks' too: ``MASTER_ADDR``/``MASTER_PORT``) is a :func:`loopback_store`."""
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
     class LoopbackRendezvous(StaticTCPRendezvous):
@@ -192,12 +208,7 @@ def _loopback_rendezvous(params):
 
         def next_rendezvous(self):
             if self._store is None:
-                listener = socket.socket()
-                listener.bind(("127.0.0.1", 0))
-                listener.listen(128)
-                self.master_port = listener.getsockname()[1]
-                self._store = TCPStore("127.0.0.1", self.master_port, self.world_size, True, self.timeout,
-                                       multi_tenant=True, master_listen_fd=listener.detach())
+                self._store, self.master_port = loopback_store(world_size=self.world_size, timeout=self.timeout)
             return super().next_rendezvous()
 
     return LoopbackRendezvous("127.0.0.1", 0, 0, 1, params.run_id, 600)

@@ -34,12 +34,15 @@ TENSORBOARD = "tensorboard"
 
 
 def _sized_terminal(stream) -> bool:
-    """Whether ``stream`` is a terminal that reports a width: on one of no width (a serial console,
-    a bare pseudo-terminal) a bar draws nothing, so the log lines are printed instead."""
-    try:
-        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
-    except (OSError, ValueError, AttributeError):
+    """Whether ``stream`` is a terminal of some width: on one that reports none (a serial
+    console, a bare pseudo-terminal) a bar draws nothing, so the log lines are printed instead.
+    A terminal with no file descriptor to ask (a wrapper) is taken at its word."""
+    if not stream.isatty():
         return False
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def _note(message: str) -> None:
