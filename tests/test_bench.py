@@ -137,7 +137,8 @@ def test_bench_gpu_runs_both_gpu_benchmarks_at_tiny_sizes_and_prints_their_table
         assert train["results"][f"ratio {mode}"] == pytest.approx(tensorpar["tokens_per_s"] / plain["tokens_per_s"])
         assert math.isfinite(tensorpar["loss"]) and math.isfinite(plain["loss"])
     assert set(decode["ms_per_token"]) == {"tensorpar eager", "transformers static cache"}  # no CUDA graph on CPU
-    assert decode["floor_ms"] > 0 and all(v > 0 for v in decode["ms_per_token"].values())
+    # A per-token time is a difference of two timings: at 3 tokens on a busy CPU it may be <= 0.
+    assert decode["floor_ms"] > 0 and all(math.isfinite(v) for v in decode["ms_per_token"].values())
     assert decode["tensorpar_tokens_agree"]
     assert "tensorpar / plain, compiled:" in out and "x floor" in out
 
