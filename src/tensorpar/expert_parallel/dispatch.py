@@ -36,7 +36,7 @@ class Routed:
     row_keys: torch.Tensor | None = None  # the rows' tokens' keys (dispatch's keys=), in the rows' order
 
 
-def _inverse(permutation: torch.Tensor) -> torch.Tensor:
+def inverse_permutation(permutation: torch.Tensor) -> torch.Tensor:
     inverse = torch.empty_like(permutation)
     inverse[permutation] = torch.arange(len(permutation), device=permutation.device)
     return inverse
@@ -73,9 +73,9 @@ def dispatch(tokens: torch.Tensor, experts: torch.Tensor, *, num_experts: int, e
 def combine(rows: torch.Tensor, weights: torch.Tensor, routed: Routed, *, ep_group=None) -> torch.Tensor:
     """Each token's output ``[T, h]``: its k experts' rows, weighted by ``weights`` ``[T, k]``."""
     if routed.regroup is not None:
-        rows = all_to_all(ep_group, rows.index_select(0, _inverse(routed.regroup)), routed.sent, routed.received)
+        rows = all_to_all(ep_group, rows.index_select(0, inverse_permutation(routed.regroup)), routed.sent, routed.received)
     num_tokens, k = routed.choices
-    per_choice = rows.index_select(0, _inverse(routed.order)).view(num_tokens, k, rows.shape[-1])
+    per_choice = rows.index_select(0, inverse_permutation(routed.order)).view(num_tokens, k, rows.shape[-1])
     weights = weights.to(per_choice.dtype)
     out = per_choice[:, 0] * weights[:, :1]
     for choice in range(1, k):  # in choice order, one add at a time: a token's sum whatever the rows around it

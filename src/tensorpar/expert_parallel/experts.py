@@ -36,6 +36,12 @@ class _DenseGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def swiglu(hidden: torch.Tensor) -> torch.Tensor:
+    """An expert's activation of its ``gate_up`` output: SiLU of the gate half times the up half."""
+    gate, up = hidden.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _grouped_mm_applies(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
     # (its backward refuses zero rows)
     if not hasattr(torch, "_grouped_mm") or len(rows) == 0:
@@ -86,12 +92,8 @@ class GroupedExperts(nn.Module):
         if _grouped_mm_applies(rows, gate_up, down):
             offsets = rows_per_expert.cumsum(0).to(torch.int32)
             hidden = torch._grouped_mm(rows.contiguous(), gate_up.transpose(-2, -1), offs=offsets)
-            out = torch._grouped_mm(self._activate(hidden), down.transpose(-2, -1), offs=offsets)
+            out = torch._grouped_mm(swiglu(hidden), down.transpose(-2, -1), offs=offsets)
             return _DenseGrad.apply(out)
         chunks = rows.split(rows_per_expert.tolist())
-        return torch.cat([F.linear(self._activate(F.linear(chunk, w1)), w2)
+        return torch.cat([F.linear(swiglu(F.linear(chunk, w1)), w2)
                           for chunk, w1, w2 in zip(chunks, gate_up, down)])
-
-    def _activate(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = hidden.chunk(2, dim=-1)
-        return F.silu(gate) * up

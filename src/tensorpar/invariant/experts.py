@@ -39,6 +39,8 @@ from ..distributed import comm
 from ..distributed.tree_reduce import sequence_sum
 from ..expert_parallel import MoELayer as _MoELayer
 from ..expert_parallel import TopKRouter, combine, dispatch
+from ..expert_parallel.dispatch import inverse_permutation
+from ..expert_parallel.experts import swiglu
 from ..tensor_parallel.linear_function import compute_dtype_of
 from .lanewise import lanewise
 from .layers import BlockRowsLinear
@@ -62,11 +64,6 @@ class Router(TopKRouter):
         return logits.softmax(-1) if self.score_function == "softmax" else lanewise(torch.sigmoid, logits)
 
 
-def _activate(hidden: torch.Tensor) -> torch.Tensor:
-    gate, up = hidden.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 class _LeafExperts(torch.autograd.Function):
     """The experts ``first ..`` of ``gate_up``/``down`` on ``rows`` sorted by (expert, source,
     block, token), one GEMM pair per leaf (``leaf_rows``: each leaf's rows, experts x sources x
@@ -86,7 +83,7 @@ class _LeafExperts(torch.autograd.Function):
             for leaf, x in enumerate(rows.split(leaf_rows)):
                 h1 = F.linear(x, w1[leaf // leaves])
                 hidden.append(h1)
-                outs.append(F.linear(_activate(h1), w2[leaf // leaves]))
+                outs.append(F.linear(swiglu(h1), w2[leaf // leaves]))
         ctx.save_for_backward(rows, torch.cat(hidden), w1, w2)
         ctx.params, ctx.leaf_rows = (gate_up, down), leaf_rows
         ctx.first, ctx.sources, ctx.blocks = first, sources, blocks
@@ -103,7 +100,7 @@ class _LeafExperts(torch.autograd.Function):
             expert = leaf // (sources * blocks)
             gate, up = h1.chunk(2, dim=-1)
             d_act = dy.matmul(w2[expert])
-            leaf_grads2.append(dy.t().matmul(F.silu(gate) * up))
+            leaf_grads2.append(dy.t().matmul(swiglu(h1)))
             d_hidden = torch.cat([torch.ops.aten.silu_backward(d_act * up, gate), d_act * F.silu(gate)], dim=-1)
             leaf_grads1.append(d_hidden.t().matmul(x))
             grad_rows.append(d_hidden.matmul(w1[expert]))
@@ -116,12 +113,6 @@ class _LeafExperts(torch.autograd.Function):
             param.other_source_grads = per_source[1:] if sources > 1 else None
             weight_grads.append(per_source[0])
         return torch.cat(grad_rows), *weight_grads, None, None, None, None
-
-
-def _inverse(permutation: torch.Tensor) -> torch.Tensor:
-    inverse = torch.empty_like(permutation)
-    inverse[permutation] = torch.arange(len(permutation), device=permutation.device)
-    return inverse
 
 
 class MoELayer(_MoELayer):
@@ -143,7 +134,6 @@ class MoELayer(_MoELayer):
                          context_group=cp_group if cp > 1 else None, **kwargs)
         self.router.weight.sequence_parallel = False  # summed over the TP ranks' tokens in backward
         self.blocks = blocks
-        self.my_blocks = _blocks_of(blocks, tp=tp, tp_rank=tp_rank, cp=cp, cp_rank=cp_rank)
         position = tp_rank + tp * cp_rank
         ep, ep_rank = (1, 0) if ep_group is None else (comm.group_size(ep_group), comm.group_rank(ep_group))
         label = torch.arange(num_experts)
@@ -168,6 +158,9 @@ class MoELayer(_MoELayer):
             holder, within = label // held, label % held
             label = (within // self.computed * ep + holder) * self.computed + within % self.computed
         self.register_buffer("label", label.to(self.router.weight.device), persistent=False)
+        self.register_buffer("my_blocks", torch.tensor(_blocks_of(blocks, tp=tp, tp_rank=tp_rank, cp=cp,
+                                                                  cp_rank=cp_rank), device=self.label.device),
+                             persistent=False)
         for param in self.experts.parameters():
             param.expert_sources = self.sources
 
@@ -176,8 +169,7 @@ class MoELayer(_MoELayer):
             return super().routed(tokens, weights, experts)
         per_block = len(tokens) // len(self.my_blocks)
         local = torch.arange(len(tokens), device=tokens.device)
-        my_blocks = torch.tensor(self.my_blocks, device=tokens.device)
-        keys = (self.slot * self.blocks + my_blocks[local // per_block]) * per_block + local % per_block
+        keys = (self.slot * self.blocks + self.my_blocks[local // per_block]) * per_block + local % per_block
         rows, rows_per_expert, routed = dispatch(tokens, self.label[experts], num_experts=self.router.num_experts,
                                                  ep_group=self.exchange_group, keys=keys)
         expert_of_row = torch.repeat_interleave(torch.arange(len(rows_per_expert), device=rows.device),
@@ -187,7 +179,7 @@ class MoELayer(_MoELayer):
         leaf_rows = torch.bincount(leaf_of_row, minlength=self.computed * self.sources * self.blocks).tolist()
         out = _LeafExperts.apply(rows.index_select(0, order), self.experts.gate_up, self.experts.down, leaf_rows,
                                  self.first, self.sources, self.blocks)
-        return combine(out.index_select(0, _inverse(order)), weights, routed, ep_group=self.exchange_group)
+        return combine(out.index_select(0, inverse_permutation(order)), weights, routed, ep_group=self.exchange_group)
 
 
 def _blocks_of(blocks: int, *, tp: int, tp_rank: int, cp: int, cp_rank: int) -> list[int]:
