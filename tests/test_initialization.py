@@ -93,6 +93,30 @@ def test_parameter_attributes_and_duplicates():
     assert tp.param_is_not_tensor_parallel_duplicate(p)
 
 
+def test_copy_keeps_the_optimizer_tags():
+    source, destination = torch.empty(4, 4), torch.empty(4, 4)
+    source.is_qkv, source.qkv_split_shapes, source.expert_tp = True, [256, 64, 64], True
+    tp.copy_tensor_model_parallel_attributes(destination, source)
+    assert (destination.is_qkv, destination.qkv_split_shapes, destination.expert_tp) == (True, [256, 64, 64], True)
+
+
+class _RankOnly:
+    def __init__(self, rank):
+        self._rank = rank
+
+    def rank(self):
+        return self._rank
+
+
+def test_an_expert_parameter_is_a_duplicate_by_its_expert_tp_rank():
+    dense, expert = torch.empty(1), torch.empty(1)
+    expert.allreduce = False
+    tp_rank_1, expert_tp_rank_0 = _RankOnly(1), _RankOnly(0)
+    assert not tp.param_is_not_tensor_parallel_duplicate(dense, tp_rank_1, expert_tp_group=expert_tp_rank_0)
+    assert tp.param_is_not_tensor_parallel_duplicate(expert, tp_rank_1, expert_tp_group=expert_tp_rank_0)
+    assert not tp.param_is_not_tensor_parallel_duplicate(expert, tp_rank_1)
+
+
 def _deferred_init_body():
     tp.initialize_model_parallel(torch.distributed.get_world_size())
     torch.manual_seed(3)

@@ -33,6 +33,9 @@ InitMethod = Callable[[torch.Tensor], object]
 SLAB_ELEMENTS = 1 << 22
 _SEED_MIX = 0x9E3779B97F4A7C15
 _TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+# Megatron's optimizers tag parameters with these too (expert-TP, fused QKV split for Muon); a
+# copy of a parameter keeps them, as a copy in megatron-core 0.19 does.
+_OPTIMIZER_TAGS = ("expert_tp", "is_qkv", "qkv_split_shapes")
 
 
 def init_method_normal(std: float) -> InitMethod:
@@ -61,21 +64,25 @@ def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tenso
 
 
 def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, source_tensor: torch.Tensor) -> None:
-    """Give ``destination_tensor`` the TP attributes ``source_tensor`` has."""
-    for name in _TP_ATTRIBUTE_DEFAULTS:
+    """Give ``destination_tensor`` the TP attributes and optimizer tags ``source_tensor`` has."""
+    for name in (*_TP_ATTRIBUTE_DEFAULTS, *_OPTIMIZER_TAGS):
         if hasattr(source_tensor, name):
             setattr(destination_tensor, name, getattr(source_tensor, name))
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_group=None) -> bool:
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_group=None, expert_tp_group=None) -> bool:
     """True for a TP shard, and for a replicated parameter on TP rank 0 only.
 
-    Use it to count each parameter once, e.g. in a gradient norm summed over TP.
+    Use it to count each parameter once, e.g. in a gradient norm summed over TP. A parameter
+    marked ``allreduce = False`` (an expert's, reduced over expert-DP) is replicated over
+    ``expert_tp_group`` when one is given, so its rank there decides.
     """
     if getattr(param, "tensor_model_parallel", False):
         return True
+    if not getattr(param, "allreduce", True) and expert_tp_group is not None:
+        tp_group = expert_tp_group
     if tp_group is not None:
-        return comm.group_rank(tp_group) == 0
+        return tp_group.rank() == 0
     return not model_parallel_is_initialized() or get_tensor_model_parallel_rank() == 0
 
 
