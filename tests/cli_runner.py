@@ -87,9 +87,10 @@ def _forked(name: list[str], run, *, cwd, env: dict | None, timeout: float,
             process.kill()
             process.join()
             raise subprocess.TimeoutExpired(name, timeout)
-        with open(err_path) as err:
+        # As Python reads a path that is not UTF-8: its bytes kept as surrogate escapes.
+        with open(err_path, errors="surrogateescape") as err:
             stderr = err.read()
-        stdout = "" if stdout_to is not None else open(out_path).read()
+        stdout = "" if stdout_to is not None else open(out_path, errors="surrogateescape").read()
         return subprocess.CompletedProcess(name, process.exitcode, stdout, stderr)
 
 

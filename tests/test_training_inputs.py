@@ -13,6 +13,7 @@ import pty
 import re
 import shutil
 import time
+import tomllib
 
 import pytest
 import torch
@@ -443,3 +444,41 @@ def test_a_config_claiming_more_layers_than_the_checkpoint_holds_is_refused_befo
     assert done.returncode == 2 and done.stderr == (
         f"tensorpar {command}: error: checkpoint {step}: config.json says 100,000 layers, but the checkpoint's "
         "tensors hold 2\n"), done.stderr
+
+
+# --- 11: paths that are not UTF-8 ---------------------------------------------------------------
+
+def test_paths_that_are_not_utf8_work_end_to_end(tmp_path):
+    """--data $'caf\\xe9.txt' --out $'o_caf\\xe9' failed after launch with a raw UnicodeEncodeError
+    (exit 1), after rank 0 claimed the directory; --print-config wrote TOML --config could not read."""
+    data, out, tokens = (os.fsdecode(name) for name in (b"caf\xe9.txt", b"o_caf\xe9", b"t\xe9.bin"))
+    (tmp_path / data).write_text("def add(a, b):\n    return a + b\n" * 400)
+    trained = run_tensorpar(["train", *TINY, "--nproc", "1", "--tp", "1", "--steps", "1", "--data", data,
+                             "--out", out], cwd=tmp_path)
+    assert trained.returncode == 0 and "Error" not in trained.stderr, trained.stderr
+    assert f"checkpoint {out}/step_1" in trained.stdout                            # the bytes as the OS gave them
+    missing = run_tensorpar(["train", "--data", "x" + data], cwd=tmp_path)
+    assert missing.stderr == f"tensorpar train: error: --data x{data}: no such file or directory\n", missing.stderr
+    rate = re.search(r"trained 1 steps in \d+s: loss \S+ -> \S+, ([\d,]+) tokens/s", trained.stdout)
+    assert rate and int(rate[1].replace(",", "")) > 0, trained.stdout             # one step has a rate too
+    kept = (tmp_path / out / "config.toml").read_text()
+    assert "# data is not UTF-8, so it is written as its bytes: " in kept and "caf\\xe9.txt" in kept
+    assert bytes(tomllib.loads(kept)["data"]) == os.fsencode(data)
+    # The run's config.toml is a --config that gives the same settings; --print-config writes it so.
+    printed = run_tensorpar(["train", "--config", str(tmp_path / out / "config.toml"), "--print-config"], cwd=tmp_path)
+    assert printed.returncode == 0 and tomllib.loads(printed.stdout)["data"] == tomllib.loads(kept)["data"], \
+        printed.stderr
+    resumed = run_tensorpar(["train", "--resume", out, "--steps", "2", "--nproc", "1"], cwd=tmp_path)
+    assert resumed.returncode == 0 and (tmp_path / out / "step_2").is_dir(), resumed.stderr
+    # A token file and its BPE tokenizer under such names, a run on them and its export.
+    for argv in (["prepare", data, "--out", tokens, "--bpe-vocab", "300"],
+                 ["train", *TINY, "--nproc", "1", "--tp", "1", "--steps", "1", "--data", tokens, "--out", out + "2"],
+                 ["export", "--checkpoint", out + "2", "--to-hf", out + "_hf"]):
+        done = run_tensorpar(argv, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+    assert {"tokenizer.json", "model.safetensors"} <= set(os.listdir(tmp_path / (out + "_hf")))
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line_exit_2(capsys, runs):
+    assert _fails(capsys, ["generate", "--checkpoint", str(runs / "run"), "--prompt", os.fsdecode(b"\xff\xfe")]) == \
+        "argument --prompt: is not UTF-8 text (byte 0 is 0xff); give the text in UTF-8"

@@ -5,7 +5,8 @@ The file is one flat table whose keys are the command's flags without the leadin
 keys are read off the command's own parser, so a flag added to the command is settable in the
 file with nothing else to change. Each value goes through its flag's own check (``steps = 0``
 fails as ``--steps 0`` does); a switch takes ``true`` or ``false``, a number is written without
-quotes, text in quotes. An unknown key, or a value of the wrong type, is refused in one line
+quotes, text in quotes (text that is not UTF-8, such as a path in another encoding, as the
+array of its bytes). An unknown key, or a value of the wrong type, is refused in one line
 naming the key (and, for an unknown one, the nearest valid key). Nothing in the file is executed.
 
 Example::
@@ -28,7 +29,7 @@ import stat
 import sys
 
 from ..errors import UsageError
-from ..training.toml_text import toml_value
+from ..training.toml_text import toml_setting, toml_value
 
 # Flags that say how the command runs, not what it runs: never read from or written to a file.
 _NOT_SETTINGS = frozenset({"help", "config", "print_config", "debug"})
@@ -96,6 +97,9 @@ def _load(path: str, tomllib) -> dict:
 def _value(key: str, value, action: argparse.Action):
     """The flag's value for ``key = value``, checked as the flag checks it; UsageError says what is wrong."""
     given = f"{key} = {_shown(value)}"
+    if action.type in (None, str) and isinstance(value, list) and value \
+            and all(type(b) is int and 0 <= b < 256 for b in value):
+        value = bytes(value).decode("utf-8", "surrogateescape")  # text that is not UTF-8, as dumps writes it
     if _is_switch(action):
         if not isinstance(value, bool):
             raise UsageError(f"{given}: {key} is a switch, write {key} = true or {key} = false")
@@ -162,5 +166,5 @@ def dumps(args: argparse.Namespace, *, parser: argparse.ArgumentParser) -> str:
     for key, action in settable(parser).items():
         value = getattr(args, action.dest, None)
         if value is not None and action.dest not in _NOT_WRITTEN:
-            lines.append(f"{key} = {toml_value(value)}")
+            lines.append(toml_setting(key, value))
     return "\n".join(lines) + "\n"

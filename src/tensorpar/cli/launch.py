@@ -37,6 +37,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from ..errors import UsageError, debug_enabled
 from .errors import exit_code, one_line
+from .terminal import keep_os_bytes
 
 
 PEER_FAILURE_GRACE_S = 2.0
@@ -361,6 +362,7 @@ def _run_rank(entry, *args):
     The stopped peer is then continued, so that it meets the failure and exits: the launcher
     could not end it (a stopped process ignores SIGTERM until continued).
     """
+    keep_os_bytes(sys.stdout, sys.stderr)
     try:
         return entry(*args)
     except Exception as exc:

@@ -18,6 +18,7 @@ from .. import __version__
 from ..errors import DEBUG_ENV, UsageError
 from . import config_file
 from .errors import report, report_signal
+from .terminal import keep_os_bytes
 
 # Each module defines ``register(subparsers)``, which adds its subcommands and sets ``func``;
 # training_cli imports no torch at module level, so its commands' --help and flag errors are quick.
@@ -148,6 +149,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``tensorpar`` with ``argv``; returns the exit status."""
+    keep_os_bytes(sys.stdout, sys.stderr)
     try:
         args = _parse(argv)
     except SystemExit as exc:  # --help, --version, or a flag argparse rejected (already printed)

@@ -7,6 +7,9 @@ terminal they are printed escaped as ``repr`` shows them; a pipe or a file gets 
 Example::
 
     print(for_terminal(text, stream=sys.stdout))     # "\\x1b[2J" on a terminal
+
+A path that is not UTF-8 reaches Python as text holding surrogate escapes of its bytes;
+:func:`keep_os_bytes` lets the standard streams print it as those bytes, as ``ls`` does.
 """
 
 from __future__ import annotations
@@ -23,3 +26,15 @@ def for_terminal(text: str, *, stream) -> str:
     if isatty is None or not isatty():
         return text
     return "".join(map(_escape, text))
+
+
+def keep_os_bytes(*streams) -> None:
+    """Let UTF-8 ``streams`` write the surrogate escapes of bytes that are not UTF-8 (a path the OS
+    gave) as those bytes, where stdout would raise ``UnicodeEncodeError`` and stderr write ``\\udcNN``."""
+    for stream in streams:
+        if (getattr(stream, "encoding", "") or "").lower().replace("-", "") != "utf8":
+            continue
+        try:
+            stream.reconfigure(errors="surrogateescape")
+        except (AttributeError, OSError, ValueError):  # not a text file, or one that cannot change now
+            continue

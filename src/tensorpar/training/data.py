@@ -28,6 +28,7 @@ import codecs
 import dataclasses
 import hashlib
 import json
+import mmap
 import os
 import re
 import sysconfig
@@ -161,10 +162,20 @@ def _read_sidecar(path: Path) -> dict:
     return meta
 
 
+def _mapped(path: Path, *, count: int, dtype: torch.dtype, writable: bool) -> torch.Tensor:
+    """``count`` values of ``dtype`` mapped from ``path``: pages load lazily; writes reach the file only
+    when ``writable`` (else they stay copy-on-write). Unlike ``torch.from_file``, whatever bytes name
+    the file (it takes UTF-8 names only)."""
+    if count == 0:  # mmap refuses an empty mapping
+        return torch.empty(0, dtype=dtype)
+    with open(path, "r+b" if writable else "rb") as f:
+        mapping = mmap.mmap(f.fileno(), count * dtype.itemsize,
+                            access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY)
+    return torch.frombuffer(mapping, dtype=dtype, count=count)
+
+
 def _load_token_file(path: Path, meta: dict) -> Corpus:
-    dtype = _TOKEN_DTYPES[meta["dtype"]]
-    # shared=False maps the file copy-on-write: pages load lazily and the file is never modified.
-    tokens = torch.from_file(str(path), shared=False, size=meta["count"], dtype=dtype)
+    tokens = _mapped(path, count=meta["count"], dtype=_TOKEN_DTYPES[meta["dtype"]], writable=False)
     return Corpus(tokens, meta["vocab_size"], meta.get("tokenizer"), str(path))
 
 
@@ -318,9 +329,7 @@ def write_token_file(path: str | os.PathLike, tokens: torch.Tensor, *, vocab_siz
     data = tokens.reshape(-1)
     with open(path, "wb") as f:
         f.truncate(data.numel() * _TOKEN_DTYPES[dtype_name].itemsize)
-    if data.numel():
-        # A shared mapping writes through to the file, with no numpy needed.
-        torch.from_file(str(path), shared=True, size=data.numel(), dtype=_TOKEN_DTYPES[dtype_name]).copy_(data)
+    _mapped(path, count=data.numel(), dtype=_TOKEN_DTYPES[dtype_name], writable=True).copy_(data)
     meta = {"format": TOKEN_FILE_FORMAT, "dtype": dtype_name, "count": data.numel(),
             "sha256": _scan(path, _TOKEN_DTYPES[dtype_name])[0], "vocab_size": vocab_size}
     if tokenizer is not None:

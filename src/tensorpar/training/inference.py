@@ -125,7 +125,7 @@ def export_hf(args) -> tuple[str, int, int]:
     """Write ``args.checkpoint`` as a ``transformers`` directory (GPT-2, Llama or Qwen2) at ``args.to_hf``;
     returns the directory, the checkpoint's step and the context length written (``max_length``)."""
     from ..models.hf import save_pretrained, to_hf
-    from .tokenizer import byte_tokenizer
+    from .tokenizer import byte_tokenizer, save_tokenizer
 
     ps.initialize_model_parallel(1, timeout=args.timeout)
     try:
@@ -142,7 +142,7 @@ def export_hf(args) -> tuple[str, int, int]:
             config.bos_token_id, config.eos_token_id = bos, eos
         save_pretrained(hf_model, out)
         if hf_tokenizer is not None:  # pipeline("text-generation", model=out) finds it there
-            hf_tokenizer.save_pretrained(out)
+            save_tokenizer(hf_tokenizer, out)
         return str(out), meta["step"], model.config.max_seq_len
     finally:
         ps.destroy_model_parallel()

@@ -48,7 +48,7 @@ from .progress import Progress
 from .resume import RUN_SETTINGS, check_resumed_data, continue_settings, data_path, resume_header
 from .schedule import lr_at, schedule_note, settle_run
 from .signals import Signals, control_group, stop_requested
-from .tokenizer import has_tokenizer, load_tokenizer, resolve_tokenizer
+from .tokenizer import has_tokenizer, load_tokenizer, resolve_tokenizer, save_tokenizer
 
 class TrainingDiverged(FloatingPointError):
     """The loss stopped being a finite number."""
@@ -129,7 +129,7 @@ def _save(out: Path, step: int, *, model, optimizer, config, args, tokens_seen: 
     path = checkpoint.save(out, step, model=model, optimizer=optimizer, config=config_to_json(config),
                            meta=meta, tp_group=ps.get_tensor_model_parallel_group(), ep_group=ep_group,
                            write_extra=None if hf_tokenizer is None
-                           else lambda d: hf_tokenizer.save_pretrained(str(d / TOKENIZER)))
+                           else lambda d: save_tokenizer(hf_tokenizer, d / TOKENIZER))
     return str(path)
 
 
@@ -402,7 +402,7 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
                         bar=not args.no_progress, tensorboard=args.tensorboard, rates=rates, device=device,
                         wandb_config=run_config if args.wandb else None, compiling=compiling)
     result = RunResult({}, {}, None, 0.0, config_to_json(config))
-    measured_tokens, measured_time = 0, 0.0
+    measured_tokens, measured_time, first_step_rate = 0, 0.0, 0.0
     # Steps whose loss and grad norm stay on the device until the next log line: reading them
     # back every step would make the CPU wait for each step before queueing the next.
     pending: list[tuple[int, float, torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -466,7 +466,9 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
             if read_back:
                 elapsed = time.perf_counter() - interval_began
                 _read_back(pending, result, progress, tokens_per_s=tokens_per_step * len(pending) / elapsed, log=log)
-                if done > start + 1:
+                if done == start + 1:
+                    first_step_rate = tokens_per_step / elapsed
+                else:
                     measured_tokens, measured_time = measured_tokens + tokens_per_step * len(pending), \
                         measured_time + elapsed
                 pending.clear()
@@ -507,5 +509,6 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
     finally:
         progress.close()
         reducer.remove_hooks()
-    result.tokens_per_s = measured_tokens / measured_time if measured_time else 0.0
+    # A run of one step has only the first step's rate, warm-up costs and all.
+    result.tokens_per_s = measured_tokens / measured_time if measured_time else first_step_rate
     return result

@@ -16,7 +16,7 @@ import dataclasses
 import datetime
 import sys
 
-from .toml_text import toml_value
+from .toml_text import toml_setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +90,6 @@ def config_block(sections: dict[str, dict]) -> str:
     lines = []
     for table, settings in sections.items():
         lines.append(f"[{table}]")
-        lines.extend(f"# {name}: not set" if value is None else f"{name} = {toml_value(value)}"
+        lines.extend(f"# {name}: not set" if value is None else toml_setting(name, value)
                      for name, value in settings.items())
     return "\n".join(lines)

@@ -14,11 +14,13 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
 
 from ..errors import UsageError
+from .os_text import utf8_named
 
 END_OF_TEXT = "<|endoftext|>"
 
@@ -37,7 +39,8 @@ def load_tokenizer(directory, *, flag: str = "--tokenizer"):
     if not has_tokenizer(directory):
         raise UsageError(f"{flag} {directory}: no tokenizer.json or tokenizer_config.json there")
     try:
-        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+        with utf8_named(directory) as named:
+            return AutoTokenizer.from_pretrained(str(named), trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise UsageError(f"{flag} {directory}: cannot load the tokenizer ({exc})") from None
     except RecursionError:
@@ -85,11 +88,19 @@ def train_byte_level_bpe(files: list[Path], vocab_size: int, directory: Path):
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train([str(f) for f in files], trainer)
+    with contextlib.ExitStack() as named:
+        bpe.train([str(named.enter_context(utf8_named(f))) for f in files], trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT,
                                         unk_token=END_OF_TEXT)
-    tokenizer.save_pretrained(str(directory))
+    save_tokenizer(tokenizer, directory)
     return tokenizer
+
+
+def save_tokenizer(tokenizer, directory) -> None:
+    """``tokenizer.save_pretrained(directory)``, whatever bytes name ``directory``."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with utf8_named(directory) as named:
+        tokenizer.save_pretrained(str(named))
 
 
 def _byte_chars() -> dict[int, str]:
