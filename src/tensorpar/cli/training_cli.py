@@ -20,9 +20,9 @@ from .errors import noted_on_signal
 from .flag_types import MOST_SEQUENCES, MOST_STEPS, SEED as _SEED, TIMEOUT as _TIMEOUT
 from .flag_types import non_negative as _non_negative
 from .flag_types import number as _number
-from .flag_types import unicode_text
 from .flag_types import overlap as _overlap
 from .flag_types import positive as _positive
+from .flag_types import unicode_text
 from .terminal import for_terminal
 
 DEFAULT_OUT = "tensorpar-run"
