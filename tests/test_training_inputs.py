@@ -478,7 +478,3 @@ def test_paths_that_are_not_utf8_work_end_to_end(tmp_path):
         assert done.returncode == 0, done.stderr
     assert {"tokenizer.json", "model.safetensors"} <= set(os.listdir(tmp_path / (out + "_hf")))
 
-
-def test_a_prompt_that_is_not_utf8_is_one_line_exit_2(capsys, runs):
-    assert _fails(capsys, ["generate", "--checkpoint", str(runs / "run"), "--prompt", os.fsdecode(b"\xff\xfe")]) == \
-        "argument --prompt: is not UTF-8 text (byte 0 is 0xff); give the text in UTF-8"

@@ -1,4 +1,4 @@
-"""argparse types of the commands' flags: a number's bound, or text's encoding, is checked and named in the error.
+"""argparse types of the commands' numeric flags: the bound is checked and named in the error.
 
 Example::
 
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import math
-
-from ..training.os_text import os_bytes
 
 
 def number(kind, *, low: float, low_inclusive: bool = True, high: float | None = None, high_inclusive: bool = False):
@@ -63,13 +61,3 @@ TIMEOUT = number(float, low=1, high=7 * 24 * 3600)
 # torch seeds are 64-bit; the streams add small offsets (TP rank, resumed step) to the seed.
 SEED = number(int, low=0, high=2**32)
 
-
-def unicode_text(text: str) -> str:
-    """An argparse type: text that is UTF-8 (a path may be other bytes; text a model reads may not)."""
-    raw = os_bytes(text)
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"is not UTF-8 text (byte {exc.start} is 0x{raw[exc.start]:02x}); "
-                                         "give the text in UTF-8") from None
-    return text

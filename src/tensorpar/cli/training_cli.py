@@ -22,7 +22,6 @@ from .flag_types import non_negative as _non_negative
 from .flag_types import number as _number
 from .flag_types import overlap as _overlap
 from .flag_types import positive as _positive
-from .flag_types import unicode_text
 from .terminal import for_terminal
 
 DEFAULT_OUT = "tensorpar-run"
@@ -486,7 +485,7 @@ def register(subparsers) -> None:
     gen = subparsers.add_parser("generate", help="sample text from a checkpoint, at any TP size",
                                 description="Continue a prompt with a trained checkpoint, at any TP size.")
     gen.add_argument("--checkpoint", required=True, help="a step_N directory or an output directory (its latest)")
-    gen.add_argument("--prompt", default="def ", type=unicode_text,
+    gen.add_argument("--prompt", default="def ",
                      help="what to continue: text, for runs whose tokenizer is known (byte tokens, or a Hugging "
                           "Face tokenizer saved with the run); for runs on a token file without one, token ids "
                           "separated by spaces, e.g. \"464 2068 7586\" (default: 'def ')")
