@@ -60,4 +60,3 @@ def overlap(text: str):
 TIMEOUT = number(float, low=1, high=7 * 24 * 3600)
 # torch seeds are 64-bit; the streams add small offsets (TP rank, resumed step) to the seed.
 SEED = number(int, low=0, high=2**32)
-
