@@ -27,6 +27,28 @@ def test_tp_groups_are_consecutive_ranks_and_dp_is_the_rest():
                                              (0, 2, 1, 2, 2, 2), (1, 2, 1, 2, 2, 3)]
 
 
+def _megatron_globals_body():
+    from tensorpar import parallel_state as ps
+
+    before = (ps._TENSOR_MODEL_PARALLEL_GROUP, ps._DATA_PARALLEL_GROUP_WITH_CP_AG, ps._PIPELINE_GLOBAL_RANKS)
+    tp.initialize_model_parallel(2)
+    held = (ps._TENSOR_MODEL_PARALLEL_GROUP is tp.get_tensor_model_parallel_group(),
+            ps._DATA_PARALLEL_GROUP is tp.get_data_parallel_group(),
+            ps._EXPERT_MODEL_PARALLEL_GROUP is ps.get_expert_model_parallel_group(),
+            ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS, ps._DATA_PARALLEL_GLOBAL_RANKS, ps._DATA_PARALLEL_GROUP_WITH_CP_AG)
+    tp.destroy_model_parallel()
+    return before, held, ps._MODEL_PARALLEL_GROUP
+
+
+def test_megatrons_module_globals_read_this_ranks_groups_and_none_outside_them():
+    results = run_on_ranks(_megatron_globals_body, 4)
+    none = (None, None, None)
+    assert results == [(none, (True, True, True, [0, 1], [0, 2], None), None),
+                       (none, (True, True, True, [0, 1], [1, 3], None), None),
+                       (none, (True, True, True, [2, 3], [0, 2], None), None),
+                       (none, (True, True, True, [2, 3], [1, 3], None), None)]
+
+
 def _world_not_divisible_body():
     with pytest.raises(ValueError, match=r"world size 2 is not divisible by tensor_model_parallel_size 4"):
         tp.initialize_model_parallel(4)

@@ -431,3 +431,40 @@ def get_tensor_model_parallel_group_if_none(tp_group, is_expert=False, check_ini
     if is_expert:
         return get_expert_tensor_parallel_group(check_initialized)
     return get_tensor_model_parallel_group(check_initialized)
+
+
+# Megatron's module globals, which some Megatron code reads directly: this rank's group (None
+# before initialisation) or its global ranks, read-only, from the groups the getters above read.
+_MEGATRON_GROUP_GLOBALS = {
+    "_TENSOR_MODEL_PARALLEL_GROUP": "tp", "_PIPELINE_MODEL_PARALLEL_GROUP": "pp", "_MODEL_PARALLEL_GROUP": "mp",
+    "_EMBEDDING_GROUP": "embd", "_POSITION_EMBEDDING_GROUP": "pos_embd", "_CONTEXT_PARALLEL_GROUP": "cp",
+    "_DATA_PARALLEL_GROUP": "dp", "_DATA_PARALLEL_GROUP_GLOO": "dp_gloo",
+    "_DATA_PARALLEL_GROUP_WITH_CP": "dp_cp", "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "dp_cp_gloo",
+    "_DATA_PARALLEL_GROUP_WITH_CP_AG": "dp_cp_ag",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": "intra_dp_cp",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": "intra_dp_cp_gloo",
+    "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP": "intra_dist_opt",
+    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": "tp_cp", "_TENSOR_AND_DATA_PARALLEL_GROUP": "tp_dp",
+    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": "tp_dp_cp",
+    "_EXPERT_MODEL_PARALLEL_GROUP": "ep", "_EXPERT_TENSOR_PARALLEL_GROUP": "etp",
+    "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": "tp_ep", "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": "tp_ep_pp",
+    "_EXPERT_DATA_PARALLEL_GROUP": "edp", "_EXPERT_DATA_PARALLEL_GROUP_GLOO": "edp_gloo",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "intra_edp",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": "intra_edp_gloo",
+    "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "inter_edp",
+}
+_MEGATRON_RANKS_GLOBALS = {
+    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tp", "_PIPELINE_GLOBAL_RANKS": "pp", "_MODEL_PARALLEL_GLOBAL_RANKS": "mp",
+    "_EMBEDDING_GLOBAL_RANKS": "embd", "_POSITION_EMBEDDING_GLOBAL_RANKS": "pos_embd",
+    "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp", "_DATA_PARALLEL_GLOBAL_RANKS": "dp",
+    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": "dp_cp", "_EXPERT_MODEL_PARALLEL_RANKS": "ep",
+}
+
+
+def __getattr__(name: str):
+    if name in _MEGATRON_GROUP_GLOBALS:
+        return GROUPS.get(_MEGATRON_GROUP_GLOBALS[name])
+    if name in _MEGATRON_RANKS_GLOBALS:
+        held = RANKS.get(_MEGATRON_RANKS_GLOBALS[name])
+        return None if held is None else list(held)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
