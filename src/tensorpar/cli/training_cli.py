@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UsageError
+from ..training.run_config import RunConfig
 from . import config_file, context_flags, expert_flags, fsdp_flags, pipeline_flags
 from .errors import noted_on_signal
 from .flag_types import MOST_SEQUENCES, MOST_STEPS, SEED as _SEED, TIMEOUT as _TIMEOUT
@@ -177,9 +178,9 @@ def train_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_train_args(argv: list[str]) -> argparse.Namespace:
-    """``tensorpar train`` flags as a namespace (what tests and scripts pass to the loop)."""
-    return train_parser().parse_args(argv)
+def parse_train_args(argv: list[str]) -> RunConfig:
+    """The run ``tensorpar train`` flags describe (what tests and scripts pass to the loop)."""
+    return RunConfig.from_flags(train_parser().parse_args(argv))
 
 
 # --- the world of processes ---------------------------------------------------------------
@@ -223,7 +224,8 @@ def _run_in_world(entry, args, nproc: int) -> dict:
     # The subcommand's handler is a closure: keep it out of what the workers unpickle.
     from .launch import launch_local, set_threads
 
-    args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
+    if isinstance(args, argparse.Namespace):
+        args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
     if _under_torchrun():
         set_threads()
         return {int(os.environ["RANK"]): entry(args)}
@@ -263,7 +265,7 @@ def _open_checkpoint(flag: str, path: str) -> tuple[Path, dict, dict]:
         raise UsageError(f"{flag}: {exc}") from None
 
 
-def _check_train_args(args, world: int) -> None:
+def _check_train_args(args: RunConfig, world: int, *, print_config: bool) -> None:
     from ..models.config import GPTConfig
     from ..training.data import VAL_FRACTION, inspect_data, train_token_count
     from ..training.memory import check_run_memory
@@ -312,7 +314,7 @@ def _check_train_args(args, world: int) -> None:
     # Per PP rank under --pp; CP divides the activations, FSDP shards over DP x CP.
     check_run_memory(args, config, dp=dp, seq_len=seq_len, local_ranks=local_ranks)
     args.out = args.out or DEFAULT_OUT
-    if getattr(args, "print_config", False):
+    if print_config:
         return  # nothing is written
     _check_writable_dir(Path(args.out), "--out")
     if not _under_torchrun():
@@ -328,24 +330,24 @@ def train_entry(args):
     return train(args)
 
 
-def _given_settings(args) -> list[str]:
+def _given_settings(flags: argparse.Namespace) -> list[str]:
     """The settings the command line or ``--config`` set to other than their defaults, before the
     run resolves the rest: what the log's header shows."""
-    defaults = vars(parse_train_args([]))
-    return sorted(name for name, value in vars(args).items() if name in defaults and value != defaults[name]
-                  and name not in ("config", "print_config"))
+    defaults = vars(train_parser().parse_args([]))
+    return sorted(name for name, value in vars(flags).items() if name in defaults and value != defaults[name])
 
 
-def _cmd_train(args) -> int:
-    _check_paths(args)
-    args.given_settings = _given_settings(args)
+def _cmd_train(flags: argparse.Namespace) -> int:
+    _check_paths(flags)
+    args = RunConfig.from_flags(flags)
+    args.given_settings = _given_settings(flags)
     world = _resolve_world(args)
-    _check_train_args(args, world)
+    _check_train_args(args, world, print_config=flags.print_config)
     from ..training.checkpoint_files import resume_hint
 
     # What the run directory's config.toml records (rank 0 writes it once it holds the directory).
     args.run_config = config_file.dumps(args, parser=train_parser())
-    if args.print_config:
+    if flags.print_config:
         print(args.run_config, end="", flush=True)
         return 0
     started = datetime.datetime.now()

@@ -46,6 +46,7 @@ from .model_config import (build_config, check_fits, config_to_json, count_param
                            positions_note)
 from .progress import Progress
 from .resume import RUN_SETTINGS, check_resumed_data, continue_settings, data_path, resume_header
+from .run_config import RunConfig
 from .schedule import lr_at, schedule_note, settle_run
 from .signals import Signals, control_group, stop_requested
 from .tokenizer import has_tokenizer, load_tokenizer, resolve_tokenizer, save_tokenizer
@@ -162,11 +163,6 @@ def _init_header(args, init, config) -> str:
             "a fresh optimizer and schedule from step 0")
 
 
-# The CLI's subcommand, the config-file flags, the traceback switch, and the config file's text.
-_NOT_RUN_SETTINGS = frozenset({"command", "config", "print_config", "debug", "run_config", "micro_batch_chosen",
-                               "data_from_checkpoint", "given_settings"})
-
-
 def _run_config(args, config, *, sizes, device, device_name, tokens_per_step, rates, peak_source) -> dict:
     """Every effective setting of the run, as the config block at the top of the log shows it."""
     tp_size, dp_size = sizes
@@ -174,8 +170,7 @@ def _run_config(args, config, *, sizes, device, device_name, tokens_per_step, ra
                "device_name": device_name, "tokens_per_step": tokens_per_step,
                "flops_per_token": rates.flops_per_token, "peak_flops_per_s": rates.peak_flops_per_s,
                "peak_flops_source": peak_source}
-    # Named as the flags and a --config file name them; what says how the command ran is left out.
-    settings = {name.replace("_", "-"): value for name, value in vars(args).items() if name not in _NOT_RUN_SETTINGS}
+    settings = args.settings()  # named as the flags and a --config file name them
     if settings.get("save-every") is None:  # at every evaluation: the interval that applies
         settings["save-every"] = args.eval_every
     return {"run": settings, "model": config_to_json(config), "derived": derived}
@@ -184,7 +179,7 @@ def _run_config(args, config, *, sizes, device, device_name, tokens_per_step, ra
 def _settings_header(args, run_config: dict) -> str:
     """The log's first lines: the settings the command gave (``args.given_settings``, as the run
     resolved them) as TOML, or, where the command did not say (a library call), every one."""
-    given = getattr(args, "given_settings", None)
+    given = args.given_settings
     every = f"{args.out}/config.toml" if args.out else "--print-config"
     if given is None:
         return "tensorpar train: run config (every effective setting, as TOML)\n" + config_block(run_config)
@@ -195,8 +190,9 @@ def _settings_header(args, run_config: dict) -> str:
             + config_block({"run": shown}))
 
 
-def train(args) -> RunResult:
-    """Train on every rank of the current world (initializing tensorpar's groups), per ``args``.
+def train(args: RunConfig) -> RunResult:
+    """Train on every rank of the current world (initializing tensorpar's groups), per ``args``
+    (``tensorpar.cli.training_cli.parse_train_args`` makes one from ``train`` flags).
 
     Rank 0 holds the output directory's lock for the whole run. An error on any rank propagates
     at once, nothing on that path waits for a peer; the peers fail fast once this process exits.
@@ -204,14 +200,14 @@ def train(args) -> RunResult:
     ``KeyboardInterrupt`` at once, printing nothing (the command reports it in one line).
     """
     # Experts are whole on each rank (expert-tensor-parallel size 1), sharded over EP.
-    ps.initialize_model_parallel(args.tp, getattr(args, "pp", 1), context_parallel_size=getattr(args, "cp", 1),
-                                 expert_model_parallel_size=getattr(args, "ep", 1), expert_tensor_parallel_size=1,
+    ps.initialize_model_parallel(args.tp, args.pp, context_parallel_size=args.cp,
+                                 expert_model_parallel_size=args.ep, expert_tensor_parallel_size=1,
                                  timeout=args.timeout)
     lock, signals = None, Signals()
     try:
         with signals:
             lock = _claim_out(args)
-            if lock is not None and getattr(args, "run_config", None):  # the settings the command resolved
+            if lock is not None and args.run_config:  # the settings the command resolved
                 rundir.write_atomic(Path(args.out) / "config.toml", args.run_config.encode())
             result = _train(args, signals, set_aside=lock is not None and lock.set_aside is not None)
     except BaseException:
@@ -237,7 +233,7 @@ def _claim_out(args) -> rundir.RunLock | None:
     outcome = [None, None]
     if dist.get_rank() == 0:
         try:
-            outcome[0] = rundir.claim(args.out, resume=bool(args.resume), overwrite=getattr(args, "overwrite", False),
+            outcome[0] = rundir.claim(args.out, resume=bool(args.resume), overwrite=args.overwrite,
                                       resume_from=resolve(args.resume) if args.resume else None)
         except (rundir.RunDirError, CheckpointError, OSError) as exc:
             outcome[1] = str(exc)
@@ -249,7 +245,7 @@ def _claim_out(args) -> rundir.RunLock | None:
         raise rundir.RunDirError(outcome[1])
     if outcome[0] is not None and outcome[0].set_aside is not None:
         what = "the newer checkpoints are" if args.resume else "the previous run is"
-        why = "--overwrite" if getattr(args, "overwrite", False) else \
+        why = "--overwrite" if args.overwrite else \
             f"--out {args.out} held a run stopped before its first checkpoint, started over"
         _say(f"{why}: {what} kept in {outcome[0].set_aside} until this run's first checkpoint is written")
     return outcome[0]
@@ -261,14 +257,14 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
     pp_size = comm.group_size(pp_group)
     tp_size, dp_size, dp_rank = (comm.group_size(tp_group), comm.group_size(dp_group),
                                  comm.group_rank(dp_group))
-    cp = ContextLayout.current(cp_comm=getattr(args, "cp_comm", "p2p"))
+    cp = ContextLayout.current(cp_comm=args.cp_comm)
     device = ps.default_device()
     is_rank0 = dist.get_rank() == 0
     resumed = open_checkpoint(args.resume) if args.resume else None
     init = open_checkpoint(args.init_from) if args.init_from else None
     started_from = resumed or init
     continue_settings(args, resumed[2] if resumed else None)
-    ep_size = getattr(args, "ep", 1)
+    ep_size = args.ep
     world = _world(tp=tp_size, dp=dp_size, pp=pp_size, cp=cp.size, dp_replicate=args.dp_replicate if args.fsdp else 1,
                    ep=ep_size)
     resolve_tokenizer(args, started_from[2] if started_from else None)
@@ -290,7 +286,7 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
     settle_run(args, meta=resumed[2] if resumed else None, dp_size=dp_size)
     train_tokens, val_tokens = corpus.split(val_fraction=VAL_FRACTION, seq_len=seq_len)
 
-    fsdp = getattr(args, "fsdp", False)
+    fsdp = args.fsdp
     ep_group = ps.get_expert_model_parallel_group() if config.num_moe_experts else None
     threads = _invariant_threads() if config.tp_invariant and device.type == "cpu" else None
     model_parallel_manual_seed(args.seed)
@@ -326,7 +322,7 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
         if config.num_moe_experts else None
     loss_scale = 1 if config.tp_invariant else cp.loss_scale
     # Training steps run the compiled model; evaluation and checkpoints use the module itself.
-    step_model = torch.compile(model) if getattr(args, "compile", False) else model
+    step_model = torch.compile(model) if args.compile else model
     params = list(model.parameters())
     # The group whose shards the grad norm sums: DP (x CP), under HSDP one replica's shards.
     norm_group = shard_group(next(p for p in params if isinstance(p, DTensor))) if fsdp else cp.grad_group
@@ -370,7 +366,7 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
               f"x {args.grad_accum} accumulation) = {tokens_per_step:,} tokens/step, data: {corpus.source}"
               + (f" (micro-batch {args.micro_batch}: the {args.pp_schedule} schedule's {args.grad_accum} micro-batches; "
                  "--micro-batch sets it, as runs meant to match across layouts do)"
-                 if getattr(args, "micro_batch_chosen", False) else ""),
+                 if args.micro_batch_chosen else ""),
               flush=True)
         if pp_size > 1:
             print(f"tensorpar train: {model.header}", flush=True)
@@ -397,7 +393,7 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
             _say(note)
         if note := positions_note(args, config):
             _say(note)
-    compiling = getattr(args, "compile", False)
+    compiling = args.compile
     progress = Progress(out=out, total_steps=args.steps, first_step=start, enabled=is_rank0,
                         bar=not args.no_progress, tensorboard=args.tensorboard, rates=rates, device=device,
                         wandb_config=run_config if args.wandb else None, compiling=compiling)
@@ -487,7 +483,7 @@ def _train(args, signals: Signals, *, set_aside: bool = False) -> RunResult:
                                           world=world, hf_tokenizer=hf_tokenizer, data_record=data_record,
                                           ep_group=ep_group)
                 if is_rank0:
-                    if set_aside or getattr(args, "overwrite", False):
+                    if set_aside or args.overwrite:
                         rundir.remove_set_aside(out)  # the new run's first checkpoint is safely written
                     name = Path(result.checkpoint).name
                     written = [n for n in written if n != name] + [name]
