@@ -3,6 +3,7 @@ the file, the command line over it, bad keys and values refused in one line, the
 ``config.toml``."""
 
 import argparse
+import dataclasses
 import os
 import sys
 import tomllib
@@ -204,3 +205,18 @@ def test_a_file_naming_a_run_directory_starts_nothing_there_without_a_command_li
     assert main(["train", "--config", str(tmp_path / "reused.toml"), "--lr", "1e-3", "--nproc", "1"]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert sorted(os.listdir(out)) == before
+
+
+def test_the_run_config_has_a_typed_field_for_every_train_flag_and_refuses_others():
+    from tensorpar.training.run_config import RunConfig
+
+    flags = {action.dest for action in config_file.settable(train_parser()).values()}
+    resolved = {"given_settings", "run_config", "micro_batch_chosen", "data_from_checkpoint"}
+    assert {field.name for field in dataclasses.fields(RunConfig)} == flags | resolved
+    run = RunConfig.from_flags(argparse.Namespace(**vars(train_parser().parse_args(["--steps", "3"])),
+                                                  command="train", config=None, print_config=False, debug=False))
+    assert run.steps == 3 and run.given_settings is None and "steps" in run.settings()
+    with pytest.raises(AttributeError):
+        run.stepz = 4                                        # a misspelt setting is caught
+    with pytest.raises(TypeError):
+        RunConfig.from_flags(argparse.Namespace(**vars(train_parser().parse_args([])), new_flag=1))

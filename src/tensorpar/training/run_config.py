@@ -105,10 +105,9 @@ class RunConfig:
 
     @classmethod
     def from_flags(cls, flags) -> RunConfig:
-        """The run's settings from a parsed ``train`` command line (``argparse.Namespace``); its
-        other entries (the subcommand, ``--config``, ``--debug``) are the command's, not the run's."""
-        return cls(**{field.name: getattr(flags, field.name) for field in dataclasses.fields(cls)
-                      if hasattr(flags, field.name)})
+        """The run's settings from a parsed ``train`` command line (``argparse.Namespace``). A flag
+        with no field here is a ``TypeError``: a flag added to the parser needs its field."""
+        return cls(**{name: value for name, value in vars(flags).items() if name not in _THE_COMMANDS})
 
     def settings(self) -> dict[str, object]:
         """{flag name with dashes: value} of the run's settings, what resolving added left out."""
@@ -117,3 +116,5 @@ class RunConfig:
 
 
 _RESOLVED = frozenset({"given_settings", "run_config", "micro_batch_chosen", "data_from_checkpoint"})
+# The command's own entries of a parsed command line: how it runs, not what.
+_THE_COMMANDS = frozenset({"command", "func", "config", "print_config", "debug"})
