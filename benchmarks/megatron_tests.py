@@ -168,7 +168,7 @@ def worker(args) -> None:
 def _defines(checkout: Path, test: str) -> bool:
     """Whether ``checkout`` holds the test ``path::name`` (a release may not have it yet)."""
     path, name = test.split("::")
-    return (checkout / path).exists() and re.search(rf"^def {name}\(", (checkout / path).read_text(), re.MULTILINE)
+    return (checkout / path).exists() and bool(re.search(rf"^def {name}\(", (checkout / path).read_text(), re.MULTILINE))
 
 
 def main(argv=None) -> None:

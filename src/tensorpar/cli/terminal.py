@@ -14,6 +14,8 @@ A path that is not UTF-8 reaches Python as text holding surrogate escapes of its
 
 from __future__ import annotations
 
+import contextlib
+
 
 def _escape(char: str) -> str:
     return char if char.isprintable() or char in "\n\t" else repr(char)[1:-1]
@@ -32,9 +34,7 @@ def keep_os_bytes(*streams) -> None:
     """Let UTF-8 ``streams`` write the surrogate escapes of bytes that are not UTF-8 (a path the OS
     gave) as those bytes, where stdout would raise ``UnicodeEncodeError`` and stderr write ``\\udcNN``."""
     for stream in streams:
-        if (getattr(stream, "encoding", "") or "").lower().replace("-", "") != "utf8":
-            continue
-        try:
-            stream.reconfigure(errors="surrogateescape")
-        except (AttributeError, OSError, ValueError):  # not a text file, or one that cannot change now
-            continue
+        if (getattr(stream, "encoding", "") or "").lower().replace("-", "") == "utf8":
+            # (not a text file, or one that cannot change now: it stays as it is)
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                stream.reconfigure(errors="surrogateescape")

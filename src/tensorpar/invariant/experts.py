@@ -73,11 +73,11 @@ class _LeafExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, gate_up, down, leaf_rows, first, sources, blocks):
         dtype = compute_dtype_of(rows)
-        experts = len(leaf_rows) // (sources * blocks)
+        leaves = sources * blocks  # an expert's
+        experts = len(leaf_rows) // leaves
         rows = rows.to(dtype)
         w1 = gate_up[first:first + experts].to(dtype)
         w2 = down[first:first + experts].to(dtype)
-        leaves = sources * blocks
         hidden, outs = [], []
         with torch.autocast(rows.device.type, enabled=False):
             for leaf, x in enumerate(rows.split(leaf_rows)):
